@@ -1,0 +1,1 @@
+"""Kernels for hpc-cli: each Triton kernel sits beside its torch reference twin."""

@@ -1,0 +1,1 @@
+"""Built-in hpc-cli plugins, registered exactly as third-party plugins are."""
