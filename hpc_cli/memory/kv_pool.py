@@ -1,0 +1,89 @@
+"""Device KV page storage in a KV profile's planes (spec §5.4, ARCHITECTURE.md §5).
+
+Per attention layer and per plane, one ``uint8`` tensor ``[num_pages, 64, kv_heads, plane_bytes]``:
+page ``p`` of a plane is contiguous, so a run of consecutive pages is one strided copy, and a
+page's bytes are exactly what a host slab holds. ``write`` quantises new K/V through the profile
+and scatters it by slot (``page * 64 + offset``); ``gather`` reads pages back dequantised.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from hpc_cli.kv_profile import PAGE_TOKENS, KVProfile, RecordLayout
+
+
+class PagedKVStorage:
+    """The planes of every attention layer of one pool (main, or a backend's own pool)."""
+
+    def __init__(self, profile: KVProfile, num_layers: int, kv_heads: int, head_dim: int,
+                 num_pages: int, device: torch.device | str = "cpu", name: str = "main",
+                 page_tokens: int = PAGE_TOKENS) -> None:
+        assert num_pages >= 1, f"pool {name} needs at least one page, got {num_pages}"
+        self.profile = profile
+        self.layout: RecordLayout = profile.layout(head_dim)
+        self.name = name
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.num_pages = num_pages
+        self.page_tokens = page_tokens
+        self.device = torch.device(device)
+        self.planes: list[list[torch.Tensor]] = [
+            [torch.zeros(num_pages, page_tokens, kv_heads, p.bytes_per_token_head,
+                         dtype=torch.uint8, device=self.device) for p in self.layout.planes]
+            for _ in range(num_layers)
+        ]
+        # Per-layer fp32 global scales for K and V (only used by profiles with uses_global_scale).
+        self.global_scales = torch.tensor(
+            [[profile.default_global_scale("k"), profile.default_global_scale("v")]] * num_layers,
+            dtype=torch.float32)
+        self._side_idx = {s: [i for i, p in enumerate(self.layout.planes) if p.side == s] for s in ("k", "v")}
+
+    # -- geometry ---------------------------------------------------------------------------
+    @property
+    def plane_page_bytes(self) -> list[int]:
+        """Bytes of one page in each plane (the same for every layer)."""
+        return [self.page_tokens * self.kv_heads * p.bytes_per_token_head for p in self.layout.planes]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every layer and plane: what a host slab record holds."""
+        return sum(self.plane_page_bytes) * self.num_layers
+
+    def _gs(self, layer: int, side: str) -> torch.Tensor | None:
+        if not self.profile.uses_global_scale:
+            return None
+        return self.global_scales[layer, 0 if side == "k" else 1]
+
+    # -- data -------------------------------------------------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantise ``k``/``v`` ``[N, kv_heads, head_dim]`` and store token i at ``slots[i]``."""
+        planes = self.planes[layer]
+        for side, x in (("k", k), ("v", v)):
+            coded = self.profile.quantize(x, side, self._gs(layer, side))
+            for idx, data in zip(self._side_idx[side], coded):
+                flat = planes[idx].view(-1, self.kv_heads, planes[idx].shape[-1])
+                flat[slots] = data
+
+    def gather(self, layer: int, page_ids: Sequence[int] | torch.Tensor, n_tokens: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n_tokens`` of the pages ``page_ids`` (in order), dequantised: K, V."""
+        if not torch.is_tensor(page_ids):
+            page_ids = torch.tensor(list(page_ids), dtype=torch.long, device=self.device)
+        planes = self.planes[layer]
+        out = []
+        for side in ("k", "v"):
+            parts = [planes[i][page_ids].view(-1, self.kv_heads, planes[i].shape[-1])[:n_tokens]
+                     for i in self._side_idx[side]]
+            out.append(self.profile.dequantize(parts, side, dtype, self._gs(layer, side)))
+        return out[0], out[1]
+
+    def copy_page(self, src: int, dst: int, n_tokens: int | None = None) -> None:
+        """Copy page ``src`` to ``dst`` in every layer and plane (the first ``n_tokens`` only)."""
+        n = self.page_tokens if n_tokens is None else n_tokens
+        for layer in self.planes:
+            for plane in layer:
+                plane[dst, :n].copy_(plane[src, :n])

@@ -1,0 +1,60 @@
+"""The speculative backend contract (spec §3.1-3.2, §7.3 items 4-5, §7.4, §7.6-7.7).
+
+A backend names itself and declares what it adds to the cache: more layers of pages in the
+main block bundle (MTP), a pool of its own (DFlash's BF16 KV), parts of the state image
+(DFlash2's local rings), and how far its committed frontier lags the text frontier.
+Drafting and verification are added by the engine's speculative support.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpc_cli.shapes import HybridShape
+
+
+@dataclass(frozen=True, slots=True)
+class BackendPoolSpec:
+    """A backend's own paged KV pool (always BF16): its layers, KV heads and head dim."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self) -> int:
+        return self.layers * self.kv_heads * self.head_dim * 2 * 2  # K and V, bf16
+
+
+class SpecBackend:
+    name: str = ""
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+    #: tokens by which the backend's committed frontier trails the text frontier (MTP: 1)
+    frontier_lag: int = 0
+    #: attention layers of pages the backend adds to the main pool's bundle (MTP: 1)
+    extra_main_kv_layers: int = 0
+
+    def backend_pool(self, shape: HybridShape) -> BackendPoolSpec | None:
+        """The backend's own pool, or None."""
+        return None
+
+    def state_image_extra_bytes(self, shape: HybridShape) -> int:
+        """Bytes the backend adds to every state image (snapshots carry them)."""
+        return 0
+
+    def cache_summary(self, shape: HybridShape) -> str:
+        parts = []
+        if self.extra_main_kv_layers:
+            parts.append(f"+{self.extra_main_kv_layers} layer(s) of pages in the main bundle")
+        if self.frontier_lag:
+            parts.append(f"committed frontier {self.frontier_lag} token(s) behind")
+        pool = self.backend_pool(shape)
+        if pool:
+            parts.append(f"own BF16 pool ({pool.layers} layers x {pool.kv_heads} KV heads x {pool.head_dim})")
+        extra = self.state_image_extra_bytes(shape)
+        if extra:
+            parts.append(f"+{extra / (1 << 20):.1f} MiB in the state image")
+        return "; ".join(parts) or "adds nothing to the cache"
+
+    def __repr__(self) -> str:
+        return f"<SpecBackend {self.name}>"
