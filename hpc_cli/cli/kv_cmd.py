@@ -1,0 +1,90 @@
+"""`hpc-cli kv`: KV profiles and their bytes (spec §3.1)."""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from hpc_cli import plugins
+from hpc_cli.cli.output import console, echo_json, round_half_up
+from hpc_cli.shapes import PRESETS, HybridShape, preset
+
+KiB = 1024
+MiB = 1024 * 1024
+
+
+@click.group("kv")
+def kv_group() -> None:
+    """KV storage profiles."""
+
+
+@kv_group.command("profiles")
+@click.option("--head-dim", default=256, show_default=True, help="head dimension for the byte counts")
+@click.option("--json", "as_json", is_flag=True)
+def profiles_command(head_dim: int, as_json: bool) -> None:
+    """List registered KV profiles with their record layout."""
+    rows = []
+    for entry in plugins.registries().kv_profiles:
+        layout = entry.obj.layout(head_dim)
+        rows.append({"name": entry.name, "aliases": list(entry.aliases), "plugin": entry.plugin,
+                     "bytes_per_token_head": layout.bytes_per_token_head, "k_bytes": layout.k_bytes,
+                     "v_bytes": layout.v_bytes,
+                     "planes": [{"name": p.name, "bytes": p.bytes_per_token_head} for p in layout.planes],
+                     "description": entry.obj.description})
+    if as_json:
+        echo_json(rows)
+        return
+    table = Table(title=f"KV profiles (head_dim {head_dim}, per token per KV head)")
+    for col in ("profile", "aliases", "K B", "V B", "total B", "planes", "plugin"):
+        table.add_column(col, justify="right" if col.endswith("B") else "left")
+    for r in rows:
+        table.add_row(r["name"], ", ".join(r["aliases"]), str(r["k_bytes"]), str(r["v_bytes"]),
+                      str(r["bytes_per_token_head"]),
+                      " ".join(f"{p['name']}:{p['bytes']}" for p in r["planes"]), r["plugin"])
+    console().print(table)
+
+
+def kv_table_rows(shape: HybridShape) -> list[dict]:
+    """Spec §3.1's table for one model: bytes per token per head, per token, per 64-token page."""
+    mtp = plugins.spec_backend("mtp")
+    heads = shape.num_kv_heads * shape.num_attention_layers
+    mtp_heads = shape.num_kv_heads * (shape.num_attention_layers + mtp.extra_main_kv_layers)
+    rows = []
+    for entry in plugins.registries().kv_profiles:
+        b = entry.obj.layout(shape.head_dim).bytes_per_token_head
+        rows.append({
+            "profile": entry.name,
+            "bytes_per_token_head": b,
+            "bytes_per_token": b * heads,
+            "kib_per_token": round_half_up(b * heads / KiB, 1),
+            "bytes_per_page": b * heads * 64,
+            "mib_per_page": round_half_up(b * heads * 64 / MiB, 2),
+            "mib_per_page_with_mtp": round_half_up(b * mtp_heads * 64 / MiB, 2),
+        })
+    return rows
+
+
+@kv_group.command("table")
+@click.option("--model", "model", type=click.Choice(sorted(PRESETS)), default="qwen3.5-27b",
+              show_default=True, help="model shape")
+@click.option("--json", "as_json", is_flag=True)
+def table_command(model: str, as_json: bool) -> None:
+    """Bytes per token and per 64-token page for a model shape (spec §3.1)."""
+    shape = preset(model)
+    rows = kv_table_rows(shape)
+    if as_json:
+        echo_json({"model": model, "attention_layers": shape.num_attention_layers,
+                   "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "rows": rows})
+        return
+    table = Table(title=f"{model}: {shape.num_attention_layers} full-attention layers x "
+                        f"{shape.num_kv_heads} KV heads, head_dim {shape.head_dim}")
+    for col in ("profile", "per token/head", "per token", "page (64 tok)", "page + MTP"):
+        table.add_column(col, justify="left" if col == "profile" else "right")
+    for r in rows:
+        table.add_row(r["profile"], f"{r['bytes_per_token_head']} B", f"{r['kib_per_token']} KiB",
+                      f"{r['mib_per_page']} MiB", f"{r['mib_per_page_with_mtp']} MiB")
+    console().print(table)
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(kv_group)
