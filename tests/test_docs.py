@@ -1,0 +1,23 @@
+"""docs/plugins.md documents every hook with its exact signature and docstring."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+from hpc_cli import hookspecs
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
+
+
+def test_every_hook_is_documented_with_its_signature():
+    text = DOC.read_text()
+    documented = dict(re.findall(r"^### `(hpc_\w+)(\(.*\))`$", text, flags=re.M))
+    hooks = {name: fn for name, fn in vars(hookspecs).items() if name.startswith("hpc_") and callable(fn)}
+    assert set(documented) == set(hooks), "docs/plugins.md and hookspecs.py list different hooks"
+    for name, fn in hooks.items():
+        assert documented[name] == str(inspect.signature(fn)), name
+        # the hook's one-line docstring is the first paragraph of its section
+        section = text.split(f"### `{name}")[1]
+        assert inspect.getdoc(fn).splitlines()[0].replace("``", "`") in section, name
