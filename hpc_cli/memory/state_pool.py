@@ -2,10 +2,22 @@
 
 One slot-indexed layout per GDN layer: a conv window ``[slots, conv_dim, kernel-1]`` in the
 model dtype and a recurrent state ``[slots, H_v, d_k, d_v]`` in fp32; plus the continuation
-hidden ``[slots, hidden]``. Slots ``0..C-1`` serve active lanes, the rest hold snapshots.
+hidden ``[slots, hidden]`` and the speculative backend's parts (DFlash2's local rings), each
+``[slots, ...]``. Slots ``0..C-1`` serve active lanes, the rest hold snapshots
+(:class:`hpc_cli.memory.pools.StatePool` accounts them).
+
+The per-layer tensors are views of two stacked tensors (``conv_all [L, slots, ...]``,
+``recurrent_all [L, slots, ...]``), so copying one whole image between slots (a tap) is one
+strided copy per stacked tensor plus the hidden and backend parts: a handful of device copies
+instead of one per layer. Each per-layer view is contiguous, as before.
+
+A state image's *packed* form (what host slabs hold) is :meth:`image_parts` back to back: per
+GDN layer conv then recurrent, then the hidden, then the backend parts.
 """
 
 from __future__ import annotations
+
+from typing import Mapping, Sequence
 
 import torch
 
@@ -13,34 +25,66 @@ import torch
 class StateSlots:
     def __init__(self, num_gdn_layers: int, conv_dim: int, conv_width: int, num_v_heads: int,
                  key_head_dim: int, value_head_dim: int, hidden_size: int, num_slots: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 extra_parts: Mapping[str, tuple[Sequence[int], torch.dtype]] | None = None) -> None:
         self.num_slots = num_slots
+        self.num_gdn_layers = num_gdn_layers
         self.device = torch.device(device)
         self.dtype = dtype
-        self.conv = [torch.zeros(num_slots, conv_dim, conv_width, dtype=dtype, device=self.device)
-                     for _ in range(num_gdn_layers)]
-        self.recurrent = [torch.zeros(num_slots, num_v_heads, key_head_dim, value_head_dim,
-                                      dtype=torch.float32, device=self.device)
-                          for _ in range(num_gdn_layers)]
+        self.conv_all = torch.zeros(num_gdn_layers, num_slots, conv_dim, conv_width, dtype=dtype,
+                                    device=self.device)
+        self.recurrent_all = torch.zeros(num_gdn_layers, num_slots, num_v_heads, key_head_dim,
+                                         value_head_dim, dtype=torch.float32, device=self.device)
+        self.conv: list[torch.Tensor] = list(self.conv_all.unbind(0))
+        self.recurrent: list[torch.Tensor] = list(self.recurrent_all.unbind(0))
         self.hidden = torch.zeros(num_slots, hidden_size, dtype=dtype, device=self.device)
+        #: backend parts (e.g. DFlash2 rings), name -> [slots, *shape]
+        self.extra: dict[str, torch.Tensor] = {
+            name: torch.zeros(num_slots, *shape, dtype=dt, device=self.device)
+            for name, (shape, dt) in (extra_parts or {}).items()}
 
     def parts(self) -> list[torch.Tensor]:
-        """Every slot-indexed tensor, in forward order (conv, recurrent per layer), hidden last."""
+        """Every slot-indexed tensor in image order: conv, recurrent per layer, hidden, backend parts."""
         out: list[torch.Tensor] = []
         for conv, rec in zip(self.conv, self.recurrent):
             out += [conv, rec]
         out.append(self.hidden)
+        out += list(self.extra.values())
+        return out
+
+    def image_parts(self) -> list[tuple[str, int | None, torch.Tensor]]:
+        """``(name, gdn_layer or None, tensor)`` in packed image order; ``None`` marks the parts
+        a restore copies in its prelude (hidden and backend parts)."""
+        out: list[tuple[str, int | None, torch.Tensor]] = []
+        for g, (conv, rec) in enumerate(zip(self.conv, self.recurrent)):
+            out += [(f"conv{g}", g, conv), (f"recurrent{g}", g, rec)]
+        out.append(("hidden", None, self.hidden))
+        out += [(name, None, t) for name, t in self.extra.items()]
         return out
 
     @property
     def image_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.parts())
 
+    def slot_bytes(self, part: torch.Tensor, slot: int) -> torch.Tensor:
+        """One slot of a part as flat bytes (a view)."""
+        return part[slot].reshape(-1).view(torch.uint8)
+
     def reset(self, slot: int) -> None:
-        for t in self.parts():
+        self.conv_all[:, slot].zero_()
+        self.recurrent_all[:, slot].zero_()
+        self.hidden[slot].zero_()
+        for t in self.extra.values():
             t[slot].zero_()
 
     def copy_slot(self, src: int, dst: int) -> None:
-        """Copy one whole image (a tap, or a resume from a snapshot slot)."""
-        for t in self.parts():
+        """Copy one whole image (a tap, or a resume from a snapshot slot): one strided copy per
+        stacked tensor, on the current stream."""
+        if src == dst:
+            return
+        for t in (self.conv_all, self.recurrent_all):
+            if t.numel():
+                t[:, dst].copy_(t[:, src])
+        self.hidden[dst].copy_(self.hidden[src])
+        for t in self.extra.values():
             t[dst].copy_(t[src])

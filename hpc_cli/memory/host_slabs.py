@@ -1,0 +1,293 @@
+"""Host slab storage: the bytes of the host tier (spec §5.4, §11.2, ARCHITECTURE.md §5).
+
+One host allocation of ``num_slabs * slab_bytes`` bytes, made as chunks of at most
+``chunk_bytes`` (4 GiB) of *whole* slabs, so a slab never crosses a chunk. On CUDA each chunk is
+pinned (page-locked with ``cudaHostRegister``, exact size, no power-of-two rounding); on CPU it
+is ordinary memory. A failed allocation is a :class:`~hpc_cli.errors.CapacityError` naming the
+size.
+
+A slab holds one *block bundle* (:class:`BundleLayout`): the main pool's page, every layer's
+planes back to back (layer-major, planes in profile order), then the backend pool's page at the
+next 4 KiB boundary; ``slab_bytes`` is that record rounded up to 4 KiB. A state image takes
+``ceil(image_bytes / slab_bytes)`` slabs wherever they are free; the image's packed byte ``o``
+lives in its ``o // slab_bytes``-th slab at offset ``o % slab_bytes``.
+
+Which slab ids are free or owned is accounted by ``hpc_cli.cache.host.HostSlabPool``; this module
+holds the bytes and plans copies given ids. Its chunk geometry (``slabs_per_chunk =
+chunk_bytes // slab_bytes``) is the same as the index's.
+
+:func:`plan_runs` groups ``(page, slab)`` pairs into runs that one ``cudaMemcpy2DAsync`` per
+plane can move: consecutive entries whose pages and slabs each advance by one constant positive
+stride, inside one chunk, with both pitches within the device's maximum copy pitch. Any two
+records form a candidate run, so records in different chunks, or gigabytes apart in one, are
+split explicitly (a 52 GB host tier otherwise produced an invalid 2-D copy: spec §5.4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+import torch
+
+from hpc_cli.errors import CapacityError
+
+if TYPE_CHECKING:
+    from hpc_cli.memory.kv_pool import PagedKVStorage
+
+MiB = 1 << 20
+GiB = 1 << 30
+CHUNK_BYTES = 4 * GiB
+SLAB_ALIGN = 4096
+#: cudaDevAttrMaxPitch of current NVIDIA GPUs (2^31 - 1); the CUDA engine reads the real value.
+DEFAULT_MAX_PITCH = (1 << 31) - 1
+
+
+def round_up(n: int, align: int = SLAB_ALIGN) -> int:
+    return -(-n // align) * align
+
+
+def image_slab_count(image_bytes: int, slab_bytes: int) -> int:
+    """Slabs one state image occupies: ``ceil(image_bytes / slab_bytes)``."""
+    return -(-image_bytes // slab_bytes)
+
+
+# -- bundle layout ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class BundleLayout:
+    """Where each (pool, layer, plane) page of one block lives inside its slab.
+
+    ``main_plane_bytes[j]`` is the bytes of one page of plane ``j`` (the same in every layer);
+    the main page is ``main_layers`` layers of those planes back to back, layer-major. The
+    backend page (its own pool, ``backend_*``) starts at the next 4 KiB boundary.
+    """
+
+    main_plane_bytes: tuple[int, ...]
+    main_layers: int
+    backend_plane_bytes: tuple[int, ...] = ()
+    backend_layers: int = 0
+
+    @classmethod
+    def for_storage(cls, main: "PagedKVStorage", backend: "PagedKVStorage | None" = None) -> "BundleLayout":
+        return cls(tuple(main.plane_page_bytes), main.num_layers,
+                   tuple(backend.plane_page_bytes) if backend is not None else (),
+                   backend.num_layers if backend is not None else 0)
+
+    @property
+    def main_bytes(self) -> int:
+        return sum(self.main_plane_bytes) * self.main_layers
+
+    @property
+    def backend_offset(self) -> int:
+        return round_up(self.main_bytes)
+
+    @property
+    def backend_bytes(self) -> int:
+        return sum(self.backend_plane_bytes) * self.backend_layers
+
+    @property
+    def record_bytes(self) -> int:
+        return self.backend_offset + self.backend_bytes if self.backend_layers else self.main_bytes
+
+    @property
+    def slab_bytes(self) -> int:
+        return round_up(self.record_bytes)
+
+    def main_offset(self, layer: int, plane: int) -> int:
+        """Byte offset of main layer ``layer``'s plane ``plane`` inside the slab."""
+        return layer * sum(self.main_plane_bytes) + sum(self.main_plane_bytes[:plane])
+
+    def backend_plane_offset(self, layer: int, plane: int) -> int:
+        return (self.backend_offset + layer * sum(self.backend_plane_bytes)
+                + sum(self.backend_plane_bytes[:plane]))
+
+    @property
+    def max_plane_bytes(self) -> int:
+        return max((*self.main_plane_bytes, *self.backend_plane_bytes))
+
+
+# -- runs --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Run:
+    """``count`` pairs ``(page0 + i * page_stride, slab0 + i * slab_stride)``; strides are 1
+    when ``count == 1``."""
+
+    page0: int
+    slab0: int
+    count: int
+    page_stride: int = 1
+    slab_stride: int = 1
+
+    def pairs(self) -> list[tuple[int, int]]:
+        return [(self.page0 + i * self.page_stride, self.slab0 + i * self.slab_stride)
+                for i in range(self.count)]
+
+
+def plan_runs(pairs: Iterable[tuple[int, int]], *, slab_bytes: int, slabs_per_chunk: int,
+              page_bytes: int, max_pitch: int = DEFAULT_MAX_PITCH, sort: bool = True) -> list[Run]:
+    """Split ``(page_id, slab_id)`` pairs into runs that one 2-D copy per plane can move.
+
+    A run grows while the next pair advances page and slab by the run's strides (set by its
+    first two pairs; both must be positive), its slab stays in the run's chunk, and the host
+    pitch ``slab_stride * slab_bytes`` and the device pitch ``page_stride * page_bytes`` (the
+    largest plane's page bytes) stay within ``max_pitch``. With ``sort`` the pairs are ordered
+    by page first (the order inside one layer does not matter to a copy).
+    """
+    items = sorted(pairs) if sort else list(pairs)
+    runs: list[Run] = []
+    i, n = 0, len(items)
+    while i < n:
+        p0, s0 = items[i]
+        chunk = s0 // slabs_per_chunk
+        count, dp, ds = 1, 1, 1
+        if i + 1 < n:
+            p1, s1 = items[i + 1]
+            dp, ds = p1 - p0, s1 - s0
+            if (dp > 0 and ds > 0 and s1 // slabs_per_chunk == chunk
+                    and ds * slab_bytes <= max_pitch and dp * page_bytes <= max_pitch):
+                count = 2
+                while i + count < n:
+                    p, s = items[i + count]
+                    if p - p0 != count * dp or s - s0 != count * ds or s // slabs_per_chunk != chunk:
+                        break
+                    count += 1
+        if count == 1:
+            dp, ds = 1, 1
+        runs.append(Run(p0, s0, count, dp, ds))
+        i += count
+    return runs
+
+
+# -- storage -----------------------------------------------------------------------------------
+def _cudart():
+    """torch's bundled cudart bindings (cudaHostRegister/Unregister)."""
+    return torch.cuda.cudart()
+
+
+class HostSlabStorage:
+    """The host tier's bytes: ``num_slabs`` slabs of ``slab_bytes`` in chunks of whole slabs.
+
+    ``pin=None`` pins when CUDA is available. ``chunk_bytes`` bounds one chunk (4 GiB);
+    ``slabs_per_chunk = max(1, chunk_bytes // slab_bytes)`` as in the index's HostSlabPool.
+    """
+
+    def __init__(self, slab_bytes: int, num_slabs: int, pin: bool | None = None,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        if slab_bytes <= 0 or slab_bytes % SLAB_ALIGN:
+            raise CapacityError(f"slab size must be a positive multiple of {SLAB_ALIGN} B, got {slab_bytes}")
+        if num_slabs < 0:
+            raise CapacityError(f"slab count must not be negative, got {num_slabs}")
+        if chunk_bytes < slab_bytes:
+            raise CapacityError(f"a host chunk of {chunk_bytes} B cannot hold one {slab_bytes} B slab",
+                                hint="raise the chunk size or lower the bundle size")
+        self.slab_bytes = slab_bytes
+        self.num_slabs = num_slabs
+        self.slabs_per_chunk = max(1, chunk_bytes // slab_bytes)
+        self.pinned = bool(torch.cuda.is_available()) if pin is None else bool(pin)
+        self.chunks: list[torch.Tensor] = []
+        self._registered: list[int] = []
+        left = num_slabs
+        try:
+            while left > 0:
+                k = min(left, self.slabs_per_chunk)
+                self.chunks.append(self._alloc_chunk(k * slab_bytes))
+                left -= k
+        except CapacityError:
+            self.close()
+            raise
+
+    @classmethod
+    def for_budget(cls, host_bytes: int, slab_bytes: int, image_bytes: int, pin: bool | None = None,
+                   chunk_bytes: int = CHUNK_BYTES) -> "HostSlabStorage":
+        """The storage for a host budget (``--host-cache-mib`` in bytes): ``host_bytes //
+        slab_bytes`` slabs; a nonzero budget smaller than one image plus one block is refused."""
+        num = host_bytes // slab_bytes
+        need = image_slab_count(image_bytes, slab_bytes) + 1
+        if host_bytes > 0 and num < need:
+            mib = -(-need * slab_bytes // MiB)
+            raise CapacityError(
+                f"host cache of {host_bytes} B holds {num} slabs, fewer than one snapshot plus one "
+                f"block ({need} slabs of {slab_bytes} B)",
+                hint=f"set --host-cache-mib to at least {mib}, or 0 to run without a host tier")
+        return cls(slab_bytes, num, pin=pin, chunk_bytes=chunk_bytes)
+
+    def _alloc_chunk(self, nbytes: int) -> torch.Tensor:
+        total = self.num_slabs * self.slab_bytes
+        try:
+            t = torch.empty(nbytes, dtype=torch.uint8)
+        except RuntimeError as exc:
+            raise CapacityError(
+                f"cannot allocate the host cache: a chunk of {nbytes} B ({nbytes / GiB:.2f} GiB) of "
+                f"{total} B ({total / GiB:.2f} GiB) in all failed: {exc}",
+                hint="lower --host-cache-mib (host_cache_mib), or free host memory") from exc
+        if self.pinned:
+            err = _cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise CapacityError(
+                    f"cannot pin the host cache: pinning a chunk of {nbytes} B ({nbytes / GiB:.2f} GiB) "
+                    f"of {total} B ({total / GiB:.2f} GiB) failed with CUDA error {int(err)}",
+                    hint="lower --host-cache-mib (host_cache_mib); pinned memory is limited by the OS")
+            self._registered.append(t.data_ptr())
+        return t
+
+    def close(self) -> None:
+        """Unpin every chunk and drop the memory (idempotent)."""
+        for ptr in self._registered:
+            try:
+                _cudart().cudaHostUnregister(ptr)
+            except Exception:  # interpreter shutdown: the process is going away anyway
+                pass
+        self._registered = []
+        self.chunks = []
+
+    def __del__(self) -> None:
+        if getattr(self, "_registered", None):
+            self.close()
+
+    # -- geometry -------------------------------------------------------------------------
+    @property
+    def total_bytes(self) -> int:
+        return self.num_slabs * self.slab_bytes
+
+    def location(self, slab: int) -> tuple[int, int]:
+        """``(chunk index, byte offset in the chunk)`` of a slab."""
+        assert 0 <= slab < self.num_slabs, f"slab {slab} out of range 0..{self.num_slabs - 1}"
+        c, i = divmod(slab, self.slabs_per_chunk)
+        return c, i * self.slab_bytes
+
+    def slab_view(self, slab_id: int) -> torch.Tensor:
+        """The ``slab_bytes`` bytes of one slab (a view; writes land in the slab)."""
+        c, off = self.location(slab_id)
+        return self.chunks[c][off:off + self.slab_bytes]
+
+    def run_view(self, slab0: int, count: int, slab_stride: int, offset: int, width: int) -> torch.Tensor:
+        """``[count, width]`` bytes at ``offset`` of slabs ``slab0 + i * slab_stride``: a strided
+        view inside one chunk (torch refuses a view past the chunk's end)."""
+        c, off = self.location(slab0)
+        assert count == 1 or (slab0 + (count - 1) * slab_stride) // self.slabs_per_chunk == c, \
+            f"run of slabs {slab0}+{slab_stride}*{count} crosses a chunk"
+        assert 0 <= offset and offset + width <= self.slab_bytes, f"[{offset}, +{width}) outside a slab"
+        base = self.chunks[c]
+        return base.as_strided((count, width), (slab_stride * self.slab_bytes, 1),
+                               base.storage_offset() + off + offset)
+
+    def image_pieces(self, slabs: Sequence[int], offset: int, nbytes: int) -> list[tuple[torch.Tensor, int]]:
+        """The host views holding image bytes ``[offset, offset + nbytes)`` of an image kept in
+        ``slabs`` (packed byte ``o`` in ``slabs[o // slab_bytes]``), as ``(view, image offset)``
+        pieces; pieces in consecutive slabs of one chunk are merged."""
+        out: list[tuple[torch.Tensor, int]] = []
+        o, end = offset, offset + nbytes
+        sb = self.slab_bytes
+        while o < end:
+            k, within = divmod(o, sb)
+            assert k < len(slabs), f"image byte {o} needs slab #{k}, only {len(slabs)} given"
+            n = min(end - o, sb - within)
+            # extend over following slabs while they continue the same chunk's bytes
+            while o + n < end and k + 1 < len(slabs) and slabs[k + 1] == slabs[k] + 1 \
+                    and self.location(slabs[k + 1])[0] == self.location(slabs[k])[0]:
+                k += 1
+                n = min(end - o, n + sb)
+            c, off = self.location(slabs[o // sb])
+            out.append((self.chunks[c][off + within: off + within + n], o))
+            o += n
+        return out

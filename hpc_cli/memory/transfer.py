@@ -1,0 +1,501 @@
+"""The transfer engine: restores (host -> device) and write-through (device -> host), batched
+into strided runs (spec §6.4-6.5, §7.4, §7.6-7.7, §11.1-11.2; ARCHITECTURE.md §5).
+
+A *restore batch* (:class:`RestoreBatch`) is enqueued on the restore stream in the order a forward
+pass reads it, as *stages*:
+
+* stage 0, the prelude: the snapshot tail bundle (every main layer and the backend page), every
+  restored block's backend page and main layers that are not model layers (MTP's extra layer),
+  and the image's continuation hidden and backend parts;
+* stage ``i + 1`` for model layer ``i`` of ``layer_order``: an attention layer's KV planes of every
+  restored block, or a GDN layer's conv and recurrent state;
+
+with an event after each stage that copied something. :meth:`RestoreTicket.wait_layer` makes the
+compute stream wait for the latest event at or before that layer's stage. The restore stream first
+waits for the compute stream's queued work (destinations may have been read by earlier kernels);
+write-through runs on its own stream after the compute stream's queued work (the data must be
+written first). Each stream completes its jobs in order; :meth:`TransferEngine.poll` retires
+finished jobs and never blocks.
+
+Copies: the ``(page, slab)`` pairs are grouped by :func:`plan_runs` and every run moves as ONE
+copy per (layer, plane): ``cudaMemcpy2DAsync`` through cuda-python (``cuda.bindings.runtime`` or
+the older ``cuda.cudart``) when it is installed, otherwise one torch copy when both sides are
+contiguous and one per row when not (torch's copy of a strided host view stages it through a
+pageable buffer). Image parts move as one copy per part piece (pieces split only where the image
+crosses into a non-adjacent slab).
+
+On CPU the copies run at once and every job is complete when submitted. :class:`FakeTransferEngine`
+records the operations in order and copies only when told (:meth:`~FakeTransferEngine.complete`),
+and can fail a job, so Filling and pin rules are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
+
+import torch
+
+from hpc_cli.errors import EngineError
+from hpc_cli.memory.host_slabs import DEFAULT_MAX_PITCH, BundleLayout, HostSlabStorage, Run, plan_runs
+from hpc_cli.memory.kv_pool import PagedKVStorage
+from hpc_cli.memory.state_pool import StateSlots
+
+#: ``(main_page, slab)`` or ``(main_page, slab, backend_page)``; the backend page defaults to the main page id
+BlockRef = Union[tuple[int, int], tuple[int, int, int]]
+#: ``(state_slot, [slab ids])``: the image's packed byte o lives in slabs[o // slab_bytes]
+ImageRef = tuple[int, Sequence[int]]
+
+
+def _load_cudart() -> Any | None:
+    """cuda-python's runtime module, or None when cuda-python is not installed."""
+    try:
+        from cuda.bindings import runtime  # cuda-python >= 12.6
+        return runtime
+    except ImportError:
+        pass
+    try:
+        from cuda import cudart  # older cuda-python
+        return cudart
+    except ImportError:
+        return None
+
+
+def layer_order_for_shape(shape) -> list[tuple[str, int]]:
+    """Model layers in forward order as ``("attn", a)`` / ``("gdn", g)`` with per-kind indices."""
+    out, a, g = [], 0, 0
+    for i in range(shape.num_layers):
+        if (i + 1) % shape.full_attention_interval == 0:
+            out.append(("attn", a))
+            a += 1
+        else:
+            out.append(("gdn", g))
+            g += 1
+    return out
+
+
+# -- records -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RestoreBatch:
+    """What one admission restores: host-only path blocks, a host-only tail, a host-only image."""
+
+    blocks: Sequence[BlockRef] = ()
+    tail: BlockRef | None = None
+    image: ImageRef | None = None
+
+
+@dataclass(slots=True)
+class CopyOp:
+    """One copy: ``dst`` and ``src`` are ``[rows, width]`` uint8 views (row pitch = ``stride(0)``,
+    inner stride 1). ``stage`` is 0 for the prelude and ``i + 1`` for model layer ``i``."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+    stage: int
+    tag: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.dst.shape[0] * self.dst.shape[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """An event recorded after every copy of ``stage`` (and of the stages before it)."""
+
+    stage: int
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A retired job: ``error`` is None when its copies landed."""
+
+    job_id: int
+    kind: str  # "restore" or "write"
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(eq=False)
+class _Job:
+    job_id: int
+    kind: str
+    items: list[CopyOp | Mark]
+    stages: int  # 1 + number of model layers
+    nbytes: int = 0
+    events: dict[int, Any] = field(default_factory=dict)
+    final: Any = None
+    done: bool = False
+    error: str | None = None
+
+    def event_at_or_before(self, stage: int) -> Any:
+        best = None
+        for s, ev in self.events.items():
+            if s <= stage and (best is None or s > best[0]):
+                best = (s, ev)
+        return None if best is None else best[1]
+
+
+class TransferJob:
+    """The handle of a submitted job. ``done`` once poll() (or drain()) retired it."""
+
+    def __init__(self, engine: "TransferEngine", job: _Job) -> None:
+        self._engine = engine
+        self._job = job
+
+    @property
+    def job_id(self) -> int:
+        return self._job.job_id
+
+    @property
+    def nbytes(self) -> int:
+        return self._job.nbytes
+
+    @property
+    def done(self) -> bool:
+        return self._job.done
+
+    @property
+    def error(self) -> str | None:
+        return self._job.error
+
+    def wait_all(self) -> None:
+        """Make the compute stream wait for the whole job (CPU: no-op; never blocks the host)."""
+        self._engine._wait(self._job, None)
+
+
+class RestoreTicket(TransferJob):
+    """Per-layer readiness of a restore batch for the lane's first prefill pass."""
+
+    def wait_prelude(self) -> None:
+        """Compute stream waits for the prelude (tail, backend pages, hidden, backend state)."""
+        self._engine._wait(self._job, 0)
+
+    def wait_layer(self, layer: int) -> None:
+        """Compute stream waits until model layer ``layer``'s data (and everything before) landed;
+        a retired batch has landed, so this is then a no-op."""
+        self._engine._wait(self._job, layer + 1)
+
+
+# -- the engine --------------------------------------------------------------------------------
+class TransferEngine:
+    """Restores and write-through between device pools/state slots and host slabs.
+
+    ``main``: the main KV pool's storage; ``backend``: a backend's own pool (DFlash) or None;
+    ``state``: the state slots (images) or None; ``layer_order``: model layers in forward order
+    (:func:`layer_order_for_shape`), default all attention layers then all GDN layers; main KV
+    layers not named there (MTP's extra layer) are copied in the prelude.
+    """
+
+    def __init__(self, main: PagedKVStorage, host: HostSlabStorage, *, state: StateSlots | None = None,
+                 backend: PagedKVStorage | None = None,
+                 layer_order: Sequence[tuple[str, int]] | None = None,
+                 use_cuda_python: bool = True) -> None:
+        self.main = main
+        self.backend = backend
+        self.state = state
+        self.host = host
+        self.layout = BundleLayout.for_storage(main, backend)
+        assert self.layout.slab_bytes <= host.slab_bytes, \
+            f"bundle of {self.layout.slab_bytes} B does not fit a {host.slab_bytes} B slab"
+        n_gdn = state.num_gdn_layers if state is not None else 0
+        if layer_order is None:
+            layer_order = [("attn", a) for a in range(main.num_layers)] + [("gdn", g) for g in range(n_gdn)]
+        self.layer_order = list(layer_order)
+        for kind, idx in self.layer_order:
+            assert (kind == "attn" and 0 <= idx < main.num_layers) or (kind == "gdn" and 0 <= idx < n_gdn), \
+                f"layer_order names {kind} {idx}, which this engine does not hold"
+        named = {idx for kind, idx in self.layer_order if kind == "attn"}
+        self.prelude_main_layers = [a for a in range(main.num_layers) if a not in named]
+        self.device = main.device
+        self._ids = itertools.count(1)
+        self._queues: dict[str, deque[_Job]] = {"restore": deque(), "write": deque()}
+        self._retired: list[Completion] = []
+        self.cudart = None
+        self.max_pitch = DEFAULT_MAX_PITCH
+        self._streams: dict[str, Any] = {}
+        self._event_pool: list[Any] = []
+        if self.device.type == "cuda":
+            self.cudart = _load_cudart() if use_cuda_python else None
+            self._streams = {"restore": torch.cuda.Stream(self.device), "write": torch.cuda.Stream(self.device)}
+            if self.cudart is not None:
+                rt = self.cudart
+                err, val = rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMaxPitch,
+                                                     self.device.index or 0)
+                if int(err) == 0:
+                    self.max_pitch = int(val)
+
+    # -- public API -------------------------------------------------------------------------
+    @property
+    def uses_2d_copies(self) -> bool:
+        return self.cudart is not None
+
+    def restore(self, batch: RestoreBatch) -> RestoreTicket:
+        """Enqueue a restore batch in forward-pass order; returns at once with its ticket."""
+        job = self._new_job("restore", self.plan_restore(batch))
+        self._submit(job)
+        return RestoreTicket(self, job)
+
+    def write_through(self, blocks: Sequence[BlockRef] = (), images: Sequence[ImageRef] = (),
+                      tails: Sequence[BlockRef] = ()) -> TransferJob:
+        """Enqueue one write-through batch (a lane's blocks at release, published images and
+        tails) on the write-through stream; returns at once."""
+        job = self._new_job("write", self.plan_write(blocks, images, tails))
+        self._submit(job)
+        return TransferJob(self, job)
+
+    def poll(self) -> list[Completion]:
+        """Retire every job whose copies finished (in order per stream); never blocks."""
+        for q in self._queues.values():
+            while q and self._finished(q[0]):
+                self._retire(q.popleft())
+        out, self._retired = self._retired, []
+        return out
+
+    def drain(self) -> list[Completion]:
+        """Wait for every queued job, then retire them all."""
+        for s in self._streams.values():
+            s.synchronize()
+        return self.poll()
+
+    @property
+    def pending(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    # -- planning ---------------------------------------------------------------------------
+    def _runs(self, pairs: list[tuple[int, int]], pool: PagedKVStorage) -> list[Run]:
+        return plan_runs(pairs, slab_bytes=self.host.slab_bytes, slabs_per_chunk=self.host.slabs_per_chunk,
+                         page_bytes=max(pool.plane_page_bytes), max_pitch=self.max_pitch)
+
+    def _kv_ops(self, runs: list[Run], pool: PagedKVStorage, backend: bool, layer: int, stage: int,
+                to_host: bool, out: list) -> None:
+        ppbs = pool.plane_page_bytes
+        for j, plane in enumerate(pool.planes[layer]):
+            ppb = ppbs[j]
+            flat = plane.view(pool.num_pages, ppb)
+            off = (self.layout.backend_plane_offset(layer, j) if backend else self.layout.main_offset(layer, j))
+            for r in runs:
+                dev = flat[r.page0: r.page0 + (r.count - 1) * r.page_stride + 1: r.page_stride]
+                hv = self.host.run_view(r.slab0, r.count, r.slab_stride, off, ppb)
+                tag = f"{'backend' if backend else 'main'} L{layer} {pool.layout.planes[j].name} p{r.page0}x{r.count}"
+                out.append(CopyOp(hv, dev, stage, tag) if to_host else CopyOp(dev, hv, stage, tag))
+
+    def _image_ops(self, slot: int, slabs: Sequence[int], gdn: int | None, stage: int, to_host: bool,
+                   out: list) -> None:
+        assert self.state is not None, "this engine holds no state slots"
+        need = -(-self.state.image_bytes // self.host.slab_bytes)
+        assert len(slabs) >= need, f"image of {self.state.image_bytes} B needs {need} slabs, got {len(slabs)}"
+        off = 0
+        for name, g, part in self.state.image_parts():
+            flat = self.state.slot_bytes(part, slot)
+            n = flat.numel()
+            if g == gdn:
+                for hv, o in self.host.image_pieces(slabs, off, n):
+                    dv = flat[o - off: o - off + hv.numel()].unsqueeze(0)
+                    hv = hv.unsqueeze(0)
+                    tag = f"image {name} slot{slot} @{o}"
+                    out.append(CopyOp(hv, dv, stage, tag) if to_host else CopyOp(dv, hv, stage, tag))
+            off += n
+
+    def _split(self, blocks: Sequence[BlockRef]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        main = [(b[0], b[1]) for b in blocks]
+        back = [(b[2] if len(b) > 2 else b[0], b[1]) for b in blocks]
+        return main, back
+
+    def plan_restore(self, batch: RestoreBatch) -> list[CopyOp | Mark]:
+        """The copies and marks of a restore batch, in forward-pass order (see module doc)."""
+        items: list[CopyOp | Mark] = []
+        main_pairs, back_pairs = self._split(batch.blocks)
+        main_runs = self._runs(main_pairs, self.main) if main_pairs else []
+        # stage 0: the prelude
+        if batch.tail is not None:
+            (tm, tb) = self._split([batch.tail])
+            truns = self._runs(tm, self.main)
+            for layer in range(self.main.num_layers):
+                self._kv_ops(truns, self.main, False, layer, 0, False, items)
+            if self.backend is not None:
+                bruns = self._runs(tb, self.backend)
+                for layer in range(self.backend.num_layers):
+                    self._kv_ops(bruns, self.backend, True, layer, 0, False, items)
+        if self.backend is not None and back_pairs:
+            bruns = self._runs(back_pairs, self.backend)
+            for layer in range(self.backend.num_layers):
+                self._kv_ops(bruns, self.backend, True, layer, 0, False, items)
+        for layer in self.prelude_main_layers:
+            self._kv_ops(main_runs, self.main, False, layer, 0, False, items)
+        if batch.image is not None:
+            self._image_ops(batch.image[0], batch.image[1], None, 0, False, items)
+        if items:
+            items.append(Mark(0))
+        # stages 1..: one per model layer
+        for i, (kind, idx) in enumerate(self.layer_order):
+            n = len(items)
+            if kind == "attn":
+                self._kv_ops(main_runs, self.main, False, idx, i + 1, False, items)
+            elif batch.image is not None:
+                self._image_ops(batch.image[0], batch.image[1], idx, i + 1, False, items)
+            if len(items) > n:
+                items.append(Mark(i + 1))
+        return items
+
+    def plan_write(self, blocks: Sequence[BlockRef] = (), images: Sequence[ImageRef] = (),
+                   tails: Sequence[BlockRef] = ()) -> list[CopyOp | Mark]:
+        """The copies of a write-through batch (blocks and tails in runs, then images)."""
+        items: list[CopyOp | Mark] = []
+        main_pairs, back_pairs = self._split([*blocks, *tails])
+        if main_pairs:
+            runs = self._runs(main_pairs, self.main)
+            for layer in range(self.main.num_layers):
+                self._kv_ops(runs, self.main, False, layer, 0, True, items)
+            if self.backend is not None:
+                bruns = self._runs(back_pairs, self.backend)
+                for layer in range(self.backend.num_layers):
+                    self._kv_ops(bruns, self.backend, True, layer, 0, True, items)
+        for slot, slabs in images:
+            self._image_ops(slot, slabs, None, 0, True, items)
+            for g in range(self.state.num_gdn_layers if self.state is not None else 0):
+                self._image_ops(slot, slabs, g, 0, True, items)
+        items.append(Mark(0))
+        return items
+
+    # -- execution (CPU: at once; CUDA: streams; the fake overrides these) ---------------------
+    def _new_job(self, kind: str, items: list[CopyOp | Mark]) -> _Job:
+        nbytes = sum(op.nbytes for op in items if isinstance(op, CopyOp))
+        return _Job(next(self._ids), kind, items, 1 + len(self.layer_order), nbytes)
+
+    def _submit(self, job: _Job) -> None:
+        if self.device.type != "cuda":
+            try:
+                for op in job.items:
+                    if isinstance(op, CopyOp):
+                        op.dst.copy_(op.src)
+            except Exception as exc:  # a bad view is a bug; report it as a failed job
+                job.error = f"{type(exc).__name__}: {exc}"
+            job.final = True
+            self._queues[job.kind].append(job)
+            return
+        stream = self._streams[job.kind]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            for op in job.items:
+                if isinstance(op, CopyOp):
+                    self._copy(op, stream)
+                else:
+                    ev = self._event_pool.pop() if self._event_pool else torch.cuda.Event()
+                    ev.record(stream)
+                    job.events[op.stage] = ev
+        except Exception as exc:
+            job.error = f"{type(exc).__name__}: {exc}"
+        ev = self._event_pool.pop() if self._event_pool else torch.cuda.Event()
+        ev.record(stream)
+        job.final = ev
+        self._queues[job.kind].append(job)
+
+    def _copy(self, op: CopyOp, stream: Any) -> None:
+        dst, src = op.dst, op.src
+        rows, width = dst.shape
+        assert tuple(src.shape) == (rows, width), f"copy {op.tag}: {tuple(src.shape)} -> {tuple(dst.shape)}"
+        flat = rows == 1 or (dst.is_contiguous() and src.is_contiguous())
+        rt = self.cudart
+        if rt is not None:
+            kind = rt.cudaMemcpyKind.cudaMemcpyDefault
+            if flat:
+                (err,) = rt.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), rows * width, kind, stream.cuda_stream)
+            else:
+                (err,) = rt.cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0),
+                                              width, rows, kind, stream.cuda_stream)
+            if int(err) != 0:
+                raise EngineError(f"transfer copy {op.tag} ({rows} x {width} B, pitches "
+                                  f"{dst.stride(0)}/{src.stride(0)}) failed: CUDA error {err}")
+            return
+        with torch.cuda.stream(stream):
+            if flat:
+                dst.copy_(src, non_blocking=True)
+            else:
+                for r in range(rows):
+                    dst[r].copy_(src[r], non_blocking=True)
+
+    def _finished(self, job: _Job) -> bool:
+        if job.final is True or job.final is None:
+            return True
+        return bool(job.final.query())
+
+    def _retire(self, job: _Job) -> None:
+        job.done = True
+        if self.device.type == "cuda":
+            self._event_pool.extend(job.events.values())
+            if job.final is not None and job.final is not True:
+                self._event_pool.append(job.final)
+        job.events = {}
+        job.final = True
+        job.items = []  # drop the views
+        self._retired.append(Completion(job.job_id, job.kind, job.error))
+
+    def _wait(self, job: _Job, stage: int | None) -> None:
+        if job.done or self.device.type != "cuda":
+            return
+        ev = job.final if stage is None else job.event_at_or_before(stage)
+        if ev is not None and ev is not True:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+
+class FakeTransferEngine(TransferEngine):
+    """A test double: jobs are recorded, copied only when :meth:`complete` is called, and can be
+    failed with :meth:`fail`. ``log`` lists ``("copy", job, stage, tag)``, ``("event", job,
+    stage)`` and ``("wait", job, stage)`` in enqueue order. Works on any device (copies run
+    synchronously at completion)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[tuple] = []
+        self._complete_ids: set[int] = set()
+
+    def _submit(self, job: _Job) -> None:
+        for op in job.items:
+            if isinstance(op, CopyOp):
+                self.log.append(("copy", job.job_id, op.stage, op.tag))
+            else:
+                self.log.append(("event", job.job_id, op.stage))
+                job.events[op.stage] = op
+        self._queues[job.kind].append(job)
+
+    def _finished(self, job: _Job) -> bool:
+        return job.job_id in self._complete_ids
+
+    def _jobs_upto(self, job_id: int) -> list[_Job]:
+        for q in self._queues.values():
+            ids = [j.job_id for j in q]
+            if job_id in ids:
+                return list(q)[:ids.index(job_id) + 1]
+        raise KeyError(f"no pending job {job_id}")
+
+    def complete(self, job_id: int | None = None) -> None:
+        """Land job ``job_id`` (and the jobs before it on its stream), or every pending job."""
+        jobs = [j for q in self._queues.values() for j in q] if job_id is None else self._jobs_upto(job_id)
+        for j in jobs:
+            if j.job_id in self._complete_ids:
+                continue
+            if j.error is None:
+                for op in j.items:
+                    if isinstance(op, CopyOp):
+                        op.dst.copy_(op.src)
+            self._complete_ids.add(j.job_id)
+
+    def fail(self, job_id: int, error: str = "injected transfer fault") -> None:
+        """Make job ``job_id`` fail: it copies nothing and poll() reports the error."""
+        for j in self._jobs_upto(job_id):
+            if j.job_id == job_id:
+                j.error = error
+        self.complete(job_id)
+
+    def drain(self) -> list[Completion]:
+        self.complete()
+        return self.poll()
+
+    def _wait(self, job: _Job, stage: int | None) -> None:
+        self.log.append(("wait", job.job_id, stage))
