@@ -4,6 +4,10 @@ Per attention layer and per plane, one ``uint8`` tensor ``[num_pages, 64, kv_hea
 page ``p`` of a plane is contiguous, so a run of consecutive pages is one strided copy, and a
 page's bytes are exactly what a host slab holds. ``write`` quantises new K/V through the profile
 and scatters it by slot (``page * 64 + offset``); ``gather`` reads pages back dequantised.
+
+Built-in profiles (those with ``side_format``) go through ``hpc_kernels.kv_quant``: Triton kernels
+that quantise straight into the pages on CUDA, the torch reference on CPU, the same bytes either
+way. Other profiles use their own ``quantize``/``dequantize`` and a scatter/gather here.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ class PagedKVStorage:
             [[profile.default_global_scale("k"), profile.default_global_scale("v")]] * num_layers,
             dtype=torch.float32)
         self._side_idx = {s: [i for i, p in enumerate(self.layout.planes) if p.side == s] for s in ("k", "v")}
+        side_format = getattr(profile, "side_format", None)
+        self._formats = ({s: side_format(s, head_dim) for s in ("k", "v")} if side_format is not None else None)
+        # Non-finite inputs replaced on write (NaN -> 0, +-inf -> largest finite), per layer, K and V.
+        self.nonfinite_counts = torch.zeros(num_layers, 2, dtype=torch.int32, device=self.device)
 
     # -- geometry ---------------------------------------------------------------------------
     @property
@@ -60,8 +68,16 @@ class PagedKVStorage:
 
     # -- data -------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantise ``k``/``v`` ``[N, kv_heads, head_dim]`` and store token i at ``slots[i]``."""
+        """Quantise ``k``/``v`` ``[N, kv_heads, head_dim]`` and store token i at ``slots[i]``
+        (a negative slot skips its token on the built-in profiles' path)."""
         planes = self.planes[layer]
+        if self._formats is not None:
+            from hpc_kernels import kv_quant
+
+            for j, (side, x) in enumerate((("k", k), ("v", v))):
+                kv_quant.quantize_into(self._formats[side], x, slots, [planes[i] for i in self._side_idx[side]],
+                                       self._gs(layer, side), self.nonfinite_counts[layer, j])
+            return
         for side, x in (("k", k), ("v", v)):
             coded = self.profile.quantize(x, side, self._gs(layer, side))
             for idx, data in zip(self._side_idx[side], coded):
@@ -74,12 +90,27 @@ class PagedKVStorage:
         if not torch.is_tensor(page_ids):
             page_ids = torch.tensor(list(page_ids), dtype=torch.long, device=self.device)
         planes = self.planes[layer]
+        if self._formats is not None:
+            from hpc_kernels import kv_quant
+
+            slots = kv_quant.page_slots(page_ids.to(self.device), n_tokens, self.page_tokens)
+            k, v = (kv_quant.dequantize_slots(self._formats[side], [planes[i] for i in self._side_idx[side]],
+                                              slots, self.head_dim, dtype, self._gs(layer, side))
+                    for side in ("k", "v"))
+            return k, v
         out = []
         for side in ("k", "v"):
             parts = [planes[i][page_ids].view(-1, self.kv_heads, planes[i].shape[-1])[:n_tokens]
                      for i in self._side_idx[side]]
             out.append(self.profile.dequantize(parts, side, dtype, self._gs(layer, side)))
         return out[0], out[1]
+
+    def set_global_scale(self, layer: int, side: str, value: float) -> None:
+        """Set a layer side's NVFP4 global scale; only before that layer holds data, since the
+        stored codes are relative to it (it is part of the cache file's fingerprint)."""
+        assert self.profile.uses_global_scale, f"profile {self.profile.name} has no global scale"
+        assert value > 0 and value == value and value != float("inf"), f"bad global scale {value}"
+        self.global_scales[layer, 0 if side == "k" else 1] = value
 
     def copy_page(self, src: int, dst: int, n_tokens: int | None = None) -> None:
         """Copy page ``src`` to ``dst`` in every layer and plane (the first ``n_tokens`` only)."""
