@@ -1,0 +1,56 @@
+"""Qwen3.5's gated full attention over paged KV (HF ``self_attn``).
+
+``q_proj`` yields per head ``[query | gate]`` (interleaved per head, ``2 * head_dim``); q and k
+get the zero-centred RMSNorm over ``head_dim``; rotary on the first ``rotary_dim`` dims; the
+attention output is multiplied by ``sigmoid(gate)`` before ``o_proj``. New K and V are written
+into the pages in the active KV profile's format, and every K and V the queries read (old and
+new alike) comes back dequantised from the pages, so a split prefill, an unsplit one and
+decode all see the same stored values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpc_cli.model.layers import Linear, RMSNorm, apply_rotary
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg, device=None, dtype=None) -> None:
+        super().__init__()
+        fk = dict(device=device, dtype=dtype)
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = Linear(h, self.n_heads * self.head_dim * 2, bias=bias, **fk)
+        self.k_proj = Linear(h, self.n_kv * self.head_dim, bias=bias, **fk)
+        self.v_proj = Linear(h, self.n_kv * self.head_dim, bias=bias, **fk)
+        self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=bias, **fk)
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps, **fk)
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps, **fk)
+        self.scale = self.head_dim ** -0.5
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``x`` ``[N, hidden]`` -> q ``[N, H, d]``, gate ``[N, H*d]``, k, v ``[N, H_kv, d]`` (k, q rotated)."""
+        n = x.shape[0]
+        q, gate = torch.chunk(self.q_proj(x).view(n, self.n_heads, 2 * self.head_dim), 2, dim=-1)
+        gate = gate.reshape(n, -1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(n, self.n_kv, self.head_dim))
+        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
+        return apply_rotary(q, cos, sin), gate, apply_rotary(k, cos, sin), v
+
+    def finish(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``attn`` ``[N, H, d]`` -> ``o_proj(attn * sigmoid(gate))``."""
+        return self.o_proj(attn.reshape(attn.shape[0], -1) * torch.sigmoid(gate))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               causal: bool = False) -> torch.Tensor:
+        """``q`` ``[B, H, T, d]``, ``k, v`` ``[B, H_kv, S, d]``, boolean ``mask`` ``[B|1, 1, T, S]`` (True = read)."""
+        rep = self.n_heads // self.n_kv
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              scale=self.scale)

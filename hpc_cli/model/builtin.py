@@ -1,0 +1,114 @@
+"""Built-in models with seeded weights: ``builtin:tiny`` (the embedded default) and full-width shapes.
+
+``builtin:tiny`` is a small Qwen3.5-shaped model (8 layers, full attention every 4th, hidden 256)
+with a byte-level tokenizer, so ``hpc-cli serve`` works offline on any machine. Its weights are
+random (seeded): it produces meaningless text. ``builtin:qwen3.5-27b-shape`` and
+``builtin:qwen3.5-35b-a3b-shape`` carry the released widths with a reduced layer count (8 by
+default, ``@N`` for N layers, a multiple of 4) for GPU benchmarks: cost does not depend on the
+weight values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hpc_cli.errors import ModelError
+from hpc_cli.model.config import ModelConfig
+from hpc_cli.model.tokenizer import ByteTokenizer
+
+SEED = 20250501
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig(
+        name="builtin:tiny", model_type="qwen3_5", vocab_size=272, hidden_size=256, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        max_position_embeddings=32768, eos_token_id=[258, 256], mtp_num_hidden_layers=1)
+
+
+def qwen35_27b_shape(layers: int = 8) -> ModelConfig:
+    return ModelConfig(
+        name=f"builtin:qwen3.5-27b-shape@{layers}", model_type="qwen3_5", vocab_size=248320, hidden_size=5120,
+        num_hidden_layers=layers, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+        intermediate_size=17408, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+        linear_value_head_dim=128, eos_token_id=[258, 256])
+
+
+def qwen35_35b_a3b_shape(layers: int = 8) -> ModelConfig:
+    return ModelConfig(
+        name=f"builtin:qwen3.5-35b-a3b-shape@{layers}", model_type="qwen3_5_moe", vocab_size=248320,
+        hidden_size=2048, num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        eos_token_id=[258, 256])
+
+
+BUILTINS = {
+    "tiny": lambda layers: tiny_config() if layers is None else _relayer(tiny_config(), layers),
+    "qwen3.5-27b-shape": lambda layers: qwen35_27b_shape(layers or 8),
+    "qwen3.5-35b-a3b-shape": lambda layers: qwen35_35b_a3b_shape(layers or 8),
+}
+
+
+def _relayer(cfg: ModelConfig, layers: int) -> ModelConfig:
+    d = cfg.to_dict()
+    d.update(num_hidden_layers=layers, layer_types=[], name=f"{cfg.name}@{layers}")
+    return ModelConfig(**d)
+
+
+def builtin_config(name: str) -> ModelConfig:
+    key = name.removeprefix("builtin:")
+    layers = None
+    if "@" in key:
+        key, _, count = key.partition("@")
+        if not count.isdigit() or int(count) < 4 or int(count) % 4:
+            raise ModelError(f"bad layer count in {name!r}", hint="write builtin:NAME@N with N a multiple of 4")
+        layers = int(count)
+    if key not in BUILTINS:
+        raise ModelError(f"unknown built-in model {name!r}",
+                         hint="choose one of: " + ", ".join(f"builtin:{k}" for k in BUILTINS))
+    return BUILTINS[key](layers)
+
+
+@torch.no_grad()
+def init_seeded(model, seed: int = SEED) -> None:
+    """Fill every parameter from a seeded generator, scaled so activations stay O(1) and the
+    logits are peaked enough that greedy decoding is not a coin toss between near-ties."""
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    n_layers = max(1, model.config.num_hidden_layers)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 2)
+        if name.endswith("A_log"):
+            p.copy_(torch.empty(p.shape, device=p.device).uniform_(1.0, 16.0, generator=gen).log())
+        elif name.endswith("dt_bias"):
+            p.fill_(1.0)
+        elif name.endswith("linear_attn.norm.weight"):
+            p.normal_(1.0, 0.05, generator=gen)
+        elif name.endswith("norm.weight") or "norm_" in leaf[-2]:
+            p.normal_(0.0, 0.05, generator=gen)  # zero-centred (1 + w) norms
+        elif name.endswith("conv1d.weight"):
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+        elif name == "embed_tokens.weight":
+            p.normal_(0.0, 1.0, generator=gen)
+        elif name == "lm_head.weight":
+            p.normal_(0.0, 4.0 / math.sqrt(p.shape[-1]), generator=gen)
+        else:
+            fan_in = p.shape[-1]
+            std = 1.0 / math.sqrt(fan_in)
+            if any(name.endswith(s) for s in ("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+                std /= math.sqrt(2 * n_layers)
+            p.normal_(0.0, std, generator=gen)
+
+
+def build_builtin(name: str, dtype=None, device="cpu"):
+    from hpc_cli.model.model import HybridModel
+
+    cfg = builtin_config(name)
+    model = HybridModel(cfg, device=device, dtype=dtype, with_mtp=True)
+    init_seeded(model)
+    model.tokenizer = ByteTokenizer()
+    model.eval()
+    return model

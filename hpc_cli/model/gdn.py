@@ -1,0 +1,218 @@
+"""The gated delta rule (Gated DeltaNet's recurrence) in torch, and fla's kernels on CUDA.
+
+Per value head ``h`` with state ``S`` ``[d_k, d_v]`` (fp32), for each token::
+
+    S <- exp(g) * S
+    S <- S + k (beta * (v - S^T k))^T
+    o  = S^T (q / sqrt(d_k))
+
+with ``q`` and ``k`` l2-normalised. ``chunk_rule`` evaluates a run of tokens in chunks of 64
+(the UT-transform form); ``recurrent_rule`` steps token by token (decode). Both take
+``q, k`` ``[B, T, H_k, d_k]``, ``v`` ``[B, T, H_v, d_v]``, ``g, beta`` ``[B, T, H_v]`` and an
+initial state ``[B, H_v, d_k, d_v]``, and return the output ``[B, T, H_v, d_v]`` in ``v``'s
+dtype and the final state in fp32. ``q``/``k`` heads serve ``H_v / H_k`` consecutive value heads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta):
+    n_k, n_v = k.shape[2], v.shape[2]
+    if n_k != n_v:
+        q = q.repeat_interleave(n_v // n_k, dim=2)
+        k = k.repeat_interleave(n_v // n_k, dim=2)
+    # [B, H, T, d] in fp32
+    q, k, v = (x.transpose(1, 2).float().contiguous() for x in (q, k, v))
+    g, beta = (x.transpose(1, 2).float().contiguous() for x in (g, beta))
+    q = l2norm(q)
+    k = l2norm(k)
+    q = q * (q.shape[-1] ** -0.5)
+    return q, k, v, g, beta
+
+
+def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               initial_state: torch.Tensor | None, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (t + pad) // chunk
+    q, k, v = (x.view(b, h, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.view(b, h, n, chunk), beta.view(b, h, n, chunk)
+    kb = k * beta.unsqueeze(-1)
+    vb = v * beta.unsqueeze(-1)
+    cg = g.cumsum(-1)  # log decay from the chunk start to each position (inclusive)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cg.unsqueeze(-1) - cg.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    # (I + A) with A strictly lower: A[i, j] = beta_i k_i.k_j decay(i, j)
+    system = (kb @ k.transpose(-1, -2)) * decay
+    attn = (q @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * cg.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    state = (torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
+             else initial_state.float().clone())
+    qd = q * cg.exp().unsqueeze(-1)
+    kd = k * (cg[..., -1:] - cg).exp().unsqueeze(-1)
+    total = cg[..., -1].exp()[..., None, None]
+    out = torch.empty_like(v)
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        out[:, :, i] = qd[:, :, i] @ state + attn[:, :, i] @ v_new
+        state = state * total[:, :, i] + kd[:, :, i].transpose(-1, -2) @ v_new
+    out = out.view(b, h, n * chunk, dv)[:, :, :t]
+    return out.transpose(1, 2).to(out_dtype), state
+
+
+def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, h, t, dk = k.shape
+    state = (torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=q.device) if initial_state is None
+             else initial_state.float().clone())
+    out = torch.empty_like(v)
+    for i in range(t):
+        state = state * g[:, :, i].exp()[..., None, None]
+        kt = k[:, :, i]
+        delta = (v[:, :, i] - (state * kt.unsqueeze(-1)).sum(-2)) * beta[:, :, i].unsqueeze(-1)
+        state = state + kt.unsqueeze(-1) * delta.unsqueeze(-2)
+        out[:, :, i] = (state * q[:, :, i].unsqueeze(-1)).sum(-2)
+    return out.transpose(1, 2).to(out_dtype), state
+
+
+@functools.cache
+def _fla():
+    """fla's gated delta rule kernels, or None when fla is not importable."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception:  # fla is optional; any import failure falls back to torch
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def fla_available() -> bool:
+    return _fla() is not None
+
+
+def _fla_inputs(q, k, v):
+    n_k, n_v = k.shape[2], v.shape[2]
+    if n_k != n_v:  # older fla releases need equal head counts; repeating is cheap next to the kernel
+        q = q.repeat_interleave(n_v // n_k, dim=2)
+        k = k.repeat_interleave(n_v // n_k, dim=2)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def gated_delta_prefill(q, k, v, g, beta, initial_state, use_fla: bool | None = None):
+    """A run of tokens (prefill chunk): fla's chunk kernel on CUDA when present, else torch."""
+    kernels = _fla() if (use_fla is not False and q.is_cuda) else None
+    if kernels is None:
+        return chunk_rule(q, k, v, g, beta, initial_state)
+    qq, kk, vv = _fla_inputs(q, k, v)
+    out, state = kernels[0](qq, kk, vv, g.float(), beta.to(vv.dtype), initial_state=initial_state.float(),
+                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return out, state.float()
+
+
+def gated_delta_decode(q, k, v, g, beta, initial_state, use_fla: bool | None = None):
+    """One token per lane (``T == 1``): fla's fused recurrent kernel on CUDA when present, else torch."""
+    kernels = _fla() if (use_fla is not False and q.is_cuda) else None
+    if kernels is None:
+        return recurrent_rule(q, k, v, g, beta, initial_state)
+    qq, kk, vv = _fla_inputs(q, k, v)
+    out, state = kernels[1](qq, kk, vv, g.float(), beta.to(vv.dtype), initial_state=initial_state.float(),
+                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return out, state.float()
+
+
+# -- the layer ---------------------------------------------------------------------------------
+from torch import nn  # noqa: E402
+
+from hpc_cli.model.layers import GatedRMSNorm, Linear, param  # noqa: E402
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention token mixer (HF ``linear_attn``).
+
+    State per sequence: the conv window (the last ``kernel-1`` pre-conv ``qkv`` columns, model
+    dtype, ``[conv_dim, kernel-1]``) and the recurrent state (fp32, ``[H_v, d_k, d_v]``).
+    """
+
+    def __init__(self, cfg, device=None, dtype=None) -> None:
+        super().__init__()
+        fk = dict(device=device, dtype=dtype)
+        self.n_k, self.n_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.d_k, self.d_v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.n_k * self.d_k, self.n_v * self.d_v
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        h = cfg.hidden_size
+        self.in_proj_qkv = Linear(h, self.conv_dim, **fk)
+        self.in_proj_z = Linear(h, self.value_dim, **fk)
+        self.in_proj_b = Linear(h, self.n_v, **fk)
+        self.in_proj_a = Linear(h, self.n_v, **fk)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = param(self.conv_dim, 1, self.kernel, **fk)
+        self.dt_bias = param(self.n_v, **fk)
+        self.A_log = param(self.n_v, **fk)
+        self.norm = GatedRMSNorm(self.d_v, eps=cfg.rms_norm_eps, **fk)
+        self.out_proj = Linear(self.value_dim, h, **fk)
+        self.use_fla: bool | None = None  # None: fla on CUDA when importable
+
+    def _project(self, x: torch.Tensor):
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def _heads(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, lead: tuple[int, ...]):
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(*lead, self.n_k, self.d_k)
+        k = k.reshape(*lead, self.n_k, self.d_k)
+        v = v.reshape(*lead, self.n_v, self.d_v)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return q, k, v, g, beta
+
+    def _finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        lead = core.shape[:-2]
+        y = self.norm(core.reshape(-1, self.d_v), z.reshape(-1, self.d_v))
+        return self.out_proj(y.reshape(*lead, self.value_dim))
+
+    def prefill(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor):
+        """One lane's run of ``T`` tokens. ``x`` ``[T, hidden]``; ``conv_state`` ``[conv_dim, kernel-1]``;
+        ``rec_state`` ``[H_v, d_k, d_v]``. Returns the output and the new conv and recurrent states."""
+        t = x.shape[0]
+        mixed, z, b, a = self._project(x)
+        w = self.conv1d.weight
+        window = torch.cat([conv_state.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)  # [C, k-1+T]
+        conv = F.conv1d(window.unsqueeze(0).to(w.dtype), w, groups=self.conv_dim)[0]  # [C, T]
+        mixed = F.silu(conv).to(mixed.dtype).transpose(0, 1)
+        new_conv = window[:, -(self.kernel - 1):]
+        q, k, v, g, beta = self._heads(mixed, b, a, (1, t))
+        core, state = gated_delta_prefill(q, k, v, g.view(1, t, -1), beta.view(1, t, -1),
+                                          rec_state.unsqueeze(0), self.use_fla)
+        return self._finish(core[0], z), new_conv, state[0]
+
+    def decode(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor):
+        """One token for each of ``B`` lanes. ``x`` ``[B, hidden]``; states ``[B, ...]``."""
+        bsz = x.shape[0]
+        mixed, z, b, a = self._project(x)
+        w = self.conv1d.weight[:, 0, :]  # [C, k]
+        window = torch.cat([conv_state.to(mixed.dtype), mixed.unsqueeze(-1)], dim=-1)  # [B, C, k]
+        conv = (window.to(w.dtype) * w).sum(-1)
+        mixed = F.silu(conv).to(mixed.dtype)
+        new_conv = window[:, :, 1:]
+        q, k, v, g, beta = self._heads(mixed, b, a, (bsz, 1))
+        core, state = gated_delta_decode(q, k, v, g.view(bsz, 1, -1), beta.view(bsz, 1, -1), rec_state,
+                                         self.use_fla)
+        return self._finish(core[:, 0], z), new_conv, state

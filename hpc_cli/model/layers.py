@@ -1,0 +1,100 @@
+"""Small building blocks of the Qwen3.5 text stack: the two RMSNorm forms, rotary, the dense MLP.
+
+Parameters are created uninitialised (``torch.empty``) on the target device and dtype; the
+loader or the seeded initialiser fills them. Parameter names follow HF's, so a checkpoint
+tensor ``layers.3.mlp.up_proj.weight`` lands in the parameter of that name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def param(*shape: int, device=None, dtype=None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x W^T`` with HF's ``weight`` name; no bias (Qwen3.5 has none), no init cost."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = param(out_features, in_features, device=device, dtype=dtype)
+        self.bias = param(out_features, device=device, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Qwen3.5's zero-centred RMSNorm: ``norm(x) * (1 + w)`` in fp32, cast back to x's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = param(dim, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """The GDN output norm: ``w * norm(x)`` (plain weight, cast to x's dtype first) times ``silu(z)``."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = param(dim, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * y.to(dtype)
+        return (y * F.silu(gate.float())).to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, device=None, dtype=None) -> None:
+        super().__init__()
+        fk = dict(device=device, dtype=dtype)
+        self.gate_proj = Linear(hidden, intermediate, **fk)
+        self.up_proj = Linear(hidden, intermediate, **fk)
+        self.down_proj = Linear(intermediate, hidden, **fk)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Rotary:
+    """1-D rotary embedding over the first ``rotary_dim`` dims of a head (text-only mRoPE).
+
+    With text positions the three mRoPE sections (t, h, w) carry the same position, so the
+    interleaved mRoPE reduces to this plain rotary of ``rotary_dim = head_dim * 0.25`` dims.
+    """
+
+    def __init__(self, rotary_dim: int, theta: float, device=None) -> None:
+        self.rotary_dim = rotary_dim
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device)
+                                         / rotary_dim))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``[N, rotary_dim]`` for integer positions ``[N]``."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` dims of ``x`` ``[N, heads, head_dim]``; cos/sin ``[N, r]``."""
+    r = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot, rest = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)

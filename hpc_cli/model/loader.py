@@ -1,0 +1,159 @@
+"""Load a HF Qwen3.5 checkpoint directory: config.json, safetensors (sharded or not), tokenizer.
+
+Tensor names are accepted in both layouts that exist: ``model.language_model.*`` (the released
+multimodal checkpoints; ``model.visual.*`` is skipped) and ``model.*`` (what
+``Qwen3_5ForCausalLM.save_pretrained`` writes), plus ``lm_head.*`` and ``mtp.*``. MoE experts
+may be fused (``experts.gate_up_proj`` / ``experts.down_proj``) or per expert
+(``experts.{e}.gate_proj|up_proj|down_proj.weight``); per-expert tensors are fused on load.
+A missing or mis-shaped tensor is a :class:`ModelError` that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from hpc_cli.errors import ModelError
+from hpc_cli.model.config import ModelConfig
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def our_name(hf_name: str) -> str | None:
+    """Map a checkpoint tensor name to our parameter name (None: not part of the text model)."""
+    for prefix in ("model.language_model.", "language_model.model.", "model."):
+        if hf_name.startswith(prefix):
+            rest = hf_name[len(prefix):]
+            if rest.startswith(("visual.", "vision_tower.")):
+                return None
+            return rest
+    if hf_name.startswith(("lm_head.", "mtp.")):
+        return hf_name
+    if hf_name.startswith(("visual.", "model.visual.")):
+        return None
+    return hf_name
+
+
+def _shards(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelError(f"{index}: not a safetensors index ({exc})", hint="fix or remove the index file") from exc
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise ModelError(f"{path}: shard {missing[0]} named by the index is missing",
+                             hint="download the complete checkpoint")
+        return [path / f for f in files]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{path}: no *.safetensors files", hint="a checkpoint directory needs safetensors weights")
+    return files
+
+
+def _iter_tensors(files: list[Path], stack: ExitStack) -> Iterator[tuple[str, object, str]]:
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            handle = stack.enter_context(safe_open(str(f), framework="pt"))
+        except Exception as exc:
+            raise ModelError(f"{f}: cannot open safetensors file: {exc}", hint="the file is damaged; download it again") from exc
+        for key in handle.keys():
+            yield key, handle, f.name
+
+
+def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool = True):
+    from hpc_cli.model.model import HybridModel
+    from hpc_cli.model.tokenizer import ByteTokenizer, HFTokenizer
+
+    path = Path(path)
+    config = ModelConfig.from_dir(path)
+    files = _shards(path)
+    with ExitStack() as stack:
+        entries = list(_iter_tensors(files, stack))
+        names = {our_name(k) for k, _, _ in entries}
+        has_mtp = any(n and n.startswith("mtp.") for n in names)
+        model = HybridModel(config, device=device, dtype=dtype, with_mtp=has_mtp)
+        params = dict(model.named_parameters())
+        loaded: set[str] = set()
+        experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+
+        def put(name: str, tensor: torch.Tensor, source: str) -> None:
+            p = params.get(name)
+            if p is None:
+                return  # tensors the runtime does not use (e.g. visual, unknown extras)
+            if tuple(tensor.shape) != tuple(p.shape):
+                raise ModelError(f"tensor {source} has shape {tuple(tensor.shape)}, the config needs {tuple(p.shape)}",
+                                 hint="the checkpoint does not match its config.json")
+            p.data.copy_(tensor.to(device=p.device, dtype=p.dtype))
+            loaded.add(name)
+
+        bar = None
+        if progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            bar = stack.enter_context(Progress(TextColumn("loading {task.description}"), BarColumn(),
+                                               MofNCompleteColumn(), TimeRemainingColumn(), transient=True))
+            task = bar.add_task(path.name, total=len(entries))
+        for key, handle, fname in entries:
+            name = our_name(key)
+            if name is not None:
+                m = _EXPERT.match(name)
+                if m and m.group(1) + ".gate_up_proj" in params:
+                    experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = \
+                        handle.get_tensor(key)
+                elif name in params:
+                    put(name, handle.get_tensor(key), f"{key} ({fname})")
+            if bar is not None:
+                bar.advance(task)
+        for prefix, by_expert in experts.items():
+            _fuse_experts(prefix, by_expert, params, put)
+    missing = [n for n in params if n not in loaded]
+    if missing:
+        raise ModelError(f"{path}: tensor {_hf_hint(missing[0])} is missing"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+                         hint="the checkpoint is incomplete or does not match config.json")
+    model.eval()
+    eos = config.eos_token_id
+    if (path / "tokenizer.json").is_file():
+        model.tokenizer = HFTokenizer(path, eos_token_ids=eos)
+    else:
+        model.tokenizer = ByteTokenizer() if config.vocab_size >= 263 else None
+    return model
+
+
+def _hf_hint(name: str) -> str:
+    if name.startswith(("lm_head.", "mtp.")):
+        return name
+    return f"model.language_model.{name} (or model.{name})"
+
+
+def _fuse_experts(prefix: str, by_expert: dict[int, dict[str, torch.Tensor]], params, put) -> None:
+    gate_up = params[prefix + ".gate_up_proj"]
+    n = gate_up.shape[0]
+    for e in range(n):
+        parts = by_expert.get(e, {})
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            if part not in parts:
+                raise ModelError(f"tensor {prefix}.{e}.{part}.weight is missing",
+                                 hint="the checkpoint is incomplete or does not match config.json")
+    want_gu = (gate_up.shape[1] // 2, gate_up.shape[2])
+    want_d = tuple(params[prefix + ".down_proj"].shape[1:])
+    for e in range(n):
+        for part, want in (("gate_proj", want_gu), ("up_proj", want_gu), ("down_proj", want_d)):
+            got = tuple(by_expert[e][part].shape)
+            if got != tuple(want):
+                raise ModelError(f"tensor {prefix}.{e}.{part}.weight has shape {got}, the config needs {tuple(want)}",
+                                 hint="the checkpoint does not match its config.json")
+    fused_gu = torch.stack([torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]], dim=0) for e in range(n)])
+    put(prefix + ".gate_up_proj", fused_gu, f"{prefix}.*.gate_proj/up_proj (fused)")
+    fused_d = torch.stack([by_expert[e]["down_proj"] for e in range(n)])
+    put(prefix + ".down_proj", fused_d, f"{prefix}.*.down_proj (fused)")

@@ -1,0 +1,265 @@
+"""The Qwen3.5 hybrid model and its execution API (see ``hpc_cli.model`` for the contract)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpc_cli.model.attention import GatedAttention
+from hpc_cli.model.config import ModelConfig
+from hpc_cli.model.gdn import GatedDeltaNet
+from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, param
+from hpc_cli.model.moe import SparseMoE
+
+if TYPE_CHECKING:
+    from hpc_cli.kv_profile import KVProfile
+    from hpc_cli.memory.kv_pool import PagedKVStorage
+    from hpc_cli.memory.state_pool import StateSlots
+    from hpc_cli.shapes import HybridShape
+
+
+@dataclass(slots=True)
+class PrefillOut:
+    """``logits``: ``[vocab]`` for the last position, or ``[T, vocab]`` with ``all_logits``.
+    ``hidden_last``: ``[hidden]``, the last position's hidden after the final norm (what
+    ``lm_head`` reads and what an MTP drafter continues from; also stored in the state slot)."""
+
+    logits: torch.Tensor
+    hidden_last: torch.Tensor
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, device=None, dtype=None) -> None:
+        super().__init__()
+        fk = dict(device=device, dtype=dtype)
+        self.kind = kind
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **fk)
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, **fk)
+        else:
+            self.self_attn = GatedAttention(cfg, **fk)
+        self.mlp = SparseMoE(cfg, **fk) if cfg.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, **fk)
+
+
+class MTPModule(nn.Module):
+    """The multi-token-prediction head shipped in Qwen3.5 checkpoints (``mtp.*``).
+
+    ``h' = fc([pre_fc_norm_embedding(embed(t_next)) ; pre_fc_norm_hidden(h)])``, then
+    ``mtp_num_hidden_layers`` full-attention decoder layers and ``norm``; the model's
+    ``lm_head`` gives the draft logits. Kept here for the speculative backends."""
+
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        fk = dict(device=device, dtype=dtype)
+        h = cfg.hidden_size
+        self.fc = Linear(2 * h, h, **fk)
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps, **fk)
+        self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps, **fk)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention", **fk)
+                                     for _ in range(cfg.mtp_num_hidden_layers)])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, **fk)
+
+    def combine(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layers' input from the next token's embedding and the main model's hidden."""
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+
+
+def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                 "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+        if dtype not in table:
+            from hpc_cli.errors import ConfigError
+
+            raise ConfigError(f"unknown model dtype {dtype!r}", hint=f"choose one of: {', '.join(table)}")
+        return table[dtype]
+    return dtype
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | str | None = None, with_mtp: bool = False) -> None:
+        super().__init__()
+        device = torch.device(device)
+        dtype = _dtype(dtype, device)
+        fk = dict(device=device, dtype=dtype)
+        self.config = config
+        self.device, self.dtype = device, dtype
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = param(config.vocab_size, config.hidden_size, **fk)
+        self.layers = nn.ModuleList([DecoderLayer(config, kind, **fk) for kind in config.layer_types])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **fk)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, **fk)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.mtp: MTPModule | None = MTPModule(config, **fk) if with_mtp and config.mtp_num_hidden_layers else None
+        self.rotary = Rotary(config.rotary_dim, config.rope_theta, device=device)
+        self.tokenizer = None  # set by from_name_or_path
+        # model layer -> index among attention layers (KV pools) / among GDN layers (state slots)
+        self.kv_index = {layer: i for i, layer in enumerate(config.attention_layers)}
+        self.state_index = {layer: i for i, layer in enumerate(config.gdn_layers)}
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_name_or_path(cls, name_or_path: str, dtype: torch.dtype | str | None = None,
+                          device: torch.device | str = "cpu", progress: bool = True) -> "HybridModel":
+        """``builtin:tiny`` / ``builtin:qwen3.5-27b-shape[@layers]`` / ``builtin:qwen3.5-35b-a3b-shape[@layers]``
+        (seeded weights) or a HF checkpoint directory."""
+        if str(name_or_path).startswith("builtin:"):
+            from hpc_cli.model.builtin import build_builtin
+
+            return build_builtin(str(name_or_path), dtype=dtype, device=device)
+        from hpc_cli.model.loader import load_checkpoint
+
+        return load_checkpoint(name_or_path, dtype=dtype, device=device, progress=progress)
+
+    def shape(self) -> "HybridShape":
+        return self.config.shape(state_dtype_bytes=torch.finfo(self.dtype).bits // 8)
+
+    def new_kv_storage(self, profile: "KVProfile | str", num_pages: int, name: str = "main") -> "PagedKVStorage":
+        """A page pool for this model's attention layers in ``profile``'s format."""
+        from hpc_cli.memory.kv_pool import PagedKVStorage
+
+        if isinstance(profile, str):
+            from hpc_cli.plugins import kv_profile
+
+            profile = kv_profile(profile)
+        c = self.config
+        return PagedKVStorage(profile, len(c.attention_layers), c.num_key_value_heads, c.head_dim, num_pages,
+                              device=self.device, name=name)
+
+    def new_state_slots(self, num_slots: int) -> "StateSlots":
+        """State slots for this model's GDN layers (conv window in the model dtype, recurrent fp32)."""
+        from hpc_cli.memory.state_pool import StateSlots
+
+        c = self.config
+        return StateSlots(len(c.gdn_layers), c.conv_dim, c.linear_conv_kernel_dim - 1, c.linear_num_value_heads,
+                          c.linear_key_head_dim, c.linear_value_head_dim, c.hidden_size, num_slots,
+                          dtype=self.dtype, device=self.device)
+
+    # -- execution ---------------------------------------------------------------------------
+    def _tokens(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        if not torch.is_tensor(tokens):
+            tokens = torch.tensor(list(tokens), dtype=torch.long)
+        return tokens.to(device=self.device, dtype=torch.long).reshape(-1)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embed_tokens.weight)
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor | Sequence[int], start: int, block_table: Sequence[int],
+                state_slot: int, kv: "PagedKVStorage", states: "StateSlots", *,
+                layer_ready: Callable[[int], None] | None = None, all_logits: bool = False) -> PrefillOut:
+        tokens = self._tokens(tokens)
+        t = tokens.shape[0]
+        assert t >= 1, "prefill needs at least one token"
+        assert start >= 0, f"prefill start must be >= 0, got {start}"
+        end = start + t
+        page = kv.page_tokens
+        n_pages = (end + page - 1) // page
+        assert len(block_table) >= n_pages, \
+            f"block table has {len(block_table)} pages, positions [0, {end}) need {n_pages}"
+        dev = self.device
+        pages = torch.tensor(list(block_table[:n_pages]), dtype=torch.long, device=dev)
+        positions = torch.arange(start, end, device=dev)
+        write_slots = pages[positions // page] * page + positions % page
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        mask = None
+        if start:
+            mask = (torch.arange(end, device=dev)[None, :] <= positions[:, None])[None, None]
+        x = self._embed(tokens)
+        for i, layer in enumerate(self.layers):
+            if layer_ready is not None:
+                layer_ready(i)
+            h = layer.input_layernorm(x)
+            if layer.kind == "linear_attention":
+                g = self.state_index[i]
+                conv, rec = states.conv[g], states.recurrent[g]
+                out, new_conv, new_rec = layer.linear_attn.prefill(h, conv[state_slot], rec[state_slot])
+                conv[state_slot].copy_(new_conv)
+                rec[state_slot].copy_(new_rec)
+            else:
+                a = self.kv_index[i]
+                attn = layer.self_attn
+                q, gate, k, v = attn.qkv(h, cos, sin)
+                kv.write(a, write_slots, k, v)
+                keys, values = kv.gather(a, pages, end, q.dtype)
+                o = attn.attend(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                                mask, causal=True)
+                out = attn.finish(o[0].transpose(0, 1), gate)
+            x = x + out
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if not all_logits:
+            x = x[-1:]
+        x = self.norm(x)
+        states.hidden[state_slot].copy_(x[-1])
+        logits = self.lm_head(x)
+        return PrefillOut(logits=logits if all_logits else logits[0], hidden_last=x[-1])
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor | Sequence[int], positions: Sequence[int],
+               block_tables: Sequence[Sequence[int]], state_slots: Sequence[int],
+               kv: "PagedKVStorage", states: "StateSlots") -> torch.Tensor:
+        tokens = self._tokens(tokens)
+        bsz = tokens.shape[0]
+        assert len(positions) == len(block_tables) == len(state_slots) == bsz, \
+            "decode needs one position, block table and state slot per token"
+        assert len(set(state_slots)) == bsz, f"decode lanes share a state slot: {list(state_slots)}"
+        dev, page = self.device, kv.page_tokens
+        need = [p // page + 1 for p in positions]
+        width = max(need)
+        table, write = [], []
+        for p, bt, n in zip(positions, block_tables, need):
+            assert len(bt) >= n, f"block table has {len(bt)} pages, position {p} needs {n}"
+            row = list(bt[:n])
+            table.append(row + [row[0]] * (width - n))
+            write.append(row[p // page] * page + p % page)
+        pages = torch.tensor(table, dtype=torch.long, device=dev).reshape(-1)
+        write_slots = torch.tensor(write, dtype=torch.long, device=dev)
+        pos = torch.tensor(list(positions), dtype=torch.long, device=dev)
+        slots = torch.tensor(list(state_slots), dtype=torch.long, device=dev)
+        span = width * page
+        mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
+        cos, sin = self.rotary.cos_sin(pos, self.dtype)
+        x = self._embed(tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            if layer.kind == "linear_attention":
+                g = self.state_index[i]
+                conv, rec = states.conv[g], states.recurrent[g]
+                out, new_conv, new_rec = layer.linear_attn.decode(h, conv[slots], rec[slots])
+                conv.index_copy_(0, slots, new_conv.to(conv.dtype))
+                rec.index_copy_(0, slots, new_rec)
+            else:
+                a = self.kv_index[i]
+                attn = layer.self_attn
+                q, gate, k, v = attn.qkv(h, cos, sin)
+                kv.write(a, write_slots, k, v)
+                keys, values = kv.gather(a, pages, bsz * span, q.dtype)
+                keys = keys.view(bsz, span, attn.n_kv, attn.head_dim).transpose(1, 2)
+                values = values.view(bsz, span, attn.n_kv, attn.head_dim).transpose(1, 2)
+                o = attn.attend(q[:, :, None, :], keys, values, mask)  # [B, H, 1, d]
+                out = attn.finish(o[:, :, 0, :], gate)
+            x = x + out
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.norm(x)
+        states.hidden.index_copy_(0, slots, x.to(states.hidden.dtype))
+        return self.lm_head(x)
+
+    # -- conveniences for tests and tools ----------------------------------------------------
+    @torch.inference_mode()
+    def forward_tokens(self, tokens: torch.Tensor | Sequence[int], kv_profile: "KVProfile | str" = "bf16"
+                       ) -> torch.Tensor:
+        """All-position logits ``[T, vocab]`` of one sequence from scratch, on private scratch pools."""
+        tokens = self._tokens(tokens)
+        n_pages = max(1, (tokens.shape[0] + 63) // 64)
+        kv = self.new_kv_storage(kv_profile, n_pages, name="scratch")
+        states = self.new_state_slots(1)
+        return self.prefill(tokens, 0, list(range(n_pages)), 0, kv, states, all_logits=True).logits

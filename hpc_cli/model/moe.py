@@ -1,0 +1,68 @@
+"""Qwen3.5-MoE's sparse block: softmax router, top-k renormalised, fused experts, gated shared expert.
+
+Experts are kept fused as in transformers: ``experts.gate_up_proj`` ``[E, 2*I, hidden]`` and
+``experts.down_proj`` ``[E, hidden, I]`` (the loader fuses per-expert checkpoint tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpc_cli.model.layers import MLP, Linear, param
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = param(num_experts, 2 * intermediate, hidden, device=device, dtype=dtype)
+        self.down_proj = param(num_experts, hidden, intermediate, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[N, hidden]``, ``index``/``weights`` ``[N, top_k]``."""
+        out = torch.zeros_like(x)
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // index.shape[1]
+        w_sorted = weights.reshape(-1)[order]
+        start = 0
+        for e, c in enumerate(counts):
+            if not c:
+                continue
+            tok = token_of[start:start + c]
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w_sorted[start:start + c, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+            start += c
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg, device=None, dtype=None) -> None:
+        super().__init__()
+        fk = dict(device=device, dtype=dtype)
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = nn.Module()
+        self.gate.weight = param(cfg.num_experts, cfg.hidden_size, **fk)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, **fk)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, **fk)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, **fk)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        shared = self.shared_expert(x)
+        weights, index = self.route(x)
+        routed = self.experts(x, index, weights)
+        out = routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out.view(shape)

@@ -1,0 +1,232 @@
+"""Tokenizers: a byte-level one with ChatML specials (builtin models) and HF ``tokenizer.json``.
+
+Both give ``encode(text) -> list[int]`` (special tokens written in the text are recognised),
+``decode(ids, skip_special=False) -> str``, ``apply_chat_template(messages, ...) -> str``,
+``eos_token_ids``, ``special_tokens`` and ``vocab_size``; :class:`IncrementalDecoder` turns a
+stream of ids into text pieces without splitting a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+from hpc_cli.errors import ModelError
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                  "<tool_call>", "</tool_call>")
+
+# Qwen3.5-style ChatML: <think> blocks survive only in assistant turns after the last user query;
+# the generation prompt opens <think> (or an empty block when thinking is disabled).
+BYTE_CHAT_TEMPLATE = r"""
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for m in messages -%}
+  {%- set content = m.content if m.content is string else (m.content | map(attribute='text') | join('')) -%}
+  {%- if m.role == 'assistant' -%}
+    {%- set reasoning = m.reasoning_content if m.reasoning_content is defined and m.reasoning_content else '' -%}
+    {%- if '</think>' in content -%}
+      {%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') -%}
+      {%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+    {%- endif -%}
+    {%- if loop.index0 > ns.last_user and reasoning -%}
+      {{- '<|im_start|>assistant\n<think>\n' + reasoning + '\n</think>\n\n' + content + '<|im_end|>\n' -}}
+    {%- else -%}
+      {{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' -}}
+    {%- endif -%}
+  {%- else -%}
+    {{- '<|im_start|>' + m.role + '\n' + content + '<|im_end|>\n' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\n' -}}
+  {%- if enable_thinking is defined and not enable_thinking -%}
+    {{- '<think>\n\n</think>\n\n' -}}
+  {%- else -%}
+    {{- '<think>\n' -}}
+  {%- endif -%}
+{%- endif -%}"""
+
+
+def _jinja_env():
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, **_: Any) -> str:
+        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class _ChatTemplateMixin:
+    chat_template: str | None
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        if not self.chat_template:
+            raise ModelError("this tokenizer has no chat template",
+                             hint="add chat_template.jinja to the checkpoint directory")
+        import jinja2
+
+        try:
+            template = _jinja_env().from_string(self.chat_template)
+            return template.render(messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
+                                   **self.special_tokens_map(), **kwargs)
+        except jinja2.exceptions.TemplateError as exc:
+            raise ModelError(f"chat template failed: {exc}", hint="check the messages or the chat template") from exc
+
+    def special_tokens_map(self) -> dict[str, str]:
+        return {}
+
+
+class ByteTokenizer(_ChatTemplateMixin):
+    """UTF-8 bytes are ids 0..255; the ChatML specials follow (256 ...)."""
+
+    def __init__(self, chat_template: str | None = BYTE_CHAT_TEMPLATE) -> None:
+        self.special_tokens = {tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)}
+        self.id_to_special = {i: t for t, i in self.special_tokens.items()}
+        self.chat_template = chat_template
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(SPECIAL_TOKENS)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return [self.special_tokens["<|im_end|>"], self.special_tokens["<|endoftext|>"]]
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        ids: list[int] = []
+        parts = self._split.split(text) if allow_special else [text]
+        for part in parts:
+            if allow_special and part in self.special_tokens:
+                ids.append(self.special_tokens[part])
+            elif part:
+                ids.extend(part.encode("utf-8"))
+        return ids
+
+    def decode_bytes(self, ids: Sequence[int], skip_special: bool = False) -> bytes:
+        out = bytearray()
+        for i in ids:
+            i = int(i)
+            if i < 256:
+                out.append(i)
+            elif not skip_special and i in self.id_to_special:
+                out.extend(self.id_to_special[i].encode())
+        return bytes(out)
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.special_tokens.get(token)
+
+
+class HFTokenizer(_ChatTemplateMixin):
+    """``tokenizer.json`` through the ``tokenizers`` package, the chat template through jinja2."""
+
+    def __init__(self, directory: str | Path, eos_token_ids: Sequence[int] = ()) -> None:
+        from tokenizers import Tokenizer
+
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise ModelError(f"{directory}: no tokenizer.json", hint="copy the checkpoint's tokenizer.json next to config.json")
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as exc:
+            raise ModelError(f"{path}: cannot load tokenizer: {exc}", hint="replace tokenizer.json") from exc
+        cfg: dict[str, Any] = {}
+        cfg_path = directory / "tokenizer_config.json"
+        if cfg_path.is_file():
+            try:
+                cfg = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ModelError(f"{cfg_path}: bad JSON: {exc}", hint="fix or remove tokenizer_config.json") from exc
+        tpl_path = directory / "chat_template.jinja"
+        if tpl_path.is_file():
+            self.chat_template = tpl_path.read_text()
+        else:
+            tpl = cfg.get("chat_template")
+            if isinstance(tpl, list):  # named templates: take "default"
+                tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
+            self.chat_template = tpl
+        self._cfg = cfg
+        eos = list(eos_token_ids)
+        for key in ("eos_token", "pad_token"):
+            value = cfg.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if key == "eos_token" and isinstance(value, str):
+                tid = self._tok.token_to_id(value)
+                if tid is not None and tid not in eos:
+                    eos.append(tid)
+        for name in ("<|im_end|>", "<|endoftext|>"):
+            tid = self._tok.token_to_id(name)
+            if tid is not None and tid not in eos:
+                eos.append(tid)
+        self._eos = eos
+        self.special_tokens = {tok.content: i for i, tok in self._tok.get_added_tokens_decoder().items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos)
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def special_tokens_map(self) -> dict[str, str]:
+        out = {}
+        for key in ("bos_token", "eos_token", "pad_token"):
+            value = self._cfg.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                out[key] = value
+        return out
+
+
+class IncrementalDecoder:
+    """Feeds ids one by one and returns only complete text (no half UTF-8 characters).
+
+    Only a short window of recent ids is re-decoded per push (prefix/read offsets), so a long
+    stream costs linear time."""
+
+    def __init__(self, tokenizer: ByteTokenizer | HFTokenizer, skip_special: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] were decoded already and anchor the next decode
+        self.read = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        dec = self.tokenizer.decode
+        before = dec(self.ids[self.prefix:self.read], skip_special=self.skip_special)
+        after = dec(self.ids[self.prefix:], skip_special=self.skip_special)
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
