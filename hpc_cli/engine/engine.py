@@ -1,0 +1,414 @@
+"""The engine: one worker thread that owns the model, the pools and the cache (spec §4, §10.9).
+
+``Engine.from_settings(resolved)`` builds everything from a resolved profile. Callers
+``submit`` requests from any thread and read their events; the worker runs a FIFO scheduler:
+admission (a blocked head is never overtaken, spec §6.3), one prefill pass per step for the
+oldest prefilling lane (chunked, split at exact taps), then one batched decode round over every
+decoding lane. Cancellation takes effect at the next unit boundary.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from hpc_cli import plugins
+from hpc_cli.cache.keys import prepare_prompt
+from hpc_cli.cache.taps import TapPlanner
+from hpc_cli.engine.api import (AdmittedEvent, FinishEvent, GenerationRequest, RequestHandle, TokenEvent,
+                                Usage)
+from hpc_cli.engine.hybrid import Blocked, HybridBinding
+from hpc_cli.engine.lane import Lane
+from hpc_cli.engine.sampling import make_generator, prompt_logprobs, sample
+from hpc_cli.errors import EngineError, HpcError, RequestError, UnavailableError
+
+MiB = 1 << 20
+
+
+class Engine:
+    def __init__(self, model: Any, *, kv_profile: str = "bf16", max_concurrency: int = 4,
+                 prefill_chunk: int = 512, kv_pages: int | None = None, host_cache_mib: int = 0,
+                 reuse: bool = True, snapshot_slots: int | None = None, max_new_taps: int | None = None,
+                 tap_ladder_tokens: int | None = None, tap_min_gap_tokens: int | None = None,
+                 max_model_len: int | None = None, concurrent_prefill: bool = False,
+                 default_max_tokens: int = 256, device_memory_fraction: float = 0.85,
+                 transfer_factory: Callable | None = None, model_name: str | None = None,
+                 settings: Any = None) -> None:
+        self.model = model
+        self.settings = settings
+        self.tokenizer = getattr(model, "tokenizer", None)
+        self.model_name = model_name or model.config.name
+        cfg = model.config
+        self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 32768))
+        self.C = max_concurrency
+        self.chunk = prefill_chunk
+        self.concurrent_prefill = concurrent_prefill
+        self.default_max_tokens = default_max_tokens
+        self.kv_profile = plugins.kv_profile(kv_profile)
+        host = host_cache_mib > 0
+        D = snapshot_slots if snapshot_slots is not None else (self.C + 1 if host else self.C + 2)
+        self.states = model.new_state_slots(self.C + (D if reuse else 0))
+        pages = kv_pages or self._auto_pages(device_memory_fraction)
+        self.storage = model.new_kv_storage(self.kv_profile, pages)
+        planner = TapPlanner(chunk=prefill_chunk, tap_ladder_tokens=tap_ladder_tokens,
+                             tap_min_gap=tap_min_gap_tokens, max_new_taps=max_new_taps, host_tier=host)
+        self.cache = HybridBinding(model, self.storage, self.states, lanes=self.C, snapshot_slots=D,
+                                   host_bytes=host_cache_mib * MiB, reuse=reuse, planner=planner,
+                                   transfer_factory=transfer_factory)
+        self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or cfg.eos_token_id or [])
+        self._inbox: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+        self._wake = threading.Event()
+        self._waiting: collections.deque[Lane] = collections.deque()
+        self._lanes: list[Lane] = []
+        self._by_id: dict[str, Lane] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self.fatal: str | None = None
+        self._count = 0
+        self.on_stop: list[Callable[["Engine"], None]] = []  # run by the worker after the last request
+        self._stats_lock = threading.Lock()
+        self._stats_snapshot: dict[str, Any] = {}
+        self.counters = collections.Counter()
+        self.ttft = collections.deque(maxlen=2048)  # (monotonic time, seconds)
+        self.itl = collections.deque(maxlen=4096)
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_settings(cls, resolved: Any, *, progress: bool = False, **overrides: Any) -> "Engine":
+        """Build the model, pools, index and transfer engine from a resolved profile."""
+        from hpc_cli.model.model import HybridModel
+
+        s = resolved.settings
+        device = s.model.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and not torch.cuda.is_available():
+            raise EngineError("model.device is 'cuda' but no CUDA device is available",
+                              hint="set model.device = 'auto' or 'cpu'")
+        dtype = s.model.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device == "cuda" else "float32"
+        model = HybridModel.from_name_or_path(s.model.name, dtype=getattr(torch, dtype), device=device,
+                                              progress=progress)
+        mode = plugins.cache_mode(s.cache.mode)
+        reuse = mode.reuses and not s.cache.no_prefix_reuse
+        eff = resolved.effective
+        kv_pages = None if s.engine.kv_capacity == "auto" else int(s.engine.kv_capacity)
+        kw = dict(kv_profile=s.kv.profile, max_concurrency=s.engine.max_concurrency,
+                  prefill_chunk=s.engine.prefill_chunk, kv_pages=kv_pages,
+                  host_cache_mib=s.cache.host_cache_mib if reuse else 0, reuse=reuse,
+                  snapshot_slots=eff.get("cache.hybrid.device_snapshot_slots"),
+                  max_new_taps=eff.get("cache.hybrid.max_new_taps"),
+                  tap_ladder_tokens=eff.get("cache.hybrid.tap_ladder_tokens"),
+                  tap_min_gap_tokens=eff.get("cache.hybrid.tap_min_gap_tokens"),
+                  max_model_len=s.model.max_model_len, concurrent_prefill=s.engine.concurrent_prefill,
+                  default_max_tokens=s.engine.default_max_tokens,
+                  device_memory_fraction=s.engine.device_memory_fraction,
+                  model_name=s.server.served_model_name or s.model.name, settings=resolved)
+        kw.update(overrides)
+        return cls(model, **kw)
+
+    def _auto_pages(self, fraction: float) -> int:
+        """Device pages: on CUDA what free memory allows, elsewhere every lane's full context
+        plus as much again for the cache (at least max(L, C), spec §5.4)."""
+        per_seq = math.ceil(self.max_model_len / 64)
+        probe = self.model.new_kv_storage(self.kv_profile, 1)
+        page_bytes = probe.page_bytes
+        del probe
+        if self.model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.model.device)
+            pages = int(free * fraction) // page_bytes
+        else:
+            pages = min(2 * self.C * per_seq, max(self.C * per_seq, (2048 * MiB) // page_bytes))
+        return max(pages, per_seq, self.C)
+
+    # ------------------------------------------------------------------ public API (any thread)
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hpc-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; its events arrive on the returned handle."""
+        if self.fatal:
+            raise EngineError(f"the engine stopped after an error: {self.fatal}", hint="restart the server")
+        if self._stopping.is_set():
+            raise UnavailableError("the engine is stopping", hint="retry against a running server")
+        request.sampling.validate()
+        n = len(request.prompt_tokens)
+        if n == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        vocab = self.model.config.vocab_size
+        if min(request.prompt_tokens) < 0 or max(request.prompt_tokens) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if n >= self.max_model_len:
+            raise RequestError(f"the prompt has {n} tokens; this model's context is {self.max_model_len}",
+                               param="messages", code="context_length_exceeded")
+        sp = request.sampling
+        sp.max_tokens = min(sp.max_tokens, self.max_model_len - n)
+        handle = RequestHandle(request, self.cancel)
+        prepared = prepare_prompt(request.prompt_tokens)  # block hashes off the worker (spec §5.1)
+        self._inbox.put(("submit", (handle, prepared)))
+        self._wake.set()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+        self._wake.set()
+
+    def generate(self, request: GenerationRequest, timeout: float | None = 600) -> tuple[list[int], FinishEvent]:
+        """Submit and wait: the generated token ids and the finish event (tests, scripts)."""
+        toks, fin = self.submit(request).result(timeout=timeout)
+        return [t.token_id for t in toks], fin
+
+    def stop(self, timeout: float | None = 60) -> None:
+        """Orderly stop: admission ends, running and queued requests finish as unavailable at the
+        next unit boundary, transfers land, then the stop hooks run (the cache file save)."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._stopped.set()
+
+    def stats(self) -> dict[str, Any]:
+        """A recent snapshot of the engine's stats (taken by the worker a few times a second)."""
+        with self._stats_lock:
+            return dict(self._stats_snapshot) if self._stats_snapshot else {}
+
+    # ------------------------------------------------------------------ the worker
+    def _run(self) -> None:
+        last_stats = 0.0
+        try:
+            while not self._stopping.is_set():
+                self._drain_inbox()
+                self.cache.poll()
+                if self.cache.failed:
+                    raise EngineError(self.cache.failed, hint="check the device; restart the server")
+                self._admit()
+                worked = self._step()
+                now = time.monotonic()
+                if now - last_stats > 0.2:
+                    self._take_stats()
+                    last_stats = now
+                if not worked:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+            self._shutdown("unavailable", "the server is stopping")
+            self.cache.drain()
+            self._take_stats()
+            for hook in self.on_stop:
+                hook(self)
+        except Exception as exc:  # a fatal error: fail everything, release everything, save nothing
+            self.fatal = f"{type(exc).__name__}: {exc}" if not isinstance(exc, HpcError) else exc.message
+            self._shutdown("error", self.fatal, publish=False)
+            self._take_stats()
+        finally:
+            self._stopping.set()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                handle, prepared = item
+                self._count += 1
+                req = handle.request
+                lane = Lane(req, handle, prepared, self._count, tokens=list(req.prompt_tokens),
+                            n_prompt=len(req.prompt_tokens))
+                lane.generator = make_generator(req.sampling, self._count)
+                if self.tokenizer is not None and req.sampling.stop:
+                    from hpc_cli.model.tokenizer import IncrementalDecoder
+
+                    lane.decoder = IncrementalDecoder(self.tokenizer)
+                self._by_id[req.request_id] = lane
+                self._waiting.append(lane)
+                self.counters["requests"] += 1
+            elif kind == "cancel":
+                lane = self._by_id.get(item)
+                if lane is not None:
+                    lane.finish_reason = lane.finish_reason or "cancelled"
+
+    def _admit(self) -> None:
+        while self._waiting:
+            head = self._waiting[0]
+            if head.finish_reason == "cancelled":
+                self._waiting.popleft()
+                self._emit_finish(head)
+                continue
+            if len(self._lanes) >= self.C:
+                return
+            if not self.concurrent_prefill and any(l.prefilling for l in self._lanes):
+                return
+            try:
+                adm = self.cache.admit(head)
+            except Blocked:
+                return  # the FIFO head is never overtaken (spec §6.3)
+            except HpcError as exc:
+                self._waiting.popleft()
+                head.finish_reason, head.error = "error", exc.message
+                self._emit_finish(head)
+                continue
+            self._waiting.popleft()
+            head.admitted_at = time.monotonic()
+            u = head.usage
+            u.prompt_tokens = head.n_prompt
+            u.reuse_tokens = adm.reuse_tokens
+            u.cached_prefix_tokens = adm.cached_prefix_tokens
+            u.queue_seconds = head.admitted_at - head.handle.submitted_at
+            head.handle.put(AdmittedEvent(adm.reuse_tokens, adm.cached_prefix_tokens))
+            self._lanes.append(head)
+
+    def _step(self) -> bool:
+        worked = False
+        for lane in [l for l in self._lanes if l.finish_reason]:
+            self._finish(lane)
+            worked = True
+        prefilling = [l for l in self._lanes if l.prefilling]
+        if prefilling:
+            self._prefill(prefilling[0])
+            worked = True
+        decoding = [l for l in self._lanes if not l.prefilling and l.next_token is not None and not l.finish_reason]
+        if decoding:
+            self._decode(decoding)
+            worked = True
+        return worked
+
+    def _prefill(self, lane: Lane) -> None:
+        start = lane.pos
+        end = self.cache.next_stop(lane, min(lane.n_prompt, start + self.chunk))
+        self.cache.before_pass(lane, end)
+        sp = lane.request.sampling
+        want_all = sp.prompt_logprobs
+        out = self.model.prefill(lane.tokens[start:end], start, lane.pages[:math.ceil(end / 64)],
+                                 lane.state_slot, self.storage, self.states,
+                                 layer_ready=self.cache.layer_ready(lane), all_logits=want_all)
+        lane.pos = end
+        lane.usage.prefill_tokens += end - start
+        self.counters["prefill_tokens"] += end - start
+        logits = out.logits
+        if want_all:
+            if lane.prompt_logprobs is None:
+                lane.prompt_logprobs = [None] * (start + 1) if start else [None]
+                if start:  # reused tokens have no logits here
+                    lane.prompt_logprobs = [None] * (start + 1)
+            lane.prompt_logprobs += prompt_logprobs(logits, lane.tokens, start)[: lane.n_prompt - start - 1]
+            logits = logits[-1]
+        self.cache.after_pass(lane)
+        if lane.pos == lane.n_prompt and not lane.finish_reason:
+            if sp.max_tokens == 0:
+                lane.finish_reason = "length"
+                return
+            self._sample(lane, logits)
+
+    def _decode(self, lanes: list[Lane]) -> None:
+        t0 = time.monotonic()
+        tokens = [l.next_token for l in lanes]
+        positions = [l.pos for l in lanes]
+        tables = [l.pages[:math.ceil((l.pos + 1) / 64)] for l in lanes]
+        logits = self.model.decode(tokens, positions, tables, [l.state_slot for l in lanes],
+                                   self.storage, self.states)
+        dt = time.monotonic() - t0
+        for i, lane in enumerate(lanes):
+            lane.pos += 1
+            lane.next_token = None
+            self.cache.commit_blocks(lane)
+            if not lane.finish_reason:
+                self._sample(lane, logits[i])
+            self.itl.append(dt)
+        self.counters["decode_rounds"] += 1
+
+    def _sample(self, lane: Lane, logits: torch.Tensor) -> None:
+        sp = lane.request.sampling
+        ev = sample(logits, sp, lane.generator)
+        now = time.monotonic()
+        if lane.first_token_at is None:
+            lane.first_token_at = now
+            lane.usage.time_to_first_token = now - lane.handle.submitted_at
+            self.ttft.append((now, lane.usage.time_to_first_token))
+        tok = ev.token_id
+        lane.generated.append(tok)
+        lane.usage.completion_tokens += 1
+        self.counters["generated_tokens"] += 1
+        if (tok in self.eos or tok in sp.stop_token_ids) and not sp.ignore_eos:
+            lane.finish_reason = "stop"
+            return
+        lane.tokens.append(tok)
+        lane.handle.put(ev)
+        if lane.decoder is not None:
+            lane.text += lane.decoder.push(tok)
+            for s in sp.stop:
+                if s and s in lane.text:
+                    lane.finish_reason = "stop"
+                    lane.stop_text = s
+                    return
+        if len(lane.generated) >= sp.max_tokens:
+            lane.finish_reason = "length"
+            return
+        lane.next_token = tok
+
+    def _finish(self, lane: Lane, *, publish: bool = True) -> None:
+        self.cache.finish(lane, publish=publish)
+        self._lanes.remove(lane)
+        self._emit_finish(lane)
+
+    def _emit_finish(self, lane: Lane) -> None:
+        self._by_id.pop(lane.request.request_id, None)
+        reason = lane.finish_reason or "stop"
+        self.counters[f"finished_{reason}"] += 1
+        self.counters["prompt_tokens"] += lane.n_prompt
+        self.counters["reuse_tokens"] += lane.usage.reuse_tokens
+        self.counters["cached_prefix_tokens"] += lane.usage.cached_prefix_tokens
+        lane.handle.put(FinishEvent(reason, lane.usage, error=lane.error,
+                                    stop_text=getattr(lane, "stop_text", None),
+                                    prompt_logprobs=lane.prompt_logprobs))
+
+    def _shutdown(self, reason: str, message: str, *, publish: bool = True) -> None:
+        self._drain_inbox()
+        for lane in list(self._lanes):
+            lane.finish_reason, lane.error = reason, message
+            try:
+                self._finish(lane, publish=publish)
+            except Exception:  # never leave a caller waiting
+                if lane in self._lanes:
+                    self._lanes.remove(lane)
+                self._emit_finish(lane)
+        while self._waiting:
+            lane = self._waiting.popleft()
+            lane.finish_reason, lane.error = reason, message
+            self._emit_finish(lane)
+
+    # ------------------------------------------------------------------ stats
+    def _take_stats(self) -> None:
+        cache = self.cache.stats()
+        now = time.monotonic()
+        recent = [t for at, t in self.ttft if now - at <= 60]
+        snap = {
+            "model": self.model_name, "kv_profile": self.kv_profile.name,
+            "max_concurrency": self.C, "prefill_chunk": self.chunk, "uptime_s": time.time() - self.started_at,
+            "requests": {"running": len(self._lanes), "waiting": len(self._waiting),
+                         "prefilling": sum(1 for l in self._lanes if l.prefilling)},
+            "counters": dict(self.counters), "cache": cache,
+            "ttft_recent_s": recent, "fatal": self.fatal,
+        }
+        with self._stats_lock:
+            self._stats_snapshot = snap
+
+    # ------------------------------------------------------------------ tests
+    def check_invariants(self) -> None:
+        """Walk the cache against spec §10 (call only while the worker is idle or stopped)."""
+        self.cache.check_invariants()

@@ -1,0 +1,369 @@
+"""The hybrid binding: the prefix index, the device pools, the host tier and the transfer engine
+working for the engine's lanes (spec §6.4-6.5, §7.4-7.7, §9.1; ARCHITECTURE.md §4).
+
+The engine calls, in a request's order: :meth:`admit` (quote, stage, restore, activate),
+:meth:`commit_blocks` after every unit, :meth:`take_tap` at tap positions, :meth:`finish` at
+terminal settlement (endpoint snapshot, release, write-through), and :meth:`poll` to land
+transfers. With ``reuse=False`` (cache mode ``off``) and for disabled requests nothing is
+matched, committed or published: lanes get private pages and a reset state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hpc_cli.cache.index import CacheGeometry, CommitOutcome, PrefixIndex, Readiness, StaleQuote
+from hpc_cli.cache.keys import BLOCK_TOKENS, token_bytes
+from hpc_cli.cache.snapshot import SnapshotKind
+from hpc_cli.cache.taps import Placement, Tap, TapHint as PlannerHint, TapPlanner, TapSource
+from hpc_cli.engine.api import TapHint
+from hpc_cli.engine.lane import Lane
+from hpc_cli.errors import EngineError
+from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage
+from hpc_cli.memory.pools import DeviceKVPool, PageState
+from hpc_cli.memory.transfer import RestoreBatch as CopyBatch
+from hpc_cli.memory.transfer import TransferEngine
+
+_HINT_SOURCE = {1: TapSource.EXPLICIT, 2: TapSource.OPENER, 3: TapSource.STRUCTURAL}
+
+
+def planner_hints(hints: list[TapHint], boundaries: list[int]) -> list[PlannerHint]:
+    out = [PlannerHint(h.position, TapSource.AUTOMATIC if h.automatic else _HINT_SOURCE.get(h.priority, TapSource.STRUCTURAL))
+           for h in hints]
+    out += [PlannerHint(b, TapSource.MESSAGE) for b in boundaries]
+    return out
+
+
+@dataclass(slots=True)
+class Admission:
+    reuse_tokens: int
+    cached_prefix_tokens: int
+    restored_host_bytes: int
+
+
+class Blocked(Exception):
+    """Admission must wait (TemporarilyBlocked): active entitlements hold the pages."""
+
+
+class HybridBinding:
+    def __init__(self, model: Any, storage: Any, states: Any, *, lanes: int, snapshot_slots: int,
+                 host_bytes: int, reuse: bool, planner: TapPlanner, transfer_factory=None) -> None:
+        self.model = model
+        self.storage = storage
+        self.states = states
+        self.reuse = reuse
+        self.planner = planner
+        self.C = lanes
+        self.D = snapshot_slots if reuse else 0
+        self.layout = BundleLayout.for_storage(storage)
+        slab = self.layout.slab_bytes
+        image_bytes = states.image_bytes
+        num_slabs = host_bytes // slab if (reuse and host_bytes) else 0
+        self.index = PrefixIndex(CacheGeometry(block_bytes=self.layout.record_bytes, image_bytes=image_bytes,
+                                               device_snapshot_slots=self.D, host_bytes=num_slabs * slab,
+                                               slab_bytes=slab))
+        self.pool = DeviceKVPool(storage, evictable=self.index.evictable_pages)
+        self.host = HostSlabStorage(slab, num_slabs)
+        make = transfer_factory or TransferEngine
+        from hpc_cli.memory.transfer import layer_order_for_shape
+
+        self.transfer = make(storage, self.host, state=states, layer_order=layer_order_for_shape(model.shape()))
+        self.free_active = list(range(lanes - 1, -1, -1))
+        self.snap_phys = [lanes + k for k in range(self.D)]  # index snapshot slot -> state slot
+        self.jobs: dict[int, tuple[str, Any]] = {}  # transfer job id -> (kind, index batch)
+        self.failed: str | None = None
+        self.counters = {"restored_host_bytes": 0, "taps": 0, "taps_skipped": 0, "endpoints": 0,
+                         "transfer_failures": 0, "blocked": 0}
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def image_bytes(self) -> int:
+        return self.states.image_bytes
+
+    def entitlement(self, n_prompt: int, max_tokens: int) -> int:
+        return max(1, math.ceil((n_prompt + max_tokens) / BLOCK_TOKENS))
+
+    # ------------------------------------------------------------------ admission (§6.1-6.5)
+    def admit(self, lane: Lane) -> Admission:
+        """Quote, stage, restore and activate ``lane``; raises :class:`Blocked` to wait."""
+        self.poll()
+        if not self.free_active:
+            raise Blocked("no free lane")
+        ent = self.entitlement(lane.n_prompt, lane.max_tokens)
+        if ent > self.pool.num_pages:
+            raise EngineError(f"the request needs {ent} KV pages ({lane.n_prompt} prompt + {lane.max_tokens} "
+                              f"output tokens), the device pool holds {self.pool.num_pages}",
+                              hint="lower max_tokens or the prompt, or raise engine.kv_capacity")
+        if not (self.reuse and lane.request.cache_enabled):
+            return self._admit_plain(lane, ent)
+        for _ in range(3):
+            q = self.index.quote(lane.prepared, entitlement_pages=ent, free_pages=self.pool.num_free,
+                                 total_pages=self.pool.num_pages)
+            if q.readiness is Readiness.PERMANENTLY_INFEASIBLE:
+                raise EngineError(f"the request needs {ent} KV pages, more than the device pool holds",
+                                  hint="lower max_tokens or raise engine.kv_capacity")
+            if q.readiness is Readiness.TEMPORARILY_BLOCKED:
+                self.counters["blocked"] += 1
+                raise Blocked("pages held by active lanes")
+            try:
+                staged = self.index.stage(q, free_pages=self.pool.num_free)
+            except StaleQuote:
+                continue
+            break
+        else:  # pragma: no cover - the worker is the only mutator, so quotes stay fresh
+            raise Blocked("quote kept going stale")
+        self._free_pages(staged.freed.pages)
+        d = len(q.path)
+        private = ent - d
+        need = len(staged.restore_blocks) + (1 if staged.restore_tail else 0) + private
+        assert need <= self.pool.num_free, \
+            f"stage left {self.pool.num_free} free pages, {need} needed (short {staged.short_pages})"
+        fill = self.pool.alloc(len(staged.restore_blocks), PageState.FILLING)
+        tail_page = self.pool.alloc(1, PageState.FILLING)[0] if staged.restore_tail else None
+        batch = self.index.begin_restore(staged, [(p,) for p in fill],
+                                         (tail_page,) if tail_page is not None else None)
+        slot = self.free_active.pop()
+        lane.state_slot = slot
+        s = q.source
+        if batch is not None:
+            copy = CopyBatch(
+                blocks=[(bt.pages[0], bt.slab) for bt in batch.blocks],
+                tail=((batch.snapshot.tail_pages[0], batch.snapshot.tail_slab)
+                      if batch.snapshot is not None and batch.snapshot.tail_pages is not None else None),
+                image=(slot, list(batch.snapshot.slabs)) if batch.restore_image else None)
+            ticket = self.transfer.restore(copy)
+            self.jobs[ticket.job_id] = ("restore", batch)
+            lane.ticket = ticket
+            lane.restore_batch = batch
+            lane.usage.restored_host_bytes = ticket.nbytes
+            self.counters["restored_host_bytes"] += ticket.nbytes
+        seq = self.index.activate(staged)
+        lane.seq = seq
+        lane.pages = [n.device_pages[0] for n in seq.nodes]
+        lane.owned = [False] * d
+        own = self.pool.alloc(private, PageState.ACTIVE)
+        lane.pages += own
+        lane.owned += [True] * private
+        # The state: from the root, from the snapshot's device slot, or restored in place.
+        if s is None:
+            self.states.reset(slot)
+        else:
+            if lane.ticket is not None:
+                lane.ticket.wait_prelude()
+            if not (batch is not None and batch.restore_image):
+                self.states.copy_slot(self.snap_phys[s.device_slot], slot)
+            tail_len = s.frontier - BLOCK_TOKENS * d
+            if tail_len:
+                self.storage.copy_page(s.tail_pages[0], lane.pages[d], tail_len)
+        lane.pos = q.reuse_tokens
+        lane.taps = self.planner.plan(lane.n_prompt, lane.pos,
+                                      planner_hints(lane.request.tap_hints, lane.request.message_boundaries),
+                                      existing=[x.frontier for x in q.match.candidates],
+                                      vision_spans=lane.prepared.vision_spans,
+                                      resumed_from_endpoint=seq.resumed_from_endpoint)
+        return Admission(q.reuse_tokens, q.cached_prefix_tokens, lane.usage.restored_host_bytes)
+
+    def _admit_plain(self, lane: Lane, ent: int) -> Admission:
+        if ent > self.pool.available:
+            self.counters["blocked"] += 1
+            raise Blocked("pages held by active lanes")
+        if ent > self.pool.num_free:
+            self._free_pages(self.index.evict_device(ent - self.pool.num_free).pages)
+        lane.pages = self.pool.alloc(ent, PageState.ACTIVE)
+        lane.owned = [True] * ent
+        lane.state_slot = self.free_active.pop()
+        self.states.reset(lane.state_slot)
+        lane.pos = 0
+        lane.taps = []
+        return Admission(0, 0, 0)
+
+    # ------------------------------------------------------------------ prefill support
+    def layer_ready(self, lane: Lane):
+        """The first prefill pass waits for the restore's per-layer events (spec §6.5)."""
+        ticket = lane.ticket
+        if ticket is None:
+            return None
+        lane.ticket = None
+        return ticket.wait_layer
+
+    def next_stop(self, lane: Lane, end: int) -> int:
+        """Where the next prefill pass must end: at ``end`` or before an exact tap inside it."""
+        for t in lane.taps:
+            if t.placement is Placement.EXACT and lane.pos < t.position < end:
+                return t.position
+        return end
+
+    def before_pass(self, lane: Lane, end: int) -> None:
+        """Flexible taps inside the prompt's final chunk are taken at that chunk's start (§7.1)."""
+        if end < lane.n_prompt or not lane.taps:
+            return
+        inside = [t for t in lane.taps if t.placement is Placement.FLEXIBLE]
+        if not inside:
+            return
+        lane.taps = [t for t in lane.taps if t.placement is not Placement.FLEXIBLE]
+        if lane.pos > self._deepest(lane):
+            self.take_snapshot(lane, SnapshotKind.TAP)
+
+    def after_pass(self, lane: Lane) -> None:
+        """Commit every block the lane completed, then take the taps the pass reached: an exact
+        tap ends its pass (spec §7.1 splits there); flexible taps are taken at the chunk end."""
+        self.commit_blocks(lane)
+        due = [t for t in lane.taps if t.position <= lane.pos]
+        if not due:
+            return
+        lane.taps = [t for t in lane.taps if t.position > lane.pos]
+        if lane.pos >= lane.n_prompt or lane.pos <= self._deepest(lane):
+            return
+        kind = SnapshotKind.BOUNDARY if any(t.boundary for t in due) else SnapshotKind.TAP
+        self.take_snapshot(lane, kind)
+
+    def _deepest(self, lane: Lane) -> int:
+        seq = lane.seq
+        if seq is None:
+            return 0
+        return max((s.frontier for s in (seq.source, seq.last_tap) if s is not None and s.alive), default=0)
+
+    def commit_blocks(self, lane: Lane) -> None:
+        seq = lane.seq
+        if seq is None:
+            return
+        prompt = lane.prepared
+        while BLOCK_TOKENS * (len(seq.nodes) + 1) <= lane.pos:
+            b = len(seq.nodes)
+            if b < len(prompt.blocks):
+                tb, h = prompt.blocks[b], prompt.hashes[b]
+            else:
+                tb, h = token_bytes(lane.tokens[BLOCK_TOKENS * b:BLOCK_TOKENS * (b + 1)]), None
+            page = lane.pages[b]
+            outcome = self.index.commit_block(seq, tb, (page,), h=h)
+            if outcome is not CommitOutcome.DUPLICATE:
+                lane.owned[b] = False
+                self.pool.set_state([page], PageState.CACHED)
+
+    def take_snapshot(self, lane: Lane, kind: SnapshotKind, *, endpoint: bool = False) -> bool:
+        """Snapshot the lane's state at ``lane.pos`` (a tap: a copy; an endpoint: the active
+        image itself and the partial last page as the tail, spec §7.4, §7.7)."""
+        seq = lane.seq
+        p = lane.pos
+        if seq is None or p == 0:
+            return False
+        d, tail_len = divmod(p, BLOCK_TOKENS)
+        assert len(seq.nodes) >= d, f"snapshot at {p}: only {len(seq.nodes)} blocks committed"
+        grant = self.index.acquire_snapshot_slot(seq, kind, p, tail_len)
+        if grant is None:
+            self.counters["taps_skipped"] += 1
+            return False
+        self._free_pages(grant.freed.pages)
+        k = grant.slot
+        tail_pages = None
+        if endpoint:
+            phys = self.snap_phys[k]
+            self.snap_phys[k] = lane.state_slot
+            lane.state_slot = phys  # the lane keeps a slot to return; the image is frozen as is
+            if tail_len:
+                tail_pages = (lane.pages[d],)
+                lane.owned[d] = False
+                self.pool.set_state(tail_pages, PageState.CACHED)
+        else:
+            self.states.copy_slot(lane.state_slot, self.snap_phys[k])
+            if tail_len:
+                page = self._alloc_cache_page()
+                if page is None:
+                    self.index.release_snapshot_slot(k)
+                    self.counters["taps_skipped"] += 1
+                    return False
+                self.storage.copy_page(lane.pages[d], page, tail_len)
+                tail_pages = (page,)
+        tail_tokens = token_bytes(lane.tokens[BLOCK_TOKENS * d:p]) if tail_len else b""
+        pr = self.index.publish(seq, kind, p, slot=k, tail_tokens=tail_tokens, tail_pages=tail_pages)
+        self._free_pages(pr.freed.pages)
+        self._write(pr.write)
+        self.counters["endpoints" if endpoint else "taps"] += 1
+        return True
+
+    def _alloc_cache_page(self) -> int | None:
+        if self.pool.num_free == 0:
+            self._free_pages(self.index.evict_device(1).pages)
+        got = self.pool.try_alloc(1, PageState.CACHED)
+        return got[0] if got else None
+
+    # ------------------------------------------------------------------ finish (§7.7)
+    def finish(self, lane: Lane, *, publish: bool = True) -> None:
+        """Terminal settlement: endpoint snapshot, release with write-through, free the rest."""
+        if lane.ticket is not None:  # released before its first pass: the slot may be a destination
+            lane.ticket.wait_all()
+            lane.ticket = None
+        seq = lane.seq
+        if seq is not None:
+            if publish and self.failed is None:
+                self.commit_blocks(lane)
+                if lane.pos - self._deepest(lane) >= BLOCK_TOKENS and lane.pos >= 1:
+                    self.take_snapshot(lane, SnapshotKind.ENDPOINT, endpoint=True)
+            rel = self.index.release(seq, write_through=self.failed is None)
+            self._write(rel.write)
+            lane.seq = None
+        self._free_pages([(p,) for p, own in zip(lane.pages, lane.owned) if own])
+        lane.pages, lane.owned = [], []
+        if lane.state_slot >= 0:
+            self.free_active.append(lane.state_slot)
+            lane.state_slot = -1
+
+    # ------------------------------------------------------------------ transfers
+    def _write(self, batch) -> None:
+        if batch is None or not batch:
+            return
+        job = self.transfer.write_through(
+            blocks=[(bt.pages[0], bt.slab) for bt in batch.blocks],
+            images=[(self.snap_phys[st.slot], list(st.slabs)) for st in batch.snapshots],
+            tails=[(st.tail_pages[0], st.tail_slab) for st in batch.snapshots if st.tail_pages is not None])
+        self.jobs[job.job_id] = ("write", batch)
+
+    def poll(self) -> None:
+        """Land finished transfers (spec §10.9: residency changes only here or at commit)."""
+        for c in self.transfer.poll():
+            kind, batch = self.jobs.pop(c.job_id)
+            if not c.ok:
+                self.counters["transfer_failures"] += 1
+                self.failed = f"{kind} transfer {c.job_id} failed: {c.error}"
+                self._abandon(kind, batch)
+                continue
+            if kind == "restore":
+                self.index.land_restore(batch)
+                self.pool.land([bt.pages[0] for bt in batch.blocks])
+                if batch.snapshot is not None and batch.snapshot.tail_pages is not None:
+                    self.pool.land([batch.snapshot.tail_pages[0]])
+            else:
+                self.index.land_write(batch)
+
+    def _abandon(self, kind: str, batch) -> None:
+        """A failed transfer: land it so its pins drop, then drop the copies it was making."""
+        if kind == "restore":
+            self.index.land_restore(batch)
+            self.pool.land([bt.pages[0] for bt in batch.blocks])
+            if batch.snapshot is not None and batch.snapshot.tail_pages is not None:
+                self.pool.land([batch.snapshot.tail_pages[0]])
+        else:
+            self.index.land_write(batch)
+
+    def drain(self) -> None:
+        self.transfer.drain()
+        self.poll()
+
+    def _free_pages(self, bundles) -> None:
+        pages = [b[0] for b in bundles]
+        if pages:
+            self.pool.free(pages, abandon_filling=True)
+
+    # ------------------------------------------------------------------ checks and stats
+    def check_invariants(self) -> None:
+        self.index.check_invariants()
+        self.pool.check_invariants()
+
+    def stats(self) -> dict[str, Any]:
+        return {"index": self.index.stats(), "pool": self.pool.counts(), "pages": self.pool.num_pages,
+                "snapshot_slots": self.D, "lanes_free": len(self.free_active),
+                "host_slabs": self.host.num_slabs, "slab_bytes": self.host.slab_bytes,
+                "page_bytes": self.storage.page_bytes, "image_bytes": self.image_bytes,
+                "transfers_pending": self.transfer.pending, **self.counters}

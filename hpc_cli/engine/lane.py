@@ -1,0 +1,52 @@
+"""A lane: one admitted request's execution state (pages, state slot, position, taps)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hpc_cli.engine.api import GenerationRequest, RequestHandle, Usage
+
+
+@dataclass(eq=False)
+class Lane:
+    request: GenerationRequest
+    handle: RequestHandle
+    prepared: Any  # hpc_cli.cache.keys.PreparedPrompt
+    index: int  # submission order, seeds unseeded sampling
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
+    n_prompt: int = 0
+    pos: int = 0  # tokens whose KV and state are in the lane (processed)
+    state_slot: int = -1
+    pages: list[int] = field(default_factory=list)  # block table: page of block b
+    owned: list[bool] = field(default_factory=list)  # the lane frees page b at finish
+    seq: Any = None  # hpc_cli.cache.index.SequencePath, or None for a disabled/off lane
+    taps: list[Any] = field(default_factory=list)  # planned taps not yet taken (hpc_cli.cache.taps.Tap)
+    ticket: Any = None  # restore ticket until the first prefill pass
+    restore_batch: Any = None
+    generated: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    text: str = ""  # decoded generated text (for stop strings)
+    decoder: Any = None
+    usage: Usage = field(default_factory=Usage)
+    admitted_at: float = 0.0
+    first_token_at: float | None = None
+    prompt_logprobs: list[float | None] | None = None
+    next_token: int | None = None  # sampled but not yet processed
+    finish_reason: str | None = None
+    error: str | None = None
+    stop_text: str | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < self.n_prompt
+
+    @property
+    def max_tokens(self) -> int:
+        return self.request.sampling.max_tokens
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.handle.submitted_at

@@ -1,0 +1,56 @@
+"""Token sampling: greedy, temperature, top-k, top-p, seeded; logprobs of the chosen token."""
+
+from __future__ import annotations
+
+import torch
+
+from hpc_cli.engine.api import SamplingParams, TokenEvent
+
+
+def make_generator(params: SamplingParams, request_index: int) -> torch.Generator | None:
+    """A CPU generator for a seeded request (the same seed gives the same tokens), else None."""
+    if params.temperature == 0.0:
+        return None
+    g = torch.Generator(device="cpu")
+    g.manual_seed(params.seed if params.seed is not None else (0x9E3779B97F4A7C15 * request_index) % (2**63))
+    return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> TokenEvent:
+    """Choose one token from ``logits`` ``[vocab]`` (any device); logprobs come from the
+    unmodified distribution, as the OpenAI API reports them."""
+    logits = logits.float()
+    if params.temperature == 0.0:
+        token = int(torch.argmax(logits))
+    else:
+        x = logits / params.temperature
+        if params.top_k and params.top_k < x.numel():
+            kth = torch.topk(x, params.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if params.top_p < 1.0:
+            sorted_x, idx = torch.sort(x, descending=True)
+            probs = torch.softmax(sorted_x, dim=-1)
+            cum = torch.cumsum(probs, dim=-1)
+            drop = cum - probs > params.top_p  # keep the smallest set whose mass reaches top_p
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+            x = torch.full_like(x, float("-inf")).scatter(0, idx, sorted_x)
+        probs = torch.softmax(x, dim=-1).cpu()
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    event = TokenEvent(token)
+    if params.logprobs is not None:
+        lp = torch.log_softmax(logits, dim=-1)
+        event.logprob = float(lp[token])
+        if params.logprobs > 0:
+            vals, ids = torch.topk(lp, params.logprobs)
+            event.top_logprobs = [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return event
+
+
+def prompt_logprobs(all_logits: torch.Tensor, tokens: list[int], start: int) -> list[float]:
+    """Logprob of each token ``tokens[start+1 .. start+T]`` given its prefix, from the logits of
+    positions ``start .. start+T-1`` (``all_logits`` ``[T, vocab]``)."""
+    lp = torch.log_softmax(all_logits.float(), dim=-1)
+    T = all_logits.shape[0]
+    nxt = torch.tensor(tokens[start + 1:start + 1 + T], dtype=torch.long, device=lp.device)
+    k = nxt.numel()
+    return lp[torch.arange(k, device=lp.device), nxt].tolist()
