@@ -123,7 +123,7 @@ class Quote:
     """An admission quote (spec §6.1-6.3), exact at ``epoch``."""
 
     readiness: Readiness
-    match: MatchResult
+    match: MatchResult = field(repr=False)
     source: Snapshot | None  # None: prefill from the root
     reuse_tokens: int  # F_s, reported as cached_tokens
     cached_prefix_tokens: int  # longest cached block prefix, reusable or not
@@ -335,13 +335,14 @@ class PrefixIndex:
         for s in (s_dev, None):
             if s is not chosen and s not in order:
                 order.append(s)
-        pick = None
+        found = False
+        pick: Snapshot | None = None
         for s in order:
             need, avail, _, _ = described[id(s)]
             if need <= avail:
-                pick = s
+                pick, found = s, True
                 break
-        if pick is not None:
+        if found:
             readiness = Readiness.READY
         elif entitlement_pages > total_pages:
             readiness = Readiness.PERMANENTLY_INFEASIBLE
@@ -889,6 +890,10 @@ class PrefixIndex:
                 victim, best = s, h
         return victim, best
 
+    def host_victim(self) -> tuple[Snapshot | None, float]:
+        """The snapshot host allocation would evict at §9.3 step 3 now, and its H."""
+        return self._gdsf_victim()
+
     def priority(self, s: Snapshot) -> float:
         """H(s) of spec §9.3 (recomputed when stale)."""
         return self._h(s)
@@ -1218,6 +1223,15 @@ class PrefixIndex:
     def stats(self) -> dict:
         from hpc_cli.cache.stats import stats
         return stats(self)
+
+
+def backfill_proof(need_borrower: int, need_head_root: int, free_pages: int, evictable_pages: int,
+                   donor_released_pages: int) -> bool:
+    """Spec §6.3's backfill arithmetic: a borrower may overtake a blocked FIFO head only if
+    ``need(borrower) + need(head root) <= free + all evictable + donor entitlements released``.
+    Hybrid mode does not issue the proof (a blocked head is never overtaken); it is kept as a
+    function so the arithmetic is tested and available."""
+    return need_borrower + need_head_root <= free_pages + evictable_pages + donor_released_pages
 
 
 def _root_hash() -> int:

@@ -128,11 +128,11 @@ class PreparedPrompt:
     block; ``vision_spans`` are ``(begin, length)`` of Vision placeholder spans.
     """
 
-    tokens: bytes  # the whole prompt, packed little-endian int32
+    tokens: bytes = field(repr=False)  # the whole prompt, packed little-endian int32
     n: int
-    blocks: list[bytes]
-    hashes: list[int]
-    extras: list[int]
+    blocks: list[bytes] = field(repr=False)
+    hashes: list[int] = field(repr=False)
+    extras: list[int] = field(repr=False)
     vision_spans: tuple[tuple[int, int], ...] = ()
     media: tuple[MediaItem, ...] = field(default=())
 
