@@ -104,3 +104,39 @@ def stats(index: PrefixIndex) -> dict:
         "transfers": {"restores": len(index.restores), "writes": len(index.writes)},
         "counters": index.counters.as_dict(),
     }
+
+
+def snapshot_rows(index: PrefixIndex, limit: int = 16) -> list[dict]:
+    """The ``limit`` snapshots of highest GDSF value (then most hits), one JSON-able row each:
+    id, frontier, kind, residency of the image and of the tail, hits, GDSF value (``None``
+    while stale), superseded. Read-only and bounded; for the terminal view."""
+    import heapq
+
+    from hpc_cli.cache.tree import ABSENT
+
+    snaps = list(index.snapshots.values())  # one copy; the walk below never touches the dict
+    top = heapq.nlargest(max(0, limit), snaps, key=lambda s: (not s.superseded, s.gdsf_h, s.hits, s.frontier))
+    rows = []
+    for s in top:
+        tail = "-" if not s.tail_tokens else _res(s.tail_device_state != ABSENT, s.tail_host_state != ABSENT)
+        rows.append({"id": s.id, "frontier": s.frontier, "kind": s.kind.value,
+                     "residency": _res(s.device_state != ABSENT, s.host_state != ABSENT),
+                     "tail": tail, "hits": s.hits, "gdsf": None if s.dirty else round(s.gdsf_h, 6),
+                     "superseded": s.superseded})
+    return rows
+
+
+def inflight_bytes(index: PrefixIndex) -> dict:
+    """Bytes of the restores and write-throughs in flight (block bundles, images, tails)."""
+    bb, ib = index.block_bytes, index.image_bytes
+
+    def size(blocks, snaps, image: bool) -> int:
+        n = len(blocks) * bb
+        for t in snaps:
+            n += (ib if image else 0) + (bb if t.tail_pages is not None else 0)
+        return n
+
+    restores = sum(size(b.blocks, [b.snapshot] if b.snapshot else [], b.restore_image)
+                   for b in list(index.restores.values()))
+    writes = sum(size(b.blocks, b.snapshots, True) for b in list(index.writes.values()))
+    return {"restore_bytes": restores, "write_bytes": writes}
