@@ -130,13 +130,14 @@ def inflight_bytes(index: PrefixIndex) -> dict:
     """Bytes of the restores and write-throughs in flight (block bundles, images, tails)."""
     bb, ib = index.block_bytes, index.image_bytes
 
-    def size(blocks, snaps, image: bool) -> int:
+    def size(blocks, snaps, image: bool | None) -> int:
         n = len(blocks) * bb
-        for t in snaps:
-            n += (ib if image else 0) + (bb if t.tail_pages is not None else 0)
+        for t in snaps:  # a write carries an image when it has image slabs
+            n += (ib if (image if image is not None else bool(t.slabs)) else 0)
+            n += bb if t.tail_pages is not None else 0
         return n
 
     restores = sum(size(b.blocks, [b.snapshot] if b.snapshot else [], b.restore_image)
                    for b in list(index.restores.values()))
-    writes = sum(size(b.blocks, b.snapshots, True) for b in list(index.writes.values()))
+    writes = sum(size(b.blocks, b.snapshots, None) for b in list(index.writes.values()))
     return {"restore_bytes": restores, "write_bytes": writes}
