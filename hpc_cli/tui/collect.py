@@ -1,0 +1,406 @@
+"""Pure data for the terminal view: the engine's stats dict (in process, or ``/v1/cache/stats``
+over HTTP) into a typed :class:`View`, with a rolling one-minute history for rates and sparklines.
+
+Nothing here touches the terminal. Every field the stats may lack (an older server, a cache mode
+of ``off``) becomes ``None`` or an empty list, and the renderer shows a dash.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+HISTORY_S = 60.0
+
+
+class SourceGone(Exception):
+    """The stats source is not there (or went away): one line, for the user."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The view model
+# ---------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class PagePool:
+    pages: int = 0
+    free: int = 0
+    active: int = 0
+    cached: int = 0
+    filling: int = 0
+    page_bytes: int = 0
+
+
+@dataclass(slots=True)
+class SnapshotSlots:
+    slots: int = 0  # device snapshot slots held by the index
+    active: int = 0  # lane slots (one per running request)
+    lanes: int = 0
+    snapshot: int = 0  # slots holding a retained snapshot image
+    staging: int = 0
+    superseded: int = 0
+    image_bytes: int = 0
+
+
+@dataclass(slots=True)
+class HostPool:
+    slabs: int = 0
+    slab_bytes: int = 0
+    free: int = 0
+    node: int = 0  # KV block bundles
+    image: int = 0
+    tail: int = 0
+    filling: int = 0
+    enabled: bool = True
+
+
+@dataclass(slots=True)
+class SnapshotRow:
+    id: int
+    frontier: int
+    kind: str
+    residency: str
+    tail: str
+    hits: int
+    gdsf: float | None
+    superseded: bool
+
+
+@dataclass(slots=True)
+class Transfers:
+    restores_inflight: int = 0
+    writes_inflight: int = 0
+    restore_bytes_inflight: int | None = None
+    write_bytes_inflight: int | None = None
+    pending_jobs: int = 0
+    restores_total: int = 0
+    restored_bytes_total: int = 0
+    writes_landed_total: int = 0
+    written_bytes_total: int | None = None
+    restore_gbps: float | None = None  # over the last few seconds
+    write_gbps: float | None = None
+    restores_per_s: float | None = None
+    writes_per_s: float | None = None
+    failures: int = 0
+
+
+@dataclass(slots=True)
+class Reuse:
+    requests: int = 0
+    prompt_tokens: int = 0
+    reuse_tokens: int = 0
+    prefill_tokens: int = 0
+    saved_tokens: int = 0  # prompt tokens not prefilled
+    hit_rate: float | None = None  # reuse tokens / prompt tokens, since start
+    snapshot_hits: int = 0
+    ttft_p50: float | None = None
+    ttft_p95: float | None = None
+    ttft_n: int = 0
+
+
+@dataclass(slots=True)
+class View:
+    source: str = ""
+    model: str = "-"
+    kv_profile: str = "-"
+    spec_backend: str | None = None
+    cache_mode: str | None = None
+    profile: str | None = None
+    uptime_s: float = 0.0
+    max_concurrency: int = 0
+    running: int = 0
+    waiting: int = 0
+    prefilling: int = 0
+    fatal: str | None = None
+    cache_on: bool = True
+    pool: PagePool = field(default_factory=PagePool)
+    slots: SnapshotSlots = field(default_factory=SnapshotSlots)
+    host: HostPool = field(default_factory=HostPool)
+    snapshots_total: int = 0
+    snapshots_by_kind: dict[str, int] = field(default_factory=dict)
+    snapshots_by_residency: dict[str, int] = field(default_factory=dict)
+    snapshot_rows: list[SnapshotRow] | None = None  # None: the stats carry no per-snapshot rows
+    nodes_total: int = 0
+    gdsf_L: float = 0.0
+    transfers: Transfers = field(default_factory=Transfers)
+    reuse: Reuse = field(default_factory=Reuse)
+    # one-minute series (oldest first), one point per sample
+    spark_hit_rate: list[float] = field(default_factory=list)
+    spark_reuse_tps: list[float] = field(default_factory=list)
+    spark_ttft: list[float] = field(default_factory=list)
+    spark_restore_gbps: list[float] = field(default_factory=list)
+    spark_running: list[float] = field(default_factory=list)
+    spark_waiting: list[float] = field(default_factory=list)
+    empty: bool = False  # the source answered with no stats yet
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+def _int(d: Any, *keys: str, default: int = 0) -> int:
+    for k in keys:
+        if not isinstance(d, dict):
+            return default
+        d = d.get(k)
+    try:
+        return int(d) if d is not None else default
+    except (TypeError, ValueError):
+        return default
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stats dict -> View (one frame, no history)
+# ---------------------------------------------------------------------------------------------
+def build_view(stats: dict, source: str = "") -> View:
+    """One frame from one stats dict; rates and sparklines come from :class:`Collector`."""
+    v = View(source=source)
+    if not stats:
+        v.empty = True
+        return v
+    v.model = str(stats.get("model") or "-")
+    v.kv_profile = str(stats.get("kv_profile") or "-")
+    meta = stats.get("settings") or {}
+    v.spec_backend = meta.get("spec_backend") or stats.get("spec_backend")
+    v.cache_mode = meta.get("cache_mode") or stats.get("cache_mode")
+    v.profile = meta.get("profile") or stats.get("profile")
+    v.uptime_s = float(stats.get("uptime_s") or 0.0)
+    v.max_concurrency = _int(stats, "max_concurrency")
+    req = stats.get("requests") or {}
+    v.running, v.waiting, v.prefilling = _int(req, "running"), _int(req, "waiting"), _int(req, "prefilling")
+    v.fatal = stats.get("fatal")
+
+    cache = stats.get("cache") or {}
+    v.cache_on = bool(cache)
+    idx = cache.get("index") or {}
+    pc = cache.get("pool") or {}
+    v.pool = PagePool(pages=_int(cache, "pages") or sum(_int(pc, k) for k in ("free", "active", "cached", "filling")),
+                      free=_int(pc, "free"), active=_int(pc, "active"), cached=_int(pc, "cached"),
+                      filling=_int(pc, "filling"), page_bytes=_int(cache, "page_bytes"))
+
+    dev = idx.get("device") or {}
+    snaps = idx.get("snapshots") or {}
+    slots_total = _int(dev, "snapshot_slots")
+    used = _int(dev, "snapshot_slots_used")
+    by_res = snaps.get("by_residency") or {}
+    rows_raw = cache.get("top_snapshots")
+    # superseded snapshots whose image still sits in a device slot (only known from rows)
+    sup_on_dev = None
+    if isinstance(rows_raw, list):
+        sup_on_dev = sum(1 for r in rows_raw if r.get("superseded") and r.get("residency") in ("device", "both"))
+    on_dev = _int(by_res, "device") + _int(by_res, "both")
+    staging = max(0, used - on_dev)
+    lanes = _int(stats, "max_concurrency")
+    v.slots = SnapshotSlots(slots=slots_total, lanes=lanes,
+                            active=v.running, snapshot=min(on_dev, used), staging=staging,
+                            superseded=sup_on_dev if sup_on_dev is not None else 0,
+                            image_bytes=_int(cache, "image_bytes"))
+
+    host = idx.get("host") or {}
+    use = host.get("slabs_by_use") or {}
+    nslabs = _int(host, "slabs") or _int(cache, "host_slabs")
+    v.host = HostPool(slabs=nslabs, slab_bytes=_int(host, "slab_bytes") or _int(cache, "slab_bytes"),
+                      free=_int(host, "free_slabs") if "free_slabs" in host else _int(use, "free"),
+                      node=_int(use, "node"), image=_int(use, "image"), tail=_int(use, "tail"),
+                      filling=sum(_int(use, k) for k in use if k not in ("free", "node", "image", "tail")),
+                      enabled=nslabs > 0)
+
+    v.snapshots_total = _int(snaps, "total")
+    v.snapshots_by_kind = dict(snaps.get("by_kind") or {})
+    v.snapshots_by_residency = dict(by_res)
+    if isinstance(rows_raw, list):
+        v.snapshot_rows = [SnapshotRow(id=_int(r, "id"), frontier=_int(r, "frontier"), kind=str(r.get("kind", "?")),
+                                       residency=str(r.get("residency", "?")), tail=str(r.get("tail", "-")),
+                                       hits=_int(r, "hits"), gdsf=r.get("gdsf"), superseded=bool(r.get("superseded")))
+                           for r in rows_raw if isinstance(r, dict)]
+    v.nodes_total = _int(idx, "nodes", "total")
+    v.gdsf_L = float(idx.get("gdsf_L") or 0.0)
+
+    ic = idx.get("counters") or {}
+    tr = idx.get("transfers") or {}
+    inflight = cache.get("inflight") or {}
+    v.transfers = Transfers(
+        restores_inflight=_int(tr, "restores"), writes_inflight=_int(tr, "writes"),
+        restore_bytes_inflight=inflight.get("restore_bytes"), write_bytes_inflight=inflight.get("write_bytes"),
+        pending_jobs=_int(cache, "transfers_pending"), restores_total=_int(ic, "restores"),
+        restored_bytes_total=_int(ic, "restored_bytes") or _int(cache, "restored_host_bytes"),
+        writes_landed_total=_int(ic, "writes_landed"),
+        written_bytes_total=ic.get("written_bytes") if "written_bytes" in ic else None,
+        failures=_int(cache, "transfer_failures"))
+
+    c = stats.get("counters") or {}
+    prompt = _int(c, "prompt_tokens")
+    reuse = _int(c, "reuse_tokens")
+    ttft = [float(x) for x in (stats.get("ttft_recent_s") or [])]
+    v.reuse = Reuse(requests=_int(c, "requests"), prompt_tokens=prompt, reuse_tokens=reuse,
+                    prefill_tokens=_int(c, "prefill_tokens"),
+                    saved_tokens=reuse,  # prompt tokens served from the cache, never prefilled
+                    hit_rate=(reuse / prompt) if prompt else None, snapshot_hits=_int(ic, "snapshot_hits"),
+                    ttft_p50=percentile(ttft, 0.5), ttft_p95=percentile(ttft, 0.95), ttft_n=len(ttft))
+    return v
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources and the rolling history
+# ---------------------------------------------------------------------------------------------
+def engine_source(engine: Any, settings: Any = None, *, rows: int = 12) -> Callable[[], dict]:
+    """Stats from an engine in this process: its published snapshot (taken by the worker a few
+    times a second), plus the snapshot rows and in-flight bytes when the stats lack them (a
+    bounded read-only walk; the worker is never waited on), plus the settings' names."""
+    meta = settings_meta(settings)
+
+    def read() -> dict:
+        stats = dict(engine.stats() or {})
+        if meta:
+            stats.setdefault("settings", meta)
+        cache = stats.get("cache")
+        index = getattr(getattr(engine, "cache", None), "index", None)
+        if isinstance(cache, dict) and index is not None:
+            from hpc_cli.cache.stats import inflight_bytes, snapshot_rows
+
+            cache = dict(cache)
+            for key, fn in (("top_snapshots", lambda: snapshot_rows(index, rows)),
+                            ("inflight", lambda: inflight_bytes(index))):
+                if key not in cache:
+                    try:
+                        cache[key] = fn()
+                    except Exception:  # racing the worker: skip this frame's rows
+                        pass
+            stats["cache"] = cache
+        return stats
+
+    return read
+
+
+def settings_meta(settings: Any) -> dict:
+    """The names the header shows, from a ResolvedSettings (or HpcSettings)."""
+    if settings is None:
+        return {}
+    s = getattr(settings, "settings", settings)
+    out: dict[str, Any] = {}
+    try:
+        out["spec_backend"] = s.speculative.backend
+        out["cache_mode"] = s.cache.mode
+        out["kv_profile"] = s.kv.profile
+    except AttributeError:
+        pass
+    path = getattr(settings, "profile_path", None)
+    if path is not None:
+        out["profile"] = getattr(path, "stem", str(path))
+    return out
+
+
+def url_source(url: str, api_key: str | None = None, timeout: float = 3.0) -> Callable[[], dict]:
+    """Stats from a running server's ``/v1/cache/stats``; failures raise :class:`SourceGone`."""
+    import httpx
+
+    base = url.rstrip("/")
+    endpoint = base if base.endswith("/v1/cache/stats") else base + "/v1/cache/stats"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    client = httpx.Client(timeout=timeout, headers=headers, trust_env=False)
+
+    def read() -> dict:
+        try:
+            r = client.get(endpoint)
+        except httpx.TransportError as exc:
+            kind = "connection refused" if isinstance(exc, httpx.ConnectError) else type(exc).__name__
+            raise SourceGone(f"cannot reach {base} ({kind})") from None
+        if r.status_code == 401:
+            raise SourceGone(f"{base} refused the API key (HTTP 401); pass --api-key KEY")
+        if r.status_code == 404:
+            raise SourceGone(f"{base} has no /v1/cache/stats (HTTP 404); is it an hpc-cli server?")
+        if r.status_code != 200:
+            raise SourceGone(f"{base}/v1/cache/stats answered HTTP {r.status_code}")
+        try:
+            data = r.json()
+        except ValueError:
+            raise SourceGone(f"{base}/v1/cache/stats did not answer JSON") from None
+        if not isinstance(data, dict):
+            raise SourceGone(f"{base}/v1/cache/stats did not answer a JSON object")
+        return data
+
+    read.endpoint = endpoint  # type: ignore[attr-defined]
+    return read
+
+
+@dataclass(slots=True)
+class _Sample:
+    t: float
+    prompt: int
+    reuse: int
+    restored_bytes: int
+    restores: int
+    writes_landed: int
+    written_bytes: int | None
+    ttft_p50: float | None
+    running: int
+    waiting: int
+
+
+class Collector:
+    """Reads a source and keeps one minute of samples for rates and sparklines."""
+
+    def __init__(self, read: Callable[[], dict], source: str = "", *, clock: Callable[[], float] = time.monotonic,
+                 history_s: float = HISTORY_S, rate_window_s: float = 5.0) -> None:
+        self.read = read
+        self.source = source
+        self.clock = clock
+        self.history_s = history_s
+        self.rate_window_s = rate_window_s
+        self.samples: deque[_Sample] = deque()
+
+    def poll(self) -> View:
+        return self.update(self.read())
+
+    def update(self, stats: dict) -> View:
+        """Fold one stats dict into the history and return its view (pure but for the history)."""
+        v = build_view(stats, self.source)
+        now = self.clock()
+        t = v.transfers
+        self.samples.append(_Sample(now, v.reuse.prompt_tokens, v.reuse.reuse_tokens, t.restored_bytes_total,
+                                    t.restores_total, t.writes_landed_total, t.written_bytes_total,
+                                    v.reuse.ttft_p50, v.running, v.waiting))
+        while self.samples and now - self.samples[0].t > self.history_s:
+            self.samples.popleft()
+        self._rates(v, now)
+        self._sparks(v)
+        return v
+
+    def _rates(self, v: View, now: float) -> None:
+        base = None
+        for s in self.samples:  # the oldest sample within the rate window
+            if now - s.t <= self.rate_window_s:
+                base = s
+                break
+        last = self.samples[-1]
+        if base is None or last.t - base.t <= 0:
+            return
+        dt = last.t - base.t
+        t = v.transfers
+        t.restore_gbps = max(0, last.restored_bytes - base.restored_bytes) / dt / 1e9
+        t.restores_per_s = max(0, last.restores - base.restores) / dt
+        t.writes_per_s = max(0, last.writes_landed - base.writes_landed) / dt
+        if last.written_bytes is not None and base.written_bytes is not None:
+            t.write_gbps = max(0, last.written_bytes - base.written_bytes) / dt / 1e9
+
+    def _sparks(self, v: View) -> None:
+        s = list(self.samples)
+        for a, b in zip(s, s[1:]):
+            dt = max(b.t - a.t, 1e-9)
+            dp = b.prompt - a.prompt
+            v.spark_hit_rate.append((b.reuse - a.reuse) / dp if dp > 0 else 0.0)
+            v.spark_reuse_tps.append(max(0, b.reuse - a.reuse) / dt)
+            v.spark_restore_gbps.append(max(0, b.restored_bytes - a.restored_bytes) / dt / 1e9)
+        v.spark_ttft = [x.ttft_p50 or 0.0 for x in s]
+        v.spark_running = [float(x.running) for x in s]
+        v.spark_waiting = [float(x.waiting) for x in s]
