@@ -1,0 +1,148 @@
+"""`hpc-cli serve`: the OpenAI- and Anthropic-compatible HTTP server (hpc_cli.server)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import click
+
+# flag -> dotted settings key (each also a profile key and an HPC_* variable)
+FLAG_KEYS = {
+    "model": "model.name", "dtype": "model.dtype", "device": "model.device", "seed": "model.seed",
+    "max_model_len": "model.max_model_len",
+    "host": "server.host", "port": "server.port", "api_key": "server.api_key",
+    "served_model_name": "server.served_model_name", "tui": "server.tui",
+    "max_concurrency": "engine.max_concurrency", "prefill_chunk": "engine.prefill_chunk",
+    "kv_capacity": "engine.kv_capacity", "default_max_tokens": "engine.default_max_tokens",
+    "kv_profile": "kv.profile",
+    "spec_backend": "speculative.backend", "num_draft_tokens": "speculative.num_draft_tokens",
+    "drafter": "speculative.drafter",
+    "cache_mode": "cache.mode", "host_cache_mib": "cache.host_cache_mib",
+    "prefix_cache_file": "cache.prefix_cache_file", "no_prefix_reuse": "cache.no_prefix_reuse",
+}
+
+
+def _kv_capacity(value: str | None):
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter("auto or a page count") from None
+
+
+def banner(resolved, url: str) -> str:
+    s = resolved.settings
+    served = s.server.served_model_name or s.model.name
+    lines = [f"hpc-cli serving {s.model.name} as '{served}' at {url}",
+             f"  cache {s.cache.mode} (host tier {s.cache.host_cache_mib} MiB"
+             + (f", file {s.cache.prefix_cache_file}" if s.cache.prefix_cache_file else "") + ")"
+             f" | KV {s.kv.profile} | speculative {s.speculative.backend} | lanes {s.engine.max_concurrency}",
+             f"  OpenAI: {url}/v1/chat/completions, {url}/v1/completions | Anthropic: {url}/v1/messages",
+             f"  {url}/health, {url}/metrics, {url}/v1/cache/stats"
+             + (" | API key required (Authorization: Bearer ...)" if s.server.api_key else "")]
+    if s.model.name.startswith("builtin:"):
+        lines += ["",
+                  f"  NOTE: {s.model.name} is the embedded demo model: its weights are random (seeded), so its",
+                  "  text is meaningless. It exercises the server and the prefix cache on any machine. To serve a",
+                  "  real model, point --model at a Qwen3.5 checkpoint directory (config.json, *.safetensors,",
+                  "  tokenizer.json): hpc-cli serve --model /path/to/Qwen3.5-27B"]
+    lines.append("  Stop: Ctrl+C twice within 5 s, or SIGTERM.")
+    return "\n".join(lines)
+
+
+def register(cli: click.Group) -> None:
+    @cli.command("serve")
+    @click.option("--profile", "profile", default=None, help="profile TOML (a path or a shipped profile name)")
+    @click.option("--model", default=None, help="a checkpoint directory or builtin:NAME [model.name]")
+    @click.option("--dtype", default=None, type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                  help="[model.dtype]")
+    @click.option("--device", default=None, type=click.Choice(["auto", "cpu", "cuda"]), help="[model.device]")
+    @click.option("--seed", default=None, type=int, help="seed of builtin weights [model.seed]")
+    @click.option("--max-model-len", default=None, type=int, help="context limit [model.max_model_len]")
+    @click.option("--host", default=None, help="address to bind, default 127.0.0.1 [server.host]")
+    @click.option("--port", default=None, type=int, help="port, default 8000 [server.port]")
+    @click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY' [server.api_key]")
+    @click.option("--served-model-name", default=None, help="the model id clients send [server.served_model_name]")
+    @click.option("--tui/--no-tui", default=None, help="live cache view in the terminal [server.tui]")
+    @click.option("--max-concurrency", default=None, type=int, help="lanes [engine.max_concurrency]")
+    @click.option("--prefill-chunk", default=None, type=int, help="tokens per prefill pass [engine.prefill_chunk]")
+    @click.option("--kv-capacity", default=None, help="device KV pages or auto [engine.kv_capacity]")
+    @click.option("--default-max-tokens", default=None, type=int, help="[engine.default_max_tokens]")
+    @click.option("--kv-profile", default=None, help="KV storage profile [kv.profile]")
+    @click.option("--spec-backend", default=None, help="none, mtp, dflash, dflash2 [speculative.backend]")
+    @click.option("--num-draft-tokens", default=None, type=int, help="[speculative.num_draft_tokens]")
+    @click.option("--drafter", default=None, help="drafter checkpoint directory [speculative.drafter]")
+    @click.option("--cache-mode", default=None, help="hybrid or off [cache.mode]")
+    @click.option("--host-cache-mib", default=None, type=int, help="host slab pool MiB [cache.host_cache_mib]")
+    @click.option("--prefix-cache-file", default=None, type=click.Path(dir_okay=True, path_type=Path),
+                  help="keep the host tier across restarts [cache.prefix_cache_file]")
+    @click.option("--no-prefix-reuse", default=None, is_flag=True, flag_value=True,
+                  help="disable the cache [cache.no_prefix_reuse]")
+    @click.option("--log-level", default="info", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+                  show_default=True, help="uvicorn log level")
+    def serve_command(profile, log_level, **flags) -> None:
+        """Serve the model over OpenAI- and Anthropic-compatible HTTP APIs."""
+        from hpc_cli.settings import load_settings
+
+        flags["kv_capacity"] = _kv_capacity(flags.get("kv_capacity"))
+        cli_flags = {FLAG_KEYS[k]: (str(v) if isinstance(v, Path) else v) for k, v in flags.items()}
+        resolved = load_settings(profile, cli_flags, os.environ)
+        run_server(resolved, log_level=log_level)
+
+
+def run_server(resolved, log_level: str = "info") -> None:
+    """Build the engine, serve until an orderly stop, then return."""
+    import uvicorn
+
+    from hpc_cli.engine.engine import Engine
+    from hpc_cli.server.app import create_app
+    from hpc_cli.server.stop import StopController
+
+    s = resolved.settings
+    engine = Engine.from_settings(resolved)
+    engine.start()
+    controller = StopController(engine, prefix_cache_file=s.cache.prefix_cache_file,
+                                echo=lambda msg: click.echo(f"hpc-cli: {msg}", err=True))
+    app = create_app(engine, resolved, stop_controller=controller)
+    controller.state = app.state.hpc
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # our orderly stop instead of uvicorn's
+            with controller.installed():
+                yield
+
+    config = uvicorn.Config(app, host=s.server.host, port=s.server.port, log_level=log_level,
+                            timeout_graceful_shutdown=5, lifespan="off")
+    server = Server(config)
+    controller.server = server
+    host = s.server.host if ":" not in s.server.host else f"[{s.server.host}]"
+    click.echo(banner(resolved, f"http://{host}:{s.server.port}"), err=True)
+    tui = None
+    if s.server.tui:
+        tui = _start_tui(app.state.hpc)
+    try:
+        server.run()
+    finally:
+        if tui is not None:
+            with contextlib.suppress(Exception):
+                tui.stop()
+        if not controller.stopping:  # the server ended some other way (bind failure): still stop the engine
+            controller.request_stop("server exit", wait=True)
+        else:
+            controller.done.wait(60)
+        if controller.error is not None:
+            click.echo(f"hpc-cli: orderly stop failed: {controller.error}", err=True)
+
+
+def _start_tui(state):
+    """The terminal view comes with its own issue; start it when present."""
+    try:
+        from hpc_cli.tui import start_live_view  # type: ignore[attr-defined]
+    except ImportError:
+        click.echo("hpc-cli: --tui: the terminal view is not available in this build", err=True)
+        return None
+    return start_live_view(state.engine.stats, state.metrics)

@@ -1,0 +1,177 @@
+"""The FastAPI application: ``create_app(engine, settings)``.
+
+Routes: ``/health``, ``/metrics`` (Prometheus text), ``/v1/cache/stats`` (the engine's stats JSON),
+``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (OpenAI, :mod:`.openai`) and
+``/v1/messages`` (Anthropic, :mod:`.anthropic`). Every ``/v1`` route requires
+``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key``) when an API key is set. Errors come
+back in the API's own shape: OpenAI ``{"error": {...}}``, Anthropic ``{"type": "error", ...}``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hpc_cli.engine.api import GenerationRequest, RequestHandle
+from hpc_cli.errors import HpcError, RequestError, UnavailableError
+from hpc_cli.server.common import Unavailable, error_body, is_anthropic_path
+from hpc_cli.server.metrics import Metrics
+
+log = logging.getLogger("hpc_cli.server")
+
+
+class ServerState:
+    """What the routes share: the engine, settings, metrics and the admission switch."""
+
+    def __init__(self, engine: Any, settings: Any) -> None:
+        hs = getattr(settings, "settings", settings)  # ResolvedSettings or HpcSettings
+        self.engine = engine
+        self.settings = hs
+        self.resolved = settings if hs is not settings else None
+        self.metrics = Metrics()
+        self.accepting = True
+        self.started = time.time()
+        self.tokenizer = engine.tokenizer
+        self.model_name: str = str(getattr(engine, "model_name", None) or hs.model.name)
+        self.served_name: str = hs.server.served_model_name or self.model_name
+        self.max_model_len: int = int(getattr(engine, "max_model_len", None) or hs.model.max_model_len or 32768)
+        key = hs.server.api_key
+        self.api_key: str | None = key.get_secret_value() if key is not None else None
+        self.default_max_tokens: int = hs.engine.default_max_tokens
+        self.cache_enabled: bool = not hs.cache.no_prefix_reuse and hs.cache.mode != "off"
+
+    # --- checks --------------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        given = None
+        auth = request.headers.get("authorization", "")
+        if auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        elif is_anthropic_path(request.url.path):
+            given = request.headers.get("x-api-key")
+        if not given or not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            raise RequestError("invalid or missing API key (send 'Authorization: Bearer KEY')",
+                               status=401, code="invalid_api_key")
+
+    def check_model(self, name: Any) -> str:
+        if name in (self.served_name, self.model_name):
+            return self.served_name
+        raise RequestError(f"The model `{name}` does not exist (this server serves `{self.served_name}`)",
+                           status=404, param="model", code="model_not_found")
+
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int | None = None) -> int:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise RequestError(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                               f"has {prompt_len} tokens. Please reduce the length of the prompt.",
+                               param="messages", code="context_length_exceeded")
+        if requested is None:
+            return min(default if default is not None else self.default_max_tokens, limit - prompt_len)
+        if prompt_len + requested > limit:
+            raise RequestError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                               f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                               "completion). Please reduce the length of the prompt or the completion.",
+                               param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return tuple(int(i) for i in getattr(self.tokenizer, "eos_token_ids", ()) or ())
+
+    # --- engine --------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        if not self.accepting:
+            raise Unavailable()
+        request.sampling.validate()
+        if not self.cache_enabled:
+            request.cache_enabled = False
+        try:
+            return self.engine.submit(request)
+        except UnavailableError as exc:
+            raise Unavailable(exc.message) from None
+
+
+def create_app(engine: Any, settings: Any, stop_controller: Any = None) -> FastAPI:
+    """The HTTP application over a started engine. ``settings``: ResolvedSettings or HpcSettings."""
+    from hpc_cli.server import anthropic, openai
+
+    app = FastAPI(title="hpc-cli", docs_url=None, redoc_url=None, openapi_url=None)
+    state = ServerState(engine, settings)
+    app.state.hpc = state
+    app.state.stop_controller = stop_controller
+
+    def shaped(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
+               headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(error_body(request.url.path, status, message, param, code), status_code=status,
+                            headers=headers)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError):
+        return shaped(request, exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(Unavailable)
+    async def _unavailable(request: Request, exc: Unavailable):
+        return shaped(request, 503, exc.message, code="unavailable")
+
+    @app.exception_handler(HpcError)
+    async def _hpc_error(request: Request, exc: HpcError):
+        msg = exc.message + (f" ({exc.hint})" if exc.hint else "")
+        return shaped(request, 400, msg)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return shaped(request, exc.status_code, message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return shaped(request, 400, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return shaped(request, 500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.get("/health")
+    async def health():
+        if not state.accepting:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        return {"status": "ok", "model": state.served_name}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(_engine_stats(state)),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/cache/stats")
+    async def cache_stats(request: Request):
+        state.authorize(request)
+        return JSONResponse(_engine_stats(state) or {})
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        state.authorize(request)
+        return {"object": "list", "data": [{
+            "id": state.served_name, "object": "model", "created": int(state.started), "owned_by": "hpc-cli",
+            "root": state.model_name, "max_model_len": state.max_model_len}]}
+
+    openai.register(app, state)
+    anthropic.register(app, state)
+    return app
+
+
+def _engine_stats(state: ServerState) -> dict | None:
+    try:
+        return state.engine.stats()
+    except Exception as exc:  # stats must never take /metrics down
+        log.warning("engine.stats() failed: %s", exc)
+        return None

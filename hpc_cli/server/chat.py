@@ -1,0 +1,234 @@
+"""Chat templates and the tap hints they imply (spec §7.1, §8.3).
+
+The prompt is the chat template rendered once and tokenized once. Positions worth a snapshot are
+found by rendering message prefixes of the same conversation:
+
+- message boundaries: the end of ``messages[:i]`` rendered without a generation prompt, when that
+  text is a prefix of the full prompt (templates that rewrite history, e.g. strip earlier
+  reasoning, simply yield fewer boundaries), plus, for ChatML templates, every ``<|im_start|>``;
+- priority 3 (structural): the end of the leading system/developer block and the end of the tools
+  (the Qwen templates render tools inside the system block);
+- priority 2: the start of the final assistant generation opener (``<|im_start|>assistant``);
+- priority 1: explicit breakpoints (Anthropic ``cache_control``, OpenAI-format ``cache_control``
+  on content parts or messages): the end of the marked content block, found by rendering the
+  conversation with that message's content cut after the block and taking the common prefix;
+  a breakpoint on a whole message is its end. Protocol-automatic markers (Anthropic's top-level
+  ``cache_control``) are structural hints flagged ``automatic``.
+
+Character offsets become token positions by tokenizing the prompt in segments split at those
+offsets; when that does not reproduce the one-piece tokenization (a BPE merge across an offset),
+each offset snaps back to the longest agreeing token prefix instead. The prompt is always the
+one-piece tokenization.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from hpc_cli.engine.api import TapHint
+from hpc_cli.errors import HpcError, RequestError
+
+CHATML_START = "<|im_start|>"
+SENTINEL = "\ue000\ue001"
+
+
+@dataclass(slots=True)
+class Marker:
+    """A breakpoint on template message ``message_index``: ``content_prefix`` is its content cut
+    after the marked block (None: the whole message)."""
+
+    message_index: int
+    content_prefix: str | None = None
+    automatic: bool = False
+    tools: bool = False  # a breakpoint on the tools: the end of the tools
+
+
+@dataclass(slots=True)
+class PreparedChat:
+    text: str
+    prompt_tokens: list[int]
+    tap_hints: list[TapHint] = field(default_factory=list)
+    message_boundaries: list[int] = field(default_factory=list)
+    opener_position: int | None = None
+    system_end: int | None = None
+    tools_end: int | None = None
+    marker_positions: list[int] = field(default_factory=list)  # explicit and automatic, in order given
+    opens_thinking: bool = False
+
+
+def _render(tokenizer, messages: Sequence[dict], tools, add_generation_prompt: bool, kwargs: dict) -> str:
+    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                         tools=tools or None, **kwargs)
+
+
+def _try_render(tokenizer, messages, tools, add_generation_prompt, kwargs) -> str | None:
+    try:
+        return _render(tokenizer, messages, tools, add_generation_prompt, kwargs)
+    except HpcError:
+        return None
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    return len(os.path.commonprefix([a, b]))
+
+
+def _positions(tokenizer, text: str, offsets: Sequence[int]) -> tuple[list[int], dict[int, int]]:
+    full = tokenizer.encode(text)
+    cuts = sorted({o for o in offsets if 0 < o < len(text)})
+    pieces: list[int] = []
+    at: dict[int, int] = {}
+    prev = 0
+    for c in cuts:
+        pieces.extend(tokenizer.encode(text[prev:c]))
+        at[c] = len(pieces)
+        prev = c
+    pieces.extend(tokenizer.encode(text[prev:]))
+    if pieces != full:  # a merge across an offset: snap each back to the longest agreeing prefix
+        at = {}
+        for c in cuts:
+            ids = tokenizer.encode(text[:c])
+            n = 0
+            for a, b in zip(ids, full):
+                if a != b:
+                    break
+                n += 1
+            at[c] = n
+    at[len(text)] = len(full)
+    at[0] = 0
+    return full, at
+
+
+def prepare_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                 markers: Sequence[Marker] = (), template_kwargs: dict[str, Any] | None = None,
+                 add_generation_prompt: bool = True, continue_final: bool = False) -> PreparedChat:
+    """Render ``messages`` (template-ready dicts) and compute tap hints and message boundaries.
+
+    ``continue_final``: the last message is an assistant turn the model continues (Anthropic
+    prefill): rendered without a generation prompt and cut right after its content."""
+    kwargs = dict(template_kwargs or {})
+    if not messages:
+        raise RequestError("messages must not be empty", param="messages")
+    if continue_final:
+        add_generation_prompt = False
+        full = _render(tokenizer, messages, tools, False, kwargs)
+        last = messages[-1].get("content") or ""
+        cut = full.rfind(last) if last else -1
+        if cut < 0:
+            raise RequestError("the final assistant message cannot be continued with this chat template",
+                               param="messages")
+        full = full[:cut + len(last)]
+    else:
+        full = _render(tokenizer, messages, tools, add_generation_prompt, kwargs)
+    n_msgs = len(messages)
+
+    # message ends from prefix renders
+    ends: dict[int, int] = {}  # message count i -> char offset of the end of messages[:i]
+    for i in range(1, n_msgs + 1):
+        pre = _try_render(tokenizer, messages[:i], tools, False, kwargs)
+        if pre and full.startswith(pre):
+            ends[i] = len(pre)
+    chatml = [i for i in _find_all(full, CHATML_START) if i > 0]
+    boundary_chars = set(ends.values()) | set(chatml)
+
+    opener = None
+    if add_generation_prompt:
+        if n_msgs in ends and ends[n_msgs] < len(full):
+            opener = ends[n_msgs]
+        elif chatml and full.startswith(CHATML_START + "assistant", chatml[-1]):
+            opener = chatml[-1]
+    system_end = None
+    if messages[0].get("role") in ("system", "developer"):
+        system_end = ends.get(1)
+        if system_end is None and chatml:
+            system_end = chatml[0]
+    tools_end = None
+    if tools:
+        empty = _try_render(tokenizer, [], tools, False, kwargs)
+        if empty and full.startswith(empty):
+            tools_end = len(empty)
+        elif system_end is not None:
+            tools_end = system_end
+        elif chatml and full.startswith(CHATML_START + "system", 0):
+            tools_end = chatml[0]
+
+    marker_chars: list[tuple[int, bool]] = []
+    for m in markers:
+        if m.tools:
+            c = tools_end if tools_end is not None else system_end
+            if c is not None:
+                marker_chars.append((c, m.automatic))
+            continue
+        c = _marker_offset(tokenizer, messages, tools, add_generation_prompt, kwargs, full, m, ends, boundary_chars)
+        if c is not None:
+            marker_chars.append((c, m.automatic))
+
+    offsets = set(boundary_chars) | {c for c, _ in marker_chars}
+    for c in (opener, system_end, tools_end):
+        if c is not None:
+            offsets.add(c)
+    tokens, at = _positions(tokenizer, full, sorted(offsets))
+    n = len(tokens)
+
+    def pos(c: int | None) -> int | None:
+        return None if c is None else at.get(c)
+
+    hints: dict[int, TapHint] = {}
+
+    def add(p: int | None, priority: int, automatic: bool = False) -> None:
+        if p is None or not (0 < p <= n - 1):
+            return
+        old = hints.get(p)
+        if old is None or priority < old.priority or (priority == old.priority and old.automatic and not automatic):
+            hints[p] = TapHint(position=p, priority=priority, automatic=automatic)
+
+    marker_positions = []
+    for c, automatic in marker_chars:
+        p = pos(c)
+        if p is not None:
+            marker_positions.append(min(p, max(n - 1, 0)))
+            add(min(p, n - 1), 3 if automatic else 1, automatic)
+    add(pos(opener), 2)
+    add(pos(system_end), 3)
+    add(pos(tools_end), 3)
+    boundaries = sorted({p for p in (pos(c) for c in boundary_chars) if p is not None and 0 < p < n})
+    tail = full[opener:] if opener is not None else ""
+    if continue_final:
+        tail = full[full.rfind(CHATML_START):] if CHATML_START in full else ""
+    opens_thinking = "<think>" in tail and "</think>" not in tail
+    return PreparedChat(text=full, prompt_tokens=tokens, tap_hints=sorted(hints.values(), key=lambda h: h.position),
+                        message_boundaries=boundaries, opener_position=pos(opener), system_end=pos(system_end),
+                        tools_end=pos(tools_end), marker_positions=marker_positions, opens_thinking=opens_thinking)
+
+
+def _find_all(text: str, needle: str) -> list[int]:
+    out, i = [], text.find(needle)
+    while i >= 0:
+        out.append(i)
+        i = text.find(needle, i + 1)
+    return out
+
+
+def _marker_offset(tokenizer, messages, tools, add_generation_prompt, kwargs, full, m: Marker,
+                   ends: dict[int, int], boundary_chars: set[int]) -> int | None:
+    i = m.message_index
+    if i < 0 or i >= len(messages):
+        return None
+    msg = messages[i]
+    content = msg.get("content") if isinstance(msg.get("content"), str) else ""
+    if m.content_prefix is not None and m.content_prefix != content and content.startswith(m.content_prefix):
+        cut = dict(msg, content=m.content_prefix)
+        variant = _try_render(tokenizer, [*messages[:i], cut, *messages[i + 1:]], tools, add_generation_prompt, kwargs)
+        if variant is not None:
+            return _common_prefix_len(full, variant)
+    # the whole message: its end
+    if (i + 1) in ends:
+        return ends[i + 1]
+    marked = dict(msg, content=content + SENTINEL)
+    variant = _try_render(tokenizer, [*messages[:i], marked, *messages[i + 1:]], tools, add_generation_prompt, kwargs)
+    if variant is None:
+        return None
+    content_end = _common_prefix_len(full, variant)
+    after = [b for b in boundary_chars if b >= content_end]
+    return min(after) if after else content_end

@@ -1,0 +1,253 @@
+"""Pieces both protocols share: error bodies, the bridge from engine events to asyncio, text
+assembly (incremental decoding, stop strings, the reasoning split) and request validation helpers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from pydantic import BaseModel, ValidationError
+
+from hpc_cli.engine.api import Event, FinishEvent, RequestHandle, TokenEvent
+from hpc_cli.errors import RequestError
+from hpc_cli.model.tokenizer import IncrementalDecoder
+
+ANTHROPIC_PREFIXES = ("/v1/messages",)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors in each API's own shape
+# ---------------------------------------------------------------------------------------------
+
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                 422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+                 503: "service_unavailable_error"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    422: "invalid_request_error", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith(ANTHROPIC_PREFIXES)
+
+
+def openai_error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"),
+                                       "message": message}}
+
+
+def error_body(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    if is_anthropic_path(path):
+        return anthropic_error_body(status, message)
+    return openai_error_body(status, message, param, code)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; the request was cancelled."""
+
+
+class Unavailable(Exception):
+    """The server is stopping (spec §5.5): the request was refused or failed as unavailable."""
+
+    def __init__(self, message: str = "the server is stopping; the request was not served") -> None:
+        super().__init__(message)
+        self.message = message
+
+
+# ---------------------------------------------------------------------------------------------
+# Request bodies
+# ---------------------------------------------------------------------------------------------
+
+def parse_json_body(raw: bytes) -> dict:
+    if not raw.strip():
+        raise RequestError("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def validate_model(model_cls: type[BaseModel], data: dict) -> Any:
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union")))
+        msg = err["msg"]
+        extra = f" (and {len(exc.errors()) - 1} more errors)" if len(exc.errors()) > 1 else ""
+        raise RequestError(f"{loc}: {msg}{extra}" if loc else msg + extra, param=loc or None,
+                           code="invalid_value") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine events on the event loop
+# ---------------------------------------------------------------------------------------------
+
+async def iterate_events(handle: RequestHandle, disconnected: Callable[[], Awaitable[bool]] | None = None,
+                         poll: float = 0.05, disconnect_every: float = 0.25) -> AsyncIterator[Event]:
+    """Yield the handle's events without a thread per request: the engine's ``put`` also wakes
+    the loop (with a short poll as a fallback). Stops after the FinishEvent. On a client
+    disconnect (checked every ``disconnect_every`` s) the request is cancelled and
+    :class:`ClientDisconnected` raised; if the consumer stops early the request is cancelled."""
+    loop = asyncio.get_running_loop()
+    ready = asyncio.Event()
+    original_put = handle.put
+
+    def put(event: Event) -> None:
+        original_put(event)
+        try:
+            loop.call_soon_threadsafe(ready.set)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    handle.put = put  # type: ignore[method-assign]
+    last_check = time.monotonic()
+    try:
+        while True:
+            ready.clear()
+            try:
+                event = handle.get(timeout=0)
+            except queue.Empty:
+                try:
+                    await asyncio.wait_for(ready.wait(), poll)
+                except (asyncio.TimeoutError, TimeoutError):
+                    pass
+                if disconnected is not None and time.monotonic() - last_check >= disconnect_every:
+                    last_check = time.monotonic()
+                    if await disconnected():
+                        raise ClientDisconnected()
+                continue
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+    finally:
+        if handle.finished is None:
+            handle.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
+# Text assembly
+# ---------------------------------------------------------------------------------------------
+
+class TextAssembler:
+    """Generated ids to text: drops stop token ids, holds back text that may begin a stop
+    string, and cuts the text at the first stop string (which is excluded, as the APIs do)."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_ids: set[int] | frozenset[int] = frozenset()):
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.stop = tuple(s for s in stop if s)
+        self.skip_ids = skip_ids
+        self.text = ""
+        self.emitted = 0
+        self.stopped: str | None = None
+
+    def _hold(self) -> int:
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        return hold
+
+    def push(self, token_id: int) -> str:
+        if self.stopped is not None or token_id in self.skip_ids:
+            return ""
+        self.text += self.decoder.push(token_id)
+        return self._release(final=False)
+
+    def _release(self, final: bool) -> str:
+        if self.stop:
+            start = max(0, self.emitted - max(len(s) for s in self.stop))
+            cut = None
+            for s in self.stop:
+                i = self.text.find(s, start)
+                if i >= 0 and (cut is None or i < cut):
+                    cut, self.stopped = i, s
+            if cut is not None:
+                self.text = self.text[:cut]
+                final = True
+        end = len(self.text) if final else len(self.text) - self._hold()
+        out = self.text[self.emitted:end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return out
+
+    def finish(self) -> str:
+        return self._release(final=True)
+
+
+class ReasoningSplitter:
+    """Splits generated text at ``</think>`` when the prompt opened a ``<think>`` block: text
+    before it is reasoning, after it content (leading newlines dropped, as the template does when
+    it re-renders the turn). Inactive: everything is content."""
+
+    END = "</think>"
+
+    def __init__(self, active: bool) -> None:
+        self.in_reasoning = active
+        self.buffer = ""
+        self.content_started = False
+
+    def feed(self, text: str, final: bool = False) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        self.buffer += text
+        while self.buffer:
+            if self.in_reasoning:
+                i = self.buffer.find(self.END)
+                if i >= 0:
+                    if i:
+                        out.append(("reasoning", self.buffer[:i]))
+                    self.buffer = self.buffer[i + len(self.END):]
+                    self.in_reasoning = False
+                    continue
+                hold = 0 if final else next((k for k in range(min(len(self.END) - 1, len(self.buffer)), 0, -1)
+                                             if self.buffer.endswith(self.END[:k])), 0)
+                emit = self.buffer[:len(self.buffer) - hold]
+                if emit:
+                    out.append(("reasoning", emit))
+                self.buffer = self.buffer[len(emit):]
+                break
+            if not self.content_started:
+                stripped = self.buffer.lstrip("\n")
+                if not stripped:
+                    self.buffer = ""
+                    break
+                self.buffer = stripped
+                self.content_started = True
+            out.append(("content", self.buffer))
+            self.buffer = ""
+        return out
+
+
+def token_text(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token's text and UTF-8 bytes, for logprobs."""
+    if hasattr(tokenizer, "decode_bytes"):
+        raw = tokenizer.decode_bytes([token_id])
+        return raw.decode("utf-8", errors="replace"), list(raw)
+    text = tokenizer.decode([token_id])
+    return text, list(text.encode("utf-8"))
+
+
+@dataclass(slots=True)
+class Generation:
+    """What one finished (or streamed) request produced."""
+
+    token_events: list[TokenEvent] = field(default_factory=list)
+    text: str = ""
+    finish: FinishEvent | None = None
+    first_token_at: float | None = None

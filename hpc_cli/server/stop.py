@@ -1,0 +1,129 @@
+"""Orderly stop (spec §5.5).
+
+SIGTERM, or a confirmed Ctrl+C (a second press within 5 s), starts the stop: admission closes
+(new requests get 503 in the API's shape), the engine's ``stop()`` fails running and queued
+requests as unavailable at the next unit boundary (their clients get that answer before anything
+else happens), then, when a prefix cache file is configured, the engine's save runs; then the
+HTTP server exits. One more Ctrl+C during the stop asks the save to abort, waits up to 2 s for
+it, and exits at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger("hpc_cli.server")
+
+CONFIRM_WINDOW_S = 5.0
+FORCE_WAIT_S = 2.0
+
+
+class StopController:
+    def __init__(self, engine: Any, state: Any = None, server: Any = None, prefix_cache_file: Any = None,
+                 engine_stop_timeout: float = 30.0, echo: Callable[[str], None] | None = None,
+                 exit_fn: Callable[[int], None] = os._exit, clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.state = state  # ServerState: its ``accepting`` flag closes admission
+        self.server = server  # uvicorn.Server: ``should_exit`` ends it
+        self.prefix_cache_file = prefix_cache_file
+        self.engine_stop_timeout = engine_stop_timeout
+        self.echo = echo or (lambda msg: log.warning("%s", msg))
+        self.exit_fn = exit_fn
+        self.clock = clock
+        self.abort_save = threading.Event()
+        self.done = threading.Event()
+        self.stopping = False
+        self.reason: str | None = None
+        self.error: BaseException | None = None
+        self._last_sigint: float | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    # --- signals -------------------------------------------------------------------------------
+    def handle_sigint(self, signum=None, frame=None) -> None:
+        now = self.clock()
+        if self.stopping:
+            self.force_exit()
+            return
+        if self._last_sigint is not None and now - self._last_sigint <= CONFIRM_WINDOW_S:
+            self.request_stop("Ctrl+C")
+            return
+        self._last_sigint = now
+        self.echo("press Ctrl+C again within 5 s to stop: running and queued requests fail as unavailable"
+                  + (", then the prefix cache is saved" if self.prefix_cache_file else ""))
+
+    def handle_sigterm(self, signum=None, frame=None) -> None:
+        self.request_stop("SIGTERM")
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Install the SIGINT/SIGTERM handlers (main thread only) for the duration."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {signal.SIGINT: signal.signal(signal.SIGINT, self.handle_sigint),
+               signal.SIGTERM: signal.signal(signal.SIGTERM, self.handle_sigterm)}
+        try:
+            yield
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+    # --- the stop ------------------------------------------------------------------------------
+    def request_stop(self, reason: str = "request", wait: bool = False) -> bool:
+        """Start the orderly stop (once); returns False when it had already started."""
+        with self._lock:
+            if self.stopping:
+                if wait:
+                    self.done.wait()
+                return False
+            self.stopping = True
+            self.reason = reason
+            if self.state is not None:
+                self.state.accepting = False
+            self._thread = threading.Thread(target=self._run, name="hpc-orderly-stop", daemon=True)
+            self._thread.start()
+        self.echo(f"stopping ({reason}): admission closed; failing running and queued requests as unavailable")
+        if wait:
+            self.done.wait()
+        return True
+
+    def _run(self) -> None:
+        try:
+            stop = getattr(self.engine, "stop", None)
+            if stop is not None:
+                stop(timeout=self.engine_stop_timeout)
+            if self.prefix_cache_file and not self.abort_save.is_set():
+                self._save()
+        except BaseException as exc:  # report, then still let the server exit
+            self.error = exc
+            log.error("orderly stop failed: %s", exc)
+        finally:
+            self.done.set()
+            if self.server is not None:
+                self.server.should_exit = True
+
+    def _save(self) -> None:
+        save = getattr(self.engine, "save_prefix_cache", None)
+        if save is None:
+            return  # the engine saves inside stop(), or persistence is not built yet
+        self.echo(f"saving the prefix cache to {self.prefix_cache_file} (Ctrl+C again to skip)")
+        params = inspect.signature(save).parameters
+        kwargs = {"abort": self.abort_save} if "abort" in params else {}
+        if "path" in params or len(params) - len(kwargs) >= 1:
+            save(self.prefix_cache_file, **kwargs)
+        else:
+            save(**kwargs)
+
+    def force_exit(self) -> None:
+        self.echo("exiting now (the prefix cache is not saved)")
+        self.abort_save.set()
+        self.done.wait(FORCE_WAIT_S)
+        self.exit_fn(130)
