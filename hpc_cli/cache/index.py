@@ -1215,6 +1215,73 @@ class PrefixIndex:
         self.counters.snapshots_deleted += 1
         self.epoch += 1
 
+    # ------------------------------------------------------------------ host-only adoption (§5.5)
+    def adopt_host_node(self, parent: BlockNode, tokens: bytes, extra: int, slab: int, *,
+                        h: int | None = None) -> BlockNode:
+        """Rebuild a block from a cache file: a new host-only child of ``parent`` whose bytes are
+        already in host slab ``slab`` (taken from :attr:`host` by the loader; it becomes the
+        node's). Parents come first; nothing is evicted."""
+        assert parent.alive, f"adopt below a deleted node {parent!r}"
+        if h is None:
+            h = lookup_hash(parent.hash, tokens, extra)
+        assert self.tree.child(parent, h, tokens, extra) is None, "adopt of an existing block key"
+        node = self.tree.insert(parent, h, tokens, extra)
+        self._reown((slab,), SlabUse.NODE, node)
+        node.host_slab = slab
+        node.host_state = RESIDENT
+        self._update_dead(node)
+        self._update_dead(parent)
+        self.epoch += 1
+        return node
+
+    def adopt_host_snapshot(self, anchor: BlockNode, frontier: int, kind: SnapshotKind, *,
+                            tail_tokens: bytes = b"", hits: int = 0, image_slabs: tuple[int, ...],
+                            tail_slab: int = -1) -> Snapshot:
+        """Rebuild a retained snapshot from a cache file, host-only: its image (and tail) bytes are
+        already in ``image_slabs`` (and ``tail_slab``), taken from :attr:`host` by the loader."""
+        assert anchor.alive, f"adopt on a deleted anchor {anchor!r}"
+        assert frontier == anchor.end + len(tail_tokens) // 4, f"frontier {frontier} vs anchor {anchor!r}"
+        assert len(image_slabs) == self.image_slabs, f"an image takes {self.image_slabs} slabs"
+        assert (tail_slab >= 0) == bool(tail_tokens), "a tail slab iff the snapshot has a tail"
+        assert all(t.tail_tokens != tail_tokens for t in anchor.snapshots), "adopt of a duplicate snapshot"
+        self.tick += 1
+        s = Snapshot(self._next_snapshot, anchor, frontier, kind, tail_tokens, hits=hits,
+                     published_tick=self.tick, last_hit_tick=self.tick, l_base=self.L)
+        self._next_snapshot += 1
+        self._reown(tuple(image_slabs), SlabUse.IMAGE, s)
+        s.host_slabs = tuple(image_slabs)
+        s.host_state = RESIDENT
+        if tail_tokens:
+            self._reown((tail_slab,), SlabUse.TAIL, s)
+            s.tail_host_slab = tail_slab
+            s.tail_host_state = RESIDENT
+        self.snapshots[s.id] = s
+        anchor.snapshots.append(s)
+        n = anchor
+        sid = s.id
+        while n.parent is not None:
+            n.live_snapshots_below += 1
+            if n.live_snapshots_below == 1 and n in self._dead:
+                del self._dead[n]
+            n.retained_below += 1
+            n.retained_xor ^= sid
+            if n.retained_below == 2:
+                other = self.snapshots.get(n.retained_xor ^ sid)
+                if other is not None:
+                    other.dirty = True
+            n = n.parent
+        self._link_ancestor(s)
+        self.epoch += 1
+        return s
+
+    def _reown(self, slabs: tuple[int, ...], use: SlabUse, owner: object) -> None:
+        """Hand slabs the loader took from the pool to their entry (free then re-take: the free
+        stack returns exactly these ids)."""
+        pool = self.host
+        pool.free(tuple(reversed(slabs)))
+        got = pool.alloc(len(slabs), use, owner)
+        assert got is not None and tuple(got) == tuple(slabs), f"reown of slabs {slabs} got {got}"
+
     # ------------------------------------------------------------------ views
     def check_invariants(self) -> None:
         from hpc_cli.cache.invariants import check_invariants

@@ -1,0 +1,282 @@
+"""Prefix cache persistence for an Engine (spec §5.5): load before start, save at the orderly stop.
+
+    report = attach_cache_file(engine, path)     # before engine.start()
+    engine.start()
+    ...
+    report.control.abandon.set()                 # second Ctrl+C: the save stops, the old file stays
+    report.control.finished.wait(2.0)
+
+The file is used only when its fingerprint (checkpoint, prefill signature, KV profile and global
+scales, speculative backend, RoPE scaling, product build) and host geometry equal the engine's.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpc_cli.cache import persist
+from hpc_cli.cache.host import SlabUse
+from hpc_cli.errors import CacheFileError, EngineError
+
+log = logging.getLogger("hpc_cli.cache.persist")
+MiB = 1 << 20
+
+
+@dataclass
+class SaveControl:
+    """Shared between the server and the save: ``abandon`` stops the save before its next slab
+    run or before the rename; ``finished`` is set when the save hook returns (saved or not)."""
+
+    abandon: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
+    result: str | None = None  # "saved", "abandoned", "skipped: why", "failed: why"
+    saved_bytes: int = 0
+
+
+@dataclass
+class LoadReport:
+    path: Path
+    status: str  # "restored", "partial", "not_restored", "missing", "mismatch", "damaged", "disabled"
+    reason: str | None = None
+    error: CacheFileError | None = None
+    blocks: int = 0
+    snapshots: int = 0
+    saved_snapshots: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    need_host_bytes: int = 0
+    control: SaveControl = field(default_factory=SaveControl)
+
+    @property
+    def loaded(self) -> bool:
+        return self.status in ("restored", "partial")
+
+
+# ------------------------------------------------------------------ fingerprint
+@functools.lru_cache(maxsize=1)
+def _build_id() -> str:
+    """The product's identity: version and the sizes of its modules (a rebuild changes it)."""
+    import hpc_cli
+
+    root = Path(hpc_cli.__file__).parent
+    h = hashlib.sha256(hpc_cli.__version__.encode())
+    for p in sorted(root.rglob("*.py")):
+        try:
+            h.update(f"{p.relative_to(root)}:{p.stat().st_size};".encode())
+        except OSError:
+            pass
+    return f"{hpc_cli.__version__}+{h.hexdigest()[:16]}"
+
+
+def _checkpoint(engine: Any) -> dict[str, Any]:
+    s = getattr(engine, "settings", None)
+    name = None
+    if s is not None and getattr(s, "settings", None) is not None:
+        name = str(s.settings.model.name)
+    name = name or getattr(engine.model, "source", None) or engine.model.config.name
+    name = str(name)
+    if name.startswith("builtin:"):
+        return {"name": name, "files": []}
+    p = Path(name).expanduser()
+    if not p.exists():
+        return {"name": name, "files": []}
+    p = p.resolve()
+    files = []
+    for f in sorted(p.iterdir()) if p.is_dir() else [p]:
+        if f.is_file():
+            st = f.stat()
+            files.append([f.name, st.st_size, st.st_mtime_ns])
+    return {"name": str(p), "files": files}
+
+
+def engine_fingerprint(engine: Any) -> dict[str, Any]:
+    cfg = engine.model.config
+    cd = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
+    cd_json = json.dumps(cd, sort_keys=True, default=str)
+    dtype = str(engine.model.dtype).replace("torch.", "")
+    sig = hashlib.sha256(f"{cd_json}|{dtype}|{engine.model.device.type}|chunk={engine.chunk}".encode()).hexdigest()[:24]
+    scales = getattr(engine.storage, "global_scales", None)
+    uses = getattr(engine.kv_profile, "uses_global_scale", False)
+    spec = "none"
+    s = getattr(engine, "settings", None)
+    if s is not None and getattr(s, "settings", None) is not None:
+        spec = str(s.settings.speculative.backend)
+    rope = {k: v for k, v in sorted(cd.items()) if "rope" in k or "rotary" in k or "position" in k}
+    ck = _checkpoint(engine)
+    return {
+        "checkpoint": ck["name"], "checkpoint_files": ck["files"],
+        "prefill_signature": f"{dtype}/chunk{engine.chunk}/{sig}",
+        "kv_profile": engine.kv_profile.name,
+        "kv_global_scales": [[float(x) for x in row] for row in scales.tolist()] if (uses and scales is not None) else [],
+        "speculative_backend": spec,
+        "rope": json.loads(json.dumps(rope, default=str)),
+        "product": _build_id(),
+    }
+
+
+def engine_geometry(engine: Any) -> persist.Geometry:
+    c = engine.cache
+    return persist.Geometry(c.host.slab_bytes, c.image_bytes, c.index.block_bytes)
+
+
+def _need(cf: persist.CacheFile, slabs: int) -> str:
+    b = slabs * cf.geometry.slab_bytes
+    return f"{-(-b // MiB)} MiB (--host-cache-mib {-(-b // MiB) + 1})"
+
+
+# ------------------------------------------------------------------ load
+def load_cache_file(engine: Any, path: str | Path, *, progress: bool = True) -> LoadReport:
+    """Load ``path`` into the engine's host tier. Raises CacheFileError on a damaged file (nothing
+    is loaded then); returns a report with status ``mismatch`` when the file is for another engine."""
+    path = Path(path)
+    cache = engine.cache
+    index = cache.index
+    report = LoadReport(path, "missing")
+    t0 = time.perf_counter()
+    cf = persist.open_cache_file(path)
+    diff = persist.fingerprint_diff(cf.fingerprint, engine_fingerprint(engine))
+    gdiff = persist.geometry_diff(cf.geometry, engine_geometry(engine))
+    report.saved_snapshots = len(cf.snapshots)
+    if diff or gdiff:
+        report.status = "mismatch"
+        report.reason = ("fingerprint differs in " + ", ".join(diff)) if diff else \
+            ("host geometry differs in " + ", ".join(gdiff))
+        return report
+    assert not index.snapshots and index.tree.size == 0, "load into a cache that already holds entries"
+    free = index.host.free_slabs
+    plan = persist.plan_host_restore(cf, free, index.cost)
+    report.need_host_bytes = plan.total_slabs * cf.geometry.slab_bytes
+    if not plan.snapshots:
+        report.status = "not_restored"
+        report.reason = f"the host tier ({free} slabs) holds none of the snapshots; the file needs {_need(cf, plan.total_slabs)}"
+        return report
+    host = cache.host
+    slabs = index.host.alloc(plan.slabs, SlabUse.NODE, "loading")
+    assert slabs is not None
+    total = plan.slabs * cf.geometry.slab_bytes
+    bar = None
+    try:
+        if progress:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+            bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                           TransferSpeedColumn(), transient=True)
+            bar.start()
+            task = bar.add_task("loading prefix cache", total=total)
+            on_bytes = lambda n: bar.advance(task, n)  # noqa: E731
+        else:
+            on_bytes = None
+        mapping = persist.read_plan_slabs(cf, plan, lambda s: host.slab_view(s).numpy(), slabs, on_bytes=on_bytes)
+    except BaseException:
+        index.host.free(slabs)
+        raise
+    finally:
+        if bar is not None:
+            bar.stop()
+    report.blocks, report.snapshots = persist.adopt_plan(index, cf, plan, mapping)
+    report.bytes_read = total
+    report.seconds = time.perf_counter() - t0
+    report.status = "restored" if plan.complete else "partial"
+    if not plan.complete:
+        report.reason = (f"kept {report.snapshots} of {report.saved_snapshots} snapshots; "
+                         f"the file needs {_need(cf, plan.total_slabs)}")
+    return report
+
+
+def attach_cache_file(engine: Any, path: str | Path, *, progress: bool = True,
+                      control: SaveControl | None = None, save: bool = True) -> LoadReport:
+    """Load ``path`` (when it matches) before ``engine.start()`` and register the save at the
+    engine's orderly stop. Never raises for a missing, mismatched or damaged file: the report says
+    what happened and the save at shutdown replaces the file."""
+    if getattr(engine, "_thread", None) is not None:
+        raise EngineError("attach_cache_file must run before engine.start()",
+                          hint="attach the prefix cache file right after building the engine")
+    path = Path(path).expanduser().absolute()
+    control = control or SaveControl()
+    cache = engine.cache
+    if not cache.reuse or cache.host.num_slabs == 0:
+        report = LoadReport(path, "disabled", reason="no host tier (cache.host_cache_mib is 0 or reuse is off)",
+                            control=control)
+        log.warning("prefix cache file %s not used: %s", path, report.reason)
+        return report
+    try:
+        if path.exists():
+            report = load_cache_file(engine, path, progress=progress)
+        else:
+            report = LoadReport(path, "missing", reason="no file yet; the orderly stop writes it")
+    except CacheFileError as exc:
+        report = LoadReport(path, "damaged", reason=exc.message, error=exc)
+    report.control = control
+    _log_load(report)
+    if save:
+        engine.on_stop.append(functools.partial(_save_hook, path=path, control=control))
+    return report
+
+
+def _log_load(r: LoadReport) -> None:
+    if r.loaded:
+        log.info("prefix cache read | %d MiB | %.2f s | %s", r.bytes_read // MiB, r.seconds,
+                 persist.fmt_rate(r.bytes_read, r.seconds))
+    if r.status == "restored":
+        log.info("prefix cache restored: %d snapshots, %d blocks from %s", r.snapshots, r.blocks, r.path)
+    elif r.status == "partial":
+        log.warning("prefix cache partly restored: %s", r.reason)
+    elif r.status == "not_restored":
+        log.warning("prefix cache not restored: %s; the save at shutdown replaces the file", r.reason)
+    elif r.status in ("mismatch", "damaged"):
+        log.warning("prefix cache not restored from %s: %s; the save at shutdown replaces the file",
+                    r.path, r.reason)
+        if r.error is not None and r.error.hint:
+            log.warning("hint: %s", r.error.hint)
+    else:
+        log.info("prefix cache file %s: %s", r.path, r.reason)
+
+
+# ------------------------------------------------------------------ save
+def save_engine_cache(engine: Any, path: str | Path, *, control: SaveControl | None = None) -> int:
+    """Write the engine's saveable host content to ``path`` (temporary file, then rename). Call
+    only after the worker stopped or from its stop hook (every transfer landed)."""
+    control = control or SaveControl()
+    cache = engine.cache
+    cache.drain()
+    assert not cache.index.writes, "a host write is still in flight"
+    plan = persist.export_saveable(cache.index)
+    host = cache.host
+    t0 = time.perf_counter()
+    size = persist.save_cache_file(path, engine_fingerprint(engine), engine_geometry(engine), plan,
+                                   lambda s: host.slab_view(s).numpy(), abandon=control.abandon)
+    dt = time.perf_counter() - t0
+    control.saved_bytes = size
+    log.info("prefix cache saved | %d snapshots, %d blocks | %d MiB | %.2f s | %s -> %s",
+             len(plan.snapshots), len(plan.blocks), size // MiB, dt, persist.fmt_rate(size, dt), path)
+    return size
+
+
+def _save_hook(engine: Any, *, path: Path, control: SaveControl) -> None:
+    try:
+        if engine.fatal:
+            control.result = f"skipped: the engine stopped on an error ({engine.fatal})"
+            log.warning("prefix cache not saved: %s", control.result)
+            return
+        if control.abandon.is_set():
+            control.result = "abandoned"
+            return
+        save_engine_cache(engine, path, control=control)
+        control.result = "saved"
+    except persist.SaveAbandoned:
+        control.result = "abandoned"
+        log.warning("prefix cache save abandoned; the previous file %s stays", path)
+    except Exception as exc:  # never let the save break the stop
+        control.result = f"failed: {exc}"
+        log.error("prefix cache save failed (%s); the previous file %s stays", exc, path)
+    finally:
+        control.finished.set()
