@@ -358,9 +358,12 @@ class Collector:
         self.history_s = history_s
         self.rate_window_s = rate_window_s
         self.samples: deque[_Sample] = deque()
+        self.frames = 0  # stats read so far (a failure after the first means the source went away)
 
     def poll(self) -> View:
-        return self.update(self.read())
+        view = self.update(self.read())
+        self.frames += 1
+        return view
 
     def update(self, stats: dict) -> View:
         """Fold one stats dict into the history and return its view (pure but for the history)."""
