@@ -380,6 +380,12 @@ def open_cache_file(path: str | Path) -> CacheFile:
         if size != expect:
             raise _damaged(path, f"size {size} B, its tables say {expect} B (truncated or extended)")
         tabs = {}
+        pad_at = sec["runs"][0] + sec["runs"][1]
+        if not (pad_at <= sec["slabs"][0] < pad_at + ALIGN) or sec["blocks"][0] != _PRE.size + meta_len + 8:
+            raise _damaged(path, "section offsets malformed")
+        f.seek(pad_at)
+        if any(_read_exact(f, sec["slabs"][0] - pad_at, path, "padding")):
+            raise _damaged(path, "nonzero padding before the slab section")
         for k in ("blocks", "snapshots", "runs"):
             off, ln, want = sec[k]
             f.seek(off)
@@ -631,11 +637,11 @@ def iter_tree_lines(cf: CacheFile, limit: int = 200) -> Iterable[str]:
     def label(i: int) -> str:
         sn = anchored.get(i, [])
         tag = ", ".join(f"{s.kind.value}@{s.frontier}(hits {s.hits})" for s in sn)
-        return f"block {i}" + (f"  [{tag}]" if tag else "")
+        return f"block {i}" + (f"  ({tag})" if tag else "")
 
     stack = [(i, 0) for i in reversed(kids.get(-1, []))]
     for s in anchored.get(-1, []):
-        yield f"root  [{s.kind.value}@{s.frontier}]"
+        yield f"root  ({s.kind.value}@{s.frontier})"
     while stack and lines < limit:
         i, d = stack.pop()
         ch = kids.get(i, [])
