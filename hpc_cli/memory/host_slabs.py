@@ -271,23 +271,27 @@ class HostSlabStorage:
         return base.as_strided((count, width), (slab_stride * self.slab_bytes, 1),
                                base.storage_offset() + off + offset)
 
-    def image_pieces(self, slabs: Sequence[int], offset: int, nbytes: int) -> list[tuple[torch.Tensor, int]]:
-        """The host views holding image bytes ``[offset, offset + nbytes)`` of an image kept in
-        ``slabs`` (packed byte ``o`` in ``slabs[o // slab_bytes]``), as ``(view, image offset)``
-        pieces; pieces in consecutive slabs of one chunk are merged."""
-        out: list[tuple[torch.Tensor, int]] = []
+    def image_extents(self, slabs: Sequence[int], offset: int, nbytes: int) -> list[tuple[int, int, int, int]]:
+        """Where image bytes ``[offset, offset + nbytes)`` of an image kept in ``slabs`` (packed
+        byte ``o`` in ``slabs[o // slab_bytes]``) live: ``(chunk, chunk offset, bytes, image
+        offset)`` extents in image order; extents in consecutive slabs of one chunk are merged."""
+        out: list[tuple[int, int, int, int]] = []
         o, end = offset, offset + nbytes
-        sb = self.slab_bytes
+        sb, spc = self.slab_bytes, self.slabs_per_chunk
         while o < end:
             k, within = divmod(o, sb)
             assert k < len(slabs), f"image byte {o} needs slab #{k}, only {len(slabs)} given"
+            first = slabs[k]
+            assert 0 <= first < self.num_slabs, f"slab {first} out of range 0..{self.num_slabs - 1}"
             n = min(end - o, sb - within)
-            # extend over following slabs while they continue the same chunk's bytes
-            while o + n < end and k + 1 < len(slabs) and slabs[k + 1] == slabs[k] + 1 \
-                    and self.location(slabs[k + 1])[0] == self.location(slabs[k])[0]:
+            while (o + n < end and k + 1 < len(slabs) and slabs[k + 1] == slabs[k] + 1
+                   and slabs[k + 1] // spc == first // spc):
                 k += 1
                 n = min(end - o, n + sb)
-            c, off = self.location(slabs[o // sb])
-            out.append((self.chunks[c][off + within: off + within + n], o))
+            out.append((first // spc, (first % spc) * sb + within, n, o))
             o += n
         return out
+
+    def image_pieces(self, slabs: Sequence[int], offset: int, nbytes: int) -> list[tuple[torch.Tensor, int]]:
+        """:meth:`image_extents` as ``(host view, image offset)`` pieces."""
+        return [(self.chunks[c][off:off + n], o) for c, off, n, o in self.image_extents(slabs, offset, nbytes)]

@@ -21,6 +21,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from hpc_cli.memory.cudart import load_cudart
+
 
 class StateSlots:
     def __init__(self, num_gdn_layers: int, conv_dim: int, conv_width: int, num_v_heads: int,
@@ -77,14 +79,39 @@ class StateSlots:
         for t in self.extra.values():
             t[slot].zero_()
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        """Copy one whole image (a tap, or a resume from a snapshot slot): one strided copy per
-        stacked tensor, on the current stream."""
+    def copy_slot(self, src: int, dst: int, method: str | None = None) -> None:
+        """Copy one whole image (a tap, or a resume from a snapshot slot) on the current stream.
+
+        ``method``: ``"memcpy2d"`` (CUDA with cuda-python, the default there): one 2-D device
+        copy per stacked tensor (rows = GDN layers) and one copy per other part; ``"torch"``: one
+        strided torch copy per stacked tensor; ``"per_layer"``: one contiguous copy per part."""
         if src == dst:
             return
-        for t in (self.conv_all, self.recurrent_all):
-            if t.numel():
-                t[:, dst].copy_(t[:, src])
-        self.hidden[dst].copy_(self.hidden[src])
-        for t in self.extra.values():
-            t[dst].copy_(t[src])
+        if method is None:
+            method = "memcpy2d" if self.device.type == "cuda" and load_cudart() is not None else "torch"
+        if method == "memcpy2d":
+            rt = load_cudart()
+            assert rt is not None and self.device.type == "cuda", "memcpy2d needs CUDA and cuda-python"
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+            for t in (self.conv_all, self.recurrent_all):
+                if t.numel():
+                    w = t[0, 0].numel() * t.element_size()
+                    pitch = t.shape[1] * w
+                    (err,) = rt.cudaMemcpy2DAsync(t.data_ptr() + dst * w, pitch, t.data_ptr() + src * w, pitch,
+                                                  w, t.shape[0], kind, stream)
+                    assert int(err) == 0, f"state tap copy failed: CUDA error {err}"
+            for t in (self.hidden, *self.extra.values()):
+                w = t[0].numel() * t.element_size()
+                (err,) = rt.cudaMemcpyAsync(t.data_ptr() + dst * w, t.data_ptr() + src * w, w, kind, stream)
+                assert int(err) == 0, f"state tap copy failed: CUDA error {err}"
+        elif method == "per_layer":
+            for t in self.parts():
+                t[dst].copy_(t[src])
+        else:
+            for t in (self.conv_all, self.recurrent_all):
+                if t.numel():
+                    t[:, dst].copy_(t[:, src])
+            self.hidden[dst].copy_(self.hidden[src])
+            for t in self.extra.values():
+                t[dst].copy_(t[src])

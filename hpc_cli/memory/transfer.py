@@ -40,6 +40,7 @@ import torch
 
 from hpc_cli.errors import EngineError
 from hpc_cli.memory.host_slabs import DEFAULT_MAX_PITCH, BundleLayout, HostSlabStorage, Run, plan_runs
+from hpc_cli.memory.cudart import load_cudart
 from hpc_cli.memory.kv_pool import PagedKVStorage
 from hpc_cli.memory.state_pool import StateSlots
 
@@ -47,20 +48,6 @@ from hpc_cli.memory.state_pool import StateSlots
 BlockRef = Union[tuple[int, int], tuple[int, int, int]]
 #: ``(state_slot, [slab ids])``: the image's packed byte o lives in slabs[o // slab_bytes]
 ImageRef = tuple[int, Sequence[int]]
-
-
-def _load_cudart() -> Any | None:
-    """cuda-python's runtime module, or None when cuda-python is not installed."""
-    try:
-        from cuda.bindings import runtime  # cuda-python >= 12.6
-        return runtime
-    except ImportError:
-        pass
-    try:
-        from cuda import cudart  # older cuda-python
-        return cudart
-    except ImportError:
-        return None
 
 
 def layer_order_for_shape(shape) -> list[tuple[str, int]]:
@@ -88,17 +75,39 @@ class RestoreBatch:
 
 @dataclass(slots=True)
 class CopyOp:
-    """One copy: ``dst`` and ``src`` are ``[rows, width]`` uint8 views (row pitch = ``stride(0)``,
-    inner stride 1). ``stage`` is 0 for the prelude and ``i + 1`` for model layer ``i``."""
+    """One copy of ``rows`` rows of ``width`` bytes: row ``r`` of the destination starts at byte
+    ``dst_off + r * dst_pitch`` of the flat ``uint8`` tensor ``dst`` (likewise the source). Plain
+    integers, so planning a batch costs no tensor views; :meth:`views` makes them for CPU copies.
+    ``stage`` is 0 for the prelude and ``i + 1`` for model layer ``i``."""
 
     dst: torch.Tensor
+    dst_off: int
+    dst_pitch: int
     src: torch.Tensor
+    src_off: int
+    src_pitch: int
+    width: int
+    rows: int
     stage: int
-    tag: str
+    what: tuple
 
     @property
     def nbytes(self) -> int:
-        return self.dst.shape[0] * self.dst.shape[1]
+        return self.rows * self.width
+
+    @property
+    def tag(self) -> str:
+        return " ".join(str(w) for w in self.what)
+
+    def views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[rows, width]`` views of destination and source (torch checks their bounds)."""
+        shape = (self.rows, self.width)
+        return (self.dst.as_strided(shape, (self.dst_pitch, 1), self.dst.storage_offset() + self.dst_off),
+                self.src.as_strided(shape, (self.src_pitch, 1), self.src.storage_offset() + self.src_off))
+
+    def run_cpu(self) -> None:
+        d, s = self.views()
+        d.copy_(s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +222,18 @@ class TransferEngine:
         named = {idx for kind, idx in self.layer_order if kind == "attn"}
         self.prelude_main_layers = [a for a in range(main.num_layers) if a not in named]
         self.device = main.device
+        # flat byte views the copies address: per layer per plane, per image part
+        self._main_bases = [[p.view(-1) for p in layer] for layer in main.planes]
+        self._back_bases = [[p.view(-1) for p in layer] for layer in backend.planes] if backend else []
+        self._image_groups: dict[int | None, list[tuple[str, torch.Tensor, int, int]]] = {}
+        if state is not None:
+            off = 0
+            for name, g, part in state.image_parts():
+                assert part.is_contiguous(), f"state part {name} must be contiguous"
+                slot_bytes = part[0].numel() * part.element_size()
+                base = part.reshape(-1).view(torch.uint8)
+                self._image_groups.setdefault(g, []).append((name, base, slot_bytes, off))
+                off += slot_bytes
         self._ids = itertools.count(1)
         self._queues: dict[str, deque[_Job]] = {"restore": deque(), "write": deque()}
         self._retired: list[Completion] = []
@@ -221,7 +242,7 @@ class TransferEngine:
         self._streams: dict[str, Any] = {}
         self._event_pool: list[Any] = []
         if self.device.type == "cuda":
-            self.cudart = _load_cudart() if use_cuda_python else None
+            self.cudart = load_cudart() if use_cuda_python else None
             self._streams = {"restore": torch.cuda.Stream(self.device), "write": torch.cuda.Stream(self.device)}
             if self.cudart is not None:
                 rt = self.cudart
@@ -275,32 +296,49 @@ class TransferEngine:
     def _kv_ops(self, runs: list[Run], pool: PagedKVStorage, backend: bool, layer: int, stage: int,
                 to_host: bool, out: list) -> None:
         ppbs = pool.plane_page_bytes
-        for j, plane in enumerate(pool.planes[layer]):
-            ppb = ppbs[j]
-            flat = plane.view(pool.num_pages, ppb)
-            off = (self.layout.backend_plane_offset(layer, j) if backend else self.layout.main_offset(layer, j))
-            for r in runs:
-                dev = flat[r.page0: r.page0 + (r.count - 1) * r.page_stride + 1: r.page_stride]
-                hv = self.host.run_view(r.slab0, r.count, r.slab_stride, off, ppb)
-                tag = f"{'backend' if backend else 'main'} L{layer} {pool.layout.planes[j].name} p{r.page0}x{r.count}"
-                out.append(CopyOp(hv, dev, stage, tag) if to_host else CopyOp(dev, hv, stage, tag))
+        bases = (self._back_bases if backend else self._main_bases)[layer]
+        host = self.host
+        sb, spc = host.slab_bytes, host.slabs_per_chunk
+        for r in runs:
+            last_page = r.page0 + (r.count - 1) * r.page_stride
+            last_slab = r.slab0 + (r.count - 1) * r.slab_stride
+            assert 0 <= r.page0 and last_page < pool.num_pages, \
+                f"pool {pool.name}: pages {r.page0}..{last_page} outside 0..{pool.num_pages - 1}"
+            assert 0 <= r.slab0 and last_slab < host.num_slabs, \
+                f"slabs {r.slab0}..{last_slab} outside 0..{host.num_slabs - 1}"
+            c = r.slab0 // spc
+            assert last_slab // spc == c, f"run of slabs {r.slab0}..{last_slab} crosses a chunk"
+            chunk = host.chunks[c]
+            hoff0 = (r.slab0 % spc) * sb
+            hpitch = r.slab_stride * sb
+            for j, dev in enumerate(bases):
+                ppb = ppbs[j]
+                hoff = hoff0 + (self.layout.backend_plane_offset(layer, j) if backend
+                                else self.layout.main_offset(layer, j))
+                what = ("backend" if backend else "main", f"L{layer}", pool.layout.planes[j].name,
+                        f"p{r.page0}x{r.count}")
+                doff, dpitch = r.page0 * ppb, r.page_stride * ppb
+                if to_host:
+                    out.append(CopyOp(chunk, hoff, hpitch, dev, doff, dpitch, ppb, r.count, stage, what))
+                else:
+                    out.append(CopyOp(dev, doff, dpitch, chunk, hoff, hpitch, ppb, r.count, stage, what))
 
     def _image_ops(self, slot: int, slabs: Sequence[int], gdn: int | None, stage: int, to_host: bool,
                    out: list) -> None:
         assert self.state is not None, "this engine holds no state slots"
+        assert 0 <= slot < self.state.num_slots, f"state slot {slot} outside 0..{self.state.num_slots - 1}"
         need = -(-self.state.image_bytes // self.host.slab_bytes)
         assert len(slabs) >= need, f"image of {self.state.image_bytes} B needs {need} slabs, got {len(slabs)}"
-        off = 0
-        for name, g, part in self.state.image_parts():
-            flat = self.state.slot_bytes(part, slot)
-            n = flat.numel()
-            if g == gdn:
-                for hv, o in self.host.image_pieces(slabs, off, n):
-                    dv = flat[o - off: o - off + hv.numel()].unsqueeze(0)
-                    hv = hv.unsqueeze(0)
-                    tag = f"image {name} slot{slot} @{o}"
-                    out.append(CopyOp(hv, dv, stage, tag) if to_host else CopyOp(dv, hv, stage, tag))
-            off += n
+        chunks = self.host.chunks
+        for name, base, slot_bytes, off in self._image_groups.get(gdn, ()):
+            dbase = slot * slot_bytes
+            for c, hoff, n, o in self.host.image_extents(slabs, off, slot_bytes):
+                doff = dbase + o - off
+                what = ("image", name, f"slot{slot}", f"@{o}")
+                if to_host:
+                    out.append(CopyOp(chunks[c], hoff, n, base, doff, n, n, 1, stage, what))
+                else:
+                    out.append(CopyOp(base, doff, n, chunks[c], hoff, n, n, 1, stage, what))
 
     def _split(self, blocks: Sequence[BlockRef]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         main = [(b[0], b[1]) for b in blocks]
@@ -373,7 +411,7 @@ class TransferEngine:
             try:
                 for op in job.items:
                     if isinstance(op, CopyOp):
-                        op.dst.copy_(op.src)
+                        op.run_cpu()
             except Exception as exc:  # a bad view is a bug; report it as a failed job
                 job.error = f"{type(exc).__name__}: {exc}"
             job.final = True
@@ -397,22 +435,23 @@ class TransferEngine:
         self._queues[job.kind].append(job)
 
     def _copy(self, op: CopyOp, stream: Any) -> None:
-        dst, src = op.dst, op.src
-        rows, width = dst.shape
-        assert tuple(src.shape) == (rows, width), f"copy {op.tag}: {tuple(src.shape)} -> {tuple(dst.shape)}"
-        flat = rows == 1 or (dst.is_contiguous() and src.is_contiguous())
+        rows, width = op.rows, op.width
+        flat = rows == 1 or (op.dst_pitch == width and op.src_pitch == width)
         rt = self.cudart
         if rt is not None:
+            dptr = op.dst.data_ptr() + op.dst_off
+            sptr = op.src.data_ptr() + op.src_off
             kind = rt.cudaMemcpyKind.cudaMemcpyDefault
             if flat:
-                (err,) = rt.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), rows * width, kind, stream.cuda_stream)
+                (err,) = rt.cudaMemcpyAsync(dptr, sptr, rows * width, kind, stream.cuda_stream)
             else:
-                (err,) = rt.cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0),
-                                              width, rows, kind, stream.cuda_stream)
+                (err,) = rt.cudaMemcpy2DAsync(dptr, op.dst_pitch, sptr, op.src_pitch, width, rows, kind,
+                                              stream.cuda_stream)
             if int(err) != 0:
                 raise EngineError(f"transfer copy {op.tag} ({rows} x {width} B, pitches "
-                                  f"{dst.stride(0)}/{src.stride(0)}) failed: CUDA error {err}")
+                                  f"{op.dst_pitch}/{op.src_pitch}) failed: CUDA error {err}")
             return
+        dst, src = op.views()
         with torch.cuda.stream(stream):
             if flat:
                 dst.copy_(src, non_blocking=True)
@@ -483,7 +522,7 @@ class FakeTransferEngine(TransferEngine):
             if j.error is None:
                 for op in j.items:
                     if isinstance(op, CopyOp):
-                        op.dst.copy_(op.src)
+                        op.run_cpu()
             self._complete_ids.add(j.job_id)
 
     def fail(self, job_id: int, error: str = "injected transfer fault") -> None:

@@ -217,4 +217,5 @@ def test_runs_become_one_copy_per_plane():
     items = eng.plan_write(blocks=[(p, 3 + p) for p in range(20)])
     copies = [it for it in items if isinstance(it, CopyOp)]
     assert len(copies) == eng.main.num_layers * len(eng.main.layout.planes)
-    assert all(c.dst.shape[0] == 20 and c.dst.stride(0) == eng.host.slab_bytes for c in copies)
+    assert all(c.rows == 20 and c.dst_pitch == eng.host.slab_bytes for c in copies)
+    assert all(c.views()[0].shape == (20, c.width) for c in copies)

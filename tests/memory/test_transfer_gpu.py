@@ -57,7 +57,7 @@ def test_gpu_round_trip_runs_across_chunks(use_cuda_python):
             p.zero_()
     for t in state.parts():
         t.zero_()
-    moved = [(p + 33, s) for p, s in blocks]
+    moved = [(p + 40, s) for p, s in blocks[:20]] + [(61, 60), (62, 62), (63, 64)]
     t = eng.restore(RestoreBatch(blocks=moved, image=(0, img)))
     for i in range(SHAPE.num_layers):
         t.wait_layer(i)
@@ -97,10 +97,13 @@ def test_gpu_layer_event_follows_its_copies():
     assert eng.poll()[-1].ok
 
 
-def test_gpu_tap_is_a_handful_of_copies():
+@pytest.mark.parametrize("method", [None, "torch", "per_layer", "memcpy2d"])
+def test_gpu_tap_copies_one_image(method):
     eng = _rig()
     st = eng.state
+    if method == "memcpy2d" and eng.cudart is None:
+        pytest.skip("cuda-python is not installed")
     before = [t.clone() for t in st.parts()]
-    st.copy_slot(0, 2)
+    st.copy_slot(0, 2, method)
     for t, b in zip(st.parts(), before):
-        assert torch.equal(t[2], b[0])
+        assert torch.equal(t[2], b[0]) and torch.equal(t[1], b[1])
