@@ -1,0 +1,111 @@
+"""KV profile kernels: quantise-and-write and dequantise throughput per built-in profile, as a
+ratio to the device-to-device copy bandwidth measured in the same run (goal >= 0.5).
+
+Shape: a 27B-like batch, 64k tokens x 4 KV heads x head_dim 256, K and V in bf16, written into
+one layer of a PagedKVStorage through a slot mapping (a random permutation of its slots) and
+gathered back from all its pages. Bytes counted = bytes read + bytes written (as for the copy).
+
+    python benchmarks/kv_profiles.py [--tokens 65536] [--reference]
+
+Prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+
+def _bench(fn) -> float:
+    """Milliseconds per call (triton.testing.do_bench, else CUDA events)."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=200))
+    except ImportError:
+        for _ in range(5):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(50):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 50
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> dict:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    return {"bytes": nbytes, "ms": ms, "gb_per_s": 2 * nbytes / ms / 1e6}
+
+
+def bench_profile(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
+    from hpc_cli.memory.kv_pool import PagedKVStorage
+
+    pages = tokens // 64
+    pool = PagedKVStorage(profile, 1, heads, head_dim, pages, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(tokens, heads, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+    v = (0.1 * torch.randn(tokens, heads, head_dim, device="cuda", generator=g)).to(torch.bfloat16)
+    slots = torch.randperm(tokens, device="cuda", generator=g)
+    page_ids = torch.arange(pages, device="cuda")
+    in_bytes = 2 * k.numel() * k.element_size()
+    stored = tokens * heads * pool.layout.bytes_per_token_head
+    w_ms = _bench(lambda: pool.write(0, slots, k, v))
+    r_ms = _bench(lambda: pool.gather(0, page_ids, tokens, torch.bfloat16))
+    w_gbs = (in_bytes + stored) / w_ms / 1e6
+    r_gbs = (in_bytes + stored) / r_ms / 1e6
+    return {
+        "bytes_per_token_head": pool.layout.bytes_per_token_head,
+        "write_ms": round(w_ms, 4), "write_gb_per_s": round(w_gbs, 1), "write_ratio": round(w_gbs / copy_gbs, 3),
+        "gather_ms": round(r_ms, 4), "gather_gb_per_s": round(r_gbs, 1), "gather_ratio": round(r_gbs / copy_gbs, 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=256)
+    ap.add_argument("--reference", action="store_true", help="also time the torch reference on the GPU")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs CUDA"
+    from hpc_plugins.kv_profiles import BUILTIN_PROFILES
+
+    copy = copy_bandwidth()
+    out = {
+        "machine": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "shape": {"tokens": args.tokens, "kv_heads": args.heads, "head_dim": args.head_dim, "layers": 1},
+        "d2d_copy": {k: round(v, 3) for k, v in copy.items()},
+        "goal_ratio": 0.5, "profiles": {},
+    }
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    for cls in BUILTIN_PROFILES:
+        prof = cls()
+        entry = bench_profile(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"])
+        if args.reference:
+            os.environ["HPC_KV_KERNELS"] = "torch"
+            try:
+                ref = bench_profile(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"])
+            finally:
+                del os.environ["HPC_KV_KERNELS"]
+            entry["reference_write_ms"], entry["reference_gather_ms"] = ref["write_ms"], ref["gather_ms"]
+        out["profiles"][prof.name] = entry
+        torch.cuda.empty_cache()
+    out["all_meet_goal"] = all(min(e["write_ratio"], e["gather_ratio"]) >= 0.5 for e in out["profiles"].values())
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
