@@ -1,0 +1,146 @@
+"""A real engine restart with builtin:tiny and a host tier (spec §5.5)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hpc_cli.cache import persist
+from hpc_cli.engine.api import GenerationRequest, SamplingParams
+from hpc_cli.engine.engine import Engine
+from hpc_cli.engine.persistence import attach_cache_file, engine_fingerprint, engine_geometry
+
+KW = dict(kv_pages=64, prefill_chunk=128, max_concurrency=2, host_cache_mib=64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from hpc_cli.model.model import HybridModel
+
+    torch.manual_seed(0)
+    return HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
+
+
+def toks(n, seed):
+    r = random.Random(seed)
+    return [r.randrange(1, 250) for _ in range(n)]
+
+
+def gen(e, p, n=8):
+    t, f = e.generate(GenerationRequest(list(p), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)),
+                      timeout=120)
+    assert f.reason in ("length", "stop"), (f.reason, f.error)
+    return [x for x in t], f
+
+
+def conversation(e):
+    p1 = toks(300, 1)
+    o1, _ = gen(e, p1)
+    p2 = p1 + o1 + toks(50, 2)
+    o2, _ = gen(e, p2)
+    return p2 + o2 + toks(40, 3)
+
+
+@pytest.fixture(scope="module")
+def saved(model, tmp_path_factory):
+    """Engine A: a conversation, the orderly stop saves; also the next turn without restart."""
+    path = tmp_path_factory.mktemp("restart") / "prefix.bin"
+    a = Engine(model, **KW)
+    ra = attach_cache_file(a, path, progress=False)
+    assert ra.status == "missing"
+    a.start()
+    p3 = conversation(a)
+    ref = Engine(model, **KW).start()  # the next turn's output with no cache at all
+    want, _ = gen(ref, p3)
+    ref.stop()
+    a.stop()
+    assert ra.control.result == "saved" and ra.control.finished.is_set()
+    return path, p3, want
+
+
+def test_restart_reuses_host_tier(model, saved):
+    path, p3, want = saved
+    b = Engine(model, **KW)
+    rb = attach_cache_file(b, path, progress=False, save=False)
+    assert rb.status == "restored" and rb.snapshots >= 1 and rb.bytes_read > 0, rb
+    b.check_invariants()
+    assert all(n.device_state == 0 for n in b.cache.index.tree.walk())  # host-only
+    b.start()
+    got, fin = gen(b, p3)
+    b.stop()
+    b.check_invariants()
+    assert fin.usage.reuse_tokens > 0 and fin.usage.restored_host_bytes > 0, fin.usage
+    assert got == want
+
+
+def test_fingerprint_or_geometry_mismatch_loads_nothing(model, saved, tmp_path):
+    path, p3, _ = saved
+    b = Engine(model, **{**KW, "prefill_chunk": 64})  # another prefill signature
+    r = attach_cache_file(b, path, progress=False, save=False)
+    assert r.status == "mismatch" and "prefill_signature" in r.reason
+    assert b.cache.index.tree.size == 0 and not b.cache.index.snapshots
+    # geometry: rewrite the file with another slab size recorded, same fingerprint
+    c = Engine(model, **KW)
+    cf = persist.open_cache_file(path)
+    g = engine_geometry(c)
+    other = tmp_path / "geo.bin"
+    persist.save_cache_file(other, engine_fingerprint(c), persist.Geometry(g.slab_bytes, g.image_bytes + 1, g.block_bytes),
+                            persist.SavePlan([], []), lambda s: b"", fsync=False)
+    r = attach_cache_file(c, other, progress=False, save=False)
+    assert r.status == "mismatch" and "image_bytes" in r.reason and c.cache.index.tree.size == 0
+    assert cf.snapshots
+
+
+def test_damaged_file_loads_nothing_and_says_why(model, saved, tmp_path):
+    path, _, _ = saved
+    d = bytearray(path.read_bytes())
+    d[-10] ^= 0x10
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(bytes(d))
+    b = Engine(model, **KW)
+    free = b.cache.index.host.free_slabs
+    r = attach_cache_file(b, bad, progress=False)
+    assert r.status == "damaged" and "checksum" in r.reason and r.error is not None and r.error.hint
+    assert b.cache.index.tree.size == 0 and b.cache.index.host.free_slabs == free
+    b.check_invariants()
+
+
+def test_fatal_engine_saves_nothing(model, tmp_path):
+    path = tmp_path / "prefix.bin"
+    path.write_bytes(b"previous")
+    e = Engine(model, **KW)
+    r = attach_cache_file(e, path, progress=False)
+    assert r.status == "damaged"
+    e.start()
+    gen(e, toks(200, 5))
+
+    def boom():
+        raise RuntimeError("device fault")
+
+    e.cache.poll = boom
+    e._wake.set()
+    e._thread.join(10)
+    assert e.fatal
+    e.stop()
+    assert path.read_bytes() == b"previous" and r.control.result is None
+    # the hook itself refuses too
+    e.on_stop[0](e)
+    assert r.control.result.startswith("skipped") and path.read_bytes() == b"previous"
+
+
+def test_abandon_before_stop_keeps_previous_file(model, saved, tmp_path):
+    path, _, _ = saved
+    mine = tmp_path / "p.bin"
+    mine.write_bytes(path.read_bytes())
+    e = Engine(model, **KW)
+    r = attach_cache_file(e, mine, progress=False)
+    assert r.status == "restored"
+    e.start()
+    gen(e, toks(260, 11))
+    r.control.abandon.set()
+    e.stop()
+    assert r.control.finished.wait(2) and r.control.result == "abandoned"
+    assert mine.read_bytes() == path.read_bytes()
+    assert [p.name for p in tmp_path.iterdir()] == ["p.bin"]
