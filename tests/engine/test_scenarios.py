@@ -1,0 +1,481 @@
+"""Spec §13.3 scenarios that apply to one device, run on CPU with builtin:tiny.
+
+Every test ends with ``settle``: engine.stop(), check_invariants(), and no pins, sequences,
+active or filling pages left. Equality tests use greedy sampling with ignore_eos.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hpc_cli.cache.keys import BLOCK_TOKENS
+from hpc_cli.cache.snapshot import SnapshotKind
+from hpc_cli.engine.api import GenerationRequest, TapHint
+from hpc_cli.engine.engine import Engine
+from hpc_cli.memory.transfer import FakeTransferEngine
+
+
+import random
+
+from hpc_cli.engine.api import SamplingParams
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """A reproducible prompt of ``n`` ids in the byte range (no EOS/special ids)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, 250) for _ in range(n)]
+
+
+def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def run(engine: Engine, prompt: list[int], max_tokens: int = 8, *, sampling: SamplingParams | None = None,
+        **kw):
+    toks, fin = engine.generate(GenerationRequest(list(prompt), sampling or greedy(max_tokens), **kw), timeout=120)
+    assert fin.reason in ("length", "stop"), (fin.reason, fin.error)
+    return toks, fin
+
+
+def make(model, **kw) -> Engine:
+    kw.setdefault("kv_pages", 64)
+    kw.setdefault("prefill_chunk", 128)
+    kw.setdefault("max_concurrency", 2)
+    return Engine(model, **kw).start()
+
+
+def settle(engine: Engine, *, fatal_ok: bool = False) -> dict:
+    """Stop the engine, walk the invariants and check nothing is held: no pins, no sequences,
+    no active pages, every lane slot back. Returns the index stats."""
+    engine.stop()
+    engine.check_invariants()
+    if not fatal_ok:
+        assert engine.fatal is None, engine.fatal
+    cache = engine.cache
+    st = cache.index.stats()
+    assert st["nodes"]["pinned"] == 0, st["nodes"]
+    assert st["sequences"] == 0, st
+    assert not st["nodes"]["filling"], st["nodes"]
+    assert cache.pool.counts()["active"] == 0, cache.pool.counts()
+    assert cache.pool.counts()["filling"] == 0, cache.pool.counts()
+    assert sorted(cache.free_active) == list(range(cache.C))
+    assert all(s.restore_pins == 0 for s in cache.index.snapshots.values())
+    assert cache.transfer.pending == 0
+    return st
+
+
+PROFILES = ["bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"]
+
+
+def floor64(x: int) -> int:
+    return x - x % BLOCK_TOKENS
+
+
+def first_logprobs(engine, prompt, n):
+    toks, fin = engine.submit(GenerationRequest(list(prompt), greedy(n, logprobs=20))).result(timeout=120)
+    assert fin.reason == "length", (fin.reason, fin.error)
+    return [t.token_id for t in toks], dict(toks[0].top_logprobs), fin
+
+
+def lp_diff(a: dict, b: dict) -> float:
+    keys = set(a) & set(b)
+    assert len(keys) >= 10
+    return max(abs(a[k] - b[k]) for k in keys)
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ----------------------------------------------------------------------------- resume-equivalence
+@pytest.mark.parametrize("profile", PROFILES)
+def test_resume_equivalence(model, profile):
+    from hpc_cli import plugins
+
+    try:
+        plugins.kv_profile(profile).quantize(torch.zeros(1, 64, 1, 64), "k")
+    except NotImplementedError:
+        pytest.skip(f"{profile}: quantize not implemented on this host")
+    except Exception:
+        pass
+    base = tokens(230, seed=1)
+    full = base + tokens(45, seed=2)
+    N = 64
+    # roots: the same prompt from the root with two chunk decompositions (the baseline)
+    roots = []
+    for chunk in (128, 48):
+        e = make(model, kv_profile=profile, reuse=False, prefill_chunk=chunk, kv_pages=32)
+        roots.append(first_logprobs(e, full, N))
+        settle(e)
+    (r_toks, r_lp, _), (b_toks, b_lp, _) = roots
+    base_diff = lp_diff(r_lp, b_lp)
+    base_agree = agreement(r_toks, b_toks)
+    # resumed: warm the cache with the shorter prompt, then extend it
+    e = make(model, kv_profile=profile, prefill_chunk=128, kv_pages=32, host_cache_mib=16)
+    run(e, base, 1)
+    s_toks, s_lp, fin = first_logprobs(e, full, N)
+    assert fin.usage.reuse_tokens >= floor64(len(base) - 1), fin.usage
+    assert fin.usage.prefill_tokens == len(full) - fin.usage.reuse_tokens
+    d = lp_diff(r_lp, s_lp)
+    assert d <= max(4 * base_diff, 1e-3), (profile, d, base_diff)
+    assert agreement(r_toks, s_toks) >= min(base_agree, N), (profile, s_toks, r_toks, base_agree)
+    settle(e)
+
+
+# ----------------------------------------------------------------------------- multi-turn endpoint
+def test_multi_turn_exact_endpoint_reuse(model):
+    e = make(model, host_cache_mib=16)
+    ops = {"copy_page": 0, "copy_slot": 0}
+    storage, states = e.cache.storage, e.cache.states
+    orig_page, orig_slot = storage.copy_page, states.copy_slot
+
+    def count(name, fn):
+        def wrapper(*a, **k):
+            ops[name] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    storage.copy_page = count("copy_page", orig_page)
+    states.copy_slot = count("copy_slot", orig_slot)
+    seen = {}
+    orig_finish = e.cache.finish
+
+    def finish(lane, **kw):
+        before = dict(ops)
+        d = lane.pos // BLOCK_TOKENS
+        seen.update(pos=lane.pos, tail_page=lane.pages[d], slot=lane.state_slot)
+        orig_finish(lane, **kw)
+        seen["finish_copies"] = {k: ops[k] - before[k] for k in ops}
+
+    e.cache.finish = finish
+    prompt = tokens(150, seed=3)
+    for turn in range(3):
+        gen, fin = run(e, prompt, 20)
+        if turn:
+            assert fin.usage.reuse_tokens == f_end, (turn, fin.usage, f_end)
+        f_end = seen["pos"]
+        assert f_end == len(prompt) + len(gen) - 1
+        # the endpoint took the active image and the partial page without a copy
+        assert seen["finish_copies"] == {"copy_page": 0, "copy_slot": 0}, seen
+        ends = [s for s in e.cache.index.snapshots.values() if s.kind is SnapshotKind.ENDPOINT
+                and s.frontier == f_end and s.alive]
+        assert len(ends) == 1
+        assert ends[0].tail_pages == (seen["tail_page"],)
+        assert e.cache.snap_phys[ends[0].device_slot] == seen["slot"]
+        prompt = prompt + gen + tokens(30, seed=10 + turn)
+    # the reference: the last prompt from the root gives the same greedy output
+    last, _ = run(e, prompt, 20)
+    st = settle(e)
+    assert st["counters"]["published"]["endpoint"] >= 3
+    off = make(model, reuse=False)
+    ref, fin = run(off, prompt, 20)
+    assert fin.usage.reuse_tokens == 0
+    settle(off)
+    assert last == ref
+
+
+# ----------------------------------------------------------------------------- re-rendered history
+def test_rerendered_history_reuses_opener_tap(model):
+    e = make(model, host_cache_mib=16)
+    system_user = tokens(170, seed=4)
+    opener = [200, 201, 202]
+    p1 = system_user + opener
+    n1 = len(p1)
+    gen, _ = run(e, p1, 12, tap_hints=[TapHint(n1 - len(opener), 2)])
+    # turn 2: the assistant turn is re-rendered (thinking stripped: different tokens)
+    rerendered = [203] + gen[5:] + [204]
+    p2 = p1 + rerendered + tokens(40, seed=5) + opener
+    _, fin = run(e, p2, 4)
+    assert fin.usage.reuse_tokens >= floor64(n1 - 1), (fin.usage, n1)
+    settle(e)
+
+
+# ----------------------------------------------------------------------------- deep edit
+def test_deep_edit_reuses_deepest_ladder_tap(model):
+    e = make(model, host_cache_mib=16, tap_ladder_tokens=128, tap_min_gap_tokens=64, max_new_taps=8,
+             kv_pages=64)
+    p = tokens(700, seed=6)
+    run(e, p, 2)
+    frontiers = sorted(s.frontier for s in e.cache.index.snapshots.values() if s.alive)
+    ladder = [f for f in frontiers if f < len(p) - BLOCK_TOKENS]
+    assert len(ladder) >= 3, frontiers
+    edit = 400
+    edited = list(p)
+    edited[edit] = (edited[edit] % 249) + 1
+    expect = max(f for f in frontiers if f <= edit)
+    assert expect > 0
+    out, fin = run(e, edited, 6)
+    assert fin.usage.reuse_tokens == expect, (fin.usage, frontiers)
+    settle(e)
+    off = make(model, reuse=False)
+    ref, _ = run(off, edited, 6)
+    settle(off)
+    assert out == ref
+
+
+# ----------------------------------------------------------------------------- shared preamble
+def test_shared_preamble_stored_once_all_hit(model):
+    e = make(model, host_cache_mib=16, max_concurrency=8, kv_pages=64)
+    pre = tokens(256, seed=7)
+    run(e, pre + [9], 1, tap_hints=[TapHint(256, 3)])
+    base_nodes = e.cache.index.stats()["nodes"]["total"]
+    assert base_nodes == 4
+    handles = [e.submit(GenerationRequest(pre + tokens(70, seed=100 + i), greedy(4))) for i in range(8)]
+    fins = [h.result(timeout=120)[1] for h in handles]
+    assert all(f.usage.reuse_tokens >= 256 for f in fins), [f.usage.reuse_tokens for f in fins]
+    st = settle(e)
+    # each session's own blocks: floor((256 + 70 + 3) / 64) - 4 = 1; the preamble's 4 once
+    assert st["nodes"]["total"] == 4 + 8, st["nodes"]
+    assert st["counters"]["commits"].get("duplicate", 0) == 0, st["counters"]["commits"]
+    assert st["device"]["cached_page_bundles"] >= 12
+
+
+# ----------------------------------------------------------------------------- host-only helpers
+def _push_out(e, n_fill: int = 3, seed: int = 50):
+    """Run unrelated prompts until the device copies of earlier entries are evicted."""
+    for i in range(n_fill):
+        run(e, tokens(300, seed=seed + i), 2)
+
+
+def _host_only_engine(model, **kw):
+    kw.setdefault("kv_pages", 12)
+    kw.setdefault("snapshot_slots", 1)
+    kw.setdefault("host_cache_mib", 32)
+    kw.setdefault("max_concurrency", 1)
+    return make(model, **kw)
+
+
+def test_host_only_restore_matches_device_resume(model):
+    p = tokens(300, seed=8)
+    ext = p + tokens(40, seed=9)
+    dev = make(model, host_cache_mib=32, kv_pages=32)
+    run(dev, p, 2)
+    want, fin_d = run(dev, ext, 16)
+    assert fin_d.usage.reuse_tokens > 0 and fin_d.usage.restored_host_bytes == 0
+    settle(dev)
+
+    e = _host_only_engine(model)
+    run(e, p, 2)
+    _push_out(e)
+    got, fin = run(e, ext, 16)
+    assert fin.usage.reuse_tokens == fin_d.usage.reuse_tokens, (fin.usage, fin_d.usage)
+    assert fin.usage.restored_host_bytes > 0, fin.usage
+    assert got == want
+    st = settle(e)
+    assert st["counters"]["restores"] >= 1
+
+
+def test_concurrency_8_identical_prompts(model):
+    p = tokens(300, seed=11)
+    ext = p + tokens(30, seed=12)
+    ref_e = make(model, reuse=False, kv_pages=16)
+    ref, _ = run(ref_e, ext, 8)
+    settle(ref_e)
+
+    e = _host_only_engine(model, kv_pages=48, max_concurrency=8)
+    run(e, p, 2)
+    # fill the device pool and the one snapshot slot with other entries
+    for i in range(6):
+        run(e, tokens(300, seed=60 + i), 2)
+    before = e.cache.index.stats()["counters"]["restores"]
+    handles = [e.submit(GenerationRequest(list(ext), greedy(8))) for _ in range(8)]
+    results = [h.result(timeout=120) for h in handles]
+    for toks, fin in results:
+        assert fin.reason == "length", fin.error
+        assert [t.token_id for t in toks] == ref
+    st = settle(e)
+    restored = [fin.usage.restored_host_bytes for _, fin in results]
+    # no double restore of a Filling node: at most one request restored each host-only block
+    assert st["counters"]["restores"] - before <= 1, (st["counters"], restored)
+    assert sum(1 for r in restored if r) <= 1, restored
+
+
+# ----------------------------------------------------------------------------- cancellation
+class _CancelAfter:
+    """A model proxy whose prefill cancels a request after ``n`` passes."""
+
+    def __init__(self, model, n):
+        self._m, self.n, self.handle, self.calls = model, n, None, 0
+
+    def __getattr__(self, k):
+        return getattr(self._m, k)
+
+    def prefill(self, *a, **k):
+        out = self._m.prefill(*a, **k)
+        self.calls += 1
+        if self.calls == self.n and self.handle is not None:
+            self.handle.cancel()
+        return out
+
+
+def test_cancel_mid_prefill_publishes_taps_and_blocks(model):
+    e = Engine(model, kv_pages=32, prefill_chunk=64, max_concurrency=1, host_cache_mib=16,
+               tap_ladder_tokens=128, tap_min_gap_tokens=64)
+    proxy = _CancelAfter(model, 5)
+    e.model = proxy
+    e.start()
+    p = tokens(700, seed=13)
+    h = e.submit(GenerationRequest(list(p), greedy(4)))
+    proxy.handle = h
+    toks, fin = h.result(timeout=120)
+    assert fin.reason == "cancelled" and not toks
+    done = fin.usage.prefill_tokens
+    assert 0 < done < len(p)
+    st = e.cache.index.stats()
+    assert st["nodes"]["total"] == done // BLOCK_TOKENS
+    frontiers = [s.frontier for s in e.cache.index.snapshots.values() if s.alive]
+    assert frontiers and max(frontiers) <= done
+    proxy.handle = None
+    out, fin2 = run(e, p, 4)
+    assert fin2.usage.reuse_tokens == max(frontiers), (fin2.usage, frontiers)
+    settle(e)
+    off = make(model, reuse=False, kv_pages=16)
+    ref, _ = run(off, p, 4)
+    settle(off)
+    assert out == ref
+
+
+# ----------------------------------------------------------------------------- pressure
+def test_pressure_with_active_growth(model):
+    e = make(model, host_cache_mib=16, kv_pages=16, max_concurrency=2)
+    for i in range(4):  # fill the pool with cached entries
+        run(e, tokens(200, seed=20 + i), 2)
+    assert e.cache.pool.counts()["cached"] > 4
+    pa, pb = tokens(180, seed=30), tokens(150, seed=31)
+    ha = e.submit(GenerationRequest(pa, greedy(200)))  # grows to ceil(380/64) = 6 pages
+    hb = e.submit(GenerationRequest(pb, greedy(200)))  # 6 pages
+    (ta, fa), (tb, fb) = ha.result(timeout=300), hb.result(timeout=300)
+    assert fa.reason == fb.reason == "length", (fa.error, fb.error)
+    st = settle(e)
+    assert st["counters"]["device_evictions_backed"] + st["counters"]["device_evictions_unbacked"] > 0
+    off = make(model, reuse=False, kv_pages=16)
+    assert [t.token_id for t in ta] == run(off, pa, 200)[0]
+    assert [t.token_id for t in tb] == run(off, pb, 200)[0]
+    settle(off)
+
+
+# ----------------------------------------------------------------------------- host cache 0
+def test_host_cache_zero_device_only(model):
+    e = make(model, host_cache_mib=0, kv_pages=12, max_concurrency=1)
+    p = tokens(200, seed=40)
+    run(e, p, 4)
+    out, fin = run(e, p + tokens(20, seed=41), 4)
+    assert fin.usage.reuse_tokens > 0 and fin.usage.restored_host_bytes == 0
+    assert e.cache.index.stats()["host"]["slabs"] == 0
+    _push_out(e, 3, seed=42)  # unbacked evictions delete subtrees
+    out2, fin2 = run(e, p + tokens(20, seed=41), 4)
+    assert out2 == out
+    st = settle(e)
+    assert st["counters"]["device_evictions_unbacked"] > 0
+    assert st["counters"]["nodes_deleted"] > 0
+
+
+# ----------------------------------------------------------------------------- disabled / off
+def test_disabled_requests_leave_nothing(model):
+    e = make(model, host_cache_mib=16)
+    run(e, tokens(150, seed=43), 4)
+    st0 = e.cache.index.stats()
+    p = tokens(200, seed=44)
+    for _ in range(2):
+        _, fin = run(e, p, 4, cache_enabled=False)
+        assert fin.usage.reuse_tokens == 0
+    st1 = settle(e)
+    assert st1["nodes"]["total"] == st0["nodes"]["total"]
+    assert st1["snapshots"]["total"] == st0["snapshots"]["total"]
+
+
+def test_cache_mode_off_never_reuses(model):
+    from hpc_cli.settings import load_settings
+
+    r = load_settings(None, {"cache.mode": "off", "engine.prefill_chunk": 128, "engine.max_concurrency": 2,
+                             "engine.kv_capacity": 32, "model.name": "builtin:tiny"}, environ={})
+    e = Engine.from_settings(r).start()
+    p = tokens(200, seed=45)
+    outs = []
+    for _ in range(3):
+        toks, fin = run(e, p, 4)
+        assert fin.usage.reuse_tokens == 0 and fin.usage.cached_prefix_tokens == 0
+        assert fin.usage.prefill_tokens == len(p)
+        outs.append(toks)
+    assert outs[0] == outs[1] == outs[2]
+    st = settle(e)
+    assert st["nodes"]["total"] == 0 and st["snapshots"]["total"] == 0
+
+
+# ----------------------------------------------------------------------------- fault injection
+def _fake_engine(model, holder, **kw):
+    def factory(*a, **k):
+        holder.append(FakeTransferEngine(*a, **k))
+        return holder[0]
+
+    kw.setdefault("kv_pages", 12)
+    kw.setdefault("snapshot_slots", 1)
+    kw.setdefault("host_cache_mib", 32)
+    kw.setdefault("max_concurrency", 1)
+    return make(model, transfer_factory=factory, **kw)
+
+
+def _pending(fake, kind):
+    return [j.job_id for j in fake._queues.get(kind, ()) if j.job_id not in fake._complete_ids]
+
+
+def _wait_for(cond, timeout=30):
+    import time
+
+    t = time.monotonic() + timeout
+    while time.monotonic() < t:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_fault_failed_write_fails_engine_without_pins(model):
+    holder: list = []
+    e = _fake_engine(model, holder)
+    fake = holder[0]
+    run(e, tokens(200, seed=46), 2)
+    assert _wait_for(lambda: any(j for q in fake._queues.values() for j in q))
+    job = next(j.job_id for q in fake._queues.values() for j in q)
+    fake.fail(job, "injected write fault")
+    assert _wait_for(lambda: e.fatal is not None)
+    assert "injected write fault" in e.fatal
+    with pytest.raises(Exception, match="stopped after an error"):
+        e.submit(GenerationRequest(tokens(10, seed=1), greedy(1)))
+    settle(e, fatal_ok=True)
+
+
+def test_fault_failed_restore_fails_engine_without_pins(model):
+    holder: list = []
+    e = _fake_engine(model, holder)
+    fake = holder[0]
+    p = tokens(300, seed=47)
+    run(e, p, 2)
+    for i in range(3):
+        run(e, tokens(300, seed=70 + i), 2)
+    fake.complete()  # land the write-throughs: the first entry is now host-only
+    assert _wait_for(lambda: fake.pending == 0 or not e.cache.jobs)
+    gate = threading.Event()
+    orig = fake.restore
+
+    def restore(batch):
+        ticket = orig(batch)
+        fake.fail(ticket.job_id, "injected restore fault")
+        gate.set()
+        return ticket
+
+    fake.restore = restore
+    toks, fin = e.submit(GenerationRequest(p + tokens(20, seed=48), greedy(4))).result(timeout=120)
+    assert gate.is_set(), "no restore was issued"
+    assert _wait_for(lambda: e.fatal is not None)
+    assert "injected restore fault" in e.fatal
+    assert fin.reason == "error" and "restore" in (fin.error or ""), (fin.reason, fin.error)
+    settle(e, fatal_ok=True)
