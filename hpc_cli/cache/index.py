@@ -763,6 +763,7 @@ class PrefixIndex:
         s.superseded = True
         s.superseded_tick = self.tick
         self._superseded[s] = None
+        s.dirty = True
         self._path_retained(s, -1)
         self._dirty_dependents(s)
         self.counters.superseded += 1

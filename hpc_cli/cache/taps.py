@@ -104,17 +104,20 @@ class TapPlanner:
         spans = sorted(vision_spans)
 
         def fix(p: int, flexible: bool) -> int | None:
-            for b, ln in spans:
-                if b < p < b + ln:
-                    p = b  # never resume inside a Vision span
-            if flexible:
-                p -= p % BLOCK_TOKENS
+            moved = True
+            while moved:  # never resume inside a Vision span (spans may overlap)
+                moved = False
                 for b, ln in spans:
                     if b < p < b + ln:
-                        return None
+                        p, moved = b, True
+            if flexible:
+                p -= p % BLOCK_TOKENS
+                if any(b < p < b + ln for b, ln in spans):
+                    return None
             return p if base < p <= last else None
 
         cands: list[Tap] = []
+        targets: dict[Tap, int] = {}  # a flexible tap's unaligned target, for the proximity rule
         # 1. explicit markers
         for h in hints:
             if h.source is TapSource.EXPLICIT:
@@ -141,7 +144,9 @@ class TapPlanner:
         # 4. the prompt tail
         p = fix(last, True)
         if p is not None:
-            cands.append(Tap(p, Placement.FLEXIBLE, TapSource.PROMPT_TAIL, False))
+            t = Tap(p, Placement.FLEXIBLE, TapSource.PROMPT_TAIL, False)
+            cands.append(t)
+            targets[t] = last
         # 5. the ladder, snapped back to a message boundary within the minimum gap
         messages = [h.position for h in hints if h.source is TapSource.MESSAGE]
         G, gap = self.ladder, self.min_gap
@@ -170,7 +175,7 @@ class TapPlanner:
             elif t.source is TapSource.LADDER:
                 if any(abs(p - x) < gap for x in others + [base]):
                     continue
-            elif any(0 <= p - x <= BLOCK_TOKENS for x in others + [base]):
+            elif any(0 <= q - x <= BLOCK_TOKENS for q in {p, targets.get(t, p)} for x in others + [base]):
                 continue
             if any(x.position == p for x in taken):
                 continue
