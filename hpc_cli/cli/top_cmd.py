@@ -36,7 +36,10 @@ def top_command(url: str | None, api_key: str | None, once: bool, refresh_hz: fl
         run_view(collector, refresh_hz=refresh_hz, once=once)
     except SourceGone as exc:
         if collector.frames:
-            raise UnavailableError(f"the server went away: {exc}", hint="restart it, then run 'hpc-cli top' again") from None
+            msg = str(exc)
+            msg = (msg.replace("cannot reach ", "", 1).replace(" (", " went away (", 1)
+                   if msg.startswith("cannot reach ") else f"the server went away: {msg}")
+            raise UnavailableError(msg, hint="restart it, then run 'hpc-cli top' again") from None
         raise UnavailableError(str(exc), hint="start it with 'hpc-cli serve', or pass --url") from None
 
 

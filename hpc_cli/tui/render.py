@@ -10,7 +10,6 @@ from __future__ import annotations
 from rich import box
 from rich.console import Group, RenderableType
 from rich.panel import Panel
-from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
@@ -85,6 +84,25 @@ def sparkline(values: list[float], width: int, lo: float | None = 0.0) -> str:
 # ---------------------------------------------------------------------------------------------
 # Building blocks
 # ---------------------------------------------------------------------------------------------
+class Bar:
+    """A one-line bar that takes the width it is given: ``█`` filled, ``░`` empty (legible without colour)."""
+
+    def __init__(self, value: int, total: int, colour: str) -> None:
+        self.value, self.total, self.colour = value, max(total, 1), colour
+
+    def __rich_console__(self, console, options):
+        w = max(1, options.max_width)
+        filled = min(w, round(w * self.value / self.total))
+        if self.value > 0 and filled == 0:
+            filled = 1  # something there shows
+        yield Text.assemble(("█" * filled, self.colour), ("░" * (w - filled), "bright_black"), no_wrap=True)
+
+    def __rich_measure__(self, console, options):
+        from rich.measure import Measurement
+
+        return Measurement(4, options.max_width)
+
+
 def _bars(rows: list[tuple[str, int, int, str, str]]) -> Table:
     """Label, value, total, right-hand text, colour -> label | bar | text (the bar takes the rest)."""
     t = Table.grid(expand=True, padding=(0, 1))
@@ -92,8 +110,7 @@ def _bars(rows: list[tuple[str, int, int, str, str]]) -> Table:
     t.add_column(ratio=1, min_width=6)
     t.add_column(no_wrap=True, justify="right")
     for label, value, total, right, colour in rows:
-        t.add_row(label, ProgressBar(total=max(total, 1), completed=value, complete_style=colour,
-                                     finished_style=colour, pulse=False), right)
+        t.add_row(label, Bar(value, total, colour), right)
     return t
 
 
@@ -148,7 +165,7 @@ def pool_panel(v: View, compact: bool = False) -> RenderableType:
     pb = p.page_bytes
     title = f"Device KV pages {fmt_count(p.pages)} × {fmt_bytes(pb)}"
     rows = [(name, n, total, f"{fmt_count(n):>6} {fmt_bytes(n * pb):>9}", colour)
-            for name, n, colour in (("Free", p.free, "bright_black"), ("Active", p.active, "green"),
+            for name, n, colour in (("Free", p.free, "white"), ("Active", p.active, "green"),
                                     ("Cached", p.cached, "cyan"), ("Filling", p.filling, "yellow"))]
     return section(title, _bars(rows), compact)
 
@@ -174,7 +191,7 @@ def host_panel(v: View, compact: bool = False) -> RenderableType:
     def right(n: int) -> str:
         return f"{fmt_count(n):>6} {fmt_bytes(n * sb):>9}"
 
-    rows = [("Free", h.free, total, right(h.free), "bright_black"),
+    rows = [("Free", h.free, total, right(h.free), "white"),
             ("KV blocks", h.node, total, right(h.node), "cyan"),
             ("Images", h.image, total, right(h.image), "blue")]
     body = Group(_bars(rows), Text(f"Tails {h.tail} ({fmt_bytes(h.tail * sb)})  Filling {h.filling} "

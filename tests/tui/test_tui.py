@@ -228,7 +228,7 @@ def test_top_server_going_away_while_attached(stats_server):
             proc.kill()
     assert proc.returncode == 2, err
     assert "Traceback" not in err
-    assert "the server went away" in err and len(err.strip().split("\n")) == 2  # error + hint
+    assert f"error: {url} went away (connection refused)" in err and len(err.strip().split("\n")) == 2  # error + hint
     assert "Device KV pages" in out
 
 
