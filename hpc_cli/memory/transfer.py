@@ -234,6 +234,8 @@ class TransferEngine:
                 base = part.reshape(-1).view(torch.uint8)
                 self._image_groups.setdefault(g, []).append((name, base, slot_bytes, off))
                 off += slot_bytes
+            assert off == state.image_bytes, f"image parts sum to {off} B, image_bytes is {state.image_bytes}"
+        self._image_slabs = -(-state.image_bytes // host.slab_bytes) if state is not None else 0
         self._ids = itertools.count(1)
         self._queues: dict[str, deque[_Job]] = {"restore": deque(), "write": deque()}
         self._retired: list[Completion] = []
@@ -327,7 +329,7 @@ class TransferEngine:
                    out: list) -> None:
         assert self.state is not None, "this engine holds no state slots"
         assert 0 <= slot < self.state.num_slots, f"state slot {slot} outside 0..{self.state.num_slots - 1}"
-        need = -(-self.state.image_bytes // self.host.slab_bytes)
+        need = self._image_slabs
         assert len(slabs) >= need, f"image of {self.state.image_bytes} B needs {need} slabs, got {len(slabs)}"
         chunks = self.host.chunks
         for name, base, slot_bytes, off in self._image_groups.get(gdn, ()):

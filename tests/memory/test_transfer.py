@@ -30,6 +30,8 @@ def _rig(profile="bf16", *, pages=12, slabs=40, chunk_slabs=7, mtp=False, backen
                        SHAPE.hidden_size, 4, dtype=torch.bfloat16, extra_parts=extra)
     sb = BundleLayout.for_storage(main, back).slab_bytes
     host = HostSlabStorage(sb, slabs, pin=False, chunk_bytes=chunk_slabs * sb)
+    for c in host.chunks:  # host memory starts uninitialised
+        c.zero_()
     cls = FakeTransferEngine if fake else TransferEngine
     eng = cls(main, host, state=state, backend=back, layer_order=layer_order_for_shape(SHAPE))
     return eng
