@@ -313,7 +313,9 @@ def url_source(url: str, api_key: str | None = None, timeout: float = 3.0) -> Ca
         try:
             r = client.get(endpoint)
         except httpx.TransportError as exc:
-            kind = "connection refused" if isinstance(exc, httpx.ConnectError) else type(exc).__name__
+            kind = ("connection refused" if isinstance(exc, httpx.ConnectError) else "timed out"
+                    if isinstance(exc, httpx.TimeoutException) else "connection closed"
+                    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)) else type(exc).__name__)
             raise SourceGone(f"cannot reach {base} ({kind})") from None
         if r.status_code == 401:
             raise SourceGone(f"{base} refused the API key (HTTP 401); pass --api-key KEY")
