@@ -169,7 +169,7 @@ class HybridModel(nn.Module):
         dev = self.device
         pages = torch.tensor(list(block_table[:n_pages]), dtype=torch.long, device=dev)
         positions = torch.arange(start, end, device=dev)
-        write_slots = pages[positions // page] * page + positions % page
+        write_slots = pages.index_select(0, positions // page) * page + positions % page
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         mask = None
         if start:
@@ -234,7 +234,8 @@ class HybridModel(nn.Module):
             if layer.kind == "linear_attention":
                 g = self.state_index[i]
                 conv, rec = states.conv[g], states.recurrent[g]
-                out, new_conv, new_rec = layer.linear_attn.decode(h, conv[slots], rec[slots])
+                out, new_conv, new_rec = layer.linear_attn.decode(h, conv.index_select(0, slots),
+                                                                   rec.index_select(0, slots))
                 conv.index_copy_(0, slots, new_conv.to(conv.dtype))
                 rec.index_copy_(0, slots, new_rec)
             else:

@@ -8,7 +8,16 @@ import pytest
 import torch
 
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # These models are tiny: one thread is faster, and torch's CPU advanced indexing is
+    # pathologically slow with a 2-thread pool on small machines.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _common(**extra):
