@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hpc_cli.engine.api import GenerationRequest, RequestHandle
-from hpc_cli.errors import HpcError, RequestError, UnavailableError
+from hpc_cli.errors import EngineError, HpcError, RequestError, UnavailableError
 from hpc_cli.server.common import Unavailable, error_body, is_anthropic_path
 from hpc_cli.server.metrics import Metrics
 
@@ -119,6 +119,10 @@ def create_app(engine: Any, settings: Any, stop_controller: Any = None) -> FastA
     @app.exception_handler(Unavailable)
     async def _unavailable(request: Request, exc: Unavailable):
         return shaped(request, 503, exc.message, code="unavailable")
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, exc: EngineError):
+        return shaped(request, 500, exc.message + (f" ({exc.hint})" if exc.hint else ""), code="engine_error")
 
     @app.exception_handler(HpcError)
     async def _hpc_error(request: Request, exc: HpcError):

@@ -1,0 +1,87 @@
+"""Unit tests: tap hints from the chat template, text assembly, reasoning split, metrics text."""
+
+from __future__ import annotations
+
+from hpc_cli.engine.api import Usage
+from hpc_cli.model.tokenizer import ByteTokenizer
+from hpc_cli.server.chat import Marker, prepare_chat
+from hpc_cli.server.common import ReasoningSplitter, TextAssembler
+from hpc_cli.server.metrics import Metrics, flatten_stats
+
+TOK = ByteTokenizer()
+SYS = "Be brief. " * 12
+
+
+def _before(p, pos):
+    return TOK.decode(p.prompt_tokens[:pos])
+
+
+def test_hints_and_boundaries():
+    msgs = [{"role": "system", "content": SYS}, {"role": "user", "content": "é first"},
+            {"role": "assistant", "content": "<think>\nx\n</think>\n\nok"}, {"role": "user", "content": "a\nb"}]
+    p = prepare_chat(TOK, msgs, markers=[Marker(3, "a")])
+    assert p.prompt_tokens == TOK.encode(p.text)
+    by = {h.priority: h.position for h in p.tap_hints}
+    assert _before(p, by[3]).endswith(SYS + "<|im_end|>\n")
+    assert _before(p, by[1]).endswith("<|im_start|>user\na")
+    assert p.text[len(_before(p, by[2])):] == "<|im_start|>assistant\n<think>\n"
+    assert p.opens_thinking and p.opener_position == by[2]
+    # every message boundary is the start of a <|im_start|> block
+    assert all(TOK.decode(p.prompt_tokens[b:]).startswith("<|im_start|>") for b in p.message_boundaries)
+    assert len(p.message_boundaries) == 4
+
+
+def test_prefix_stability_across_turns():
+    turn1 = [{"role": "system", "content": SYS}, {"role": "user", "content": "q1"}]
+    p1 = prepare_chat(TOK, turn1)
+    p2 = prepare_chat(TOK, turn1 + [{"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}])
+    assert p2.prompt_tokens[:p1.opener_position] == p1.prompt_tokens[:p1.opener_position]
+
+
+def test_tools_and_whole_message_markers():
+    msgs = [{"role": "user", "content": "hi"}]
+    p = prepare_chat(TOK, msgs, markers=[Marker(0, None), Marker(0, None, automatic=True)],
+                     template_kwargs={"enable_thinking": False})
+    assert not p.opens_thinking
+    (h,) = [h for h in p.tap_hints if h.position == p.opener_position]
+    assert h.priority == 1  # the explicit marker wins over the opener at the same position
+
+
+def test_continue_final_assistant():
+    p = prepare_chat(TOK, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is"}],
+                     continue_final=True)
+    assert p.text.endswith("<|im_start|>assistant\nThe answer is")
+
+
+def test_text_assembler_stop_and_holdback():
+    a = TextAssembler(TOK, stop=("END",), skip_ids={TOK.special_tokens["<|im_end|>"]})
+    out = "".join(a.push(t) for t in TOK.encode("abcEN"))
+    assert out == "abc"  # "EN" held back: it may begin the stop string
+    out += "".join(a.push(t) for t in TOK.encode("Dxyz"))
+    assert out == "abc" and a.stopped == "END" and a.finish() == ""
+    b = TextAssembler(TOK, skip_ids={TOK.special_tokens["<|im_end|>"]})
+    text = "".join(b.push(t) for t in TOK.encode("héllo<|im_end|>")) + b.finish()
+    assert text == "héllo"
+
+
+def test_reasoning_splitter_streaming():
+    s = ReasoningSplitter(True)
+    parts = []
+    for piece in ["pla", "n</thi", "nk>", "\n\nans", "wer"]:
+        parts += s.feed(piece)
+    parts += s.feed("", final=True)
+    assert "".join(t for k, t in parts if k == "reasoning") == "plan"
+    assert "".join(t for k, t in parts if k == "content") == "answer"
+    assert ReasoningSplitter(False).feed("a</think>b") == [("content", "a</think>b")]
+
+
+def test_metrics_text():
+    m = Metrics()
+    m.usage(Usage(prompt_tokens=100, completion_tokens=5, reuse_tokens=64, restored_host_bytes=4096,
+                  time_to_first_token=0.02))
+    m.request_done("chat", "ok")
+    text = m.render({"cache": {"host": {"bytes": 7}, "flag": True}, "name": "x"})
+    assert "hpc_cache_hit_rate 0.64" in text and "hpc_host_restored_bytes_total 4096" in text
+    assert 'hpc_time_to_first_token_seconds_bucket{le="0.025"} 1' in text
+    assert "hpc_engine_cache_host_bytes 7" in text and "hpc_engine_cache_flag 1" in text
+    assert flatten_stats({"a": [1, {"b": 2.5}]}) == {"hpc_engine_a_0": 1, "hpc_engine_a_1_b": 2.5}
