@@ -320,9 +320,9 @@ class HybridBinding:
             tails=[(st.tail_pages[0], st.tail_slab) for st in batch.snapshots if st.tail_pages is not None])
         self.jobs[job.job_id] = ("write", batch)
 
-    def poll(self) -> None:
+    def poll(self, completions=None) -> None:
         """Land finished transfers (spec §10.9: residency changes only here or at commit)."""
-        for c in self.transfer.poll():
+        for c in (self.transfer.poll() if completions is None else completions):
             kind, batch = self.jobs.pop(c.job_id)
             if not c.ok:
                 self.counters["transfer_failures"] += 1
@@ -348,7 +348,9 @@ class HybridBinding:
             self.index.land_write(batch)
 
     def drain(self) -> None:
-        self.transfer.drain()
+        # TransferEngine.drain retires the jobs and returns their completions: land those
+        # (a poll() after it finds nothing, which left pins and Filling host copies behind).
+        self.poll(self.transfer.drain())
         self.poll()
 
     def _free_pages(self, bundles) -> None:
