@@ -214,6 +214,10 @@ class Engine:
         except Exception as exc:  # a fatal error: fail everything, release everything, save nothing
             self.fatal = f"{type(exc).__name__}: {exc}" if not isinstance(exc, HpcError) else exc.message
             self._shutdown("error", self.fatal, publish=False)
+            try:  # land (or abandon) the transfers still queued so that their pins drop
+                self.cache.drain()
+            except Exception:  # pragma: no cover - a broken device may fail the wait too
+                pass
             self._take_stats()
         finally:
             self._stopping.set()
