@@ -199,6 +199,7 @@ class WriteBatch:
 class Release:
     free_pages: list[tuple[int, ...]]  # Duplicate pages of the sequence (private, freed now)
     write: WriteBatch | None
+    freed: Freed = field(default_factory=Freed)  # what making host room for the write displaced
 
 
 @dataclass(slots=True)
@@ -698,9 +699,9 @@ class PrefixIndex:
             if node in self._awaiting_restore:
                 raise AssertionError(f"release of sequence {seq.id} before its restore was begun")
         write = None
+        freed = Freed()
         if write_through and self.host.enabled:
             blocks = []
-            freed = Freed()
             for node in seq.nodes:
                 if node.host_state == ABSENT and node.device_state == RESIDENT and node.alive:
                     slabs = self._host_alloc(1, SlabUse.NODE, node, freed)
@@ -710,6 +711,7 @@ class PrefixIndex:
                     node.host_slab = slabs[0]
                     node.host_state = FILLING
                     node.restore_pins += 1
+                    self._dirty_sole_owner(node)
                     blocks.append(BlockTransfer(node, node.device_pages, node.host_slab))
             if blocks:
                 write = WriteBatch(self._next_batch, blocks, [])
@@ -724,7 +726,7 @@ class PrefixIndex:
         self.epoch += 1
         pages = seq.duplicate_pages
         seq.duplicate_pages = []
-        return Release(pages, write)
+        return Release(pages, write, freed)
 
     def land_write(self, batch: WriteBatch | None) -> None:
         """Write-through completed: host copies become Resident and the sources unpin. Blocks

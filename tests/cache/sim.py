@@ -139,6 +139,7 @@ class Sim:
             self.commit(lane, len(lane.tokens))
         rel = self.ix.release(lane.seq, write_through=write_through)
         self.mem.give_back(rel.free_pages)
+        self.free(rel.freed)
         self.mem.give_back(lane.pages)
         lane.pages = []
         if rel.write is not None:

@@ -34,6 +34,7 @@ def publish_at(ix, sim, toks, frontier, kind=SnapshotKind.TAP):
     rel = ix.release(seq)
     ix.land_write(rel.write)
     sim.mem.give_back(rel.free_pages)
+    sim.free(rel.freed)
     return pr.snapshot
 
 
