@@ -102,10 +102,18 @@ def run_server(resolved, log_level: str = "info") -> None:
     from hpc_cli.server.stop import StopController
 
     s = resolved.settings
-    engine = Engine.from_settings(resolved)
+    engine = Engine.from_settings(resolved, progress=True)
+    save_control = None
+    if s.cache.prefix_cache_file:
+        from hpc_cli.engine.persistence import attach_cache_file
+
+        # Loads a matching file now (host-only entries) and saves at the orderly stop (spec §5.5).
+        save_control = attach_cache_file(engine, s.cache.prefix_cache_file, progress=True).control
     engine.start()
     controller = StopController(engine, prefix_cache_file=s.cache.prefix_cache_file,
                                 echo=lambda msg: click.echo(f"hpc-cli: {msg}", err=True))
+    if save_control is not None:
+        controller.abort_save = save_control.abandon  # one more Ctrl+C abandons the save
     app = create_app(engine, resolved, stop_controller=controller)
     controller.state = app.state.hpc
 
@@ -115,6 +123,8 @@ def run_server(resolved, log_level: str = "info") -> None:
             with controller.installed():
                 yield
 
+    if s.server.tui and log_level == "info":
+        log_level = "warning"  # keep the log from scrolling over the view
     config = uvicorn.Config(app, host=s.server.host, port=s.server.port, log_level=log_level,
                             timeout_graceful_shutdown=5, lifespan="off")
     server = Server(config)
@@ -123,26 +133,18 @@ def run_server(resolved, log_level: str = "info") -> None:
     click.echo(banner(resolved, f"http://{host}:{s.server.port}"), err=True)
     tui = None
     if s.server.tui:
-        tui = _start_tui(app.state.hpc)
+        from hpc_cli.tui.app import start_tui_thread
+
+        tui = start_tui_thread(engine, resolved)  # reads engine.stats() only; never slows the worker
     try:
         server.run()
     finally:
         if tui is not None:
-            with contextlib.suppress(Exception):
-                tui.stop()
+            tui[1].set()
+            tui[0].join(timeout=2)
         if not controller.stopping:  # the server ended some other way (bind failure): still stop the engine
             controller.request_stop("server exit", wait=True)
         else:
             controller.done.wait(60)
         if controller.error is not None:
             click.echo(f"hpc-cli: orderly stop failed: {controller.error}", err=True)
-
-
-def _start_tui(state):
-    """The terminal view comes with its own issue; start it when present."""
-    try:
-        from hpc_cli.tui import start_live_view  # type: ignore[attr-defined]
-    except ImportError:
-        click.echo("hpc-cli: --tui: the terminal view is not available in this build", err=True)
-        return None
-    return start_live_view(state.engine.stats, state.metrics)
