@@ -135,6 +135,7 @@ def main() -> None:
 
     ours = {"prefill_tok_s": args.prefill / _time(ours_prefill, args.repeat)}
     ref_last = ours_prefill().logits.float()
+    print(json.dumps({"ours_prefill_tok_s": round(ours["prefill_tok_s"], 1)}), flush=True)
 
     # agreement on the device: split with the state carried, and decode vs full forward
     states.reset(0)

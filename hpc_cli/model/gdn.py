@@ -121,8 +121,10 @@ def gated_delta_prefill(q, k, v, g, beta, initial_state, use_fla: bool | None = 
     if kernels is None:
         return chunk_rule(q, k, v, g, beta, initial_state)
     qq, kk, vv = _fla_inputs(q, k, v)
-    out, state = kernels[0](qq, kk, vv, g.float(), beta.to(vv.dtype), initial_state=initial_state.float(),
-                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+    # keywords only: fla's signatures differ between releases (fused_recurrent has gk/gv before beta)
+    out, state = kernels[0](q=qq, k=kk, v=vv, g=g.float(), beta=beta.to(vv.dtype),
+                            initial_state=initial_state.float().contiguous(), output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
     return out, state.float()
 
 
@@ -132,8 +134,9 @@ def gated_delta_decode(q, k, v, g, beta, initial_state, use_fla: bool | None = N
     if kernels is None:
         return recurrent_rule(q, k, v, g, beta, initial_state)
     qq, kk, vv = _fla_inputs(q, k, v)
-    out, state = kernels[1](qq, kk, vv, g.float(), beta.to(vv.dtype), initial_state=initial_state.float(),
-                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, state = kernels[1](q=qq, k=kk, v=vv, g=g.float(), beta=beta.to(vv.dtype),
+                            initial_state=initial_state.float().contiguous(), output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
     return out, state.float()
 
 
