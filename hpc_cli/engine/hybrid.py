@@ -17,6 +17,7 @@ from typing import Any
 from hpc_cli.cache.index import CacheGeometry, CommitOutcome, PrefixIndex, Readiness, StaleQuote
 from hpc_cli.cache.keys import BLOCK_TOKENS, token_bytes
 from hpc_cli.cache.snapshot import SnapshotKind
+from hpc_cli.cache.stats import inflight_bytes, snapshot_rows
 from hpc_cli.cache.taps import Placement, Tap, TapHint as PlannerHint, TapPlanner, TapSource
 from hpc_cli.engine.api import TapHint
 from hpc_cli.engine.lane import Lane
@@ -368,4 +369,6 @@ class HybridBinding:
                 "snapshot_slots": self.D, "lanes_free": len(self.free_active),
                 "host_slabs": self.host.num_slabs, "slab_bytes": self.host.slab_bytes,
                 "page_bytes": self.storage.page_bytes, "image_bytes": self.image_bytes,
-                "transfers_pending": self.transfer.pending, **self.counters}
+                "transfers_pending": self.transfer.pending,
+                "top_snapshots": snapshot_rows(self.index, 16), "inflight": inflight_bytes(self.index),
+                **self.counters}
