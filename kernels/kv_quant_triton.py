@@ -244,8 +244,9 @@ def supports(fmt: SideFormat, head_dim: int) -> bool:
     return fmt.kind in ("bf16", "nvfp4") or (pow2(fmt.group) and head_dim % fmt.group == 0)
 
 
-#: Launch shape: values per program and warps (benchmarks/kv_profiles.py --sweep measures others).
-CONFIG = {"block_values": 4096, "num_warps": 4}
+#: Launch shape: values per program and warps. 2048 x 4 was best or near best for 8 of the 10
+#: write/gather cases in benchmarks/kv_profiles.py --sweep on an H200 (see docs/kv-profiles.md).
+CONFIG = {"block_values": 2048, "num_warps": 4}
 
 
 def _block_rows(head_dim: int) -> int:
