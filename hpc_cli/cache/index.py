@@ -422,8 +422,7 @@ class PrefixIndex:
             self._awaiting_restore.pop(node, None)
             node.device_pages = tuple(pg)
             node.device_state = FILLING
-            node.restore_pins += 1
-            self._relink(node)
+            self._node_pins(node, +1)
             batch.blocks.append(BlockTransfer(node, node.device_pages, node.host_slab))
         if s is not None and (staged.restore_tail or staged.restore_image):
             st = SnapshotTransfer(s, -1, s.host_slabs if staged.restore_image else ())
@@ -436,8 +435,7 @@ class PrefixIndex:
                 s.tail_device_state = FILLING
                 st.tail_pages = s.tail_pages
                 st.tail_slab = s.tail_host_slab
-            s.restore_pins += 1
-            self._relink_tail(s)
+            self._snap_pins(s, +1)
             batch.snapshot = st
         self.restores[batch.id] = batch
         self.counters.restores += 1
@@ -458,16 +456,13 @@ class PrefixIndex:
             node = bt.node
             assert node.device_state == FILLING, f"landing {node!r}: not Filling"
             node.device_state = RESIDENT
-            node.restore_pins -= 1
-            self._relink(node)
-            self._update_dead(node)
+            self._node_pins(node, -1)
         st = batch.snapshot
         if st is not None:
             s = st.snapshot
             if st.tail_pages is not None:
                 s.tail_device_state = RESIDENT
-            s.restore_pins -= 1
-            self._relink_tail(s)
+            self._snap_pins(s, -1)
 
     def activate(self, staged: Staged) -> SequencePath:
         """The lane is built: it owns the path pins; the stage pin on the source drops."""
@@ -661,12 +656,10 @@ class PrefixIndex:
     def _begin_snapshot_write(self, s: Snapshot, freed: Freed) -> WriteBatch | None:
         k = self.image_slabs + (1 if s.tail_tokens else 0)
         h_new = self._h(s)
-        s.restore_pins += 1  # keep s (and its tail) out of the victims while making room
-        self._relink_tail(s)
+        self._snap_pins(s, +1)  # keep s (and its tail) out of the victims while making room
         slabs = self._host_alloc(k, SlabUse.IMAGE, s, freed, bound=h_new)
-        s.restore_pins -= 1
+        self._snap_pins(s, -1)
         if slabs is None:
-            self._relink_tail(s)
             self.counters.image_writes_refused += 1
             return None
         st = SnapshotTransfer(s, s.device_slot, tuple(slabs[:self.image_slabs]))
@@ -679,8 +672,7 @@ class PrefixIndex:
             s.tail_host_state = FILLING
             st.tail_pages = s.tail_pages
             st.tail_slab = tail_slab
-        s.restore_pins += 1
-        self._relink_tail(s)
+        self._snap_pins(s, +1)
         batch = WriteBatch(self._next_batch, [], [st])
         self._next_batch += 1
         self.writes[batch.id] = batch
@@ -710,7 +702,7 @@ class PrefixIndex:
                         break
                     node.host_slab = slabs[0]
                     node.host_state = FILLING
-                    node.restore_pins += 1
+                    self._node_pins(node, +1)
                     self._dirty_sole_owner(node)
                     blocks.append(BlockTransfer(node, node.device_pages, node.host_slab))
             if blocks:
@@ -740,17 +732,14 @@ class PrefixIndex:
             node = bt.node
             assert node.host_state == FILLING, f"landing write of {node!r}: not Filling"
             node.host_state = RESIDENT
-            node.restore_pins -= 1
-            self._relink(node)
-            self._update_dead(node)
+            self._node_pins(node, -1)
             self._dirty_sole_owner(node)
         for st in batch.snapshots:
             s = st.snapshot
             s.host_state = RESIDENT
             if s.tail_tokens:
                 s.tail_host_state = RESIDENT
-            s.restore_pins -= 1
-            self._relink_tail(s)
+            self._snap_pins(s, -1)
         self.counters.writes_landed += 1
 
     # ------------------------------------------------------------------ supersession (§9.3)
@@ -952,19 +941,51 @@ class PrefixIndex:
         self._dead.pop(node, None)
 
     def _pin_snapshot(self, s: Snapshot) -> None:
-        s.restore_pins += 1
-        if s.lru_list is not None:
-            s.lru_list.remove(s)
+        self._snap_pins(s, +1)
 
     def _unpin_snapshot(self, s: Snapshot) -> None:
-        s.restore_pins -= 1
+        self._snap_pins(s, -1)
+
+    def _node_pins(self, node: BlockNode, delta: int) -> None:
+        node.restore_pins += delta
+        assert node.restore_pins >= 0, f"{node!r}: restore_pins below zero"
+        self._self_pin(node)
+        self._relink(node)
+        self._update_dead(node)
+
+    def _snap_pins(self, s: Snapshot, delta: int) -> None:
+        before = s.restore_pins
+        s.restore_pins += delta
         assert s.restore_pins >= 0, f"{s!r}: restore_pins below zero"
+        if (before > 0) != (s.restore_pins > 0):
+            s.anchor.pinned_snaps += 1 if delta > 0 else -1
+            self._self_pin(s.anchor)
         self._relink_tail(s)
+
+    def _self_pin(self, node: BlockNode) -> None:
+        want = 1 if (node.restore_pins > 0 or node.pinned_snaps > 0) else 0
+        if want == node.self_pin:
+            return
+        delta = want - node.self_pin
+        node.self_pin = want
+        n: BlockNode | None = node
+        while n is not None:
+            before = n.pin_mass
+            n.pin_mass += delta
+            self._relink(n)
+            if (before > 0) == (n.pin_mass > 0):
+                break
+            n = n.parent
 
     def _relink(self, node: BlockNode) -> None:
         """Put a node in the list its state calls for (kept in place when already there)."""
+        if node.parent is None:
+            return
         if node.alive and node.device_state == RESIDENT and node.active_refs == 0 and node.restore_pins == 0:
-            target = self.lru_backed if node.host_state == RESIDENT else self.lru_unbacked
+            if node.host_state == RESIDENT:
+                target = self.lru_backed
+            else:
+                target = self.lru_unbacked if node.pin_mass == 0 else None
         else:
             target = None
         cur = node.lru_list

@@ -110,9 +110,18 @@ def check_invariants(ix: PrefixIndex) -> None:
                 f"{n!r}: on an active path without a device copy (§10.3)"
             assert n.parent.is_root or n.parent.active_refs > 0, f"{n!r}: pinned below an unpinned parent"
         # device LRU (§9.1)
+        ps = sum(1 for s in n.snapshots if s.restore_pins > 0)
+        assert n.pinned_snaps == ps, f"{n!r}: pinned_snaps {n.pinned_snaps}, counted {ps}"
+        self_pin = 1 if (n.restore_pins or ps) else 0
+        assert n.self_pin == self_pin, f"{n!r}: self_pin {n.self_pin}, expected {self_pin}"
+        mass = self_pin + sum(1 for c in kids if c.pin_mass > 0)
+        assert n.pin_mass == mass, f"{n!r}: pin_mass {n.pin_mass}, expected {mass}"
         want = None
         if n.device_state == RESIDENT and not n.pinned:
-            want = ix.lru_backed if n.host_state == RESIDENT else ix.lru_unbacked
+            if n.host_state == RESIDENT:
+                want = ix.lru_backed
+            elif n.pin_mass == 0:  # a transfer below keeps a device-only node out (§6.5)
+                want = ix.lru_unbacked
         assert n.lru_list is want, \
             f"{n!r}: in LRU {getattr(n.lru_list, 'name', None)}, expected {getattr(want, 'name', None)}"
         # dead KV (§9.3 step 1)

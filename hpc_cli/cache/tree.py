@@ -54,6 +54,13 @@ class BlockNode:
     live_snapshots_below: int = 0  # snapshots whose path includes this node
     retained_below: int = 0  # ... of which retained (not superseded)
     retained_xor: int = 0  # XOR of their ids: the sole one's id when retained_below == 1
+    # pin_mass: (1 if this node has restore_pins or a pinned anchored snapshot) + the number of
+    # children whose pin_mass > 0. A device-only node with pin_mass > 0 stays out of the LRU:
+    # evicting it would delete a subtree a transfer still uses (§6.5), and the arithmetic of
+    # §6.3 counts only entries that evicting frees.
+    pinned_snaps: int = 0
+    self_pin: int = 0
+    pin_mass: int = 0
     last_access: int = 0
     snapshots: list[Snapshot] = field(default_factory=list)  # anchored here
     alive: bool = True

@@ -122,7 +122,7 @@ class Sim:
         tail = frontier % BLOCK
         from hpc_cli.cache import token_bytes
         tail_tokens = token_bytes(lane.tokens[frontier - tail:frontier])
-        tail_pages = self.mem.alloc() if tail else None
+        tail_pages = (lane.pages.pop(0) if lane.pages else self.mem.alloc()) if tail else None
         pr = ix.publish(lane.seq, kind, frontier, slot=g.slot, tail_tokens=tail_tokens, tail_pages=tail_pages)
         self.free(pr.freed)
         if pr.write is not None:
