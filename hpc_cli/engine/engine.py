@@ -39,7 +39,7 @@ class Engine:
                  max_model_len: int | None = None, concurrent_prefill: bool = False,
                  default_max_tokens: int = 256, device_memory_fraction: float = 0.85,
                  transfer_factory: Callable | None = None, model_name: str | None = None,
-                 settings: Any = None) -> None:
+                 coalesce: bool = True, pending_timeout_ms: int = 600_000, settings: Any = None) -> None:
         self.model = model
         self.settings = settings
         self.tokenizer = getattr(model, "tokenizer", None)
@@ -60,7 +60,9 @@ class Engine:
                              tap_min_gap=tap_min_gap_tokens, max_new_taps=max_new_taps, host_tier=host)
         self.cache = HybridBinding(model, self.storage, self.states, lanes=self.C, snapshot_slots=D,
                                    host_bytes=host_cache_mib * MiB, reuse=reuse, planner=planner,
-                                   transfer_factory=transfer_factory)
+                                   transfer_factory=transfer_factory,
+                                   coalesce=coalesce and concurrent_prefill,
+                                   coalesce_wait_limit=pending_timeout_ms / 2000.0)
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or cfg.eos_token_id or [])
         self._inbox: "queue.Queue[tuple[str, Any]]" = queue.Queue()
         self._wake = threading.Event()
@@ -112,6 +114,8 @@ class Engine:
                   max_model_len=s.model.max_model_len, concurrent_prefill=s.engine.concurrent_prefill,
                   default_max_tokens=s.engine.default_max_tokens,
                   device_memory_fraction=s.engine.device_memory_fraction,
+                  coalesce=bool(eff.get("cache.hybrid.coalesce", True)),
+                  pending_timeout_ms=s.engine.pending_timeout_ms,
                   model_name=s.server.served_model_name or s.model.name, settings=resolved)
         kw.update(overrides)
         return cls(model, **kw)
@@ -259,7 +263,7 @@ class Engine:
             if not self.concurrent_prefill and any(l.prefilling for l in self._lanes):
                 return
             try:
-                adm = self.cache.admit(head)
+                adm = self.cache.admit(head, [l for l in self._lanes if l.prefilling])
             except Blocked:
                 return  # the FIFO head is never overtaken (spec §6.3)
             except HpcError as exc:

@@ -48,14 +48,24 @@ class Blocked(Exception):
     """Admission must wait (TemporarilyBlocked): active entitlements hold the pages."""
 
 
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = 0
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
 class HybridBinding:
     def __init__(self, model: Any, storage: Any, states: Any, *, lanes: int, snapshot_slots: int,
-                 host_bytes: int, reuse: bool, planner: TapPlanner, transfer_factory=None) -> None:
+                 host_bytes: int, reuse: bool, planner: TapPlanner, transfer_factory=None,
+                 coalesce: bool = False, coalesce_wait_limit: float = 300.0) -> None:
         self.model = model
         self.storage = storage
         self.states = states
         self.reuse = reuse
         self.planner = planner
+        self.coalesce = coalesce and reuse
+        self.coalesce_wait_limit = coalesce_wait_limit  # seconds: half the queue timeout
         self.C = lanes
         self.D = snapshot_slots if reuse else 0
         self.layout = BundleLayout.for_storage(storage)
@@ -76,7 +86,7 @@ class HybridBinding:
         self.jobs: dict[int, tuple[str, Any]] = {}  # transfer job id -> (kind, index batch)
         self.failed: str | None = None
         self.counters = {"restored_host_bytes": 0, "taps": 0, "taps_skipped": 0, "endpoints": 0,
-                         "transfer_failures": 0, "blocked": 0}
+                         "transfer_failures": 0, "blocked": 0, "coalesce_waits": 0}
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -87,8 +97,9 @@ class HybridBinding:
         return max(1, math.ceil((n_prompt + max_tokens) / BLOCK_TOKENS))
 
     # ------------------------------------------------------------------ admission (§6.1-6.5)
-    def admit(self, lane: Lane) -> Admission:
-        """Quote, stage, restore and activate ``lane``; raises :class:`Blocked` to wait."""
+    def admit(self, lane: Lane, siblings: list[Lane] = ()) -> Admission:
+        """Quote, stage, restore and activate ``lane``; raises :class:`Blocked` to wait.
+        ``siblings``: lanes still prefilling, for in-flight coalescing (spec §12.2)."""
         self.poll()
         if not self.free_active:
             raise Blocked("no free lane")
@@ -108,6 +119,9 @@ class HybridBinding:
             if q.readiness is Readiness.TEMPORARILY_BLOCKED:
                 self.counters["blocked"] += 1
                 raise Blocked("pages held by active lanes")
+            if self.coalesce and siblings and self._await_sibling(lane, q.reuse_tokens, siblings):
+                self.counters["coalesce_waits"] += 1
+                raise Blocked("waiting for a sibling's snapshot at the divergence")
             try:
                 staged = self.index.stage(q, free_pages=self.pool.num_free)
             except StaleQuote:
@@ -165,6 +179,37 @@ class HybridBinding:
                                       vision_spans=lane.prepared.vision_spans,
                                       resumed_from_endpoint=seq.resumed_from_endpoint)
         return Admission(q.reuse_tokens, q.cached_prefix_tokens, lane.usage.restored_host_bytes)
+
+    def _await_sibling(self, lane: Lane, reuse: int, siblings: list[Lane]) -> bool:
+        """In-flight prefix coalescing (spec §12.2): when a lane still prefilling shares more of
+        this prompt than the cache can serve now, plant an exact Boundary tap at the block
+        boundary below the divergence in the sibling's plan and wait for it to publish. It waits
+        only when the prefill it saves exceeds the split it may add (one chunk's fixed cost) and
+        twice the sibling's predicted prefill up to the target fits in half the queue timeout."""
+        cost = self.index.cost
+        best = None
+        for sib in siblings:
+            if sib.seq is None or sib is lane:
+                continue
+            d = _common_prefix(lane.tokens, sib.tokens, min(lane.n_prompt, sib.n_prompt))
+            target = min(d - d % BLOCK_TOKENS, lane.n_prompt - 1)
+            if target <= max(reuse, sib.pos - 1) or target <= reuse + BLOCK_TOKENS:
+                continue  # the sibling passed it, or it saves less than a block
+            # Wait only when the prefill saved exceeds the split the target may add to the sibling.
+            if cost.prefill_seconds(reuse, target - reuse) <= cost.chunk_seconds:
+                continue
+            wait = cost.prefill_seconds(sib.pos, target - sib.pos)
+            if 2 * wait > self.coalesce_wait_limit:
+                continue
+            if best is None or target > best[1]:
+                best = (sib, target)
+        if best is None:
+            return False
+        sib, target = best
+        if not any(t.position == target for t in sib.taps):
+            sib.taps = sorted(sib.taps + [Tap(target, Placement.EXACT, TapSource.EXPLICIT, True)],
+                              key=lambda t: t.position)
+        return True
 
     def _admit_plain(self, lane: Lane, ent: int) -> Admission:
         if ent > self.pool.available:
