@@ -832,6 +832,62 @@ class PrefixIndex:
                 break
         return freed
 
+    # ------------------------------------------------------------------ prefetch (§6.6)
+    def prefetch_candidates(self, quote: Quote, limit: int = 256) -> list[BlockNode]:
+        """Host-only path blocks of the source admission would choose for a blocked head (the
+        cheapest candidate, whether or not it fits now), at most ``limit``, shallowest first."""
+        best = min(quote.candidates, key=lambda sc: sc[1])[0] if quote.candidates else None
+        if best is None or not best.alive:
+            return []
+        depth = best.anchor.depth + 1
+        path = quote.match.path[:depth]
+        return [n for n in path if n.device_state == ABSENT and n.host_state == RESIDENT
+                and n.alive][:limit]
+
+    def evict_backed(self, pages: int, keep: Iterable[BlockNode] = ()) -> Freed:
+        """Free up to ``pages`` host-backed device copies, least recently used first, never a
+        node in ``keep`` and never a last copy (a prefetch's room, spec §6.6)."""
+        freed = Freed()
+        keep = set(keep)
+        self.epoch += 1
+        skipped = 0
+        while len(freed.pages) < pages and skipped < len(self.lru_backed):
+            e = self.lru_backed.head()
+            if e in keep:
+                self.lru_backed.move_to_mru(e)  # the head's own path stays (it is about to be hit)
+                skipped += 1
+                continue
+            if isinstance(e, BlockNode):
+                freed.pages.append(self._drop_device_node(e))
+            else:
+                freed.pages.append(self._drop_device_tail(e))
+            self.counters.device_evictions_backed += 1
+        return freed
+
+    def begin_prefetch(self, nodes: list[BlockNode], pages: Iterable[tuple[int, ...]]) -> RestoreBatch | None:
+        """Copy host-only ``nodes`` into ``pages`` (one bundle each): they are Filling and pinned
+        until :meth:`land_restore`, then ordinary cached blocks at the MRU end of the LRU."""
+        pages = list(pages)
+        assert len(pages) == len(nodes), f"{len(nodes)} prefetched blocks need pages, got {len(pages)}"
+        if not nodes:
+            return None
+        self.epoch += 1
+        batch = RestoreBatch(self._next_batch, [], None, False)
+        self._next_batch += 1
+        for node, pg in zip(nodes, pages):
+            self._check_bundle(pg)
+            assert node.alive and node.device_state == ABSENT and node.host_state == RESIDENT, \
+                f"prefetch of {node!r}: needs a host-only node"
+            node.device_pages = tuple(pg)
+            node.device_state = FILLING
+            node.restore_pins += 1
+            self._relink(node)
+            batch.blocks.append(BlockTransfer(node, node.device_pages, node.host_slab))
+        self.restores[batch.id] = batch
+        self.counters.prefetches += 1
+        self.counters.prefetched_blocks += len(nodes)
+        return batch
+
     def touch(self, nodes: Iterable[BlockNode]) -> None:
         """A hit: unpinned device-resident nodes move to the MRU end, shallow first (so the
         deepest stays nearest the head among them)."""

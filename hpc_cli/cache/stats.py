@@ -20,6 +20,8 @@ class Counters:
     reuse_tokens: int = 0
     restores: int = 0
     restored_bytes: int = 0
+    prefetches: int = 0
+    prefetched_blocks: int = 0
     commits: Counter = field(default_factory=Counter)
     published: Counter = field(default_factory=Counter)
     publish_duplicates: int = 0

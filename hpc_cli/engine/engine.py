@@ -118,7 +118,13 @@ class Engine:
                   pending_timeout_ms=s.engine.pending_timeout_ms,
                   model_name=s.server.served_model_name or s.model.name, settings=resolved)
         kw.update(overrides)
-        return cls(model, **kw)
+        engine = cls(model, **kw)
+        if s.experts.offload or s.experts.trace_file is not None:  # after the KV pools: they set what is free
+            from hpc_cli.model.experts import attach_expert_tier
+
+            tier = attach_expert_tier(model, s)
+            engine.on_stop.append(lambda _engine: tier.close())
+        return engine
 
     def _auto_pages(self, fraction: float) -> int:
         """Device pages: on CUDA what free memory allows, elsewhere every lane's full context
@@ -258,13 +264,14 @@ class Engine:
                 self._waiting.popleft()
                 self._emit_finish(head)
                 continue
-            if len(self._lanes) >= self.C:
-                return
-            if not self.concurrent_prefill and any(l.prefilling for l in self._lanes):
+            if len(self._lanes) >= self.C or (not self.concurrent_prefill
+                                              and any(l.prefilling for l in self._lanes)):
+                self.cache.prefetch(head)  # spec §6.6: restore the waiting head's path meanwhile
                 return
             try:
                 adm = self.cache.admit(head, [l for l in self._lanes if l.prefilling])
             except Blocked:
+                self.cache.prefetch(head)
                 return  # the FIFO head is never overtaken (spec §6.3)
             except HpcError as exc:
                 self._waiting.popleft()
@@ -413,6 +420,8 @@ class Engine:
             "counters": dict(self.counters), "cache": cache,
             "ttft_recent_s": recent, "fatal": self.fatal,
         }
+        if getattr(self.model, "expert_tier", None) is not None:
+            snap["experts"] = self.model.expert_tier.stats()
         with self._stats_lock:
             self._stats_snapshot = snap
 

@@ -11,6 +11,7 @@ matched, committed or published: lanes get private pages and a reset state.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,8 @@ class HybridBinding:
         self.planner = planner
         self.coalesce = coalesce and reuse
         self.coalesce_wait_limit = coalesce_wait_limit  # seconds: half the queue timeout
+        self._prefetch = None  # the open prefetch's ticket (one at a time)
+        self._prefetch_last: tuple[str, int] | None = None
         self.C = lanes
         self.D = snapshot_slots if reuse else 0
         self.layout = BundleLayout.for_storage(storage)
@@ -86,7 +89,8 @@ class HybridBinding:
         self.jobs: dict[int, tuple[str, Any]] = {}  # transfer job id -> (kind, index batch)
         self.failed: str | None = None
         self.counters = {"restored_host_bytes": 0, "taps": 0, "taps_skipped": 0, "endpoints": 0,
-                         "transfer_failures": 0, "blocked": 0, "coalesce_waits": 0}
+                         "transfer_failures": 0, "blocked": 0, "coalesce_waits": 0,
+                         "prefetched_blocks": 0, "prefetched_bytes": 0}
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -100,6 +104,7 @@ class HybridBinding:
     def admit(self, lane: Lane, siblings: list[Lane] = ()) -> Admission:
         """Quote, stage, restore and activate ``lane``; raises :class:`Blocked` to wait.
         ``siblings``: lanes still prefilling, for in-flight coalescing (spec §12.2)."""
+        self.settle_prefetch()
         self.poll()
         if not self.free_active:
             raise Blocked("no free lane")
@@ -210,6 +215,49 @@ class HybridBinding:
             sib.taps = sorted(sib.taps + [Tap(target, Placement.EXACT, TapSource.EXPLICIT, True)],
                               key=lambda t: t.position)
         return True
+
+    def prefetch(self, lane: Lane, limit: int = 256) -> int:
+        """Spec §6.6: while ``lane`` (the FIFO head) stays blocked, copy up to ``limit`` of its
+        host-only path blocks into spare device pages: free pages first, then host-backed cached
+        blocks least recently used first (never a last copy, never the head's own path). The
+        blocks land as ordinary cached blocks; admission then restores only the rest. Retried for
+        the same head only while the last attempt copied blocks or the spare room grew."""
+        if not (self.reuse and lane.request.cache_enabled and self.host.num_slabs) or self._prefetch is not None:
+            return 0
+        room = self.pool.num_free + len(self.index.lru_backed)
+        key = (lane.request.request_id, room)
+        if self._prefetch_last == key:
+            return 0
+        self._prefetch_last = key
+        ent = self.entitlement(lane.n_prompt, lane.max_tokens)
+        q = self.index.quote(lane.prepared, entitlement_pages=ent, free_pages=self.pool.num_free,
+                             total_pages=self.pool.num_pages)
+        nodes = self.index.prefetch_candidates(q, limit)
+        if not nodes:
+            return 0
+        if self.pool.num_free < len(nodes):
+            self._free_pages(self.index.evict_backed(len(nodes) - self.pool.num_free, keep=q.match.path).pages)
+        nodes = nodes[:self.pool.num_free]
+        if not nodes:
+            return 0
+        pages = self.pool.alloc(len(nodes), PageState.FILLING)
+        batch = self.index.begin_prefetch(nodes, [(p,) for p in pages])
+        ticket = self.transfer.restore(CopyBatch(blocks=[(bt.pages[0], bt.slab) for bt in batch.blocks]))
+        self.jobs[ticket.job_id] = ("restore", batch)
+        self._prefetch = ticket
+        self.counters["prefetched_blocks"] += len(nodes)
+        self.counters["prefetched_bytes"] += ticket.nbytes
+        self._prefetch_last = (lane.request.request_id, -1)  # copied something: may retry
+        return len(nodes)
+
+    def settle_prefetch(self) -> None:
+        """A quote whose candidates cross a landing prefetch waits for it rather than skipping
+        them for a shallower source (spec §6.6)."""
+        deadline = time.monotonic() + 30.0
+        while self._prefetch is not None and time.monotonic() < deadline:
+            self.poll()
+            if self._prefetch is not None:
+                time.sleep(0.0005)
 
     def _admit_plain(self, lane: Lane, ent: int) -> Admission:
         if ent > self.pool.available:
@@ -370,6 +418,8 @@ class HybridBinding:
         """Land finished transfers (spec §10.9: residency changes only here or at commit)."""
         for c in (self.transfer.poll() if completions is None else completions):
             kind, batch = self.jobs.pop(c.job_id)
+            if self._prefetch is not None and self._prefetch.job_id == c.job_id:
+                self._prefetch = None
             if not c.ok:
                 self.counters["transfer_failures"] += 1
                 self.failed = f"{kind} transfer {c.job_id} failed: {c.error}"
