@@ -85,6 +85,18 @@ class TuiSettings(_Section):
     refresh_hz: float = Field(4.0, gt=0, le=30, description="frames per second of the terminal view")
 
 
+class ExpertsSettings(_Section):
+    offload: bool = Field(False, description="keep MoE experts in host memory, the most-routed in device slots")
+    budget_slots: int | None = Field(None, ge=0, description="device slots, one expert each (or budget_mib)")
+    budget_mib: int | None = Field(None, ge=0, description="device MiB for slots, checked against free memory "
+                                                            "after the KV pools are sized (or budget_slots)")
+    profile_file: Path | None = Field(None, description="STRP residency profile (hpc-cli expert profile)")
+    admission: Literal["profile", "first-routed", "per-layer-first-routed"] = Field(
+        "profile", description="which experts get slots; none is ever evicted")
+    verify: bool = Field(False, description="read every slot back at startup; a mismatch refuses to start")
+    trace_file: Path | None = Field(None, description="write routing traces while serving (hpc-cli expert profile)")
+
+
 class HpcSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__",
                                       extra="forbid", validate_assignment=True)
@@ -96,6 +108,7 @@ class HpcSettings(BaseSettings):
     cache: CacheSettings = CacheSettings()
     server: ServerSettings = ServerSettings()
     tui: TuiSettings = TuiSettings()
+    experts: ExpertsSettings = ExpertsSettings()
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings,
@@ -372,6 +385,7 @@ def _resolve(settings: HpcSettings, layers: dict[str, dict], profile_path: Path 
 
 def _validate_combinations(r: ResolvedSettings, mode) -> None:
     s = r.settings
+    _validate_experts(s.experts)
     c = s.cache
     explicit = lambda key: r.sources.get(key, "default") not in ("default", "derived")  # noqa: E731
     if c.no_prefix_reuse:
@@ -401,3 +415,19 @@ def _validate_combinations(r: ResolvedSettings, mode) -> None:
                               hint="set cache.host_cache_mib (the file holds host-tier content)")
         c.prefix_cache_file = path
         r.effective["cache.prefix_cache_file"] = path
+
+
+def _validate_experts(e: ExpertsSettings) -> None:
+    if e.budget_slots is not None and e.budget_mib is not None:
+        raise ConfigError("experts.budget_slots and experts.budget_mib are both set",
+                          hint="size the expert tier one way: slots or MiB")
+    if e.offload and e.admission == "profile" and e.profile_file is None:
+        raise ConfigError("experts.admission = 'profile' needs experts.profile_file",
+                          hint="build one with `hpc-cli expert profile TRACES --slots N -o profile.bin`, "
+                               "or set experts.admission = 'per-layer-first-routed'")
+    if e.offload and e.admission != "profile" and e.budget_slots is None and e.budget_mib is None:
+        raise ConfigError(f"experts.admission = {e.admission!r} needs a budget",
+                          hint="set experts.budget_slots or experts.budget_mib")
+    if e.profile_file is not None and not Path(e.profile_file).expanduser().is_file():
+        raise ConfigError(f"experts.profile_file {e.profile_file} does not exist",
+                          hint="build one with `hpc-cli expert profile TRACES --slots N -o profile.bin`")

@@ -50,6 +50,10 @@ class SparseMoE(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, **fk)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, **fk)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, **fk)
+        # hpc_cli.model.experts.attach_expert_tier sets these: the routed experts then run split
+        # between device slots and the host copy (router and shared expert stay here)
+        self.expert_tier = None
+        self.layer_index = -1
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.gate.weight)
@@ -63,6 +67,9 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         shared = self.shared_expert(x)
         weights, index = self.route(x)
-        routed = self.experts(x, index, weights)
+        if self.expert_tier is not None:
+            routed = self.expert_tier.routed(self.layer_index, x, index, weights, self.experts)
+        else:
+            routed = self.experts(x, index, weights)
         out = routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out.view(shape)
