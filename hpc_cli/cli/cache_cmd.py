@@ -78,7 +78,14 @@ def cache_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.option("--top", default=10, show_default=True, help="how many of the most valuable snapshots to list")
 def inspect_command(file: Path, profile: str | None, show_tree: bool, as_json: bool, top: int) -> None:
-    """Show what a prefix cache file holds (tables only; `verify` checks the slab bytes)."""
+    """Show what a prefix cache file holds (tables only; `verify` checks the slab bytes).
+    An expert residency profile (STRP) is recognised by its magic and summarised instead."""
+    from hpc_cli.model.expert_profile import is_profile_file
+
+    if is_profile_file(file):
+        from hpc_cli.cli.expert_cmd import inspect_profile
+
+        return inspect_profile(file, as_json, top)
     cf = persist.open_cache_file(file)
     summ = persist.summarize(cf, top=top)
     if profile is not None:

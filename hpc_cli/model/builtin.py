@@ -29,6 +29,16 @@ def tiny_config() -> ModelConfig:
         max_position_embeddings=32768, eos_token_id=[258, 256], mtp_num_hidden_layers=1)
 
 
+def tiny_moe_config() -> ModelConfig:
+    """A small Qwen3.5-MoE-shaped model (8 layers, 32 experts, top 4) for the expert tier's tools."""
+    return ModelConfig(
+        name="builtin:tiny-moe", model_type="qwen3_5_moe", vocab_size=272, hidden_size=128, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, num_experts=32,
+        num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=128,
+        max_position_embeddings=32768, eos_token_id=[258, 256], mtp_num_hidden_layers=1)
+
+
 def qwen35_27b_shape(layers: int = 8) -> ModelConfig:
     return ModelConfig(
         name=f"builtin:qwen3.5-27b-shape@{layers}", model_type="qwen3_5", vocab_size=248320, hidden_size=5120,
@@ -48,6 +58,7 @@ def qwen35_35b_a3b_shape(layers: int = 8) -> ModelConfig:
 
 BUILTINS = {
     "tiny": lambda layers: tiny_config() if layers is None else _relayer(tiny_config(), layers),
+    "tiny-moe": lambda layers: tiny_moe_config() if layers is None else _relayer(tiny_moe_config(), layers),
     "qwen3.5-27b-shape": lambda layers: qwen35_27b_shape(layers or 8),
     "qwen3.5-35b-a3b-shape": lambda layers: qwen35_35b_a3b_shape(layers or 8),
 }
