@@ -880,8 +880,7 @@ class PrefixIndex:
                 f"prefetch of {node!r}: needs a host-only node"
             node.device_pages = tuple(pg)
             node.device_state = FILLING
-            node.restore_pins += 1
-            self._relink(node)
+            self._node_pins(node, +1)
             batch.blocks.append(BlockTransfer(node, node.device_pages, node.host_slab))
         self.restores[batch.id] = batch
         self.counters.prefetches += 1
