@@ -364,16 +364,19 @@ def score(profile: ExpertProfile, trace: RoutingTrace, slots: int | None = None,
 
 
 def synthetic_trace(tokens: int, n_layers: int, n_expert: int, top_k: int, skew: float = 1.0,
-                    seed: int = 0) -> np.ndarray:
-    """A routing trace with a Zipf(``skew``) popularity over each layer's experts (a different random
-    permutation per layer): each token picks ``top_k`` distinct experts per layer, sampled without
-    replacement by popularity (Gumbel top-k). ``skew`` 0 is uniform routing."""
-    rng = np.random.default_rng(seed)
-    ranks = np.arange(1, n_expert + 1, dtype=np.float64)
-    logp = -skew * np.log(ranks)
+                    seed: int = 0, sample_seed: int | None = None) -> np.ndarray:
+    """A routing trace with a Zipf(``skew``) popularity over each layer's experts: expert of
+    popularity rank ``r`` (1-based) has weight ``r ** -skew``, the ranks a random permutation per
+    layer (from ``seed``). Each token picks ``top_k`` distinct experts per layer, sampled without
+    replacement in proportion to weight (Gumbel top-k, noise from ``sample_seed``, default
+    ``seed + 1``): two traces of one ``seed`` and different ``sample_seed`` are independent draws
+    of one routing distribution. ``skew`` 0 is uniform routing."""
+    perms = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed + 1 if sample_seed is None else sample_seed)
+    logp = -skew * np.log(np.arange(1, n_expert + 1, dtype=np.float64))
     out = np.empty((tokens, n_layers, top_k), dtype=np.int16)
     for layer in range(n_layers):
-        perm = rng.permutation(n_expert)
+        perm = perms.permutation(n_expert)
         g = logp[None, :] + rng.gumbel(size=(tokens, n_expert))
         top = np.argpartition(-g, top_k - 1, axis=1)[:, :top_k]
         out[:, layer, :] = perm[top]
