@@ -3,7 +3,8 @@
 A backend names itself and declares what it adds to the cache: more layers of pages in the
 main block bundle (MTP), a pool of its own (DFlash's BF16 KV), parts of the state image
 (DFlash2's local rings), and how far its committed frontier lags the text frontier.
-Drafting and verification are added by the engine's speculative support.
+The behaviour half (a drafter per model, see the comment above :class:`SpecBackend`) is driven by
+the engine's :class:`hpc_cli.speculative.SpecRuntime`, which verifies, accepts and rolls back.
 """
 
 from __future__ import annotations
@@ -25,6 +26,23 @@ class BackendPoolSpec:
         return self.layers * self.kv_heads * self.head_dim * 2 * 2  # K and V, bf16
 
 
+# Behaviour (docs/speculative.md). A backend builds a *drafter* for a model; the engine's
+# :class:`hpc_cli.speculative.SpecRuntime` drives it. A drafter has:
+#
+#   name: str
+#   capture: tuple[int, ...]       model layers whose residual stream the main passes return
+#                                  (DFlash features); () for none
+#   needs_hidden: bool              whether main passes return every position's final hidden (MTP)
+#   bind(storage, backend_storage, states)     the engine's pools (main, own pool or None, slots)
+#   admitted(lane)                  set lane.backend_frontier after admission (a resume: the bridge)
+#   observe(lane, start, n, hidden, features, pre_hidden, *, extend)
+#                                   the main model processed and committed [start, start+n): keep
+#                                   the backend's own state (MTP K/V, DFlash K/V, DFlash2 rings) up to
+#                                   date; pre_hidden is the slot's hidden before the pass (h[start-1])
+#   propose(lanes, k, states) -> list[list[int]]   k drafts per lane following lane.next_token
+#
+# Verification, acceptance and the rollback of the GDN state are the runtime's (the same for
+# every backend): hpc_cli/speculative/runtime.py and ops.py.
 class SpecBackend:
     name: str = ""
     aliases: tuple[str, ...] = ()
@@ -56,5 +74,20 @@ class SpecBackend:
             parts.append(f"+{extra / (1 << 20):.1f} MiB in the state image")
         return "; ".join(parts) or "adds nothing to the cache"
 
+    # -- behaviour (docs/speculative.md) -----------------------------------------------------
+    @property
+    def drafts(self) -> bool:
+        """Whether decode rounds propose and verify drafts (``none`` does not)."""
+        return self.name != "none"
+
+    def state_extra_parts(self, model) -> dict:
+        """StateSlots ``extra_parts`` (name -> (shape, dtype)) this backend adds to every image."""
+        return {}
+
+    def build_drafter(self, model, path: str | None = None, seed: int | None = None):
+        """The drafter for ``model``: from ``path`` (``speculative.drafter``), or seeded for builtins."""
+        raise NotImplementedError(f"speculative backend {self.name!r} does not draft")
+
     def __repr__(self) -> str:
         return f"<SpecBackend {self.name}>"
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 import hpc_cli
 from hpc_cli.shapes import HybridShape
 from hpc_cli.spec_backend import BackendPoolSpec, SpecBackend
@@ -19,9 +21,40 @@ class MTPBackend(SpecBackend):
     frontier_lag = 1
     extra_main_kv_layers = 1
 
+    def build_drafter(self, model, path=None, seed=None):
+        """The checkpoint's own mtp.* head (builtin models carry a seeded one); ``path`` unused."""
+        from hpc_cli.speculative.mtp import MTPDrafter
+
+        return MTPDrafter(model)
+
 
 def _drafter_layers(shape: HybridShape) -> int:
     return max(1, min(5, shape.num_layers // 8))
+
+
+DRAFTER_SEED = 20250611
+
+
+def _build_block_drafter(backend, kind: str, model, path, seed, **kw):
+    from hpc_cli.errors import ConfigError
+    from hpc_cli.speculative.dflash import DFlashDrafter, DFlashNet, default_config, load_drafter, seed_weights
+
+    if path:
+        net = load_drafter(path, kind, model.device, model.dtype)
+    elif str(model.config.name).startswith("builtin:"):
+        net = DFlashNet(default_config(kind, model, _drafter_layers(model.shape()), **kw), device=model.device,
+                        dtype=model.dtype)
+        seed_weights(net, DRAFTER_SEED if seed is None else seed)
+        net.eval()
+    else:
+        raise ConfigError(f"speculative.backend {kind!r} needs a drafter checkpoint for {model.config.name}",
+                          hint="set speculative.drafter to the drafter's directory")
+    pool = backend.backend_pool(model.shape())
+    if kind == "dflash" and (net.cfg.num_layers, net.cfg.num_kv_heads, net.cfg.head_dim) != \
+            (pool.layers, pool.kv_heads, pool.head_dim):
+        raise ConfigError(f"the dflash drafter's geometry ({net.cfg.num_layers} layers x {net.cfg.num_kv_heads} "
+                          f"x {net.cfg.head_dim}) does not match its pool", hint="re-export the drafter")
+    return DFlashDrafter(model, net)
 
 
 class DFlashBackend(SpecBackend):
@@ -31,6 +64,9 @@ class DFlashBackend(SpecBackend):
     def backend_pool(self, shape: HybridShape) -> BackendPoolSpec:
         return BackendPoolSpec(layers=_drafter_layers(shape), kv_heads=shape.num_kv_heads,
                                head_dim=shape.head_dim)
+
+    def build_drafter(self, model, path=None, seed=None):
+        return _build_block_drafter(self, "dflash", model, path, seed)
 
 
 class DFlash2Backend(SpecBackend):
@@ -45,6 +81,15 @@ class DFlash2Backend(SpecBackend):
     def state_image_extra_bytes(self, shape: HybridShape) -> int:
         layers, window, heads, dim = self.ring_geometry(shape)
         return layers * window * heads * dim * 2 * 2  # K and V, bf16
+
+    def state_extra_parts(self, model) -> dict:
+        from hpc_cli.speculative.dflash import RING_PART
+
+        layers, window, heads, dim = self.ring_geometry(model.shape())
+        return {RING_PART: ((layers, 2, window, heads, dim), torch.bfloat16)}
+
+    def build_drafter(self, model, path=None, seed=None):
+        return _build_block_drafter(self, "dflash2", model, path, seed, window=self.ring_window)
 
 
 @hpc_cli.hookimpl

@@ -39,7 +39,9 @@ class Engine:
                  max_model_len: int | None = None, concurrent_prefill: bool = False,
                  default_max_tokens: int = 256, device_memory_fraction: float = 0.85,
                  transfer_factory: Callable | None = None, model_name: str | None = None,
-                 coalesce: bool = True, pending_timeout_ms: int = 600_000, settings: Any = None) -> None:
+                 coalesce: bool = True, pending_timeout_ms: int = 600_000, settings: Any = None,
+                 speculative: Any = None, num_draft_tokens: int = 3, drafter: str | None = None,
+                 spec_rollback: str = "per_token") -> None:
         self.model = model
         self.settings = settings
         self.tokenizer = getattr(model, "tokenizer", None)
@@ -53,16 +55,30 @@ class Engine:
         self.kv_profile = plugins.kv_profile(kv_profile)
         host = host_cache_mib > 0
         D = snapshot_slots if snapshot_slots is not None else (self.C + 1 if host else self.C + 2)
-        self.states = model.new_state_slots(self.C + (D if reuse else 0))
+        # the speculative backend (docs/speculative.md): its drafter, pools and image parts
+        backend = plugins.spec_backend(speculative) if isinstance(speculative, str) else speculative
+        self.spec = None
+        if backend is not None and backend.drafts:
+            from hpc_cli.speculative import SpecRuntime
+
+            self.spec = SpecRuntime(backend, model, k=num_draft_tokens, rollback=spec_rollback,
+                                    drafter_path=drafter)
+        self.spec_backend = backend
+        extra_parts = backend.state_extra_parts(model) if self.spec is not None else None
+        self.states = model.new_state_slots(self.C + (D if reuse else 0), extra_parts=extra_parts)
         pages = kv_pages or self._auto_pages(device_memory_fraction)
-        self.storage = model.new_kv_storage(self.kv_profile, pages)
+        self.storage, self.backend_storage = self._spec_storage(model, pages)
         planner = TapPlanner(chunk=prefill_chunk, tap_ladder_tokens=tap_ladder_tokens,
                              tap_min_gap=tap_min_gap_tokens, max_new_taps=max_new_taps, host_tier=host)
         self.cache = HybridBinding(model, self.storage, self.states, lanes=self.C, snapshot_slots=D,
+                                   backend_storage=self.backend_storage,
+                                   frontier_lag=backend.frontier_lag if self.spec is not None else 0,
                                    host_bytes=host_cache_mib * MiB, reuse=reuse, planner=planner,
                                    transfer_factory=transfer_factory,
                                    coalesce=coalesce and concurrent_prefill,
                                    coalesce_wait_limit=pending_timeout_ms / 2000.0)
+        if self.spec is not None:
+            self.spec.bind(self.storage, self.backend_storage, self.states)
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or cfg.eos_token_id or [])
         self._inbox: "queue.Queue[tuple[str, Any]]" = queue.Queue()
         self._wake = threading.Event()
@@ -116,7 +132,9 @@ class Engine:
                   device_memory_fraction=s.engine.device_memory_fraction,
                   coalesce=bool(eff.get("cache.hybrid.coalesce", True)),
                   pending_timeout_ms=s.engine.pending_timeout_ms,
-                  model_name=s.server.served_model_name or s.model.name, settings=resolved)
+                  model_name=s.server.served_model_name or s.model.name, settings=resolved,
+                  speculative=s.speculative.backend, num_draft_tokens=s.speculative.num_draft_tokens,
+                  drafter=s.speculative.drafter)
         kw.update(overrides)
         engine = cls(model, **kw)
         if s.experts.offload or s.experts.trace_file is not None:  # after the KV pools: they set what is free
@@ -125,6 +143,23 @@ class Engine:
             tier = attach_expert_tier(model, s)
             engine.on_stop.append(lambda _engine: tier.close())
         return engine
+
+    def _spec_storage(self, model: Any, pages: int):
+        """The main pool (plus MTP's layer(s) of pages) and the backend's own BF16 pool, if any."""
+        if self.spec is None:
+            return model.new_kv_storage(self.kv_profile, pages), None
+        from hpc_cli.memory.kv_pool import PagedKVStorage
+
+        b, c = self.spec.backend, model.config
+        extra = b.extra_main_kv_layers and len(model.mtp.layers if getattr(model, "mtp", None) else [0])
+        main = PagedKVStorage(self.kv_profile, len(c.attention_layers) + extra, c.num_key_value_heads, c.head_dim,
+                              pages, device=model.device, name="main")
+        spec = b.backend_pool(model.shape())
+        own = None
+        if spec is not None:
+            own = PagedKVStorage(plugins.kv_profile("bf16"), spec.layers, spec.kv_heads, spec.head_dim, pages,
+                                 device=model.device, name=b.name)
+        return main, own
 
     def _auto_pages(self, fraction: float) -> int:
         """Device pages: on CUDA what free memory allows, elsewhere every lane's full context
@@ -309,9 +344,13 @@ class Engine:
         self.cache.before_pass(lane, end)
         sp = lane.request.sampling
         want_all = sp.prompt_logprobs
+        spec_kw = self.spec.prefill_kwargs() if self.spec is not None else {}
+        pre_hidden = self.spec.pre_hidden(lane) if self.spec is not None else None
         out = self.model.prefill(lane.tokens[start:end], start, lane.pages[:math.ceil(end / 64)],
                                  lane.state_slot, self.storage, self.states,
-                                 layer_ready=self.cache.layer_ready(lane), all_logits=want_all)
+                                 layer_ready=self.cache.layer_ready(lane), all_logits=want_all, **spec_kw)
+        if self.spec is not None:
+            self.spec.after_prefill(lane, start, end, out, pre_hidden)
         lane.pos = end
         lane.usage.prefill_tokens += end - start
         self.counters["prefill_tokens"] += end - start
@@ -331,6 +370,10 @@ class Engine:
             self._sample(lane, logits)
 
     def _decode(self, lanes: list[Lane]) -> None:
+        if self.spec is not None:  # propose + verify per lane (docs/speculative.md)
+            self.spec.round(self, lanes)
+            self.counters["decode_rounds"] += 1
+            return
         t0 = time.monotonic()
         tokens = [l.next_token for l in lanes]
         positions = [l.pos for l in lanes]
@@ -348,8 +391,11 @@ class Engine:
         self.counters["decode_rounds"] += 1
 
     def _sample(self, lane: Lane, logits: torch.Tensor) -> None:
+        self._emit(lane, sample(logits, lane.request.sampling, lane.generator))
+
+    def _emit(self, lane: Lane, ev: TokenEvent) -> None:
+        """Hand one chosen token to the lane: usage, stop conditions, the event, ``next_token``."""
         sp = lane.request.sampling
-        ev = sample(logits, sp, lane.generator)
         now = time.monotonic()
         if lane.first_token_at is None:
             lane.first_token_at = now
@@ -377,6 +423,8 @@ class Engine:
         lane.next_token = tok
 
     def _finish(self, lane: Lane, *, publish: bool = True) -> None:
+        if self.spec is not None and publish:
+            self.spec.before_finish(lane)
         self.cache.finish(lane, publish=publish)
         self._lanes.remove(lane)
         self._emit_finish(lane)
@@ -422,6 +470,8 @@ class Engine:
         }
         if getattr(self.model, "expert_tier", None) is not None:
             snap["experts"] = self.model.expert_tier.stats()
+        if self.spec is not None:
+            snap["speculative"] = self.spec.stats()
         with self._stats_lock:
             self._stats_snapshot = snap
 

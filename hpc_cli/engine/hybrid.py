@@ -59,9 +59,14 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
 class HybridBinding:
     def __init__(self, model: Any, storage: Any, states: Any, *, lanes: int, snapshot_slots: int,
                  host_bytes: int, reuse: bool, planner: TapPlanner, transfer_factory=None,
-                 coalesce: bool = False, coalesce_wait_limit: float = 300.0) -> None:
+                 coalesce: bool = False, coalesce_wait_limit: float = 300.0,
+                 backend_storage: Any = None, frontier_lag: int = 0) -> None:
         self.model = model
         self.storage = storage
+        # a speculative backend's own pool (DFlash: same page ids as the main pool) and how far its
+        # committed frontier may trail the text frontier (MTP: 1; lane.backend_frontier is exact)
+        self.backend_storage = backend_storage
+        self.frontier_lag = frontier_lag
         self.states = states
         self.reuse = reuse
         self.planner = planner
@@ -71,7 +76,7 @@ class HybridBinding:
         self._prefetch_last: tuple[str, int] | None = None
         self.C = lanes
         self.D = snapshot_slots if reuse else 0
-        self.layout = BundleLayout.for_storage(storage)
+        self.layout = BundleLayout.for_storage(storage, backend_storage)
         slab = self.layout.slab_bytes
         image_bytes = states.image_bytes
         num_slabs = host_bytes // slab if (reuse and host_bytes) else 0
@@ -83,7 +88,8 @@ class HybridBinding:
         make = transfer_factory or TransferEngine
         from hpc_cli.memory.transfer import layer_order_for_shape
 
-        self.transfer = make(storage, self.host, state=states, layer_order=layer_order_for_shape(model.shape()))
+        self.transfer = make(storage, self.host, state=states, layer_order=layer_order_for_shape(model.shape()),
+                             **({"backend": backend_storage} if backend_storage is not None else {}))
         self.free_active = list(range(lanes - 1, -1, -1))
         self.snap_phys = [lanes + k for k in range(self.D)]  # index snapshot slot -> state slot
         self.jobs: dict[int, tuple[str, Any]] = {}  # transfer job id -> (kind, index batch)
@@ -176,7 +182,7 @@ class HybridBinding:
                 self.states.copy_slot(self.snap_phys[s.device_slot], slot)
             tail_len = s.frontier - BLOCK_TOKENS * d
             if tail_len:
-                self.storage.copy_page(s.tail_pages[0], lane.pages[d], tail_len)
+                self._copy_page(s.tail_pages[0], lane.pages[d], tail_len)
         lane.pos = q.reuse_tokens
         lane.taps = self.planner.plan(lane.n_prompt, lane.pos,
                                       planner_hints(lane.request.tap_hints, lane.request.message_boundaries),
@@ -319,12 +325,29 @@ class HybridBinding:
             return 0
         return max((s.frontier for s in (seq.source, seq.last_tap) if s is not None and s.alive), default=0)
 
+    def committed_frontier(self, lane: Lane) -> int:
+        """Tokens every pool has committed (spec §7.6): the text frontier, or a speculative
+        backend's own frontier where it trails (MTP K/V one token behind until the next token is
+        known). Rejected draft columns never count: lane.pos holds accepted tokens only."""
+        f = lane.pos
+        if self.frontier_lag or self.backend_storage is not None:
+            bf = getattr(lane, "backend_frontier", None)
+            if bf is not None:
+                f = min(f, bf)
+        return f
+
+    def _copy_page(self, src: int, dst: int, n_tokens: int) -> None:
+        self.storage.copy_page(src, dst, n_tokens)
+        if self.backend_storage is not None:
+            self.backend_storage.copy_page(src, dst, n_tokens)
+
     def commit_blocks(self, lane: Lane) -> None:
         seq = lane.seq
         if seq is None:
             return
         prompt = lane.prepared
-        while BLOCK_TOKENS * (len(seq.nodes) + 1) <= lane.pos:
+        frontier = self.committed_frontier(lane)
+        while BLOCK_TOKENS * (len(seq.nodes) + 1) <= frontier:
             b = len(seq.nodes)
             if b < len(prompt.blocks):
                 tb, h = prompt.blocks[b], prompt.hashes[b]
@@ -344,6 +367,11 @@ class HybridBinding:
         if seq is None or p == 0:
             return False
         d, tail_len = divmod(p, BLOCK_TOKENS)
+        if len(seq.nodes) < d and self.committed_frontier(lane) < p:
+            # a speculative backend has not committed the anchoring block yet (MTP whose next
+            # token is unknown at a page-aligned frontier): skip, never publish uncommitted KV
+            self.counters["taps_skipped"] += 1
+            return False
         assert len(seq.nodes) >= d, f"snapshot at {p}: only {len(seq.nodes)} blocks committed"
         grant = self.index.acquire_snapshot_slot(seq, kind, p, tail_len)
         if grant is None:
@@ -368,7 +396,7 @@ class HybridBinding:
                     self.index.release_snapshot_slot(k)
                     self.counters["taps_skipped"] += 1
                     return False
-                self.storage.copy_page(lane.pages[d], page, tail_len)
+                self._copy_page(lane.pages[d], page, tail_len)
                 tail_pages = (page,)
         tail_tokens = token_bytes(lane.tokens[BLOCK_TOKENS * d:p]) if tail_len else b""
         pr = self.index.publish(seq, kind, p, slot=k, tail_tokens=tail_tokens, tail_pages=tail_pages)

@@ -36,6 +36,7 @@ class Lane:
     first_token_at: float | None = None
     prompt_logprobs: list[float | None] | None = None
     next_token: int | None = None  # sampled but not yet processed
+    backend_frontier: int | None = None  # speculative backend's committed frontier (MTP K/V), None: pos
     finish_reason: str | None = None
     error: str | None = None
     stop_text: str | None = None

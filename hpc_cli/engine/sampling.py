@@ -16,6 +16,35 @@ def make_generator(params: SamplingParams, request_index: int) -> torch.Generato
     return g
 
 
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution ``sample`` draws from at ``temperature > 0`` (temperature, top-k, top-p),
+    on the CPU: what speculative rejection sampling accepts drafts against."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.numel():
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, idx = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        drop = cum - probs > params.top_p  # keep the smallest set whose mass reaches top_p
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(0, idx, sorted_x)
+    return torch.softmax(x, dim=-1).cpu()
+
+
+def event_for(logits: torch.Tensor, token: int, params: SamplingParams) -> TokenEvent:
+    """The event of a chosen ``token`` with its logprobs from the unmodified ``logits``."""
+    event = TokenEvent(token)
+    if params.logprobs is not None:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        event.logprob = float(lp[token])
+        if params.logprobs > 0:
+            vals, ids = torch.topk(lp, params.logprobs)
+            event.top_logprobs = [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return event
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> TokenEvent:
     """Choose one token from ``logits`` ``[vocab]`` (any device); logprobs come from the
     unmodified distribution, as the OpenAI API reports them."""

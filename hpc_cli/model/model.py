@@ -30,6 +30,10 @@ class PrefillOut:
 
     logits: torch.Tensor
     hidden_last: torch.Tensor
+    #: ``[T, hidden]`` after the final norm for every position (``all_hidden``; speculative backends)
+    hidden: torch.Tensor | None = None
+    #: ``[T, len(capture) * hidden]``: the residual stream after each captured layer (DFlash features)
+    features: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -135,14 +139,15 @@ class HybridModel(nn.Module):
         return PagedKVStorage(profile, len(c.attention_layers), c.num_key_value_heads, c.head_dim, num_pages,
                               device=self.device, name=name)
 
-    def new_state_slots(self, num_slots: int) -> "StateSlots":
-        """State slots for this model's GDN layers (conv window in the model dtype, recurrent fp32)."""
+    def new_state_slots(self, num_slots: int, extra_parts=None) -> "StateSlots":
+        """State slots for this model's GDN layers (conv window in the model dtype, recurrent fp32);
+        ``extra_parts``: a speculative backend's image parts (name -> (shape, dtype))."""
         from hpc_cli.memory.state_pool import StateSlots
 
         c = self.config
         return StateSlots(len(c.gdn_layers), c.conv_dim, c.linear_conv_kernel_dim - 1, c.linear_num_value_heads,
                           c.linear_key_head_dim, c.linear_value_head_dim, c.hidden_size, num_slots,
-                          dtype=self.dtype, device=self.device)
+                          dtype=self.dtype, device=self.device, extra_parts=extra_parts)
 
     # -- execution ---------------------------------------------------------------------------
     def _tokens(self, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -156,7 +161,8 @@ class HybridModel(nn.Module):
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor | Sequence[int], start: int, block_table: Sequence[int],
                 state_slot: int, kv: "PagedKVStorage", states: "StateSlots", *,
-                layer_ready: Callable[[int], None] | None = None, all_logits: bool = False) -> PrefillOut:
+                layer_ready: Callable[[int], None] | None = None, all_logits: bool = False,
+                all_hidden: bool = False, capture: Sequence[int] = ()) -> PrefillOut:
         tokens = self._tokens(tokens)
         t = tokens.shape[0]
         assert t >= 1, "prefill needs at least one token"
@@ -175,6 +181,7 @@ class HybridModel(nn.Module):
         if start:
             mask = (torch.arange(end, device=dev)[None, :] <= positions[:, None])[None, None]
         x = self._embed(tokens)
+        feats = []
         for i, layer in enumerate(self.layers):
             if layer_ready is not None:
                 layer_ready(i)
@@ -196,12 +203,16 @@ class HybridModel(nn.Module):
                 out = attn.finish(o[0].transpose(0, 1), gate)
             x = x + out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if not all_logits:
+            if capture and i in capture:
+                feats.append(x)
+        if not (all_logits or all_hidden):
             x = x[-1:]
         x = self.norm(x)
         states.hidden[state_slot].copy_(x[-1])
-        logits = self.lm_head(x)
-        return PrefillOut(logits=logits if all_logits else logits[0], hidden_last=x[-1])
+        logits = self.lm_head(x if all_logits else x[-1:])
+        return PrefillOut(logits=logits if all_logits else logits[0], hidden_last=x[-1],
+                          hidden=x if all_hidden else None,
+                          features=torch.cat(feats, dim=-1) if feats else None)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor | Sequence[int], positions: Sequence[int],

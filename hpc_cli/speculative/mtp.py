@@ -1,0 +1,113 @@
+"""The MTP drafter: the checkpoint's ``mtp.*`` head drafting ``k`` tokens autoregressively.
+
+MTP position ``p`` reads ``fc([norm(embed(token[p+1])) ; norm(h[p])])`` where ``h[p]`` is the main
+model's final-norm hidden at ``p``; its full-attention layer keeps K/V per position in one more
+layer of pages of the main pool (layer index ``A`` = number of attention layers, so the block
+bundle and the host slabs carry it). Position ``p`` needs token ``p+1``, so the MTP frontier is
+one token behind the text frontier whenever the next token is not known yet.
+
+Per lane the drafter keeps ``lane.backend_frontier`` (MTP K/V valid for ``[0, F_m)``):
+
+* after a main pass over ``[s, e)`` (:meth:`observe`) it computes ``[F_m, e-1)`` from the pass's
+  hiddens (``h[s-1]`` is the slot's continuation hidden read before the pass), and ``e-1`` too
+  when token ``e`` is already known (inside the prompt); a resume starts at ``F_m = F - 1``, so
+  the first pass rebuilds the bridge from the restored hidden (tap snapshots carry no MTP state);
+* a round's first draft step computes position ``pos-1`` from ``(next_token, h[pos-1])``: the
+  bridge to the frontier (committed) and the first draft; steps 2..k run at ``pos..pos+k-2`` on
+  the previous step's MTP hidden and draft (provisional K/V, overwritten later).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from hpc_cli.speculative.ops import paged_attention
+
+
+class MTPDrafter:
+    name = "mtp"
+    capture: tuple[int, ...] = ()
+    needs_hidden = True
+
+    def __init__(self, model) -> None:
+        from hpc_cli.errors import ConfigError
+
+        if getattr(model, "mtp", None) is None:
+            raise ConfigError("speculative.backend 'mtp' needs the checkpoint's mtp.* weights; this model has none",
+                              hint="use a Qwen3.5 checkpoint with its MTP head, or another backend")
+        self.model = model
+        self.mtp = model.mtp
+        self.base_layer = len(model.config.attention_layers)  # first MTP layer of pages in the main pool
+        self.storage = None
+
+    def bind(self, storage, backend_storage, states) -> None:
+        assert storage.num_layers >= self.base_layer + len(self.mtp.layers), "main pool lacks the MTP layer"
+        self.storage = storage
+
+    # ------------------------------------------------------------------ the MTP stack
+    @torch.inference_mode()
+    def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+             tables: Sequence[Sequence[int]], write: torch.Tensor | None = None):
+        """``tokens``/``pos`` ``[B, T]``, ``hidden`` ``[B, T, H]`` -> (logits ``[B, T, V]``, MTP hidden)."""
+        m, mtp = self.model, self.mtp
+        B, T = tokens.shape
+        x = mtp.combine(m._embed(tokens.reshape(-1)), hidden.reshape(B * T, -1).to(m.dtype))
+        cos, sin = m.rotary.cos_sin(pos.reshape(-1), m.dtype)
+        for l, layer in enumerate(mtp.layers):
+            h = layer.input_layernorm(x)
+            x = x + paged_attention(layer.self_attn, h, pos, tables, self.storage, self.base_layer + l, cos, sin,
+                                    write=write)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        g = mtp.norm(x)
+        return m.lm_head(g).view(B, T, -1), g.view(B, T, -1)
+
+    # ------------------------------------------------------------------ frontier upkeep
+    def admitted(self, lane) -> None:
+        lane.backend_frontier = max(0, lane.pos - 1)
+
+    def observe(self, lane, start: int, n: int, hidden: torch.Tensor | None, features, pre_hidden, *,
+                extend: bool) -> None:
+        """The main model processed ``[start, start+n)`` (hiddens ``hidden[:n]``): catch the MTP
+        K/V up to ``start+n-1`` (to ``start+n`` with ``extend`` when that token is known)."""
+        end = start + n
+        limit = end if (extend and len(lane.tokens) > end) else end - 1
+        f = lane.backend_frontier if lane.backend_frontier is not None else max(0, start - 1)
+        f = max(f, 0)
+        if f >= limit:
+            return
+        assert f >= start - 1, f"MTP frontier {f} behind the pass start {start}"
+        dev = self.model.device
+        rows = []
+        for p in range(f, limit):
+            rows.append(pre_hidden if p == start - 1 else hidden[p - start])
+        hid = torch.stack(rows)[None]
+        toks = torch.tensor(lane.tokens[f + 1:limit + 1], dtype=torch.long, device=dev)[None]
+        pos = torch.arange(f, limit, device=dev)[None]
+        self._run(toks, hid, pos, [lane.pages[:math.ceil(limit / 64)]])
+        lane.backend_frontier = limit
+
+    # ------------------------------------------------------------------ drafting
+    @torch.inference_mode()
+    def propose(self, lanes, k: int, states) -> list[list[int]]:
+        dev = self.model.device
+        tables = [l.pages for l in lanes]
+        tok = torch.tensor([[l.next_token] for l in lanes], dtype=torch.long, device=dev)
+        slots = torch.tensor([l.state_slot for l in lanes], dtype=torch.long, device=dev)
+        hid = states.hidden.index_select(0, slots)[:, None]
+        pos = torch.tensor([[l.pos - 1] for l in lanes], dtype=torch.long, device=dev)
+        # position pos-1 is the bridge: already valid where the prefill had the next token
+        write = torch.tensor([[(l.backend_frontier or 0) <= l.pos - 1] for l in lanes], device=dev)
+        drafts: list[list[int]] = [[] for _ in lanes]
+        for i in range(k):
+            logits, g = self._run(tok, hid, pos, tables, write=write if i == 0 else None)
+            if i == 0:
+                for l in lanes:
+                    l.backend_frontier = max(l.backend_frontier or 0, l.pos)
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            for b, t in enumerate(tok[:, 0].tolist()):
+                drafts[b].append(t)
+            hid, pos = g, pos + 1
+        return drafts

@@ -1,0 +1,185 @@
+"""Model-level operations of speculative decoding: paged multi-query attention, the verify pass
+and the rollback of the GDN state (docs/speculative.md).
+
+The verify pass scores, for each of ``B`` lanes, ``T = k + 1`` tokens (the last accepted token
+and ``k`` drafts) at positions ``start_b .. start_b + T - 1`` in ONE pass over the paged KV. It
+mirrors :meth:`HybridModel.decode` column by column (the conv window as a product-sum, the gated
+delta rule stepped token by token with the decode kernel), so a verified column computes what
+one-token decode would have computed.
+
+Rollback of the recurrent state (measured in docs/speculative.md, ``benchmarks/spec_decode.py
+--rollback``):
+
+* ``per_token`` (default): the verify pass keeps the GDN state and conv window after *every*
+  column; :func:`commit_states` writes the one after the last accepted column into the slot.
+* ``recompute``: the slot's image is snapshotted before the pass, the pass writes its final
+  state, and a lane that rejected a draft gets the snapshot back and re-runs its accepted prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hpc_cli.model.gdn import gated_delta_decode
+
+
+def _table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int, device) -> tuple[torch.Tensor, int]:
+    """Padded page table ``[B, width]`` covering position ``last_pos[b]`` of each lane."""
+    need = [p // page + 1 for p in last_pos]
+    width = max(need)
+    rows = []
+    for bt, n, p in zip(tables, need, last_pos):
+        assert len(bt) >= n, f"block table has {len(bt)} pages, position {p} needs {n}"
+        row = list(bt[:n])
+        rows.append(row + [row[0]] * (width - n))
+    return torch.tensor(rows, dtype=torch.long, device=device), width
+
+
+def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, tables: Sequence[Sequence[int]], kv, layer: int,
+                    cos: torch.Tensor, sin: torch.Tensor, write: torch.Tensor | None = None) -> torch.Tensor:
+    """A gated attention layer for ``B`` lanes x ``T`` queries at positions ``pos`` ``[B, T]``:
+    the new K/V are written into the lanes' pages of ``kv`` layer ``layer``, then every query
+    reads its lane's pages causally (key position <= its own). ``h`` ``[B*T, hidden]``;
+    ``write`` ``[B, T]`` bool: False keeps a column's K/V out of the pages (it is already there)."""
+    B, T = pos.shape
+    page = kv.page_tokens
+    q, gate, k, v = attn.qkv(h, cos, sin)
+    table, width = _table(tables, pos[:, -1].tolist(), page, h.device)
+    slots = (table.gather(1, pos // page) * page + pos % page).reshape(-1)
+    if write is None:
+        kv.write(layer, slots, k, v)
+    else:
+        keep = write.reshape(-1)
+        if bool(keep.any()):
+            kv.write(layer, slots[keep], k[keep], v[keep])
+    span = width * page
+    keys, values = kv.gather(layer, table.reshape(-1), B * span, q.dtype)
+    keys = keys.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
+    values = values.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
+    mask = (torch.arange(span, device=h.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,S]
+    qh = q.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
+    o = attn.attend(qh, keys, values, mask)  # [B, H, T, d]
+    return attn.finish(o.transpose(1, 2).reshape(B * T, attn.n_heads, attn.head_dim), gate)
+
+
+def gdn_columns(la, x: torch.Tensor, conv0: torch.Tensor, rec0: torch.Tensor, keep_all: bool):
+    """Gated DeltaNet over ``T`` columns of ``B`` lanes, stepping like decode.
+    ``x`` ``[B, T, hidden]``; returns the output ``[B, T, hidden]``, the full conv window
+    ``[B, C, K-1+T]`` (the window after column t is ``[..., t+1 : t+K]``) and the recurrent
+    states: ``[B, T, H, dk, dv]`` after every column with ``keep_all``, else the final ``[B, ...]``."""
+    B, T, _ = x.shape
+    mixed, z, b, a = la._project(x)
+    w = la.conv1d.weight[:, 0, :]  # [C, K]
+    K = w.shape[-1]
+    window = torch.cat([conv0.to(mixed.dtype), mixed.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+    cols = window.unfold(-1, K, 1)  # [B, C, T, K]
+    conv = (cols.to(w.dtype) * w[:, None, :]).sum(-1)  # [B, C, T], the decode product-sum
+    mixed = F.silu(conv).to(mixed.dtype).transpose(1, 2)
+    q, k, v, g, beta = la._heads(mixed, b, a, (B, T))
+    state = rec0
+    outs, states = [], []
+    for t in range(T):
+        o, state = gated_delta_decode(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1].reshape(B, 1, -1),
+                                      beta[:, t:t + 1].reshape(B, 1, -1), state, la.use_fla)
+        outs.append(o)
+        if keep_all:
+            states.append(state)
+    core = torch.cat(outs, dim=1)  # [B, T, Hv, dv]
+    out = la._finish(core, z)
+    return out, window, (torch.stack(states, dim=1) if keep_all else state)
+
+
+@dataclass
+class VerifyOut:
+    logits: torch.Tensor  # [B, T, vocab]
+    hidden: torch.Tensor  # [B, T, hidden] after the final norm
+    features: torch.Tensor | None  # [B, T, len(capture) * hidden]: residual stream after the captured layers
+    windows: list[torch.Tensor] | None  # per GDN layer [B, C, K-1+T]
+    states: list[torch.Tensor] | None  # per GDN layer [B, T, ...] (per_token) or None (written already)
+
+
+@torch.inference_mode()
+def verify_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
+                slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = ()) -> VerifyOut:
+    """Score ``tokens`` ``[B, T]`` at ``starts[b] + t``. With ``keep_all`` the slots are left
+    untouched and the per-column states come back (commit with :func:`commit_states`); without
+    it the final state of every lane is written to its slot (the ``recompute`` rollback)."""
+    dev = model.device
+    tokens = tokens.to(dev)
+    B, T = tokens.shape
+    assert len(set(slots)) == B, f"verify lanes share a state slot: {list(slots)}"
+    pos = torch.tensor(list(starts), dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)[None]
+    slot_t = torch.tensor(list(slots), dtype=torch.long, device=dev)
+    cos, sin = model.rotary.cos_sin(pos.reshape(-1), model.dtype)
+    x = model._embed(tokens.reshape(-1))
+    capture = set(capture)
+    feats, windows, kept = [], [], []
+    for i, layer in enumerate(model.layers):
+        h = layer.input_layernorm(x)
+        if layer.kind == "linear_attention":
+            g = model.state_index[i]
+            conv, rec = states.conv[g], states.recurrent[g]
+            out, window, st = gdn_columns(layer.linear_attn, h.view(B, T, -1), conv.index_select(0, slot_t),
+                                          rec.index_select(0, slot_t), keep_all)
+            out = out.reshape(B * T, -1)
+            if keep_all:
+                windows.append(window)
+                kept.append(st)
+            else:
+                K1 = conv.shape[-1]
+                conv.index_copy_(0, slot_t, window[:, :, -K1:].to(conv.dtype))
+                rec.index_copy_(0, slot_t, st)
+        else:
+            out = paged_attention(layer.self_attn, h, pos, tables, kv, model.kv_index[i], cos, sin)
+        x = x + out
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if i in capture:
+            feats.append(x)
+    xn = model.norm(x)
+    logits = model.lm_head(xn)
+    hidden = xn.view(B, T, -1)
+    if not keep_all:
+        states.hidden.index_copy_(0, slot_t, hidden[:, -1].to(states.hidden.dtype))
+    return VerifyOut(logits.view(B, T, -1), hidden,
+                     torch.cat(feats, dim=-1).view(B, T, -1) if feats else None,
+                     windows if keep_all else None, kept if keep_all else None)
+
+
+@torch.inference_mode()
+def commit_states(states, out: VerifyOut, slots: Sequence[int], keep: Sequence[int]) -> None:
+    """Write into each lane's slot the state after column ``keep[b]`` (the last accepted one)."""
+    dev = out.logits.device
+    slot_t = torch.tensor(list(slots), dtype=torch.long, device=dev)
+    j = torch.tensor(list(keep), dtype=torch.long, device=dev)
+    ar = torch.arange(len(slots), device=dev)
+    for g, (window, st) in enumerate(zip(out.windows, out.states)):
+        conv = states.conv[g]
+        K1 = conv.shape[-1]
+        idx = (j[:, None] + 1 + torch.arange(K1, device=dev)[None])  # [B, K-1] columns of the window
+        sel = window.gather(2, idx[:, None, :].expand(-1, window.shape[1], -1))
+        conv.index_copy_(0, slot_t, sel.to(conv.dtype))
+        states.recurrent[g].index_copy_(0, slot_t, st[ar, j])
+    states.hidden.index_copy_(0, slot_t, out.hidden[ar, j].to(states.hidden.dtype))
+
+
+class Snapshot:
+    """The ``recompute`` rollback's copy of some slots' images taken before a verify pass."""
+
+    def __init__(self, states, slots: Sequence[int]) -> None:
+        dev = states.hidden.device
+        self.slots = torch.tensor(list(slots), dtype=torch.long, device=dev)
+        self.conv = states.conv_all.index_select(1, self.slots)
+        self.rec = states.recurrent_all.index_select(1, self.slots)
+        self.hidden = states.hidden.index_select(0, self.slots)
+
+    def restore(self, states, which: Sequence[int]) -> None:
+        """Put back the images of lanes ``which`` (indices into the snapshot's slots)."""
+        w = torch.tensor(list(which), dtype=torch.long, device=self.slots.device)
+        s = self.slots.index_select(0, w)
+        states.conv_all.index_copy_(1, s, self.conv.index_select(1, w))
+        states.recurrent_all.index_copy_(1, s, self.rec.index_select(1, w))
+        states.hidden.index_copy_(0, s, self.hidden.index_select(0, w))

@@ -1,0 +1,188 @@
+"""The engine's speculative decode round: propose, verify in one pass, accept, roll back.
+
+Acceptance (docs/speculative.md):
+
+* temperature 0: accept drafts while each equals the target's argmax at its column; the first
+  mismatch emits the target's argmax instead (so greedy output is the non-speculative output);
+  after k accepted drafts the last column's argmax is a bonus token.
+* temperature > 0: standard speculative rejection sampling for a deterministic drafter (its
+  proposal distribution is a point mass q = delta(d)): accept d with probability p(d), where p is
+  the target's distribution after temperature/top-k/top-p; on rejection sample from the residual
+  max(0, p - q) / Z, which is p with d removed; after k accepts sample the bonus from the last
+  column. Every emitted token is distributed exactly as plain sampling (not the same tokens for a
+  seed: the generator is consumed differently).
+
+The committed frontier after a round is ``pos + 1 + accepted``; KV written at rejected columns
+is simply overwritten by later rounds (it sits beyond every committed frontier).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import Any
+
+import torch
+
+from hpc_cli.engine.sampling import event_for, target_probs
+from hpc_cli.speculative.ops import Snapshot, commit_states, verify_pass
+
+ROLLBACKS = ("per_token", "recompute")
+
+
+class SpecRuntime:
+    def __init__(self, backend, model, *, k: int = 3, rollback: str = "per_token", drafter_path: str | None = None,
+                 seed: int | None = None) -> None:
+        assert rollback in ROLLBACKS, f"rollback must be one of {ROLLBACKS}, got {rollback!r}"
+        self.backend = backend
+        self.model = model
+        self.k = int(k)
+        self.rollback = rollback
+        self.drafter = backend.build_drafter(model, drafter_path, seed)
+        self.counters = collections.Counter()
+        self.accept_hist = collections.Counter()  # accepted drafts per lane-round
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def bind(self, storage, backend_storage, states) -> None:
+        self.storage, self.states = storage, states
+        self.drafter.bind(storage, backend_storage, states)
+
+    # ------------------------------------------------------------------ prefill side
+    def prefill_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {}
+        if self.drafter.needs_hidden:
+            kw["all_hidden"] = True
+        if self.drafter.capture:
+            kw["capture"] = self.drafter.capture
+        return kw
+
+    def pre_hidden(self, lane) -> torch.Tensor | None:
+        return self.states.hidden[lane.state_slot].clone() if self.drafter.needs_hidden and lane.pos else None
+
+    def after_prefill(self, lane, start: int, end: int, out, pre_hidden) -> None:
+        self.drafter.observe(lane, start, end - start, out.hidden, out.features, pre_hidden, extend=True)
+
+    def admitted(self, lane) -> None:
+        self.drafter.admitted(lane)
+
+    def before_finish(self, lane) -> None:
+        """Bring the backend to the text frontier where the next token is known (MTP's last
+        position) so that the endpoint's blocks commit (spec §7.7)."""
+        if self.drafter.needs_hidden and lane.pos and lane.state_slot >= 0 and lane.seq is not None \
+                and (lane.backend_frontier or 0) < lane.pos and len(lane.tokens) > lane.pos:
+            hid = self.states.hidden[lane.state_slot][None]
+            self.drafter.observe(lane, lane.pos - 1, 1, hid, None, None, extend=True)
+
+    # ------------------------------------------------------------------ decode rounds
+    def round(self, engine, lanes) -> None:
+        """One speculative decode round over ``lanes`` (grouped by draft length)."""
+        groups: dict[int, list] = collections.defaultdict(list)
+        for lane in lanes:
+            left = lane.request.sampling.max_tokens - len(lane.generated)
+            groups[max(0, min(self.k, left - 1))].append(lane)
+        for k, group in sorted(groups.items()):
+            self._round(engine, group, k)
+
+    def _round(self, engine, lanes, k: int) -> None:
+        t0 = time.monotonic()
+        model, states = self.model, self.states
+        drafts = self.drafter.propose(lanes, k, states) if k else [[] for _ in lanes]
+        t1 = time.monotonic()
+        T = k + 1
+        tokens = torch.tensor([[l.next_token] + list(d) for l, d in zip(lanes, drafts)], dtype=torch.long)
+        starts = [l.pos for l in lanes]
+        tables = [l.pages[:math.ceil((l.pos + T) / 64)] for l in lanes]
+        slots = [l.state_slot for l in lanes]
+        keep_all = self.rollback == "per_token"
+        snap = Snapshot(states, slots) if not keep_all and k else None
+        pre_hid = (states.hidden.index_select(0, torch.tensor(slots, device=states.hidden.device))
+                   if self.drafter.needs_hidden else None)
+        out = verify_pass(model, tokens, starts, tables, slots, engine.storage, states, keep_all=keep_all,
+                          capture=self.drafter.capture)
+        t2 = time.monotonic()
+        logits = out.logits.float()
+        accepted = []
+        for b, lane in enumerate(lanes):
+            acc = self._accept(engine, lane, logits[b], drafts[b])
+            accepted.append(acc)
+            lane.usage.draft_tokens += k
+            lane.usage.accepted_draft_tokens += acc
+            self.accept_hist[acc] += 1
+        # roll the GDN state to the last accepted column
+        if keep_all:
+            commit_states(states, out, slots, accepted)
+        elif snap is not None:
+            redo = [b for b, a in enumerate(accepted) if a < k]
+            if redo:
+                snap.restore(states, redo)
+                by_len: dict[int, list[int]] = collections.defaultdict(list)
+                for b in redo:
+                    by_len[accepted[b] + 1].append(b)
+                for n, bs in by_len.items():
+                    verify_pass(model, tokens[bs, :n], [starts[b] for b in bs], [tables[b] for b in bs],
+                                [slots[b] for b in bs], engine.storage, states, keep_all=False)
+                self.counters["recomputed_columns"] += sum(accepted[b] + 1 for b in redo)
+        t3 = time.monotonic()
+        for b, lane in enumerate(lanes):
+            n = accepted[b] + 1
+            feats = out.features[b] if out.features is not None else None
+            pre = pre_hid[b] if pre_hid is not None else None
+            lane.pos += n
+            self.drafter.observe(lane, starts[b], n, out.hidden[b], feats, pre, extend=False)
+            engine.cache.commit_blocks(lane)
+        dt = time.monotonic() - t0
+        emitted = sum(a + 1 for a in accepted)
+        for lane in lanes:
+            engine.itl.append(dt / max(1, emitted / len(lanes)))
+        c = self.counters
+        c["rounds"] += 1
+        c["lane_rounds"] += len(lanes)
+        c["draft_tokens"] += k * len(lanes)
+        c["accepted_draft_tokens"] += sum(accepted)
+        c["committed_tokens"] += emitted
+        c["propose_us"] += int((t1 - t0) * 1e6)
+        c["verify_us"] += int((t2 - t1) * 1e6)
+        c["rollback_us"] += int((t3 - t2) * 1e6)
+
+    def _accept(self, engine, lane, logits: torch.Tensor, drafts: list[int]) -> int:
+        """Emit tokens column by column; returns the drafts accepted and continued past (the
+        columns beyond the first that stay committed)."""
+        sp = lane.request.sampling
+        k = len(drafts)
+        acc = 0
+        for i in range(k + 1):
+            d = drafts[i] if i < k else None
+            if sp.temperature == 0.0:
+                tok = int(torch.argmax(logits[i]))
+            else:
+                p = target_probs(logits[i], sp)
+                if d is not None and float(torch.rand((), generator=lane.generator)) < float(p[d]):
+                    tok = d
+                else:
+                    if d is not None:
+                        p = p.clone()
+                        p[d] = 0.0
+                        if float(p.sum()) <= 0.0:  # p was a point mass on d: d is the only choice
+                            p[d] = 1.0
+                    tok = int(torch.multinomial(p / p.sum(), 1, generator=lane.generator))
+            engine._emit(lane, event_for(logits[i], tok, sp))
+            if lane.finish_reason or d is None or tok != d:
+                return acc
+            acc += 1
+        return acc
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        lr = max(1, c["lane_rounds"])
+        return {"backend": self.name, "k": self.k, "rollback": self.rollback, "rounds": c["rounds"],
+                "draft_tokens": c["draft_tokens"], "accepted_draft_tokens": c["accepted_draft_tokens"],
+                "acceptance_rate": c["accepted_draft_tokens"] / max(1, c["draft_tokens"]),
+                "mean_acceptance_length": c["committed_tokens"] / lr,
+                "accepted_histogram": {str(a): n for a, n in sorted(self.accept_hist.items())},
+                "propose_s": c["propose_us"] / 1e6, "verify_s": c["verify_us"] / 1e6,
+                "rollback_s": c["rollback_us"] / 1e6, "recomputed_columns": c["recomputed_columns"]}
