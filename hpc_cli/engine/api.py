@@ -30,7 +30,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one of these (excluded from text)
     stop: tuple[str, ...] = ()  # stop strings: generation ends when the text contains one (excluded)
     logprobs: int | None = None  # top-N logprobs per generated token (0 = only the chosen token's)
-    prompt_logprobs: bool = False  # logprob of every prompt token given its prefix (completions echo)
+    prompt_logprobs: bool = False  # logprob of every prompt token given its prefix (completions echo);
+    # such a request prefills from the root (reused positions have no logits) but still caches
     ignore_eos: bool = False
 
     def validate(self) -> None:
@@ -94,7 +95,8 @@ class FinishEvent:
     usage: Usage
     error: str | None = None
     stop_text: str | None = None  # the stop string that ended it, if any
-    prompt_logprobs: list[float | None] | None = None
+    prompt_logprobs: list[float | None] | None = None  # entry i: log p(prompt[i] | prompt[:i]); entry 0 None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None  # top-N per prompt position
 
 
 @dataclass(slots=True)

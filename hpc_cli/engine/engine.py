@@ -355,12 +355,12 @@ class Engine:
         lane.usage.prefill_tokens += end - start
         self.counters["prefill_tokens"] += end - start
         logits = out.logits
-        if want_all:
+        if want_all:  # prompt_logprobs requests always prefill from the root (see HybridBinding.admit)
             if lane.prompt_logprobs is None:
-                lane.prompt_logprobs = [None] * (start + 1) if start else [None]
-                if start:  # reused tokens have no logits here
-                    lane.prompt_logprobs = [None] * (start + 1)
-            lane.prompt_logprobs += prompt_logprobs(logits, lane.tokens, start)[: lane.n_prompt - start - 1]
+                lane.prompt_logprobs, lane.prompt_top_logprobs = [None], [None]
+            lps, tops = prompt_logprobs(logits, lane.tokens[:lane.n_prompt], start, top=sp.logprobs or 0)
+            lane.prompt_logprobs += lps
+            lane.prompt_top_logprobs += tops
             logits = logits[-1]
         self.cache.after_pass(lane)
         if lane.pos == lane.n_prompt and not lane.finish_reason:
@@ -438,7 +438,8 @@ class Engine:
         self.counters["cached_prefix_tokens"] += lane.usage.cached_prefix_tokens
         lane.handle.put(FinishEvent(reason, lane.usage, error=lane.error,
                                     stop_text=getattr(lane, "stop_text", None),
-                                    prompt_logprobs=lane.prompt_logprobs))
+                                    prompt_logprobs=lane.prompt_logprobs,
+                                    prompt_top_logprobs=lane.prompt_top_logprobs))
 
     def _shutdown(self, reason: str, message: str, *, publish: bool = True) -> None:
         self._drain_inbox()

@@ -121,6 +121,15 @@ class HybridBinding:
                               hint="lower max_tokens or the prompt, or raise engine.kv_capacity")
         if not (self.reuse and lane.request.cache_enabled):
             return self._admit_plain(lane, ent)
+        if lane.request.sampling.prompt_logprobs:
+            # Every prompt position needs its logits, so nothing is resumed; the blocks and taps
+            # it computes are still published for others.
+            adm = self._admit_plain(lane, ent)
+            lane.seq = self.index.begin_sequence()
+            lane.taps = self.planner.plan(lane.n_prompt, 0, planner_hints(lane.request.tap_hints,
+                                                                          lane.request.message_boundaries),
+                                          vision_spans=lane.prepared.vision_spans)
+            return adm
         for _ in range(3):
             q = self.index.quote(lane.prepared, entitlement_pages=ent, free_pages=self.pool.num_free,
                                  total_pages=self.pool.num_pages)

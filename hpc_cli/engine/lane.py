@@ -35,6 +35,7 @@ class Lane:
     admitted_at: float = 0.0
     first_token_at: float | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list | None = None
     next_token: int | None = None  # sampled but not yet processed
     backend_frontier: int | None = None  # speculative backend's committed frontier (MTP K/V), None: pos
     finish_reason: str | None = None

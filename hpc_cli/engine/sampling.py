@@ -75,11 +75,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return event
 
 
-def prompt_logprobs(all_logits: torch.Tensor, tokens: list[int], start: int) -> list[float]:
-    """Logprob of each token ``tokens[start+1 .. start+T]`` given its prefix, from the logits of
-    positions ``start .. start+T-1`` (``all_logits`` ``[T, vocab]``)."""
+def prompt_logprobs(all_logits: torch.Tensor, tokens: list[int], start: int, top: int = 0
+                    ) -> tuple[list[float], list[list[tuple[int, float]] | None]]:
+    """Logprob of each prompt token ``tokens[start+1 ..]`` given its prefix, from the logits of
+    positions ``start .. start+T-1`` (``all_logits`` ``[T, vocab]``), and the ``top`` most likely
+    tokens at each of those positions (what lm-evaluation-harness checks for greedy)."""
     lp = torch.log_softmax(all_logits.float(), dim=-1)
-    T = all_logits.shape[0]
-    nxt = torch.tensor(tokens[start + 1:start + 1 + T], dtype=torch.long, device=lp.device)
+    nxt = torch.tensor(tokens[start + 1:start + 1 + all_logits.shape[0]], dtype=torch.long, device=lp.device)
     k = nxt.numel()
-    return lp[torch.arange(k, device=lp.device), nxt].tolist()
+    chosen = lp[torch.arange(k, device=lp.device), nxt].tolist()
+    if top <= 0:
+        return chosen, [None] * k
+    vals, ids = torch.topk(lp[:k], top, dim=-1)
+    tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return chosen, tops

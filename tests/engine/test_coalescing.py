@@ -49,3 +49,26 @@ def test_coalescing_waits_for_the_sibling_and_reuses_the_shared_prefix(model, co
     assert sum(u.prefill_tokens for u in usage) < sum(u.prefill_tokens for u in base_usage) - 1000
     assert eng.cache.counters["coalesce_waits"] > 0
     assert base_eng.cache.counters["coalesce_waits"] == 0
+
+
+def test_prompt_logprobs_prefill_from_root_and_match_a_full_forward(model):
+    """Echo logprobs (lm-evaluation-harness) need logits at every prompt position: such a request
+    resumes nothing even when the prefix is cached, and its logprobs equal one full forward."""
+    import torch
+
+    eng = Engine(model, kv_profile="bf16", max_concurrency=2, prefill_chunk=64, kv_pages=200,
+                 host_cache_mib=32, max_model_len=4096).start()
+    p = list(range(20, 220))
+    try:
+        eng.generate(GenerationRequest(p, SamplingParams(max_tokens=3, temperature=0)))
+        _, fin = eng.generate(GenerationRequest(p, SamplingParams(max_tokens=0, prompt_logprobs=True, logprobs=2)))
+    finally:
+        eng.stop()
+    eng.check_invariants()
+    assert fin.usage.reuse_tokens == 0 and fin.reason == "length"
+    full = torch.log_softmax(model.forward_tokens(p).float(), -1)
+    assert len(fin.prompt_logprobs) == len(p) and fin.prompt_logprobs[0] is None
+    for i in range(1, len(p)):
+        assert abs(fin.prompt_logprobs[i] - float(full[i - 1, p[i]])) < 1e-4
+        top = fin.prompt_top_logprobs[i]
+        assert top[0][0] == int(full[i - 1].argmax()) and len(top) == 2
