@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import random
+
+from hpc_cli.engine.api import GenerationRequest, SamplingParams
+from hpc_cli.engine.engine import Engine
+
+BACKENDS = ["mtp", "dflash", "dflash2", "oracle"]
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 250) for _ in range(n)]
+
+
+def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def run(engine: Engine, prompt, max_tokens: int = 8, *, sampling=None, **kw):
+    toks, fin = engine.generate(GenerationRequest(list(prompt), sampling or greedy(max_tokens), **kw), timeout=300)
+    assert fin.reason in ("length", "stop"), (fin.reason, fin.error)
+    return toks, fin
+
+
+class References(dict):
+    """prompt tuple -> greedy output, filled from runs without speculation (the oracle's source)."""
+
+
+def backend(name: str, refs: dict | None = None):
+    if name == "oracle":
+        from hpc_cli.speculative.oracle import OracleBackend
+
+        return OracleBackend(refs or {})
+    return name
+
+
+def make(model, spec=None, **kw) -> Engine:
+    kw.setdefault("kv_pages", 64)
+    kw.setdefault("prefill_chunk", 128)
+    kw.setdefault("max_concurrency", 2)
+    return Engine(model, speculative=spec, **kw).start()
+
+
+def settle(engine: Engine) -> dict:
+    engine.stop()
+    engine.check_invariants()
+    assert engine.fatal is None, engine.fatal
+    cache = engine.cache
+    st = cache.index.stats()
+    assert st["nodes"]["pinned"] == 0 and st["sequences"] == 0, st
+    assert cache.pool.counts()["active"] == 0 and cache.pool.counts()["filling"] == 0, cache.pool.counts()
+    assert len(cache.free_active) == cache.C
+    assert cache.transfer.pending == 0
+    return st

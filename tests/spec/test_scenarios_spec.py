@@ -1,0 +1,93 @@
+"""The engine's cache scenarios (tests/engine/test_scenarios.py) rerun with each backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc_cli.cache.keys import BLOCK_TOKENS
+from hpc_cli.cache.snapshot import SnapshotKind
+from hpc_cli.engine.api import GenerationRequest
+
+from helpers import BACKENDS, backend, greedy, make, run, settle, tokens
+
+
+def floor64(x: int) -> int:
+    return x - x % BLOCK_TOKENS
+
+
+def _first_logprobs(engine, prompt, n):
+    toks, fin = engine.submit(GenerationRequest(list(prompt), greedy(n, logprobs=20))).result(timeout=300)
+    assert fin.reason == "length", fin.error
+    return [t.token_id for t in toks], dict(toks[0].top_logprobs), fin
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_resume_equivalence(model, name):
+    base = tokens(230, seed=1)
+    full = base + tokens(45, seed=2)
+    N = 24
+    off = make(model, reuse=False, kv_pages=32)
+    r_toks, r_lp, _ = _first_logprobs(off, full, N)
+    settle(off)
+    e = make(model, backend(name, {tuple(full): r_toks}), kv_pages=32, host_cache_mib=16)
+    run(e, base, 1)
+    s_toks, s_lp, fin = _first_logprobs(e, full, N)
+    assert fin.usage.reuse_tokens >= floor64(len(base) - 1), fin.usage
+    assert fin.usage.prefill_tokens == len(full) - fin.usage.reuse_tokens
+    assert max(abs(r_lp[k] - s_lp[k]) for k in set(r_lp) & set(s_lp)) <= 1e-3
+    assert s_toks == r_toks
+    settle(e)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_multi_turn_exact_endpoint_reuse(model, name):
+    refs: dict = {}
+    e = make(model, backend(name, refs), host_cache_mib=16)
+    seen = {}
+    orig_finish = e.cache.finish
+
+    def finish(lane, **kw):
+        seen.update(pos=lane.pos, tail_page=lane.pages[lane.pos // BLOCK_TOKENS], slot=lane.state_slot)
+        orig_finish(lane, **kw)
+
+    e.cache.finish = finish
+    prompt = tokens(150, seed=3)
+    off = make(model, reuse=False)
+    for turn in range(3):
+        refs[tuple(prompt)] = run(off, prompt, 60)[0]
+        gen, fin = run(e, prompt, 60)
+        assert gen == refs[tuple(prompt)], (name, turn)
+        if turn:
+            assert fin.usage.reuse_tokens == f_end, (turn, fin.usage, f_end)
+        f_end = seen["pos"]
+        assert f_end == len(prompt) + len(gen) - 1
+        ends = [s for s in e.cache.index.snapshots.values() if s.kind is SnapshotKind.ENDPOINT
+                and s.frontier == f_end and s.alive]
+        assert len(ends) == 1
+        if f_end % BLOCK_TOKENS:
+            assert ends[0].tail_pages == (seen["tail_page"],)
+        assert e.cache.snap_phys[ends[0].device_slot] == seen["slot"]
+        prompt = prompt + gen + tokens(30, seed=10 + turn)
+    st = settle(e)
+    settle(off)
+    assert st["counters"]["published"]["endpoint"] >= 3
+
+
+@pytest.mark.parametrize("name", ["mtp", "dflash", "dflash2"])
+def test_taps_and_blocks_only_committed(model, name):
+    """A long prompt with ladder taps: every published snapshot and block sits at or below the
+    committed frontier; the MTP layer / DFlash pool / DFlash2 rings are restored with them."""
+    e = make(model, name, host_cache_mib=16, tap_ladder_tokens=128, tap_min_gap_tokens=64, max_new_taps=8)
+    p = tokens(520, seed=6)
+    run(e, p, 3)
+    frontiers = sorted(s.frontier for s in e.cache.index.snapshots.values() if s.alive)
+    assert len(frontiers) >= 3, frontiers
+    edited = list(p)
+    edited[400] = (edited[400] % 249) + 1
+    out, fin = run(e, edited, 12)
+    assert fin.usage.reuse_tokens == max(f for f in frontiers if f <= 400), (fin.usage, frontiers)
+    settle(e)
+    off = make(model, reuse=False)
+    ref, _ = run(off, edited, 12)
+    settle(off)
+    assert out == ref
