@@ -1,0 +1,117 @@
+"""Speculative decoding: decode tokens/s with each backend against none, in the same run.
+
+Prints one JSON document (and writes it to --out). For each backend (none, mtp, dflash,
+dflash2 with seeded drafters, and the oracle drafter that proposes the target's own greedy
+continuation) it runs the same greedy requests (--prompts prompts of --prompt-len tokens,
+--max-tokens each, --concurrency lanes) and reports decode tokens/s (generated tokens after the
+first over the time after the first token), the speedup over none, the mean acceptance length
+(tokens committed per lane per verify pass, 1.0 = no draft accepted), the acceptance rate and
+whether the output equals none's token for token. With --rollback both, mtp and the oracle also
+run with the ``recompute`` rollback (snapshot before verify, recompute the accepted prefix) next
+to the default ``per_token`` one.
+
+    python benchmarks/spec_decode.py                                   # CPU, builtin:tiny
+    python benchmarks/spec_decode.py --model builtin:qwen3.5-27b-shape@8 --prompt-len 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+
+import torch
+
+from hpc_cli.engine.api import GenerationRequest, SamplingParams
+from hpc_cli.engine.engine import Engine
+from hpc_cli.model import HybridModel
+from hpc_cli.speculative.oracle import OracleBackend
+
+
+def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(1234)
+    return [[rng.randrange(1, min(250, vocab)) for _ in range(length)] for _ in range(n)]
+
+
+def _run(model, spec, prompts, args, rollback="per_token"):
+    kv_pages = args.concurrency * (-(-(args.prompt_len + args.max_tokens + 64) // 64)) + 8
+    e = Engine(model, kv_pages=kv_pages, prefill_chunk=args.prefill_chunk, max_concurrency=args.concurrency,
+               reuse=False, speculative=spec, num_draft_tokens=args.k, spec_rollback=rollback).start()
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    # warm-up (allocator, kernels)
+    e.generate(GenerationRequest(list(prompts[0][:64]), SamplingParams(max_tokens=4, temperature=0.0,
+                                                                        ignore_eos=True)))
+    if e.spec is not None:
+        e.spec.counters.clear()
+        e.spec.accept_hist.clear()
+    outs, decode_tokens, decode_s = [], 0, 0.0
+    for i in range(0, len(prompts), args.concurrency):
+        batch = prompts[i:i + args.concurrency]
+        handles = [e.submit(GenerationRequest(list(p), sp)) for p in batch]
+        first, end = [], 0.0
+        for h in handles:
+            toks, fin = h.result(timeout=3600)
+            assert fin.reason == "length", fin.error
+            end = max(end, time.monotonic())
+            first.append(h.submitted_at + fin.usage.time_to_first_token)
+            outs.append([t.token_id for t in toks])
+            decode_tokens += len(toks) - 1
+        decode_s += end - max(first)
+    stats = e.spec.stats() if e.spec is not None else None
+    e.stop()
+    return outs, decode_tokens / decode_s, stats
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: builtin:qwen3.5-27b-shape@8 on CUDA, builtin:tiny on CPU")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("-k", type=int, default=3, help="drafts per round")
+    ap.add_argument("--backends", default="none,mtp,dflash,dflash2,oracle")
+    ap.add_argument("--rollback", default="both", choices=["per_token", "recompute", "both"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    name = args.model or ("builtin:qwen3.5-27b-shape@8" if cuda else "builtin:tiny")
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    t = time.time()
+    model = HybridModel.from_name_or_path(name, dtype=getattr(torch, dtype), device="cuda" if cuda else "cpu")
+    load_s = time.time() - t
+    prompts = _prompts(args.prompts, args.prompt_len, model.config.vocab_size)
+    ref, none_tps, _ = _run(model, None, prompts, args)
+    refs = {tuple(p): r for p, r in zip(prompts, ref)}
+    runs = {"none": {"decode_tok_s": none_tps, "speedup": 1.0, "mean_acceptance_length": 1.0}}
+    for b in [x for x in args.backends.split(",") if x and x != "none"]:
+        modes = ["per_token", "recompute"] if args.rollback == "both" and b in ("mtp", "oracle") else \
+            [args.rollback if args.rollback != "both" else "per_token"]
+        for mode in modes:
+            spec = OracleBackend(refs) if b == "oracle" else b
+            outs, tps, st = _run(model, spec, prompts, args, rollback=mode)
+            key = b if mode == "per_token" else f"{b}+recompute"
+            runs[key] = {"decode_tok_s": tps, "speedup": tps / none_tps,
+                         "mean_acceptance_length": st["mean_acceptance_length"],
+                         "acceptance_rate": st["acceptance_rate"], "rollback": mode,
+                         "matches_none": outs == ref, "propose_s": st["propose_s"], "verify_s": st["verify_s"],
+                         "rollback_s": st["rollback_s"], "recomputed_columns": st["recomputed_columns"]}
+    doc = {"benchmark": "spec_decode", "model": name, "dtype": dtype,
+           "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+           "torch": torch.__version__, "threads": torch.get_num_threads(), "model_load_s": load_s,
+           "k": args.k, "prompts": args.prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+           "concurrency": args.concurrency, "runs": runs}
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
