@@ -110,6 +110,7 @@ def run_server(resolved, log_level: str = "info") -> None:
         # Loads a matching file now (host-only entries) and saves at the orderly stop (spec §5.5).
         save_control = attach_cache_file(engine, s.cache.prefix_cache_file, progress=True).control
     engine.start()
+    click.echo(f"hpc-cli: warm-up pass done in {engine.warmup():.1f} s (kernels compiled; nothing cached)", err=True)
     controller = StopController(engine, prefix_cache_file=s.cache.prefix_cache_file,
                                 echo=lambda msg: click.echo(f"hpc-cli: {msg}", err=True))
     if save_control is not None:

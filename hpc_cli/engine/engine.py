@@ -21,8 +21,8 @@ import torch
 from hpc_cli import plugins
 from hpc_cli.cache.keys import prepare_prompt
 from hpc_cli.cache.taps import TapPlanner
-from hpc_cli.engine.api import (AdmittedEvent, FinishEvent, GenerationRequest, RequestHandle, TokenEvent,
-                                Usage)
+from hpc_cli.engine.api import (AdmittedEvent, FinishEvent, GenerationRequest, RequestHandle, SamplingParams,
+                                TokenEvent, Usage)
 from hpc_cli.engine.hybrid import Blocked, HybridBinding
 from hpc_cli.engine.lane import Lane
 from hpc_cli.engine.sampling import make_generator, prompt_logprobs, sample
@@ -218,6 +218,24 @@ class Engine:
         """Submit and wait: the generated token ids and the finish event (tests, scripts)."""
         toks, fin = self.submit(request).result(timeout=timeout)
         return [t.token_id for t in toks], fin
+
+    def warmup(self, tokens: int | None = None, decode: int = 4) -> float:
+        """Run one disabled request (it leaves nothing in the cache, spec §7.7) through a prefill
+        pass and a few decode rounds, so kernel compilation and autotuning happen before the
+        first real request; the stats forget it. Returns the seconds it took."""
+        self.start()
+        n = min(tokens or self.chunk, self.max_model_len - decode - 1)
+        vocab = self.model.config.vocab_size
+        prompt = [(17 * i + 3) % max(2, vocab - 1) + 1 for i in range(max(1, n))]
+        t0 = time.monotonic()
+        req = GenerationRequest(prompt, SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True),
+                                cache_enabled=False, request_id="warmup")
+        self.submit(req).result(timeout=600)
+        with self._stats_lock:
+            self.counters.clear()
+            self.ttft.clear()
+            self.itl.clear()
+        return time.monotonic() - t0
 
     def stop(self, timeout: float | None = 60) -> None:
         """Orderly stop: admission ends, running and queued requests finish as unavailable at the

@@ -19,7 +19,7 @@ def test_cuda_resume_and_host_restore_match_cold(profile):
     model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32, device="cuda")
     eng = Engine(model, kv_profile=profile, kv_pages=600, host_cache_mib=256, prefill_chunk=256,
                  max_model_len=8192).start()
-    prompt = list(range(10, 250)) * 8
+    prompt = list(range(10, 250)) * 8  # 1920 tokens: the final chunk starts at 1792, where the tail tap is taken
     sp = SamplingParams(max_tokens=24, temperature=0)
     try:
         cold, _ = eng.generate(GenerationRequest(prompt, sp))
@@ -37,6 +37,6 @@ def test_cuda_resume_and_host_restore_match_cold(profile):
     def agree(a, b):
         return sum(x == y for x, y in zip(a, b)) / len(a)
 
-    assert f2.usage.reuse_tokens >= 1856 and resumed[:8] == cold[:8] and agree(resumed, cold) >= 0.9
-    assert f3.usage.reuse_tokens >= 1856 and f3.usage.restored_host_bytes > 0
+    assert f2.usage.reuse_tokens >= 1792 and resumed[:8] == cold[:8] and agree(resumed, cold) >= 0.9
+    assert f3.usage.reuse_tokens >= 1792 and f3.usage.restored_host_bytes > 0
     assert restored[:8] == cold[:8] and agree(restored, cold) >= 0.9
