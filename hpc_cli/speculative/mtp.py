@@ -75,10 +75,11 @@ class MTPDrafter:
         end = start + n
         limit = end if (extend and len(lane.tokens) > end) else end - 1
         f = lane.backend_frontier if lane.backend_frontier is not None else max(0, start - 1)
-        f = max(f, 0)
+        # a lane whose position moved without a pass of its own (a resume, in-flight coalescing)
+        # rebuilds the bridge from start-1: the pages below came with the blocks
+        f = max(f, start - 1, 0)
         if f >= limit:
             return
-        assert f >= start - 1, f"MTP frontier {f} behind the pass start {start}"
         dev = self.model.device
         rows = []
         for p in range(f, limit):
