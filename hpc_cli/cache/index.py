@@ -626,24 +626,8 @@ class PrefixIndex:
             self._check_bundle(tail_pages)
             s.tail_pages = tuple(tail_pages)
             s.tail_device_state = RESIDENT
-        self.snapshots[s.id] = s
-        anchor.snapshots.append(s)
         self.slot_owner[slot] = s
-        # live_snapshots_below and retained counts along the path
-        n = anchor
-        sid = s.id
-        while n.parent is not None:
-            n.live_snapshots_below += 1
-            if n.live_snapshots_below == 1 and n in self._dead:
-                del self._dead[n]
-            n.retained_below += 1
-            n.retained_xor ^= sid
-            if n.retained_below == 2:
-                other = self.snapshots.get(n.retained_xor ^ sid)
-                if other is not None:
-                    other.dirty = True
-            n = n.parent
-        self._link_ancestor(s)
+        self._attach_snapshot(s)
         self._relink_tail(s)
         if kind in (SnapshotKind.TAP, SnapshotKind.BOUNDARY):
             seq.last_tap = s
@@ -1334,6 +1318,14 @@ class PrefixIndex:
             self._reown((tail_slab,), SlabUse.TAIL, s)
             s.tail_host_slab = tail_slab
             s.tail_host_state = RESIDENT
+        self._attach_snapshot(s)
+        self.epoch += 1
+        return s
+
+    def _attach_snapshot(self, s: Snapshot) -> None:
+        """Register a new snapshot on its anchor: live_snapshots_below and the retained counts
+        along its path (dead KV below it comes back to life), then its nearest ancestor."""
+        anchor = s.anchor
         self.snapshots[s.id] = s
         anchor.snapshots.append(s)
         n = anchor
@@ -1350,8 +1342,6 @@ class PrefixIndex:
                     other.dirty = True
             n = n.parent
         self._link_ancestor(s)
-        self.epoch += 1
-        return s
 
     def _reown(self, slabs: tuple[int, ...], use: SlabUse, owner: object) -> None:
         """Hand slabs the loader took from the pool to their entry (free then re-take: the free
