@@ -48,31 +48,11 @@ def event_for(logits: torch.Tensor, token: int, params: SamplingParams) -> Token
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> TokenEvent:
     """Choose one token from ``logits`` ``[vocab]`` (any device); logprobs come from the
     unmodified distribution, as the OpenAI API reports them."""
-    logits = logits.float()
     if params.temperature == 0.0:
         token = int(torch.argmax(logits))
     else:
-        x = logits / params.temperature
-        if params.top_k and params.top_k < x.numel():
-            kth = torch.topk(x, params.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if params.top_p < 1.0:
-            sorted_x, idx = torch.sort(x, descending=True)
-            probs = torch.softmax(sorted_x, dim=-1)
-            cum = torch.cumsum(probs, dim=-1)
-            drop = cum - probs > params.top_p  # keep the smallest set whose mass reaches top_p
-            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-            x = torch.full_like(x, float("-inf")).scatter(0, idx, sorted_x)
-        probs = torch.softmax(x, dim=-1).cpu()
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    event = TokenEvent(token)
-    if params.logprobs is not None:
-        lp = torch.log_softmax(logits, dim=-1)
-        event.logprob = float(lp[token])
-        if params.logprobs > 0:
-            vals, ids = torch.topk(lp, params.logprobs)
-            event.top_logprobs = [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist())]
-    return event
+        token = int(torch.multinomial(target_probs(logits, params), 1, generator=generator))
+    return event_for(logits, token, params)
 
 
 def prompt_logprobs(all_logits: torch.Tensor, tokens: list[int], start: int, top: int = 0
