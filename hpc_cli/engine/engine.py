@@ -491,8 +491,18 @@ class Engine:
             snap["experts"] = self.model.expert_tier.stats()
         if self.spec is not None:
             snap["speculative"] = self.spec.stats()
+        snap["settings"] = self._settings_meta()
         with self._stats_lock:
             self._stats_snapshot = snap
+
+    def _settings_meta(self) -> dict[str, Any]:
+        """The names a client shows next to the stats (``hpc-cli top``'s header)."""
+        s = getattr(self.settings, "settings", None)
+        path = getattr(self.settings, "profile_path", None)
+        return {"kv_profile": self.kv_profile.name,
+                "speculative_backend": getattr(self.spec_backend, "name", None) or "none",
+                "cache_mode": getattr(getattr(s, "cache", None), "mode", None),
+                "profile_path": str(path) if path is not None else None}
 
     # ------------------------------------------------------------------ tests
     def check_invariants(self) -> None:
