@@ -137,9 +137,15 @@ class Metrics:
 
 _NAME_BAD = re.compile(r"[^a-zA-Z0-9_]")
 
+# Lists that are rows or samples, not a fixed set of gauges: per-snapshot rows (their ids and
+# number change every few seconds, so by index they would be a new series each time) and the
+# recent time-to-first-token samples (exported as the hpc_time_to_first_token_seconds histogram).
+SKIPPED_KEYS = frozenset({"top_snapshots", "ttft_recent_s"})
+
 
 def flatten_stats(stats: Mapping[str, Any], prefix: str = "hpc_engine") -> dict[str, float | int]:
-    """Numeric leaves of a nested dict as Prometheus names (lists by index)."""
+    """Numeric leaves of a nested dict as Prometheus names (lists by index); strings, ``None``
+    and the row lists in :data:`SKIPPED_KEYS` are left out."""
     out: dict[str, float | int] = {}
 
     def walk(value: Any, name: str) -> None:
@@ -149,6 +155,8 @@ def flatten_stats(stats: Mapping[str, Any], prefix: str = "hpc_engine") -> dict[
             out[name] = value
         elif isinstance(value, Mapping):
             for k, v in value.items():
+                if k in SKIPPED_KEYS:
+                    continue
                 walk(v, f"{name}_{_NAME_BAD.sub('_', str(k))}")
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
