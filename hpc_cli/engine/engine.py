@@ -114,8 +114,10 @@ class Engine:
         dtype = s.model.dtype
         if dtype == "auto":
             dtype = "bfloat16" if device == "cuda" else "float32"
+        # with [experts] offload the routed experts are loaded straight into host memory: the tier
+        # attached below adopts them, so they are never on the device (a model too big for it loads)
         model = HybridModel.from_name_or_path(s.model.name, dtype=getattr(torch, dtype), device=device,
-                                              progress=progress)
+                                              progress=progress, offload_experts=s.experts.offload)
         mode = plugins.cache_mode(s.cache.mode)
         reuse = mode.reuses and not s.cache.no_prefix_reuse
         eff = resolved.effective

@@ -84,6 +84,28 @@ def builtin_config(name: str) -> ModelConfig:
     return BUILTINS[key](layers)
 
 
+_CHUNK_BYTES = 64 << 20
+
+
+def _normal(p: torch.Tensor, mean: float, std: float, gen: torch.Generator) -> None:
+    """``p.normal_`` from ``gen``. A parameter on the generator's device, contiguous, draws in
+    place (the plain path). Host experts of an offloaded model (strided views of the packed host
+    array) draw into a contiguous temporary: one of the full shape when the generator is on the
+    host, so the values equal the all-resident model's; a few experts at a time when it is on the
+    device, so at most ``_CHUNK_BYTES`` of them are ever on the device (the values then differ
+    from the all-resident model's on that device: the draws are chunked)."""
+    if p.device.type == gen.device.type and p.is_contiguous():
+        p.normal_(mean, std, generator=gen)
+    elif gen.device.type == "cpu":
+        p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(mean, std, generator=gen))
+    else:
+        per = max(1, _CHUNK_BYTES // max(1, p[0].numel() * p.element_size()))
+        for lo in range(0, p.shape[0], per):
+            hi = min(p.shape[0], lo + per)
+            tmp = torch.empty((hi - lo, *p.shape[1:]), dtype=p.dtype, device=gen.device)
+            p[lo:hi].copy_(tmp.normal_(mean, std, generator=gen))
+
+
 @torch.no_grad()
 def init_seeded(model, seed: int = SEED) -> None:
     """Fill every parameter from a seeded generator, scaled so activations stay O(1) and the
@@ -111,14 +133,16 @@ def init_seeded(model, seed: int = SEED) -> None:
             std = 1.0 / math.sqrt(fan_in)
             if any(name.endswith(s) for s in ("o_proj.weight", "out_proj.weight", "down_proj.weight")):
                 std /= math.sqrt(2 * n_layers)
-            p.normal_(0.0, std, generator=gen)
+            _normal(p, 0.0, std, gen)
 
 
-def build_builtin(name: str, dtype=None, device="cpu"):
+def build_builtin(name: str, dtype=None, device="cpu", offload_experts: bool = False):
+    """``offload_experts``: the routed experts are created in host memory and seeded there (see
+    :func:`_normal`), never on ``device``."""
     from hpc_cli.model.model import HybridModel
 
     cfg = builtin_config(name)
-    model = HybridModel(cfg, device=device, dtype=dtype, with_mtp=True)
+    model = HybridModel(cfg, device=device, dtype=dtype, with_mtp=True, offload_experts=offload_experts)
     init_seeded(model)
     model.tokenizer = ByteTokenizer()
     model.eval()

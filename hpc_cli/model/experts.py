@@ -265,21 +265,46 @@ class ExpertCache:
 
 class _HostLayer:
     """One MoE layer's experts in host memory: a packed ``[E, blob]`` byte array (what slots are
-    filled from) and typed views of it (what misses are computed from)."""
+    filled from) and typed views of it (what misses are computed from).
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, pin: bool) -> None:
+    ``packed`` given (a model built with ``offload_experts``, whose expert parameters are views
+    of it): that array is adopted as it is, nothing is copied; else the experts are copied from
+    ``gate_up``/``down`` (wherever they are) into a new one."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, pin: bool,
+                 packed: torch.Tensor | None = None) -> None:
         e, two_i, h = gate_up.shape
         self.dtype = gate_up.dtype
         self.shape_gu, self.shape_dn = (two_i, h), tuple(down.shape[1:])
         elem = gate_up.element_size()
         self.gu_bytes = two_i * h * elem
         self.blob = self.gu_bytes + down[0].numel() * elem
-        packed = torch.empty(e, self.blob, dtype=torch.uint8, pin_memory=pin)
+        self.adopted = packed is not None
+        if packed is None:
+            packed = torch.empty(e, self.blob, dtype=torch.uint8, pin_memory=pin)
+        elif tuple(packed.shape) != (e, self.blob) or packed.dtype != torch.uint8 or packed.device.type != "cpu":
+            raise EngineError(f"host experts of shape {tuple(packed.shape)} ({packed.dtype}, {packed.device}) "
+                              f"are not the packed [{e}, {self.blob}] uint8 host array the tier expects")
+        elif pin and not packed.is_pinned():
+            packed = packed.pin_memory()  # one pinned copy; the unpinned one goes with the model's views
         self.gate_up = packed[:, :self.gu_bytes].view(self.dtype).view(e, *self.shape_gu)
         self.down = packed[:, self.gu_bytes:].view(self.dtype).view(e, *self.shape_dn)
-        self.gate_up.copy_(gate_up)
-        self.down.copy_(down)
+        if not self.adopted:
+            self.gate_up.copy_(gate_up)
+            self.down.copy_(down)
         self.packed = packed
+
+
+def _packed_of(ex: Any) -> torch.Tensor | None:
+    """The packed host array ``ex``'s expert parameters are views of (``offload_experts``), or None."""
+    packed = getattr(ex, "host_packed", None)
+    if packed is None:
+        return None
+    base = packed.untyped_storage().data_ptr()
+    if all(t.device.type == "cpu" and t.untyped_storage().data_ptr() == base
+           for t in (ex.gate_up_proj, ex.down_proj)):
+        return packed
+    return None
 
 
 class _Recorder:
@@ -345,9 +370,12 @@ class ExpertTier:
             pin = (self.device.type == "cuda") if pin is None else pin
             for i in self.layers:
                 ex = model.layers[i].mlp.experts
-                self.host[i] = _HostLayer(ex.gate_up_proj.data, ex.down_proj.data, pin)
-                ex.gate_up_proj = None  # the device copy goes: the host copy is the experts now
+                # built with offload_experts: adopt the host array the parameters are views of;
+                # else copy the device experts to the host
+                self.host[i] = _HostLayer(ex.gate_up_proj.data, ex.down_proj.data, pin, packed=_packed_of(ex))
+                ex.gate_up_proj = None  # the model's references go: the host copy is the experts now
                 ex.down_proj = None
+                ex.host_packed = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             blob = {self.host[i].blob for i in self.layers}

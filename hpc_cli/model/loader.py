@@ -6,6 +6,11 @@ multimodal checkpoints; ``model.visual.*`` is skipped) and ``model.*`` (what
 may be fused (``experts.gate_up_proj`` / ``experts.down_proj``) or per expert
 (``experts.{e}.gate_proj|up_proj|down_proj.weight``); per-expert tensors are fused on load.
 A missing or mis-shaped tensor is a :class:`ModelError` that names it.
+
+With ``offload_experts`` the routed experts' parameters are host arrays (see
+``hpc_cli.model.moe``): fused expert tensors are copied into them and per-expert tensors are
+written into their expert's rows as they are read, so the experts never pass through the device
+and no second fused host copy is built.
 """
 
 from __future__ import annotations
@@ -70,7 +75,8 @@ def _iter_tensors(files: list[Path], stack: ExitStack) -> Iterator[tuple[str, ob
             yield key, handle, f.name
 
 
-def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool = True):
+def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool = True,
+                    offload_experts: bool = False):
     from hpc_cli.model.model import HybridModel
     from hpc_cli.model.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -81,10 +87,12 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
         entries = list(_iter_tensors(files, stack))
         names = {our_name(k) for k, _, _ in entries}
         has_mtp = any(n and n.startswith("mtp.") for n in names)
-        model = HybridModel(config, device=device, dtype=dtype, with_mtp=has_mtp)
+        model = HybridModel(config, device=device, dtype=dtype, with_mtp=has_mtp, offload_experts=offload_experts)
         params = dict(model.named_parameters())
         loaded: set[str] = set()
         experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        host_experts: dict[str, set[tuple[int, str]]] = {}  # prefix -> (expert, part) written in place
+        host_prefixes = {n for n, mod in model.named_modules() if getattr(mod, "host_packed", None) is not None}
 
         def put(name: str, tensor: torch.Tensor, source: str) -> None:
             p = params.get(name)
@@ -107,7 +115,11 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
             name = our_name(key)
             if name is not None:
                 m = _EXPERT.match(name)
-                if m and m.group(1) + ".gate_up_proj" in params:
+                if m and m.group(1) in host_prefixes:
+                    e, part = int(m.group(2)), m.group(3)
+                    if _put_host_expert(m.group(1), e, part, handle.get_tensor(key), params):
+                        host_experts.setdefault(m.group(1), set()).add((e, part))
+                elif m and m.group(1) + ".gate_up_proj" in params:
                     experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = \
                         handle.get_tensor(key)
                 elif name in params:
@@ -116,6 +128,14 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
                 bar.advance(task)
         for prefix, by_expert in experts.items():
             _fuse_experts(prefix, by_expert, params, put)
+        for prefix, seen in host_experts.items():
+            n = params[prefix + ".gate_up_proj"].shape[0]
+            for e in range(n):
+                for part in ("gate_proj", "up_proj", "down_proj"):
+                    if (e, part) not in seen:
+                        raise ModelError(f"tensor {prefix}.{e}.{part}.weight is missing",
+                                         hint="the checkpoint is incomplete or does not match config.json")
+            loaded.update((prefix + ".gate_up_proj", prefix + ".down_proj"))
     missing = [n for n in params if n not in loaded]
     if missing:
         raise ModelError(f"{path}: tensor {_hf_hint(missing[0])} is missing"
@@ -134,6 +154,26 @@ def _hf_hint(name: str) -> str:
     if name.startswith(("lm_head.", "mtp.")):
         return name
     return f"model.language_model.{name} (or model.{name})"
+
+
+def _put_host_expert(prefix: str, e: int, part: str, tensor: torch.Tensor, params) -> bool:
+    """Write one per-expert tensor into its rows of the host expert arrays; False for an expert
+    index the config does not have (ignored, as the fused path ignores it)."""
+    gate_up, down = params[prefix + ".gate_up_proj"], params[prefix + ".down_proj"]
+    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    if not 0 <= e < n:
+        return False
+    if part == "down_proj":
+        dst, want = down.data[e], tuple(down.shape[1:])
+    else:
+        lo = 0 if part == "gate_proj" else inter
+        dst, want = gate_up.data[e, lo:lo + inter], (inter, gate_up.shape[2])
+    got = tuple(tensor.shape)
+    if got != want:
+        raise ModelError(f"tensor {prefix}.{e}.{part}.weight has shape {got}, the config needs {want}",
+                         hint="the checkpoint does not match its config.json")
+    dst.copy_(tensor.to(dtype=dst.dtype))
+    return True
 
 
 def _fuse_experts(prefix: str, by_expert: dict[int, dict[str, torch.Tensor]], params, put) -> None:

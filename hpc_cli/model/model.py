@@ -37,7 +37,8 @@ class PrefillOut:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str, device=None, dtype=None) -> None:
+    def __init__(self, cfg: ModelConfig, kind: str, device=None, dtype=None, host_experts: bool = False,
+                 pin: bool = False) -> None:
         super().__init__()
         fk = dict(device=device, dtype=dtype)
         self.kind = kind
@@ -47,7 +48,8 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, **fk)
         else:
             self.self_attn = GatedAttention(cfg, **fk)
-        self.mlp = SparseMoE(cfg, **fk) if cfg.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, **fk)
+        self.mlp = (SparseMoE(cfg, **fk, host_experts=host_experts, pin=pin) if cfg.is_moe
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, **fk))
 
 
 class MTPModule(nn.Module):
@@ -88,17 +90,25 @@ def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype
 
 
 class HybridModel(nn.Module):
+    """``offload_experts``: the main layers' routed experts are created in host memory (pinned when
+    ``device`` is CUDA) as the packed arrays :class:`hpc_cli.model.experts.ExpertTier` adopts,
+    everything else on ``device``; the MTP head's experts stay on ``device``. A model built so
+    and used without a tier computes its routed experts on the host."""
+
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | str | None = None, with_mtp: bool = False) -> None:
+                 dtype: torch.dtype | str | None = None, with_mtp: bool = False,
+                 offload_experts: bool = False) -> None:
         super().__init__()
         device = torch.device(device)
         dtype = _dtype(dtype, device)
         fk = dict(device=device, dtype=dtype)
         self.config = config
         self.device, self.dtype = device, dtype
+        self.offload_experts = bool(offload_experts and config.is_moe)
+        host = dict(host_experts=True, pin=device.type == "cuda") if self.offload_experts else {}
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = param(config.vocab_size, config.hidden_size, **fk)
-        self.layers = nn.ModuleList([DecoderLayer(config, kind, **fk) for kind in config.layer_types])
+        self.layers = nn.ModuleList([DecoderLayer(config, kind, **fk, **host) for kind in config.layer_types])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **fk)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, **fk)
         if config.tie_word_embeddings:
@@ -113,16 +123,19 @@ class HybridModel(nn.Module):
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_name_or_path(cls, name_or_path: str, dtype: torch.dtype | str | None = None,
-                          device: torch.device | str = "cpu", progress: bool = True) -> "HybridModel":
+                          device: torch.device | str = "cpu", progress: bool = True,
+                          offload_experts: bool = False) -> "HybridModel":
         """``builtin:tiny`` / ``builtin:qwen3.5-27b-shape[@layers]`` / ``builtin:qwen3.5-35b-a3b-shape[@layers]``
-        (seeded weights) or a HF checkpoint directory."""
+        (seeded weights) or a HF checkpoint directory. ``offload_experts``: routed experts are
+        created and loaded straight into host memory (see the class), for the expert tier."""
         if str(name_or_path).startswith("builtin:"):
             from hpc_cli.model.builtin import build_builtin
 
-            return build_builtin(str(name_or_path), dtype=dtype, device=device)
+            return build_builtin(str(name_or_path), dtype=dtype, device=device, offload_experts=offload_experts)
         from hpc_cli.model.loader import load_checkpoint
 
-        return load_checkpoint(name_or_path, dtype=dtype, device=device, progress=progress)
+        return load_checkpoint(name_or_path, dtype=dtype, device=device, progress=progress,
+                               offload_experts=offload_experts)
 
     def shape(self) -> "HybridShape":
         return self.config.shape(state_dtype_bytes=torch.finfo(self.dtype).bits // 8)
