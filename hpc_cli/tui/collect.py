@@ -100,6 +100,30 @@ class Reuse:
 
 
 @dataclass(slots=True)
+class Speculative:
+    backend: str = "-"
+    k: int = 0
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float | None = None  # accepted draft tokens / draft tokens
+    mean_acceptance_length: float | None = None  # tokens committed per lane round
+
+
+@dataclass(slots=True)
+class Experts:
+    offload: bool = False
+    admission: str = "-"
+    slots: int = 0
+    resident: int = 0
+    expert_bytes: int = 0
+    hit_rate: float | None = None
+    tokens: int = 0
+    host_bytes: int = 0
+    host_bytes_per_token: float | None = None
+
+
+@dataclass(slots=True)
 class View:
     source: str = ""
     model: str = "-"
@@ -125,6 +149,8 @@ class View:
     gdsf_L: float = 0.0
     transfers: Transfers = field(default_factory=Transfers)
     reuse: Reuse = field(default_factory=Reuse)
+    speculative: Speculative | None = None  # None: no drafting backend (the default view)
+    experts: Experts | None = None  # None: no MoE expert tier
     # one-minute series (oldest first), one point per sample
     spark_hit_rate: list[float] = field(default_factory=list)
     spark_reuse_tps: list[float] = field(default_factory=list)
@@ -149,6 +175,19 @@ def _int(d: Any, *keys: str, default: int = 0) -> int:
         return default
 
 
+def _float(x: Any) -> float | None:
+    try:
+        return None if x is None else float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _stem(path: Any) -> str:
+    """A profile's name from its path (``/etc/hpc/h200.toml`` -> ``h200``)."""
+    name = str(path).replace("\\", "/").rsplit("/", 1)[-1]
+    return name[:-5] if name.endswith(".toml") else name
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -169,11 +208,16 @@ def build_view(stats: dict, source: str = "") -> View:
         v.empty = True
         return v
     v.model = str(stats.get("model") or "-")
-    v.kv_profile = str(stats.get("kv_profile") or "-")
     meta = stats.get("settings") or {}
-    v.spec_backend = meta.get("spec_backend") or stats.get("spec_backend")
+    if not isinstance(meta, dict):
+        meta = {}
+    v.kv_profile = str(stats.get("kv_profile") or meta.get("kv_profile") or "-")
+    spec = stats.get("speculative") if isinstance(stats.get("speculative"), dict) else None
+    v.spec_backend = (meta.get("speculative_backend") or meta.get("spec_backend")
+                      or (spec or {}).get("backend") or stats.get("spec_backend"))
     v.cache_mode = meta.get("cache_mode") or stats.get("cache_mode")
-    v.profile = meta.get("profile") or stats.get("profile")
+    profile = meta.get("profile_path") or meta.get("profile") or stats.get("profile")
+    v.profile = _stem(profile) if profile else None
     v.uptime_s = float(stats.get("uptime_s") or 0.0)
     v.max_concurrency = _int(stats, "max_concurrency")
     req = stats.get("requests") or {}
@@ -247,6 +291,20 @@ def build_view(stats: dict, source: str = "") -> View:
                     saved_tokens=reuse,  # prompt tokens served from the cache, never prefilled
                     hit_rate=(reuse / prompt) if prompt else None, snapshot_hits=_int(ic, "snapshot_hits"),
                     ttft_p50=percentile(ttft, 0.5), ttft_p95=percentile(ttft, 0.95), ttft_n=len(ttft))
+
+    if spec is not None:
+        v.speculative = Speculative(backend=str(spec.get("backend") or v.spec_backend or "-"), k=_int(spec, "k"),
+                                    rounds=_int(spec, "rounds"), draft_tokens=_int(spec, "draft_tokens"),
+                                    accepted_tokens=_int(spec, "accepted_draft_tokens"),
+                                    acceptance_rate=_float(spec.get("acceptance_rate")),
+                                    mean_acceptance_length=_float(spec.get("mean_acceptance_length")))
+    ex = stats.get("experts")
+    if isinstance(ex, dict):
+        v.experts = Experts(offload=bool(ex.get("offload")), admission=str(ex.get("admission") or "-"),
+                            slots=_int(ex, "slots"), resident=_int(ex, "resident"),
+                            expert_bytes=_int(ex, "expert_bytes"), hit_rate=_float(ex.get("hit_rate")),
+                            tokens=_int(ex, "tokens"), host_bytes=_int(ex, "host_bytes"),
+                            host_bytes_per_token=_float(ex.get("host_bytes_per_token")))
     return v
 
 
@@ -289,14 +347,13 @@ def settings_meta(settings: Any) -> dict:
     s = getattr(settings, "settings", settings)
     out: dict[str, Any] = {}
     try:
-        out["spec_backend"] = s.speculative.backend
-        out["cache_mode"] = s.cache.mode
         out["kv_profile"] = s.kv.profile
+        out["speculative_backend"] = s.speculative.backend
+        out["cache_mode"] = s.cache.mode
     except AttributeError:
         pass
     path = getattr(settings, "profile_path", None)
-    if path is not None:
-        out["profile"] = getattr(path, "stem", str(path))
+    out["profile_path"] = str(path) if path is not None else None
     return out
 
 

@@ -103,6 +103,31 @@ class Bar:
         return Measurement(4, options.max_width)
 
 
+class Spark:
+    """A sparkline that takes the width it is given, newest value at the right edge."""
+
+    def __init__(self, values: list[float], colour: str) -> None:
+        self.values, self.colour = values, colour
+
+    def __rich_console__(self, console, options):
+        yield Text(sparkline(self.values, max(1, options.max_width)), style=self.colour, no_wrap=True)
+
+    def __rich_measure__(self, console, options):
+        from rich.measure import Measurement
+
+        return Measurement(1, options.max_width)
+
+
+def _spark_cell(value: str, values: list[float], colour: str, value_w: int) -> Table:
+    """``value`` in a column of ``value_w`` characters, then the sparkline in the rest: the
+    sparklines of one panel start in one column and end at its right edge."""
+    t = Table.grid(expand=True, padding=(0, 1))
+    t.add_column(no_wrap=True, min_width=value_w)
+    t.add_column(ratio=1, min_width=1)
+    t.add_row(value, Spark(values, colour))
+    return t
+
+
 def _bars(rows: list[tuple[str, int, int, str, str]]) -> Table:
     """Label, value, total, right-hand text, colour -> label | bar | text (the bar takes the rest)."""
     t = Table.grid(expand=True, padding=(0, 1))
@@ -220,21 +245,24 @@ def transfers_panel(v: View, compact: bool = False) -> RenderableType:
     return section("Restores / write-through", _kv(rows), compact)
 
 
-def reuse_panel(v: View, compact: bool = False, spark_w: int = 12) -> RenderableType:
+def reuse_panel(v: View, compact: bool = False) -> RenderableType:
     r = v.reuse
-    rows = [("Hit rate", f"{fmt_pct(r.hit_rate):>5} [green]{sparkline(v.spark_hit_rate, spark_w)}[/]"),
-            ("Reuse tok", f"{fmt_count(r.reuse_tokens):>5} [cyan]{sparkline(v.spark_reuse_tps, spark_w)}[/]"),
+    ttft = f"p50 {fmt_secs(r.ttft_p50)} p95 {fmt_secs(r.ttft_p95)}"
+    w = max(5, len(ttft))
+    rows = [("Hit rate", _spark_cell(f"{fmt_pct(r.hit_rate):>5}", v.spark_hit_rate, "green", w)),
+            ("Reuse tok", _spark_cell(f"{fmt_count(r.reuse_tokens):>5}", v.spark_reuse_tps, "cyan", w)),
             ("Saved", f"{fmt_count(r.saved_tokens)} tok · {fmt_count(r.prefill_tokens)} prefilled"),
-            ("TTFT", f"p50 {fmt_secs(r.ttft_p50)} p95 {fmt_secs(r.ttft_p95)} "
-                     f"[magenta]{sparkline(v.spark_ttft, spark_w)}[/]")]
+            ("TTFT", _spark_cell(ttft, v.spark_ttft, "magenta", w))]
     return section("Reuse (TTFT over the last minute)", _kv(rows), compact)
 
 
-def requests_panel(v: View, compact: bool = False, spark_w: int = 12) -> RenderableType:
-    rows = [("Running", f"{v.running:>3}/{v.max_concurrency or DASH:<3} [green]{sparkline(v.spark_running, spark_w)}[/]"),
-            ("Waiting", f"{v.waiting:>3}     [yellow]{sparkline(v.spark_waiting, spark_w)}[/]"),
-            ("Prefill", f"{v.prefilling:>3}     snapshot hits {fmt_count(v.reuse.snapshot_hits)}"),
-            ("Restored", f"{fmt_gbps(v.transfers.restore_gbps)} [blue]{sparkline(v.spark_restore_gbps, spark_w)}[/]")]
+def requests_panel(v: View, compact: bool = False) -> RenderableType:
+    restored = fmt_gbps(v.transfers.restore_gbps)
+    w = max(9, len(restored))
+    rows = [("Running", _spark_cell(f"{v.running:>3}/{v.max_concurrency or DASH}", v.spark_running, "green", w)),
+            ("Waiting", _spark_cell(f"{v.waiting:>3}", v.spark_waiting, "yellow", w)),
+            ("Prefill", f"{v.prefilling:>3}  snapshot hits {fmt_count(v.reuse.snapshot_hits)}"),
+            ("Restored", _spark_cell(restored, v.spark_restore_gbps, "blue", w))]
     return section("Requests", _kv(rows), compact)
 
 
@@ -265,6 +293,38 @@ def snapshots_panel(v: View, max_rows: int, compact: bool = False) -> Renderable
     return section(title, Group(*parts), compact)
 
 
+def extras_lines(v: View) -> list[RenderableType]:
+    """One line each for the speculative backend and the MoE expert tier, only when the stats
+    carry them (the default view has neither). The key numbers come first: a narrow terminal
+    cuts the tail."""
+    out: list[RenderableType] = []
+    if v.speculative is not None:
+        s = v.speculative
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append("Speculative ", style="bold cyan")
+        t.append(f"{s.backend} k{s.k}")
+        t.append("  accept ", style="dim")
+        t.append(fmt_pct(s.acceptance_rate), style="bold")
+        t.append(f" ({fmt_count(s.accepted_tokens)}/{fmt_count(s.draft_tokens)})")
+        t.append("  mean length ", style="dim")
+        t.append(DASH if s.mean_acceptance_length is None else f"{s.mean_acceptance_length:.2f}", style="bold")
+        t.append("  rounds ", style="dim")
+        t.append(fmt_count(s.rounds))
+        out.append(t)
+    if v.experts is not None:
+        e = v.experts
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append("Experts ", style="bold cyan")
+        t.append(f"slots {e.resident}/{e.slots} resident")
+        t.append("  hit ", style="dim")
+        t.append(fmt_pct(e.hit_rate), style="bold")
+        t.append("  host ", style="dim")
+        t.append(f"{fmt_bytes(e.host_bytes_per_token)}/token", style="bold")
+        t.append(f"  {e.admission}" + ("" if e.offload else " (no offload)"), style="dim")
+        out.append(t)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The frame
 # ---------------------------------------------------------------------------------------------
@@ -282,17 +342,22 @@ def frame(v: View, width: int = 80, height: int = 24) -> RenderableType:
         return Group(header(v), Text("waiting for the engine's first stats…", style="dim"))
     compact = height < 34
     three = width >= 120
-    spark_w = max(8, min(60, (width // (3 if three else 2)) - 34))
     pool, slots, host = pool_panel(v, compact), slots_panel(v, compact), host_panel(v, compact)
-    trans, reuse = transfers_panel(v, compact), reuse_panel(v, compact, spark_w)
-    reqs = requests_panel(v, compact, spark_w)
+    trans, reuse = transfers_panel(v, compact), reuse_panel(v, compact)
+    reqs = requests_panel(v, compact)
     head_h = 3 if v.fatal else 2
     panel_h = 5 if compact else 6
     if three:
         grid = [_row(pool, slots, host), _row(trans, reuse, reqs)]
     else:
         grid = [_row(pool, host), _row(slots, trans), _row(reuse, reqs)]
-    used = head_h + panel_h * len(grid)
+    lines = extras_lines(v)
+    extras: list[RenderableType] = []
+    if lines:  # one line each when short; a bordered panel when tall
+        title = " · ".join(n for n, on in (("Speculative decoding", v.speculative is not None),
+                                           ("MoE experts", v.experts is not None)) if on)
+        extras = [Group(*lines)] if compact else [section(title, Group(*lines), compact)]
+    used = head_h + panel_h * len(grid) + len(lines) + (0 if compact or not lines else 2)
     # snapshots: title/border (1 or 2) + summary + table header
     max_rows = max(0, height - used - (3 if compact else 4) - 1)
-    return Group(header(v), *grid, snapshots_panel(v, max_rows, compact))
+    return Group(header(v), *grid, *extras, snapshots_panel(v, max_rows, compact))

@@ -1,5 +1,6 @@
-"""The terminal view: render functions against fixture stats, and `hpc-cli top` against a live
-HTTP server on 127.0.0.1 (fixture JSON from http.server), including one that goes away."""
+"""The terminal view: render functions against fixture stats (``engine.stats()`` documents, see
+make_fixtures.py), and `hpc-cli top` against a stand-in HTTP server on 127.0.0.1 (fixture JSON from
+http.server), including one that goes away. test_real_server.py runs it against `hpc-cli serve`."""
 
 from __future__ import annotations
 
@@ -46,19 +47,62 @@ def test_view_from_busy_fixture():
     assert (v.pool.free, v.pool.active, v.pool.cached, v.pool.filling) == (
         pool["free"], pool["active"], pool["cached"], pool["filling"])
     assert v.pool.pages == s["cache"]["pages"] and v.pool.page_bytes == s["cache"]["page_bytes"]
-    assert (v.running, v.waiting, v.prefilling) == (2, 4, 1)
+    req = s["requests"]
+    assert (v.running, v.waiting, v.prefilling) == (req["running"], req["waiting"], req["prefilling"])
+    assert v.running >= 2 and v.waiting >= 1
     host = s["cache"]["index"]["host"]
     assert v.host.free == host["free_slabs"] and v.host.image == host["slabs_by_use"]["image"]
     assert v.snapshot_rows and len(v.snapshot_rows) == len(s["cache"]["top_snapshots"])
-    assert v.spec_backend == "none" and v.cache_mode == "hybrid"
+    assert v.transfers.write_bytes_inflight == s["cache"]["inflight"]["write_bytes"]
+    assert v.spec_backend == "none" and v.cache_mode == "hybrid" and v.profile is None
+    assert v.speculative is None and v.experts is None
     c = s["counters"]
     assert v.reuse.hit_rate == pytest.approx(c["reuse_tokens"] / c["prompt_tokens"])
     assert v.reuse.ttft_p50 == pytest.approx(percentile(s["ttft_recent_s"], 0.5))
 
 
-def test_idle_fixture_has_no_rows_and_renders_counts():
-    v = build_view(load("idle"))
+def test_older_stats_without_rows_or_settings():
+    s = load("idle")
+    for key in ("top_snapshots", "inflight"):
+        del s["cache"][key]
+    del s["settings"]
+    v = build_view(s)
     assert v.snapshot_rows is None and v.running == 0 and v.snapshots_total > 0
+    assert v.spec_backend is None and v.transfers.restore_bytes_inflight is None
+    out = render(s, 80, 24)
+    assert "spec -  cache -" in out and "(these stats list no snapshot rows)" in out
+
+
+def test_spec_and_expert_stats():
+    s = load("spec_moe")
+    v = build_view(s)
+    sp, ex = s["speculative"], s["experts"]
+    assert v.spec_backend == "mtp" and v.speculative.backend == "mtp" and v.speculative.k == sp["k"]
+    assert v.speculative.acceptance_rate == pytest.approx(sp["acceptance_rate"])
+    assert v.speculative.mean_acceptance_length == pytest.approx(sp["mean_acceptance_length"])
+    assert (v.experts.slots, v.experts.resident) == (ex["slots"], ex["resident"])
+    assert v.experts.hit_rate == pytest.approx(ex["hit_rate"])
+    assert v.experts.host_bytes_per_token == pytest.approx(ex["host_bytes_per_token"])
+    for w, h in ((80, 24), (200, 50)):
+        out = render(s, w, h)
+        assert f"Speculative mtp k{sp['k']}  accept {100 * sp['acceptance_rate']:.0f}% " in out
+        assert f"mean length {sp['mean_acceptance_length']:.2f}" in out
+        assert f"Experts slots {ex['resident']}/{ex['slots']} resident  hit {100 * ex['hit_rate']:.0f}%" in out
+        assert f"host {fmt_bytes(ex['host_bytes_per_token'])}/token" in out
+    assert "Speculative decoding · MoE experts" in render(s, 200, 50)  # a panel when tall
+    # stats of an engine with a drafting backend but no expert tier: one line, no expert line
+    s2 = copy.deepcopy(s)
+    del s2["experts"]
+    out = render(s2, 80, 24)
+    assert "Speculative mtp" in out and "Experts" not in out
+
+
+@pytest.mark.parametrize("name", ["idle", "busy"])
+def test_default_view_has_no_spec_or_expert_lines(name):
+    for w, h in ((80, 24), (200, 50)):
+        out = render(load(name), w, h)
+        assert "Speculative" not in out and "Experts" not in out and "MoE" not in out
+        assert "spec none  cache hybrid" in out
 
 
 def test_empty_and_partial_stats_do_not_crash():
@@ -94,7 +138,11 @@ def test_settings_meta():
     from hpc_cli.settings import load_settings
 
     meta = settings_meta(load_settings(None, {"speculative.backend": "mtp"}, environ={}))
-    assert meta["spec_backend"] == "mtp" and meta["cache_mode"] == "hybrid"
+    assert meta["speculative_backend"] == "mtp" and meta["cache_mode"] == "hybrid" and meta["kv_profile"] == "bf16"
+    assert meta["profile_path"] is None
+    v = build_view({"model": "m", "settings": {**meta, "profile_path": "/etc/hpc/h200-27b.toml"}})
+    assert (v.spec_backend, v.cache_mode, v.profile) == ("mtp", "hybrid", "h200-27b")
+    assert "profile h200-27b" in render({"model": "m", "settings": {**meta, "profile_path": "/x/h200-27b.toml"}})
 
 
 # ---------------------------------------------------------------------------------------------- render
@@ -105,7 +153,7 @@ def test_helpers():
 
 
 @pytest.mark.parametrize("size", [(80, 24), (200, 50), (100, 30), (120, 40)])
-@pytest.mark.parametrize("name", ["idle", "busy"])
+@pytest.mark.parametrize("name", ["idle", "busy", "spec_moe"])
 def test_frame_fits_and_shows_key_numbers(name, size):
     width, height = size
     s = load(name)
@@ -128,6 +176,7 @@ def test_frame_fits_and_shows_key_numbers(name, size):
 def test_busy_snapshot_rows_appear():
     s = load("busy")
     out = render(s, 200, 50)
+    assert len(s["cache"]["top_snapshots"]) > 3
     for row in s["cache"]["top_snapshots"]:
         assert any(str(row["frontier"]) in line and row["kind"] in line for line in out.split("\n"))
     small = render(s, 80, 24)
@@ -190,7 +239,7 @@ def test_top_once_against_live_server(stats_server):
     _, url = stats_server
     r = _top("--once", "--url", url, "--api-key", "sekret")
     assert r.exit_code == 0, r.stderr
-    assert "Device KV pages" in r.stdout and "waiting 4" in r.stdout and url in r.stdout
+    assert "Device KV pages" in r.stdout and f"waiting {load('busy')['requests']['waiting']}" in r.stdout and url in r.stdout
     assert all(len(line) <= 80 for line in r.stdout.split("\n"))
 
 
@@ -237,4 +286,4 @@ def test_url_source_errors(stats_server):
     _, url = stats_server
     with pytest.raises(SourceGone, match="HTTP 404"):
         url_source(url + "/nope/")()
-    assert url_source(url, "sekret")()["requests"]["waiting"] == 4
+    assert url_source(url, "sekret")()["requests"] == load("busy")["requests"]
