@@ -34,9 +34,12 @@ def expert_group() -> None:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True)
+@click.option("--offload-experts", is_flag=True,
+              help="keep the routed experts in host memory and compute them there (a model whose experts "
+                   "do not fit the device)")
 @click.option("--json", "as_json", is_flag=True)
 def record_command(prompts: Path, out: Path, model_name: str, decode_tokens: int, max_prompt_tokens: int,
-                   device: str, dtype: str, as_json: bool) -> None:
+                   device: str, dtype: str, offload_experts: bool, as_json: bool) -> None:
     """Run MODEL over PROMPTS (one prompt per line) and write the routing of every token.
 
     To record while serving instead, set `[experts] trace_file = "trace.bin"` (or
@@ -49,7 +52,8 @@ def record_command(prompts: Path, out: Path, model_name: str, decode_tokens: int
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dt = None if dtype == "auto" else getattr(torch, dtype)
-    model = HybridModel.from_name_or_path(model_name, dtype=dt, device=device, progress=not as_json)
+    model = HybridModel.from_name_or_path(model_name, dtype=dt, device=device, progress=not as_json,
+                                          offload_experts=offload_experts)
     if not model.config.is_moe:
         raise ConfigError(f"{model_name} is a dense model: it routes no experts",
                           hint="record a qwen3_5_moe checkpoint (builtin:tiny-moe to try the tools)")

@@ -92,6 +92,23 @@ def test_meta_model_places_only_experts_on_the_host():
         assert p.device.type == ("cpu" if _EXPERT_NAME.match(n) else "meta"), n
 
 
+def test_record_with_offloaded_experts_writes_the_same_trace(tmp_path):
+    from click.testing import CliRunner
+
+    from hpc_cli.cli import cli
+    from hpc_cli.model.expert_profile import read_trace
+
+    (tmp_path / "p.txt").write_text("routing traces of a model too big for the device\n")
+    traces = []
+    for flag in ([], ["--offload-experts"]):
+        out = tmp_path / f"t{len(traces)}.bin"
+        r = CliRunner().invoke(cli, ["expert", "record", str(tmp_path / "p.txt"), "-o", str(out), "--decode", "4",
+                                     "--device", "cpu", "--json", *flag])
+        assert r.exit_code == 0, r.output
+        traces.append(read_trace(out).records)
+    assert traces[0].shape == traces[1].shape and (traces[0] == traces[1]).all()
+
+
 # -- checkpoints --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_moe(tmp_path_factory):
