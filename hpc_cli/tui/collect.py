@@ -457,10 +457,14 @@ class Collector:
 
     def _sparks(self, v: View) -> None:
         s = list(self.samples)
+        # an interval with no finished prompt repeats the last rate (it is no miss)
+        rate = (s[0].reuse / s[0].prompt) if s and s[0].prompt else 0.0
         for a, b in zip(s, s[1:]):
             dt = max(b.t - a.t, 1e-9)
             dp = b.prompt - a.prompt
-            v.spark_hit_rate.append((b.reuse - a.reuse) / dp if dp > 0 else 0.0)
+            if dp > 0:
+                rate = max(0, b.reuse - a.reuse) / dp
+            v.spark_hit_rate.append(rate)
             v.spark_reuse_tps.append(max(0, b.reuse - a.reuse) / dt)
             v.spark_restore_gbps.append(max(0, b.restored_bytes - a.restored_bytes) / dt / 1e9)
         v.spark_ttft = [x.ttft_p50 or 0.0 for x in s]

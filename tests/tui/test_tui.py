@@ -127,6 +127,8 @@ def test_rates_and_sparklines_from_history():
     assert v.transfers.restore_gbps == pytest.approx(2.0)
     assert v.transfers.restores_per_s == pytest.approx(4.0)
     assert v.spark_hit_rate[-1] == pytest.approx(0.9)
+    clock[0] += 1.0  # no prompt finished in this interval: the rate carries on, it is no 0% dip
+    assert c.update(s2).spark_hit_rate[-2:] == pytest.approx([0.9, 0.9])
     out = text_of(frame(v, 80, 24), 80, 24)
     assert "2.00 GB/s" in out
     clock[0] += 120  # history keeps one minute
