@@ -93,6 +93,21 @@ def register(cli: click.Group) -> None:
         run_server(resolved, log_level=log_level)
 
 
+def _log_to_stderr(level: str) -> None:
+    """hpc_cli's own log lines (the prefix cache file's read/restore/save lines of spec 5.5, the
+    server's warnings) on stderr at the --log-level; once per process."""
+    import logging
+    import sys
+
+    logger = logging.getLogger("hpc_cli")
+    if not any(getattr(h, "_hpc_serve", False) for h in logger.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("hpc-cli: %(message)s"))
+        h._hpc_serve = True
+        logger.addHandler(h)
+    logger.setLevel(level.upper())
+
+
 def run_server(resolved, log_level: str = "info") -> None:
     """Build the engine, serve until an orderly stop, then return."""
     import uvicorn
@@ -102,6 +117,7 @@ def run_server(resolved, log_level: str = "info") -> None:
     from hpc_cli.server.stop import StopController
 
     s = resolved.settings
+    _log_to_stderr("warning" if s.server.tui and log_level == "info" else log_level)
     engine = Engine.from_settings(resolved, progress=True)
     save_control = None
     if s.cache.prefix_cache_file:
