@@ -25,6 +25,7 @@ from hpc_cli.server.chat import Marker, PreparedChat, prepare_chat
 from hpc_cli.server.common import (ClientDisconnected, ReasoningSplitter, TextAssembler, Unavailable,
                                    anthropic_error_body, iterate_events, parse_json_body, validate_model)
 from hpc_cli.server.openai import _Tracker, _outcome
+from hpc_cli.server.tools import ToolParser, ToolStream, tools_enabled
 
 
 class CacheControl(BaseModel):
@@ -246,7 +247,11 @@ def anthropic_usage(prepared: PreparedChat, usage: Usage | None, reuse: int, out
                                "ephemeral_1h_input_tokens": creation if one_hour else 0}}
 
 
-def _content_blocks(text: str, thinking: bool) -> list[dict]:
+def _tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def _content_blocks(text: str, thinking: bool, parser: ToolParser | None = None) -> list[dict]:
     sp = ReasoningSplitter(thinking)
     parts = sp.feed(text, final=True)
     blocks = []
@@ -254,8 +259,22 @@ def _content_blocks(text: str, thinking: bool) -> list[dict]:
     content = "".join(t for k, t in parts if k == "content")
     if thinking and reasoning:
         blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    blocks.append({"type": "text", "text": content})
+    calls = []
+    if parser is not None:
+        content, calls = parser.parse(content)
+    if content or not calls:
+        blocks.append({"type": "text", "text": content})
+    for c in calls:
+        blocks.append({"type": "tool_use", "id": _tool_use_id(), "name": c.name, "input": c.arguments})
     return blocks
+
+
+def _stop_reason(fin: FinishEvent, asm: TextAssembler, tool_use: bool) -> tuple[str, str | None]:
+    if tool_use and fin.reason != "length":
+        return "tool_use", None
+    if asm.stopped is not None:
+        return "stop_sequence", asm.stopped
+    return STOP_REASONS.get(fin.reason, "end_turn"), None
 
 
 def _sse(event: str, data: dict) -> str:
@@ -290,13 +309,14 @@ def register(app: FastAPI, state) -> None:
         handle = state.submit(req)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         opens = prepared.opens_thinking and thinking
+        parser = ToolParser(tools) if tools_enabled(tools, body.tool_choice) else None
         if body.stream:
-            return StreamingResponse(_stream(state, request, handle, prepared, ttls, mid, model, stop, opens),
+            return StreamingResponse(_stream(state, request, handle, prepared, ttls, mid, model, stop, opens, parser),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _full(state, request, handle, prepared, ttls, mid, model, stop, opens)
+        return await _full(state, request, handle, prepared, ttls, mid, model, stop, opens, parser)
 
 
-async def _full(state, request, handle, prepared, ttls, mid, model, stop, thinking):
+async def _full(state, request, handle, prepared, ttls, mid, model, stop, thinking, parser=None):
     tracker = _Tracker(state, "messages")
     asm = TextAssembler(state.tokenizer, stop, set(state.stop_token_ids()))
     try:
@@ -320,18 +340,20 @@ async def _full(state, request, handle, prepared, ttls, mid, model, stop, thinki
         tracker.finish(_outcome(exc))
         raise
     tracker.finish("ok", fin.usage)
-    stop_reason = "stop_sequence" if asm.stopped is not None else STOP_REASONS.get(fin.reason, "end_turn")
+    blocks = _content_blocks(asm.text, thinking, parser)
+    stop_reason, stop_sequence = _stop_reason(fin, asm, any(b["type"] == "tool_use" for b in blocks))
     return JSONResponse({
         "id": mid, "type": "message", "role": "assistant", "model": model,
-        "content": _content_blocks(asm.text, thinking), "stop_reason": stop_reason,
-        "stop_sequence": asm.stopped,
+        "content": blocks, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
         "usage": anthropic_usage(prepared, fin.usage, fin.usage.reuse_tokens, fin.usage.completion_tokens, ttls)})
 
 
-async def _stream(state, request, handle, prepared, ttls, mid, model, stop, thinking):
+async def _stream(state, request, handle, prepared, ttls, mid, model, stop, thinking, parser=None):
     tracker = _Tracker(state, "messages")
     asm = TextAssembler(state.tokenizer, stop, set(state.stop_token_ids()))
     splitter = ReasoningSplitter(thinking)
+    tool_stream = ToolStream(parser)
+    n_calls = 0
     started = False
     block_index = -1
     block_kind: str | None = None
@@ -343,10 +365,33 @@ async def _stream(state, request, handle, prepared, ttls, mid, model, stop, thin
             "stop_reason": None, "stop_sequence": None,
             "usage": anthropic_usage(prepared, None, reuse, 0, ttls)}})
 
+    def route(parts, final: bool = False) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for kind, text in parts:
+            if kind == "reasoning":
+                out.append((kind, text))
+            else:
+                out.extend(("content" if k == "text" else "tool", v) for k, v in tool_stream.feed(text))
+        if final:
+            out.extend(("content" if k == "text" else "tool", v) for k, v in tool_stream.feed("", final=True))
+        return out
+
     def emit(parts) -> list[str]:
-        nonlocal block_index, block_kind
+        nonlocal block_index, block_kind, n_calls
         out = []
         for kind, text in parts:
+            if kind == "tool":
+                out.extend(close())
+                block_index += 1
+                n_calls += 1
+                out.append(_sse("content_block_start", {"type": "content_block_start", "index": block_index,
+                                                        "content_block": {"type": "tool_use", "id": _tool_use_id(),
+                                                                          "name": text.name, "input": {}}}))
+                out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": block_index,
+                                                        "delta": {"type": "input_json_delta",
+                                                                  "partial_json": text.arguments_json()}}))
+                out.append(_sse("content_block_stop", {"type": "content_block_stop", "index": block_index}))
+                continue
             want = "thinking" if kind == "reasoning" else "text"
             if want != block_kind:
                 out.extend(close())
@@ -390,7 +435,7 @@ async def _stream(state, request, handle, prepared, ttls, mid, model, stop, thin
                 piece = asm.push(ev.token_id)
                 if asm.stopped is not None:
                     handle.cancel()
-                for s in emit(splitter.feed(piece)) if piece else ():
+                for s in emit(route(splitter.feed(piece))) if piece else ():
                     yield s
             elif isinstance(ev, FinishEvent):
                 if ev.reason in ("unavailable", "error"):
@@ -404,17 +449,17 @@ async def _stream(state, request, handle, prepared, ttls, mid, model, stop, thin
                 if not started:
                     started = True
                     yield start(ev.usage.reuse_tokens)
-                for s in emit(splitter.feed(asm.finish(), final=True)):
+                for s in emit(route(splitter.feed(asm.finish(), final=True), final=True)):
                     yield s
                 if block_kind is None and block_index < 0:
                     for s in emit([("content", "")]):
                         yield s
                 for s in close():
                     yield s
-                stop_reason = "stop_sequence" if asm.stopped is not None else STOP_REASONS.get(ev.reason, "end_turn")
+                stop_reason, stop_sequence = _stop_reason(ev, asm, n_calls > 0)
                 u = ev.usage
                 yield _sse("message_delta", {"type": "message_delta",
-                                             "delta": {"stop_reason": stop_reason, "stop_sequence": asm.stopped},
+                                             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                              "usage": anthropic_usage(prepared, u, u.reuse_tokens,
                                                                       u.completion_tokens, ttls)})
                 yield _sse("message_stop", {"type": "message_stop"})

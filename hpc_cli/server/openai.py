@@ -20,6 +20,7 @@ from hpc_cli.errors import RequestError
 from hpc_cli.server.chat import Marker, prepare_chat
 from hpc_cli.server.common import (ClientDisconnected, ReasoningSplitter, TextAssembler, Unavailable,
                                    iterate_events, openai_error_body, parse_json_body, token_text, validate_model)
+from hpc_cli.server.tools import ToolParser, ToolStream, tools_enabled
 
 Number = float
 
@@ -133,12 +134,22 @@ def openai_usage(prompt: int, completion: int, cached: int, reasoning: int = 0) 
             "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
-def _finish_reason(fin: FinishEvent, asm: TextAssembler) -> str:
+def _finish_reason(fin: FinishEvent, asm: TextAssembler, tool_calls: bool = False) -> str:
+    if tool_calls and fin.reason != "length":
+        return "tool_calls"
     if asm.stopped is not None:
         return "stop"
     if fin.reason in ("stop", "length"):
         return fin.reason
     return "stop"
+
+
+def _tool_parser(body: "ChatRequest") -> ToolParser | None:
+    return ToolParser(body.tools) if tools_enabled(body.tools, body.tool_choice) else None
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _raise_for_finish(fin: FinishEvent) -> None:
@@ -369,6 +380,7 @@ async def _collect(state, request: Request, handle, tracker: _Tracker, stop: tup
 async def _chat_full(state, request, handles, body: ChatRequest, prepared, rid, created, model):
     trackers = [_Tracker(state, "chat") for _ in handles]
     skip = set(state.stop_token_ids())
+    parser = _tool_parser(body)
     choices = []
     usages: list[Usage] = []
     try:
@@ -378,11 +390,17 @@ async def _chat_full(state, request, handles, body: ChatRequest, prepared, rid, 
             tr.finish("ok", fin.usage)
             usages.append(fin.usage)
             reasoning, content = _split_reasoning(asm.text, prepared.opens_thinking)
-            msg: dict[str, Any] = {"role": "assistant", "content": content}
+            calls = []
+            if parser is not None:
+                content, calls = parser.parse(content)
+            msg: dict[str, Any] = {"role": "assistant", "content": None if calls and not content else content}
             if reasoning is not None:
                 msg["reasoning_content"] = reasoning
+            if calls:
+                msg["tool_calls"] = [{"id": _call_id(), "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments_json()}} for c in calls]
             choice: dict[str, Any] = {"index": i, "message": msg, "logprobs": None,
-                                      "finish_reason": _finish_reason(fin, asm)}
+                                      "finish_reason": _finish_reason(fin, asm, bool(calls))}
             if body.logprobs:
                 choice["logprobs"] = {"content": [_logprob_entry(state.tokenizer, ev, bool(body.top_logprobs))
                                                   for ev in tokens if ev.token_id not in skip]}
@@ -404,6 +422,7 @@ async def _chat_stream(state, request, handle, body: ChatRequest, prepared, rid,
     skip = set(state.stop_token_ids())
     asm = TextAssembler(state.tokenizer, _stops(body.stop), skip)
     splitter = ReasoningSplitter(prepared.opens_thinking)
+    tool_stream = ToolStream(_tool_parser(body))
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None}
 
@@ -413,10 +432,30 @@ async def _chat_stream(state, request, handle, body: ChatRequest, prepared, rid,
             data["usage"] = None
         return _sse(data)
 
-    def deltas(parts) -> list[dict]:
+    n_calls = 0
+
+    def content(pieces) -> list[dict]:
+        nonlocal n_calls
+        out = []
+        for k, v in pieces:
+            if k == "text":
+                out.append({"content": v})
+                continue
+            out.append({"tool_calls": [{"index": n_calls, "id": _call_id(), "type": "function",
+                                        "function": {"name": v.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": n_calls, "function": {"arguments": v.arguments_json()}}]})
+            n_calls += 1
+        return out
+
+    def deltas(parts, final: bool = False) -> list[dict]:
         out = []
         for kind, text in parts:
-            out.append({"reasoning_content": text} if kind == "reasoning" else {"content": text})
+            if kind == "reasoning":
+                out.append({"reasoning_content": text})
+            else:
+                out.extend(content(tool_stream.feed(text)))
+        if final:
+            out.extend(content(tool_stream.feed("", final=True)))
         return out
 
     outcome = "error"
@@ -450,13 +489,13 @@ async def _chat_stream(state, request, handle, body: ChatRequest, prepared, rid,
                     yield "data: [DONE]\n\n"
                     return
                 tail = asm.finish()
-                for d in deltas(splitter.feed(tail, final=True)):
+                for d in deltas(splitter.feed(tail, final=True), final=True):
                     yield chunk(d)
                 if pending_lp:
                     yield chunk({}, logprobs={"content": pending_lp})
                 if ev.reason == "cancelled" and asm.stopped is not None:
                     ev.reason = "stop"
-                yield chunk({}, finish=_finish_reason(ev, asm))
+                yield chunk({}, finish=_finish_reason(ev, asm, n_calls > 0))
                 u = ev.usage
                 if include_usage:
                     yield _sse(dict(base, choices=[], usage=openai_usage(
