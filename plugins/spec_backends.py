@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 import hpc_cli
 from hpc_cli.shapes import HybridShape
 from hpc_cli.spec_backend import BackendPoolSpec, SpecBackend
@@ -86,6 +84,8 @@ class DFlash2Backend(SpecBackend):
         from hpc_cli.speculative.dflash import RING_PART
 
         layers, window, heads, dim = self.ring_geometry(model.shape())
+        import torch  # lazily: listing plugins and loading settings must not import torch
+
         return {RING_PART: ((layers, 2, window, heads, dim), torch.bfloat16)}
 
     def build_drafter(self, model, path=None, seed=None):

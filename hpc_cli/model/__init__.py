@@ -40,7 +40,23 @@ Contract:
   importable, else the torch path; attention is SDPA over dequantised pages.
 """
 
-from hpc_cli.model.config import ModelConfig
-from hpc_cli.model.model import HybridModel, PrefillOut
+from typing import TYPE_CHECKING
 
 __all__ = ["HybridModel", "ModelConfig", "PrefillOut"]
+
+if TYPE_CHECKING:
+    from hpc_cli.model.config import ModelConfig
+    from hpc_cli.model.model import HybridModel, PrefillOut
+
+
+def __getattr__(name: str):
+    # Lazily, so that tools reading only files (profiles, traces) never import torch.
+    if name == "ModelConfig":
+        from hpc_cli.model.config import ModelConfig
+
+        return ModelConfig
+    if name in ("HybridModel", "PrefillOut"):
+        from hpc_cli.model import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module 'hpc_cli.model' has no attribute {name!r}")
