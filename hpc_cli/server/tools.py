@@ -153,11 +153,12 @@ class ToolParser:
                 return None
             start = p.end()
             end = s.find(_END_PARAMETER, start)
-            if end >= 0:
+            nxt = s.find("\n<parameter=", start)
+            if end >= 0 and (nxt < 0 or end < nxt):
                 after = end + len(_END_PARAMETER)
-            else:  # no </parameter>: the value runs to the next parameter or the end of the function
-                nxt = [k for k in (s.find("<parameter=", start), s.find(_END_FUNCTION, start)) if k >= 0]
-                end = after = min(nxt) if nxt else len(s)
+            else:  # no </parameter>: the value runs to the next parameter's line or the end of the function
+                ends = [k for k in (nxt + 1 if nxt >= 0 else -1, s.find(_END_FUNCTION, start)) if k >= 0]
+                end = after = min(ends) if ends else len(s)
             value = s[start:end]
             if value.startswith("\n"):
                 value = value[1:]
