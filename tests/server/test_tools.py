@@ -403,3 +403,18 @@ def test_history_round_trip_anthropic(srv):
     prompt, turn = _assistant_turn(engine)
     assert turn == XML_SCRIPT
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
+
+
+def test_reasoning_then_call(srv):
+    engine, url = srv
+    script(engine, "need weather\n</think>\n\n" + XML_CALL)
+    r = oai(url).chat.completions.create(model="builtin:tiny", messages=USER, tools=TOOLS, max_tokens=400)
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "need weather\n" and msg.content is None
+    assert msg.tool_calls[0].function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+    chunks = list(oai(url).chat.completions.create(model="builtin:tiny", messages=USER, tools=TOOLS,
+                                                   max_tokens=400, stream=True))
+    assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks) == "need weather\n"
+    assert not any(c.choices[0].delta.content for c in chunks)
+    assert [tc.function.name for c in chunks for tc in c.choices[0].delta.tool_calls or [] if tc.id] == [
+        "get_weather"]
