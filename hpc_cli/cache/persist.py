@@ -70,10 +70,16 @@ def _align(n: int) -> int:
 
 
 # ------------------------------------------------------------------ slab I/O
-#: bytes (and buffers) one writev/preadv moves: slabs go straight between the host storage and the
-#: file, many per system call, with no copy through a Python buffer
-IO_BATCH_BYTES = 32 << 20
-IO_BATCH_BUFFERS = 512  # below every platform's IOV_MAX (1024 on Linux)
+#: bytes one writev / preadv moves: slabs go straight between the host storage and the file, many
+#: per system call, with no copy through a Python buffer. Reads are larger (a 200 MB load read in
+#: 32 MiB calls ran ~10% behind one plain read; in 128 MiB calls, level with it); a write batch is
+#: also how often the abandon flag is checked.
+WRITE_BATCH_BYTES = 64 << 20
+READ_BATCH_BYTES = 128 << 20
+try:
+    IO_BATCH_BUFFERS = max(16, min(1024, os.sysconf("SC_IOV_MAX")))
+except (AttributeError, ValueError, OSError):  # pragma: no cover
+    IO_BATCH_BUFFERS = 1024
 
 
 def _bytes_view(buf: Any, nbytes: int, what: str) -> memoryview:
@@ -84,12 +90,12 @@ def _bytes_view(buf: Any, nbytes: int, what: str) -> memoryview:
     return mv
 
 
-def _batches(views: list[memoryview]) -> Iterable[list[memoryview]]:
-    """Consecutive groups of at most IO_BATCH_BYTES (at least one buffer) and IO_BATCH_BUFFERS."""
+def _batches(views: list[memoryview], max_bytes: int) -> Iterable[list[memoryview]]:
+    """Consecutive groups of at most ``max_bytes`` (at least one buffer) and IO_BATCH_BUFFERS."""
     group: list[memoryview] = []
     n = 0
     for v in views:
-        if group and (n + len(v) > IO_BATCH_BYTES or len(group) >= IO_BATCH_BUFFERS):
+        if group and (n + len(v) > max_bytes or len(group) >= IO_BATCH_BUFFERS):
             yield group
             group, n = [], 0
         group.append(v)
@@ -390,7 +396,7 @@ def write_cache_file(f: BinaryIO, fingerprint: dict, geom: Geometry, plan: SaveP
     hasher = _Hasher(len(runs))
     try:
         at = 0
-        for group in _batches([v for _, v in tagged]):
+        for group in _batches([v for _, v in tagged], WRITE_BATCH_BYTES):
             if abandon is not None and abandon.is_set():
                 raise SaveAbandoned()
             items = tagged[at:at + len(group)]
@@ -691,7 +697,7 @@ def read_plan_slabs(cf: CacheFile, plan: RestorePlan, dest: Callable[[int], Any]
                         tagged.append((k, _bytes_view(dest(mapping[i]), sb, f"host slab {mapping[i]}")))
                 off = cf.slabs_offset + cf.runs[ks[0]][0] * sb
                 at = 0
-                for group in _batches([v for _, v in tagged]):
+                for group in _batches([v for _, v in tagged], READ_BATCH_BYTES):
                     want_n = len(group) * sb
                     if _pread_all(fd, list(group), off) != want_n:
                         raise _damaged(cf.path, f"slab run {tagged[at][0]} truncated")
