@@ -29,7 +29,9 @@ QWEN35_LIKE = r"""
 {%- if tools -%}
   {{- '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>' -}}
   {%- for t in tools -%}{{- '\n' + (t | tojson) -}}{%- endfor -%}
-  {{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>' -}}
+  {{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format:\n\n' -}}
+  {{- '<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n' -}}
+  {{- '</parameter>\n</function>\n</tool_call>' -}}
   {%- if messages[0].role == 'system' and messages[0].content -%}{{- '\n\n' + messages[0].content -}}{%- endif -%}
   {{- '<|im_end|>\n' -}}
 {%- elif messages and messages[0].role == 'system' -%}
@@ -53,7 +55,8 @@ QWEN35_LIKE = r"""
       {%- set f = tc.function if tc.function is defined else tc -%}
       {{- ('\n\n' if content else '') if loop.first else '\n' -}}
       {%- if json_calls is defined and json_calls -%}
-        {{- '<tool_call>\n{"name": ' + (f.name | tojson) + ', "arguments": ' + (f.arguments | tojson) + '}\n</tool_call>' -}}
+        {{- '<tool_call>\n{"name": ' + (f.name | tojson) + ', "arguments": ' + (f.arguments | tojson) -}}
+        {{- '}\n</tool_call>' -}}
       {%- else -%}
         {{- '<tool_call>\n<function=' + f.name + '>\n' -}}
         {%- for k, v in f.arguments.items() -%}
