@@ -24,19 +24,42 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 BYTE_CHAT_TEMPLATE = r"""
 {%- set ns = namespace(last_user=-1) -%}
 {%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- macro text(c) -%}{{- c if c is string else ((c or []) | map(attribute='text') | join('')) -}}{%- endmacro -%}
+{%- if tools -%}
+  {{- '<|im_start|>system\n' -}}
+  {%- if messages and messages[0].role == 'system' -%}{{- text(messages[0].content) + '\n\n' -}}{%- endif -%}
+  {{- '# Tools\n\nFunctions you may call:\n<tools>' -}}
+  {%- for t in tools -%}{{- '\n' + ((t.function if t.function is defined else t) | tojson) -}}{%- endfor -%}
+  {{- '\n</tools>\n\nTo call one, reply with\n<tool_call>\n<function=NAME>\n<parameter=ARGUMENT>\nVALUE\n</parameter>\n</function>\n</tool_call><|im_end|>\n' -}}
+{%- endif -%}
 {%- for m in messages -%}
-  {%- set content = m.content if m.content is string else (m.content | map(attribute='text') | join('')) -%}
-  {%- if m.role == 'assistant' -%}
+  {%- set content = text(m.content) -%}
+  {%- if m.role == 'system' and tools and loop.first -%}
+  {%- elif m.role == 'assistant' -%}
     {%- set reasoning = m.reasoning_content if m.reasoning_content is defined and m.reasoning_content else '' -%}
     {%- if '</think>' in content -%}
       {%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') -%}
       {%- set content = content.split('</think>')[-1].lstrip('\n') -%}
     {%- endif -%}
     {%- if loop.index0 > ns.last_user and reasoning -%}
-      {{- '<|im_start|>assistant\n<think>\n' + reasoning + '\n</think>\n\n' + content + '<|im_end|>\n' -}}
+      {{- '<|im_start|>assistant\n<think>\n' + reasoning + '\n</think>\n\n' + content -}}
     {%- else -%}
-      {{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' -}}
+      {{- '<|im_start|>assistant\n' + content -}}
     {%- endif -%}
+    {%- for call in (m.tool_calls or []) -%}
+      {%- set f = call.function if call.function is defined else call -%}
+      {%- set args = f.arguments | fromjson if f.arguments is string else f.arguments -%}
+      {{- ('\n\n' if (loop.first and content) else ('\n' if not loop.first else '')) + '<tool_call>\n<function=' + f.name + '>\n' -}}
+      {%- for k, v in (args or {}).items() -%}
+        {{- '<parameter=' + k + '>\n' + (v if v is string else (v | tojson)) + '\n</parameter>\n' -}}
+      {%- endfor -%}
+      {{- '</function>\n</tool_call>' -}}
+    {%- endfor -%}
+    {{- '<|im_end|>\n' -}}
+  {%- elif m.role == 'tool' -%}
+    {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+    {{- '\n<tool_response>\n' + content + '\n</tool_response>' -}}
+    {%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
   {%- else -%}
     {{- '<|im_start|>' + m.role + '\n' + content + '<|im_end|>\n' -}}
   {%- endif -%}
@@ -64,6 +87,7 @@ def _jinja_env():
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
+    env.filters["fromjson"] = json.loads
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
