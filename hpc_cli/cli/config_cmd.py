@@ -53,5 +53,19 @@ def validate_command(file: str) -> None:
                f"(host {s.cache.host_cache_mib} MiB)")
 
 
+@config_group.command("reference")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="write to a file instead of stdout")
+def reference_command(output: str | None) -> None:
+    """Every profile key with its type, default, environment variable and meaning (Markdown)."""
+    from hpc_cli.config_reference import reference_markdown
+
+    text = reference_markdown()
+    if output:
+        with open(output, "w") as f:
+            f.write(text)
+    else:
+        click.echo(text, nl=False)
+
+
 def register(cli: click.Group) -> None:
     cli.add_command(config_group)
