@@ -1,10 +1,11 @@
 """The hybrid binding: the prefix index, the device pools, the host tier and the transfer engine
 working for the engine's lanes (spec §6.4-6.5, §7.4-7.7, §9.1; ARCHITECTURE.md §4).
 
-The engine calls, in a request's order: :meth:`admit` (quote, stage, restore, activate),
-:meth:`commit_blocks` after every unit, :meth:`take_tap` at tap positions, :meth:`finish` at
-terminal settlement (endpoint snapshot, release, write-through), and :meth:`poll` to land
-transfers. With ``reuse=False`` (cache mode ``off``) and for disabled requests nothing is
+The engine calls, in a request's order: :meth:`admit` (quote, stage, restore, activate; or
+wait: a blocked head is prefetched, a head sharing a prefilling lane's prefix coalesces),
+:meth:`before_pass` / :meth:`after_pass` around every prefill pass (block commit, taps),
+:meth:`commit_blocks` after decode rounds, :meth:`finish` at terminal settlement (endpoint
+snapshot, release, write-through), and :meth:`poll` to land transfers. With ``reuse=False`` (cache mode ``off``) and for disabled requests nothing is
 matched, committed or published: lanes get private pages and a reset state.
 """
 
@@ -49,9 +50,20 @@ class Blocked(Exception):
     """Admission must wait (TemporarilyBlocked): active entitlements hold the pages."""
 
 
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = 0
-    while n < limit and a[n] == b[n]:
+def _common_prefix(a: Lane, b: Lane) -> int:
+    """Tokens the two prompts share: whole blocks by their chained hashes, then token by token
+    inside the first block that differs. Only the coalescing decision uses this (a collision
+    would cost a wait, never a wrong reuse: the index matches tokens exactly)."""
+    ha, hb = a.prepared.hashes, b.prepared.hashes
+    blocks = 0
+    for x, y in zip(ha, hb):
+        if x != y:
+            break
+        blocks += 1
+    n = BLOCK_TOKENS * blocks
+    limit = min(a.n_prompt, b.n_prompt)
+    ta, tb = a.tokens, b.tokens
+    while n < limit and ta[n] == tb[n]:
         n += 1
     return n
 
@@ -211,7 +223,7 @@ class HybridBinding:
         for sib in siblings:
             if sib.seq is None or sib is lane:
                 continue
-            d = _common_prefix(lane.tokens, sib.tokens, min(lane.n_prompt, sib.n_prompt))
+            d = _common_prefix(lane, sib)
             target = min(d - d % BLOCK_TOKENS, lane.n_prompt - 1)
             if target <= max(reuse, sib.pos - 1) or target <= reuse + BLOCK_TOKENS:
                 continue  # the sibling passed it, or it saves less than a block
