@@ -110,6 +110,9 @@ class HybridModel(nn.Module):
         self.embed_tokens.weight = param(config.vocab_size, config.hidden_size, **fk)
         self.layers = nn.ModuleList([DecoderLayer(config, kind, **fk, **host) for kind in config.layer_types])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **fk)
+        #: rows per block of decode's and verify's row-wise ops (hpc_cli.model.columns); decode and
+        #: verify agree bit for bit only under the same value, so set it before serving
+        self.row_block: int | None = None
         self.lm_head = Linear(config.hidden_size, config.vocab_size, **fk)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -231,52 +234,19 @@ class HybridModel(nn.Module):
     def decode(self, tokens: torch.Tensor | Sequence[int], positions: Sequence[int],
                block_tables: Sequence[Sequence[int]], state_slots: Sequence[int],
                kv: "PagedKVStorage", states: "StateSlots") -> torch.Tensor:
+        """One token for each of ``B`` lanes: logits ``[B, vocab]``. The column pass with one
+        column (:mod:`hpc_cli.model.columns`), so the speculative verify pass, which runs the
+        same code with ``k + 1`` columns, computes every column bit-identically to this."""
+        from hpc_cli.model.columns import columns_pass
+
         tokens = self._tokens(tokens)
         bsz = tokens.shape[0]
         assert len(positions) == len(block_tables) == len(state_slots) == bsz, \
             "decode needs one position, block table and state slot per token"
         assert len(set(state_slots)) == bsz, f"decode lanes share a state slot: {list(state_slots)}"
-        dev, page = self.device, kv.page_tokens
-        need = [p // page + 1 for p in positions]
-        width = max(need)
-        table, write = [], []
-        for p, bt, n in zip(positions, block_tables, need):
-            assert len(bt) >= n, f"block table has {len(bt)} pages, position {p} needs {n}"
-            row = list(bt[:n])
-            table.append(row + [row[0]] * (width - n))
-            write.append(row[p // page] * page + p % page)
-        pages = torch.tensor(table, dtype=torch.long, device=dev).reshape(-1)
-        write_slots = torch.tensor(write, dtype=torch.long, device=dev)
-        pos = torch.tensor(list(positions), dtype=torch.long, device=dev)
-        slots = torch.tensor(list(state_slots), dtype=torch.long, device=dev)
-        span = width * page
-        mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
-        cos, sin = self.rotary.cos_sin(pos, self.dtype)
-        x = self._embed(tokens)
-        for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            if layer.kind == "linear_attention":
-                g = self.state_index[i]
-                conv, rec = states.conv[g], states.recurrent[g]
-                out, new_conv, new_rec = layer.linear_attn.decode(h, conv.index_select(0, slots),
-                                                                   rec.index_select(0, slots))
-                conv.index_copy_(0, slots, new_conv.to(conv.dtype))
-                rec.index_copy_(0, slots, new_rec)
-            else:
-                a = self.kv_index[i]
-                attn = layer.self_attn
-                q, gate, k, v = attn.qkv(h, cos, sin)
-                kv.write(a, write_slots, k, v)
-                keys, values = kv.gather(a, pages, bsz * span, q.dtype)
-                keys = keys.view(bsz, span, attn.n_kv, attn.head_dim).transpose(1, 2)
-                values = values.view(bsz, span, attn.n_kv, attn.head_dim).transpose(1, 2)
-                o = attn.attend(q[:, :, None, :], keys, values, mask)  # [B, H, 1, d]
-                out = attn.finish(o[:, :, 0, :], gate)
-            x = x + out
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = self.norm(x)
-        states.hidden.index_copy_(0, slots, x.to(states.hidden.dtype))
-        return self.lm_head(x)
+        out = columns_pass(self, tokens.view(bsz, 1), list(positions), block_tables, list(state_slots), kv, states,
+                           keep_all=False)
+        return out.logits[:, 0]
 
     # -- conveniences for tests and tools ----------------------------------------------------
     @torch.inference_mode()

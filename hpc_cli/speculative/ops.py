@@ -2,10 +2,9 @@
 and the rollback of the GDN state (docs/speculative.md).
 
 The verify pass scores, for each of ``B`` lanes, ``T = k + 1`` tokens (the last accepted token
-and ``k`` drafts) at positions ``start_b .. start_b + T - 1`` in ONE pass over the paged KV. It
-mirrors :meth:`HybridModel.decode` column by column (the conv window as a product-sum, the gated
-delta rule stepped token by token with the decode kernel), so a verified column computes what
-one-token decode would have computed.
+and ``k`` drafts) at positions ``start_b .. start_b + T - 1`` in ONE pass over the paged KV. It is
+the very code :meth:`HybridModel.decode` runs (:func:`hpc_cli.model.columns.columns_pass` with
+one column), so a verified column is bit-identical to one-token decode, in bf16 too.
 
 Rollback of the recurrent state (measured in docs/speculative.md, ``benchmarks/spec_decode.py
 --rollback``):
@@ -18,13 +17,12 @@ Rollback of the recurrent state (measured in docs/speculative.md, ``benchmarks/s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from hpc_cli.model.gdn import gated_delta_decode
+from hpc_cli.model.columns import ColumnsOut, columns_pass
 
 
 def _table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int, device) -> tuple[torch.Tensor, int]:
@@ -66,87 +64,19 @@ def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, tables: Sequence[S
     return attn.finish(o.transpose(1, 2).reshape(B * T, attn.n_heads, attn.head_dim), gate)
 
 
-def gdn_columns(la, x: torch.Tensor, conv0: torch.Tensor, rec0: torch.Tensor, keep_all: bool):
-    """Gated DeltaNet over ``T`` columns of ``B`` lanes, stepping like decode.
-    ``x`` ``[B, T, hidden]``; returns the output ``[B, T, hidden]``, the full conv window
-    ``[B, C, K-1+T]`` (the window after column t is ``[..., t+1 : t+K]``) and the recurrent
-    states: ``[B, T, H, dk, dv]`` after every column with ``keep_all``, else the final ``[B, ...]``."""
-    B, T, _ = x.shape
-    mixed, z, b, a = la._project(x)
-    w = la.conv1d.weight[:, 0, :]  # [C, K]
-    K = w.shape[-1]
-    window = torch.cat([conv0.to(mixed.dtype), mixed.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
-    cols = window.unfold(-1, K, 1)  # [B, C, T, K]
-    conv = (cols.to(w.dtype) * w[:, None, :]).sum(-1)  # [B, C, T], the decode product-sum
-    mixed = F.silu(conv).to(mixed.dtype).transpose(1, 2)
-    q, k, v, g, beta = la._heads(mixed, b, a, (B, T))
-    state = rec0
-    outs, states = [], []
-    for t in range(T):
-        o, state = gated_delta_decode(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1].reshape(B, 1, -1),
-                                      beta[:, t:t + 1].reshape(B, 1, -1), state, la.use_fla)
-        outs.append(o)
-        if keep_all:
-            states.append(state)
-    core = torch.cat(outs, dim=1)  # [B, T, Hv, dv]
-    out = la._finish(core, z)
-    return out, window, (torch.stack(states, dim=1) if keep_all else state)
-
-
-@dataclass
-class VerifyOut:
-    logits: torch.Tensor  # [B, T, vocab]
-    hidden: torch.Tensor  # [B, T, hidden] after the final norm
-    features: torch.Tensor | None  # [B, T, len(capture) * hidden]: residual stream after the captured layers
-    windows: list[torch.Tensor] | None  # per GDN layer [B, C, K-1+T]
-    states: list[torch.Tensor] | None  # per GDN layer [B, T, ...] (per_token) or None (written already)
+#: the verify pass's result (logits, hidden, features, per-column windows and states)
+VerifyOut = ColumnsOut
 
 
 @torch.inference_mode()
 def verify_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
                 slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = ()) -> VerifyOut:
-    """Score ``tokens`` ``[B, T]`` at ``starts[b] + t``. With ``keep_all`` the slots are left
-    untouched and the per-column states come back (commit with :func:`commit_states`); without
-    it the final state of every lane is written to its slot (the ``recompute`` rollback)."""
-    dev = model.device
-    tokens = tokens.to(dev)
-    B, T = tokens.shape
-    assert len(set(slots)) == B, f"verify lanes share a state slot: {list(slots)}"
-    pos = torch.tensor(list(starts), dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)[None]
-    slot_t = torch.tensor(list(slots), dtype=torch.long, device=dev)
-    cos, sin = model.rotary.cos_sin(pos.reshape(-1), model.dtype)
-    x = model._embed(tokens.reshape(-1))
-    capture = set(capture)
-    feats, windows, kept = [], [], []
-    for i, layer in enumerate(model.layers):
-        h = layer.input_layernorm(x)
-        if layer.kind == "linear_attention":
-            g = model.state_index[i]
-            conv, rec = states.conv[g], states.recurrent[g]
-            out, window, st = gdn_columns(layer.linear_attn, h.view(B, T, -1), conv.index_select(0, slot_t),
-                                          rec.index_select(0, slot_t), keep_all)
-            out = out.reshape(B * T, -1)
-            if keep_all:
-                windows.append(window)
-                kept.append(st)
-            else:
-                K1 = conv.shape[-1]
-                conv.index_copy_(0, slot_t, window[:, :, -K1:].to(conv.dtype))
-                rec.index_copy_(0, slot_t, st)
-        else:
-            out = paged_attention(layer.self_attn, h, pos, tables, kv, model.kv_index[i], cos, sin)
-        x = x + out
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if i in capture:
-            feats.append(x)
-    xn = model.norm(x)
-    logits = model.lm_head(xn)
-    hidden = xn.view(B, T, -1)
-    if not keep_all:
-        states.hidden.index_copy_(0, slot_t, hidden[:, -1].to(states.hidden.dtype))
-    return VerifyOut(logits.view(B, T, -1), hidden,
-                     torch.cat(feats, dim=-1).view(B, T, -1) if feats else None,
-                     windows if keep_all else None, kept if keep_all else None)
+    """Score ``tokens`` ``[B, T]`` at ``starts[b] + t``: the column pass that
+    :meth:`HybridModel.decode` runs with one column, so column ``t`` is bit-identical to decoding
+    that token (hpc_cli.model.columns). With ``keep_all`` the slots are left untouched and the
+    per-column states come back (commit with :func:`commit_states`); without it the final state
+    of every lane is written to its slot (the ``recompute`` rollback)."""
+    return columns_pass(model, tokens, starts, tables, slots, kv, states, keep_all=keep_all, capture=capture)
 
 
 @torch.inference_mode()

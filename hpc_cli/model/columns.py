@@ -1,0 +1,180 @@
+"""The column pass: ``T`` tokens for each of ``B`` lanes at consecutive positions, computed so
+that every token's result is bit-identical to the one-token decode of that token.
+
+One code path serves both :meth:`HybridModel.decode` (``T == 1``) and the speculative verify
+pass (``T == k + 1``, :func:`hpc_cli.speculative.ops.verify_pass`). Why the results agree by
+construction, also in bf16 and on CUDA (docs/speculative.md, "Bit-identical verify"):
+
+* **Row-wise ops run on fixed row blocks.** Everything that treats tokens independently
+  (embedding, RMSNorms, every projection, the gated norm, the MLP, ``lm_head``) runs on blocks of
+  exactly ``row_block`` rows (the rows are padded with token 0; more rows run as several blocks).
+  A GEMM or a reduction kernel picks its algorithm (tiling, split-K, threads per row) from the
+  shape, so ``[B, H]`` and ``[B*(k+1), H]`` may round differently; one fixed shape means one
+  kernel and one reduction order for every row, whatever the number of lanes or columns.
+* **Per-lane ops run column by column with decode's shapes.** The conv window (a product-sum
+  over a contiguous ``[B, C, K]`` window), the gated delta rule (the decode kernel on
+  ``[B, 1, ...]``) and attention (one query per lane, ``[B, H, 1, d]``, the K/V of column ``t``
+  written just before column ``t`` reads the pages, the key span sized by decode's rule) are the
+  very calls decode makes, in decode's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hpc_cli.model.gdn import gated_delta_decode
+
+#: rows per block of the row-wise ops (``HybridModel.row_block`` overrides it)
+ROW_BLOCK = 16
+
+
+def row_block(model) -> int:
+    return int(getattr(model, "row_block", None) or ROW_BLOCK)
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    pad = n - x.shape[0]
+    return x if pad == 0 else torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+
+
+def blocks(fn: Callable, R: int, *xs: torch.Tensor):
+    """``fn`` over row blocks of exactly ``R`` rows of ``xs`` (all padded to a multiple of ``R``)."""
+    n = xs[0].shape[0]
+    if n == R:
+        return fn(*xs)
+    parts = [fn(*(x[i:i + R] for x in xs)) for i in range(0, n, R)]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(p) for p in zip(*parts))
+    return torch.cat(parts)
+
+
+def _width(positions: Sequence[int], page: int) -> int:
+    return max(p // page + 1 for p in positions)
+
+
+def _lane_table(tables: Sequence[Sequence[int]], positions: Sequence[int], page: int, device):
+    """Decode's padded page table ``[B, width]`` for one column and the write slot of each lane."""
+    width = _width(positions, page)
+    rows, write = [], []
+    for p, bt in zip(positions, tables):
+        n = p // page + 1
+        assert len(bt) >= n, f"block table has {len(bt)} pages, position {p} needs {n}"
+        row = list(bt[:n])
+        rows.append(row + [row[0]] * (width - n))
+        write.append(row[p // page] * page + p % page)
+    return (torch.tensor(rows, dtype=torch.long, device=device).reshape(-1),
+            torch.tensor(write, dtype=torch.long, device=device), width)
+
+
+@dataclass
+class ColumnsOut:
+    logits: torch.Tensor  # [B, T, vocab]
+    hidden: torch.Tensor  # [B, T, hidden] after the final norm
+    features: torch.Tensor | None  # [B, T, len(capture) * hidden]
+    windows: list[torch.Tensor] | None  # per GDN layer [B, C, K-1+T] (keep_all)
+    states: list[torch.Tensor] | None  # per GDN layer [B, T, H, dk, dv] (keep_all)
+
+
+def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec0: torch.Tensor, keep_all: bool,
+         R: int):
+    mixed, z, b, a = blocks(la._project, R, h)
+    C = mixed.shape[-1]
+    m = mixed[:n].view(B, T, C)
+    w = la.conv1d.weight[:, 0, :]  # [C, K]
+    K = w.shape[-1]
+    window = torch.cat([conv0.to(m.dtype), m.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+    conv = torch.stack([(window[:, :, t:t + K].contiguous().to(w.dtype) * w).sum(-1) for t in range(T)], dim=1)
+    mixed_c = F.silu(conv).to(m.dtype)  # [B, T, C]
+    q, k, v, g, beta = la._heads(mixed_c, b[:n].view(B, T, -1), a[:n].view(B, T, -1), (B, T))
+    state = rec0
+    outs, states = [], []
+    for t in range(T):
+        o, state = gated_delta_decode(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1].reshape(B, 1, -1),
+                                      beta[:, t:t + 1].reshape(B, 1, -1), state, la.use_fla)
+        outs.append(o)
+        if keep_all:
+            states.append(state)
+    core = torch.cat(outs, dim=1).reshape(n, *outs[0].shape[2:])  # rows b*T + t
+    core = _pad_rows(core, h.shape[0])
+    out = blocks(la._finish, R, core, z)
+    return out, window, (torch.stack(states, dim=1) if keep_all else state)
+
+
+def _attention(attn, h, n: int, B: int, T: int, starts, tables, kv, layer: int, cos, sin, R: int):
+    q, gate, k, v = blocks(attn.qkv, R, h, cos, sin)
+    page = kv.page_tokens
+    o_rows = q.new_zeros(q.shape)
+    lanes = torch.arange(B, device=h.device) * T
+    for t in range(T):
+        idx = lanes + t
+        positions = [s + t for s in starts]
+        pages, write, width = _lane_table(tables, positions, page, h.device)
+        kv.write(layer, write, k.index_select(0, idx), v.index_select(0, idx))
+        span = width * page
+        keys, values = kv.gather(layer, pages, B * span, q.dtype)
+        keys = keys.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
+        values = values.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
+        pos = torch.tensor(positions, dtype=torch.long, device=h.device)
+        mask = (torch.arange(span, device=h.device)[None, :] <= pos[:, None])[:, None, None, :]
+        o = attn.attend(q.index_select(0, idx)[:, :, None, :], keys, values, mask)  # [B, H, 1, d]
+        o_rows.index_copy_(0, idx, o[:, :, 0, :])
+    return blocks(attn.finish, R, o_rows, gate)
+
+
+def columns_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
+                 slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = (),
+                 logits: bool = True) -> ColumnsOut:
+    """Score ``tokens`` ``[B, T]`` at ``starts[b] + t``. With ``keep_all`` the slots are left
+    untouched and the conv windows and recurrent states after every column come back; without it
+    the state after the last column (and the last hidden) is written to each lane's slot."""
+    dev = model.device
+    tokens = tokens.to(dev)
+    B, T = tokens.shape
+    assert len(starts) == len(tables) == len(slots) == B, "one start, block table and state slot per lane"
+    assert len(set(slots)) == B, f"lanes share a state slot: {list(slots)}"
+    R = row_block(model)
+    n = B * T
+    n_pad = -(-n // R) * R
+    pos = torch.tensor(list(starts), dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)[None]
+    slot_t = torch.tensor(list(slots), dtype=torch.long, device=dev)
+    flat_pos = _pad_rows(pos.reshape(-1), n_pad)
+    flat_tok = _pad_rows(tokens.reshape(-1), n_pad)
+    cos, sin = blocks(lambda p: model.rotary.cos_sin(p, model.dtype), R, flat_pos)
+    x = blocks(model._embed, R, flat_tok)
+    capture = set(capture)
+    feats, windows, kept = [], [], []
+    for i, layer in enumerate(model.layers):
+        h = blocks(layer.input_layernorm, R, x)
+        if layer.kind == "linear_attention":
+            g = model.state_index[i]
+            conv, rec = states.conv[g], states.recurrent[g]
+            out, window, st = _gdn(layer.linear_attn, h, n, B, T, conv.index_select(0, slot_t),
+                                   rec.index_select(0, slot_t), keep_all, R)
+            if keep_all:
+                windows.append(window)
+                kept.append(st)
+            else:
+                K1 = conv.shape[-1]
+                conv.index_copy_(0, slot_t, window[:, :, -K1:].to(conv.dtype))
+                rec.index_copy_(0, slot_t, st)
+        else:
+            out = _attention(layer.self_attn, h, n, B, T, starts, tables, kv, model.kv_index[i], cos, sin, R)
+
+        def tail(xb, ob, layer=layer):
+            xb = xb + ob
+            return xb + layer.mlp(layer.post_attention_layernorm(xb))
+
+        x = blocks(tail, R, x, out)
+        if i in capture:
+            feats.append(x[:n])
+    xn = blocks(model.norm, R, x)
+    hidden = xn[:n].view(B, T, -1)
+    if not keep_all:
+        states.hidden.index_copy_(0, slot_t, hidden[:, -1].to(states.hidden.dtype))
+    lg = blocks(model.lm_head, R, xn)[:n].view(B, T, -1) if logits else None
+    return ColumnsOut(lg, hidden, torch.cat(feats, dim=-1).view(B, T, -1) if feats else None,
+                      windows if keep_all else None, kept if keep_all else None)
