@@ -13,9 +13,10 @@ construction, also in bf16 and on CUDA (docs/speculative.md, "Bit-identical veri
   kernel and one reduction order for every row, whatever the number of lanes or columns.
 * **Per-lane ops run column by column with decode's shapes.** The conv window (a product-sum
   over a contiguous ``[B, C, K]`` window), the gated delta rule (the decode kernel on
-  ``[B, 1, ...]``) and attention (one query per lane, ``[B, H, 1, d]``, the K/V of column ``t``
-  written just before column ``t`` reads the pages, the key span sized by decode's rule) are the
-  very calls decode makes, in decode's order.
+  ``[B, 1, ...]``, one program per lane and head) and attention (one query per lane, the K/V of
+  column ``t`` written just before column ``t`` reads the pages) are the very calls decode
+  makes, in decode's order. A lane's attention reads exactly its own pages up to its position
+  (lanes with equal spans share a call), so its key span never depends on the other lanes.
 """
 
 from __future__ import annotations
@@ -52,22 +53,17 @@ def blocks(fn: Callable, R: int, *xs: torch.Tensor):
     return torch.cat(parts)
 
 
-def _width(positions: Sequence[int], page: int) -> int:
-    return max(p // page + 1 for p in positions)
-
-
-def _lane_table(tables: Sequence[Sequence[int]], positions: Sequence[int], page: int, device):
-    """Decode's padded page table ``[B, width]`` for one column and the write slot of each lane."""
-    width = _width(positions, page)
-    rows, write = [], []
-    for p, bt in zip(positions, tables):
+def _groups(tables: Sequence[Sequence[int]], positions: Sequence[int], page: int, device):
+    """Lanes grouped by their own key span: ``(lane indices, page table [G * width], width)``.
+    A lane reads exactly its own pages up to its position, never a span widened by other lanes."""
+    by: dict[int, list[int]] = {}
+    for b, (p, bt) in enumerate(zip(positions, tables)):
         n = p // page + 1
         assert len(bt) >= n, f"block table has {len(bt)} pages, position {p} needs {n}"
-        row = list(bt[:n])
-        rows.append(row + [row[0]] * (width - n))
-        write.append(row[p // page] * page + p % page)
-    return (torch.tensor(rows, dtype=torch.long, device=device).reshape(-1),
-            torch.tensor(write, dtype=torch.long, device=device), width)
+        by.setdefault(n, []).append(b)
+    return [(torch.tensor(lanes, dtype=torch.long, device=device),
+             torch.tensor([tables[b][i] for b in lanes for i in range(n)], dtype=torch.long, device=device), n)
+            for n, lanes in sorted(by.items())]
 
 
 @dataclass
@@ -109,19 +105,22 @@ def _attention(attn, h, n: int, B: int, T: int, starts, tables, kv, layer: int, 
     page = kv.page_tokens
     o_rows = q.new_zeros(q.shape)
     lanes = torch.arange(B, device=h.device) * T
-    for t in range(T):
+    for t in range(T):  # column t's K/V is written just before column t reads the pages, as in decode
         idx = lanes + t
         positions = [s + t for s in starts]
-        pages, write, width = _lane_table(tables, positions, page, h.device)
+        write = torch.tensor([tables[b][p // page] * page + p % page for b, p in enumerate(positions)],
+                             dtype=torch.long, device=h.device)
         kv.write(layer, write, k.index_select(0, idx), v.index_select(0, idx))
-        span = width * page
-        keys, values = kv.gather(layer, pages, B * span, q.dtype)
-        keys = keys.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
-        values = values.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
         pos = torch.tensor(positions, dtype=torch.long, device=h.device)
-        mask = (torch.arange(span, device=h.device)[None, :] <= pos[:, None])[:, None, None, :]
-        o = attn.attend(q.index_select(0, idx)[:, :, None, :], keys, values, mask)  # [B, H, 1, d]
-        o_rows.index_copy_(0, idx, o[:, :, 0, :])
+        for sel, pages, width in _groups(tables, positions, page, h.device):
+            G, span = sel.shape[0], width * page
+            keys, values = kv.gather(layer, pages, G * span, q.dtype)
+            keys = keys.view(G, span, attn.n_kv, attn.head_dim).transpose(1, 2)
+            values = values.view(G, span, attn.n_kv, attn.head_dim).transpose(1, 2)
+            mask = (torch.arange(span, device=h.device)[None, :] <= pos.index_select(0, sel)[:, None])[:, None, None]
+            rows = idx.index_select(0, sel)
+            o = attn.attend(q.index_select(0, rows)[:, :, None, :], keys, values, mask)  # [G, H, 1, d]
+            o_rows.index_copy_(0, rows, o[:, :, 0, :])
     return blocks(attn.finish, R, o_rows, gate)
 
 
