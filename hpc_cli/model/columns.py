@@ -12,7 +12,8 @@ construction, also in bf16 and on CUDA (docs/speculative.md, "Bit-identical veri
   shape, so ``[B, H]`` and ``[B*(k+1), H]`` may round differently; one fixed shape means one
   kernel and one reduction order for every row, whatever the number of lanes or columns.
 * **Per-lane ops run column by column with decode's shapes.** The conv window (a product-sum
-  over a contiguous ``[B, C, K]`` window), the gated delta rule (the decode kernel on
+  over a contiguous ``[B, C, K]`` window, then silu and the gates on contiguous ``[B, ...]``
+  operands), the gated delta rule (the decode kernel on
   ``[B, 1, ...]``, one program per lane and head) and attention (one query per lane, the K/V of
   column ``t`` written just before column ``t`` reads the pages) are the very calls decode
   makes, in decode's order. A lane's attention reads exactly its own pages up to its position
@@ -83,14 +84,17 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec0:
     w = la.conv1d.weight[:, 0, :]  # [C, K]
     K = w.shape[-1]
     window = torch.cat([conv0.to(m.dtype), m.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
-    conv = torch.stack([(window[:, :, t:t + K].contiguous().to(w.dtype) * w).sum(-1) for t in range(T)], dim=1)
-    mixed_c = F.silu(conv).to(m.dtype)  # [B, T, C]
-    q, k, v, g, beta = la._heads(mixed_c, b[:n].view(B, T, -1), a[:n].view(B, T, -1), (B, T))
+    b3, a3 = b[:n].view(B, T, -1), a[:n].view(B, T, -1)
     state = rec0
     outs, states = [], []
     for t in range(T):
-        o, state = gated_delta_decode(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1].reshape(B, 1, -1),
-                                      beta[:, t:t + 1].reshape(B, 1, -1), state, la.use_fla)
+        # decode's exact calls on contiguous [B, ...] operands: on CPU even an elementwise op
+        # (softplus, exp, silu) rounds differently in its vector body and its scalar tail, so the
+        # operands of column t must have decode's shapes and layout, not be slices of [B, T, ...]
+        conv = (window[:, :, t:t + K].contiguous().to(w.dtype) * w).sum(-1)  # [B, C]
+        mixed_t = F.silu(conv).to(m.dtype)
+        q, k, v, g, beta = la._heads(mixed_t, b3[:, t].contiguous(), a3[:, t].contiguous(), (B, 1))
+        o, state = gated_delta_decode(q, k, v, g.view(B, 1, -1), beta.view(B, 1, -1), state, la.use_fla)
         outs.append(o)
         if keep_all:
             states.append(state)

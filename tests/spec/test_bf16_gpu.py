@@ -1,0 +1,52 @@
+"""On CUDA in bf16 (fla's kernels when importable): every verify column is bit-identical to
+one-token decode, and greedy output with the oracle drafter is plain greedy output with every
+draft accepted, on builtin:tiny and on the 27B-shaped model (docs/speculative.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpc_cli.engine.api import GenerationRequest
+from hpc_cli.model.model import HybridModel
+
+from helpers import backend, greedy, make, run, settle, tokens
+from test_bf16 import check_columns, wide_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module", params=["builtin:tiny", "builtin:qwen3.5-27b-shape@4"])
+def cuda_model(request):
+    m = HybridModel.from_name_or_path(request.param, dtype=torch.bfloat16, device="cuda")
+    yield m
+    del m
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("B,T", [(1, 4), (2, 4), (4, 4), (3, 2)])
+def test_cuda_verify_columns_bit_identical(cuda_model, B, T):
+    check_columns(cuda_model, B, T, seed=B * 10 + T)
+
+
+def test_cuda_wide_columns_bit_identical():
+    from hpc_cli.model.builtin import init_seeded
+
+    m = HybridModel(wide_config(), dtype=torch.bfloat16, device="cuda", with_mtp=False)
+    init_seeded(m)
+    check_columns(m.eval(), 2, 4, seed=3)
+
+
+def test_cuda_oracle_greedy_equals_plain(cuda_model):
+    prompts = [tokens(300, 21), tokens(120, 22), tokens(200, 23), tokens(64, 24)]
+    n = 32
+    off = make(cuda_model, reuse=False, kv_pages=48, max_concurrency=4)
+    refs = {tuple(p): run(off, p, n)[0] for p in prompts}  # one lane at a time
+    settle(off)
+    e = make(cuda_model, backend("oracle", refs), kv_pages=48, max_concurrency=4)
+    handles = [e.submit(GenerationRequest(list(p), greedy(n))) for p in prompts]  # four lanes together
+    for p, h in zip(prompts, handles):
+        toks, fin = h.result(timeout=600)
+        assert [t.token_id for t in toks] == refs[tuple(p)], p[:4]
+        assert fin.usage.accepted_draft_tokens == fin.usage.draft_tokens > 0, fin.usage
+    settle(e)
