@@ -28,6 +28,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from hpc_cli.model.moe import SparseMoE
+
 from hpc_cli.model.gdn import gated_delta_decode
 
 #: rows per block of the row-wise ops by device type (``HybridModel.row_block`` overrides it): on
@@ -169,11 +171,19 @@ def columns_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Seq
         else:
             out = _attention(layer.self_attn, h, n, B, T, starts, tables, kv, model.kv_index[i], cos, sin, R)
 
-        def tail(xb, ob, layer=layer):
-            xb = xb + ob
-            return xb + layer.mlp(layer.post_attention_layernorm(xb))
+        if isinstance(layer.mlp, SparseMoE):
+            # Routing depends on which tokens share a call, so the MoE is not row-blocked (MoE has
+            # no bit-identity claim) and padded rows never reach the router: routing traces, hit
+            # rates and host bytes per token count real tokens only.
+            x = blocks(lambda xb, ob: xb + ob, R, x, out)
+            normed = blocks(layer.post_attention_layernorm, R, x)
+            x = torch.cat([x[:n] + layer.mlp(normed[:n]), x[n:]])
+        else:
+            def tail(xb, ob, layer=layer):
+                xb = xb + ob
+                return xb + layer.mlp(layer.post_attention_layernorm(xb))
 
-        x = blocks(tail, R, x, out)
+            x = blocks(tail, R, x, out)
         if i in capture:
             feats.append(x[:n])
     xn = blocks(model.norm, R, x)
