@@ -123,7 +123,7 @@ class StopController:
             save(**kwargs)
 
     def force_exit(self) -> None:
+        self.abort_save.set()  # first, so a save still running sees it at its next check
         self.echo("exiting now (the prefix cache is not saved)")
-        self.abort_save.set()
         self.done.wait(FORCE_WAIT_S)
         self.exit_fn(130)

@@ -192,8 +192,14 @@ def test_third_ctrl_c_abandons_the_save(saved, tmp_path):
         text = d.stderr()
     assert rc == 130, text[-3000:]
     assert "the prefix cache is not saved" in text
-    assert "prefix cache saved" not in text, text[-3000:]
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    if "prefix cache saved" in text:
+        # The third press raced a save that had already passed its last abandon check (a small
+        # file saves in milliseconds): the new file is then complete. The abandon itself is
+        # tested deterministically in test_file_format.py and test_engine_restart.py.
+        assert subprocess.run([sys.executable, "-m", "hpc_cli", "cache", "verify", str(path)],
+                              capture_output=True).returncode == 0
+        return
     after = path.stat()
     assert path.read_bytes() == previous
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
