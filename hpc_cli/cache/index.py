@@ -1027,24 +1027,14 @@ class PrefixIndex:
                 target = self.lru_unbacked if node.pin_mass == 0 else None
         else:
             target = None
-        cur = node.lru_list
-        if cur is not target:
-            if cur is not None:
-                cur.remove(node)
-            if target is not None:
-                target.append(node)
+        _move(node, target)
 
     def _relink_tail(self, s: Snapshot) -> None:
         if s.alive and s.tail_device_state == RESIDENT and s.restore_pins == 0:
             target = self.lru_backed if s.tail_host_state == RESIDENT else self.lru_unbacked
         else:
             target = None
-        cur = s.lru_list
-        if cur is not target:
-            if cur is not None:
-                cur.remove(s)
-            if target is not None:
-                target.append(s)
+        _move(s, target)
 
     def _update_dead(self, node: BlockNode) -> None:
         """Dead KV (§9.3 step 1): host Resident, no snapshot below, no refs or pins; a node with
@@ -1368,6 +1358,16 @@ def backfill_proof(need_borrower: int, need_head_root: int, free_pages: int, evi
     Hybrid mode does not issue the proof (a blocked head is never overtaken); it is kept as a
     function so the arithmetic is tested and available."""
     return need_borrower + need_head_root <= free_pages + evictable_pages + donor_released_pages
+
+
+def _move(entry, target: LruList | None) -> None:
+    """Put a node or snapshot tail in ``target`` (None: no list), left in place if already there."""
+    cur = entry.lru_list
+    if cur is not target:
+        if cur is not None:
+            cur.remove(entry)
+        if target is not None:
+            target.append(entry)
 
 
 def _root_hash() -> int:

@@ -94,6 +94,7 @@ def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
 
 @functools.cache
+@functools.lru_cache(maxsize=1)
 def _fla():
     """fla's gated delta rule kernels, or None when fla is not importable."""
     try:
@@ -115,29 +116,28 @@ def _fla_inputs(q, k, v):
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
+def _fla_rule(which: int, q, k, v, g, beta, initial_state):
+    """fla's chunk (0) or fused recurrent (1) kernel, called by keyword only: the signatures
+    differ between releases (fused_recurrent has gk/gv before beta)."""
+    qq, kk, vv = _fla_inputs(q, k, v)
+    out, state = _fla()[which](q=qq, k=kk, v=vv, g=g.float(), beta=beta.to(vv.dtype),
+                               initial_state=initial_state.float().contiguous(), output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+    return out, state.float()
+
+
 def gated_delta_prefill(q, k, v, g, beta, initial_state, use_fla: bool | None = None):
     """A run of tokens (prefill chunk): fla's chunk kernel on CUDA when present, else torch."""
-    kernels = _fla() if (use_fla is not False and q.is_cuda) else None
-    if kernels is None:
+    if use_fla is False or not q.is_cuda or _fla() is None:
         return chunk_rule(q, k, v, g, beta, initial_state)
-    qq, kk, vv = _fla_inputs(q, k, v)
-    # keywords only: fla's signatures differ between releases (fused_recurrent has gk/gv before beta)
-    out, state = kernels[0](q=qq, k=kk, v=vv, g=g.float(), beta=beta.to(vv.dtype),
-                            initial_state=initial_state.float().contiguous(), output_final_state=True,
-                            use_qk_l2norm_in_kernel=True)
-    return out, state.float()
+    return _fla_rule(0, q, k, v, g, beta, initial_state)
 
 
 def gated_delta_decode(q, k, v, g, beta, initial_state, use_fla: bool | None = None):
     """One token per lane (``T == 1``): fla's fused recurrent kernel on CUDA when present, else torch."""
-    kernels = _fla() if (use_fla is not False and q.is_cuda) else None
-    if kernels is None:
+    if use_fla is False or not q.is_cuda or _fla() is None:
         return recurrent_rule(q, k, v, g, beta, initial_state)
-    qq, kk, vv = _fla_inputs(q, k, v)
-    out, state = kernels[1](q=qq, k=kk, v=vv, g=g.float(), beta=beta.to(vv.dtype),
-                            initial_state=initial_state.float().contiguous(), output_final_state=True,
-                            use_qk_l2norm_in_kernel=True)
-    return out, state.float()
+    return _fla_rule(1, q, k, v, g, beta, initial_state)
 
 
 # -- the layer ---------------------------------------------------------------------------------
@@ -206,16 +206,3 @@ class GatedDeltaNet(nn.Module):
                                           rec_state.unsqueeze(0), self.use_fla)
         return self._finish(core[0], z), new_conv, state[0]
 
-    def decode(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor):
-        """One token for each of ``B`` lanes. ``x`` ``[B, hidden]``; states ``[B, ...]``."""
-        bsz = x.shape[0]
-        mixed, z, b, a = self._project(x)
-        w = self.conv1d.weight[:, 0, :]  # [C, k]
-        window = torch.cat([conv_state.to(mixed.dtype), mixed.unsqueeze(-1)], dim=-1)  # [B, C, k]
-        conv = (window.to(w.dtype) * w).sum(-1)
-        mixed = F.silu(conv).to(mixed.dtype)
-        new_conv = window[:, :, 1:]
-        q, k, v, g, beta = self._heads(mixed, b, a, (bsz, 1))
-        core, state = gated_delta_decode(q, k, v, g.view(bsz, 1, -1), beta.view(bsz, 1, -1), rec_state,
-                                         self.use_fla)
-        return self._finish(core[:, 0], z), new_conv, state

@@ -215,28 +215,27 @@ def _literal(v: str) -> Any:
 _FAIL = object()
 
 
+def _number(s: str) -> Any:
+    """An int, else a finite float, else _FAIL."""
+    try:
+        return int(s)
+    except ValueError:
+        try:
+            f = float(s)
+        except ValueError:
+            return _FAIL
+        return f if math.isfinite(f) else _FAIL
+
+
 def _as(v: str, t: str) -> Any:
     s = v.strip()
     if t == "null":
         return None if s in ("null", "None") else _FAIL
-    if t == "integer":
-        try:
-            return int(s)
-        except ValueError:
-            try:
-                f = float(s)
-            except ValueError:
-                return _FAIL
-            return int(f) if math.isfinite(f) and f.is_integer() else _FAIL
-    if t == "number":
-        try:
-            return int(s)
-        except ValueError:
-            try:
-                f = float(s)
-            except ValueError:
-                return _FAIL
-            return f if math.isfinite(f) else _FAIL
+    if t in ("integer", "number"):
+        x = _number(s)
+        if x is _FAIL or t == "number":
+            return x
+        return int(x) if isinstance(x, float) and x.is_integer() else x if isinstance(x, int) else _FAIL
     if t == "boolean":
         low = s.lower()
         return True if low == "true" else False if low == "false" else _FAIL
