@@ -358,11 +358,28 @@ class ExpertTier:
         self.host_bytes = 0
         self.tokens = 0
         self.calls = 0
+        #: device->host reads the split made (each one a wait for the device); none on a layer
+        #: whose experts are all resident and whose batch takes the gather path
+        self.syncs = 0
+        #: layer calls that computed misses from the host copy
+        self.miss_calls = 0
+        #: a layer call whose gathered slot weights (``tokens x top_k`` experts) would exceed this
+        #: many bytes takes the per-expert loop instead (prefill-sized batches; one read per layer)
+        self.gather_max_bytes = 256 * MiB
         self.cache: ExpertCache | None = None
         self.host: dict[int, _HostLayer] = {}
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pending: dict[int, Any] = {}
+        self._layer_rows: dict[int, tuple[torch.Tensor, int] | None] = {}
+        self._pending: dict[int, tuple[Any, int, int]] = {}  # slot -> (fill event, layer, expert)
         self._stream = None
+        #: the residency the split computes with: ``(layer, expert)`` -> slot or NOT_RESIDENT, on
+        #: the device (``residency``) and its host mirror (``_live``). A pair enters both once its
+        #: slot holds the expert (a blocking fill, or an asynchronous fill whose event completed);
+        #: the device entry is written on the compute stream, so every kernel queued after it
+        #: sees the filled slot, and the two never disagree for a kernel the host reasons about.
+        self.residency: torch.Tensor | None = None
+        self._live = np.zeros((0, 0), dtype=np.int32)
+        self._live_count = np.zeros(self.n_layers, dtype=np.int64)
         self.recorder: _Recorder | None = None
         if trace_file is not None:
             self.recorder = _Recorder(Path(trace_file), self.layers, self.n_expert, self.top_k)
@@ -390,6 +407,9 @@ class ExpertTier:
                 self.cache.open_sized(sizes, self.n_layers, self.n_expert, free_bytes=free_bytes)
                 admission = admission if admission != "first-routed" else "per-layer-first-routed"
             self.cache.set_per_layer_admission(admission == "per-layer-first-routed" or len(blob) > 1)
+            self._live = np.full((self.n_layers, self.n_expert), NOT_RESIDENT, dtype=np.int32)
+            self.residency = torch.full((self.n_layers, self.n_expert), NOT_RESIDENT, dtype=torch.int32,
+                                        device=self.device)
             if self.device.type == "cuda":
                 self._stream = torch.cuda.Stream(self.device)
             if admission == "profile":
@@ -420,8 +440,25 @@ class ExpertTier:
                     break
                 continue
             self.cache.fill_slot_blocking(slot, self.host[layer].packed[expert], self.host[layer].blob)
+        # every fill has finished: publish the whole table at once
+        self._live[:] = self.cache.table
+        self._live_count[:] = (self._live != NOT_RESIDENT).sum(axis=1)
+        self.residency.copy_(torch.from_numpy(self._live))
         if verify:
             self.verify_all()
+
+    def admit_blocking(self, layer: int, expert: int) -> int:
+        """Admit ``(layer, expert)``, fill its slot (blocking) and publish it: its slot, or
+        :data:`NOT_RESIDENT` when there is no room."""
+        if int(self.cache.table[layer, expert]) != NOT_RESIDENT:
+            self.sync()
+            return int(self.cache.table[layer, expert])
+        h = self.host[layer]
+        slot = self.cache.admit(layer, expert, h.blob)
+        if slot != NOT_RESIDENT:
+            self.cache.fill_slot_blocking(slot, h.packed[expert], h.blob)
+            self._publish(layer, expert, slot)
+        return slot
 
     def verify_all(self) -> None:
         """Verify every claimed slot against the host copy; a mismatch refuses to start."""
@@ -436,9 +473,10 @@ class ExpertTier:
                                   hint="the device copy is wrong: check the device; restart without the tier")
 
     def sync(self) -> None:
+        """Wait for the asynchronous fills and publish their slots."""
         if self._pending and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._pending.clear()
+        self._poll(wait=True)
 
     def close(self) -> None:
         if self.recorder is not None:
@@ -446,6 +484,20 @@ class ExpertTier:
             self.recorder = None
 
     # -- the split -------------------------------------------------------------------------
+    def _publish(self, layer: int, expert: int, slot: int) -> None:
+        """``(layer, expert)``'s slot holds the expert now: the split may compute from it."""
+        if self._live[layer, expert] == NOT_RESIDENT:
+            self._live_count[layer] += 1
+        self._live[layer, expert] = slot
+        self.residency[layer, expert] = slot  # a fill kernel on the current stream, no wait
+
+    def _poll(self, wait: bool = False) -> None:
+        """Publish the asynchronous fills that have finished (``ev.query()`` does not wait)."""
+        for slot, (ev, layer, expert) in list(self._pending.items()):
+            if wait or ev is None or ev.query():
+                del self._pending[slot]
+                self._publish(layer, expert, slot)
+
     def _slot_views(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         v = self._views.get(slot)
         if v is None:
@@ -456,73 +508,163 @@ class ExpertTier:
             v = self._views[slot] = (gu, dn)
         return v
 
-    def _ready(self, slot: int) -> bool:
-        ev = self._pending.get(slot)
-        if ev is None:
-            return True
-        if ev.query():
-            del self._pending[slot]
-            return True
-        return False
+    def _rows(self, layer: int) -> tuple[torch.Tensor, int] | None:
+        """The slots ``layer`` can occupy as one typed ``[n, stride]`` view of the arena (each row a
+        slot: the gate_up then the down elements, then padding), and the first of those slots.
+        Uniform slots: the whole arena. Per-layer sized slots: the layer's own range, whose slots
+        all have the layer's size. None when the layer has no slot."""
+        if layer in self._layer_rows:
+            return self._layer_rows[layer]
+        c, h = self.cache, self.host[layer]
+        lo, hi = (0, c.slots) if c.uniform else c.layer_slot_range(layer)
+        rows = None
+        if hi > lo:
+            strides = np.diff(c.off[lo:hi + 1])
+            stride = int(strides[0])
+            elem = torch.empty(0, dtype=h.dtype).element_size()
+            if (strides != stride).any() or stride % elem or int(c.off[lo]) % elem or c.slot_bytes[lo] < h.blob:
+                raise ExpertCacheError(f"layer {layer}'s slots {lo}..{hi - 1} are not of one size that holds "
+                                       f"its {h.blob}-byte experts")
+            typed = c.base.view(h.dtype)
+            rows = (typed.as_strided((hi - lo, stride // elem), (stride // elem, 1), int(c.off[lo]) // elem), lo)
+        self._layer_rows[layer] = rows
+        return rows
+
+    def _gather(self, layer: int, x: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed sum for ``x`` ``[N, hidden]`` from the slots ``slot`` ``[N, top_k]`` (each a
+        valid slot of the layer), weighted by ``weights``: the slots' weights gathered by index
+        and two batched matmuls, all on the device, no host read, no loop over experts."""
+        rows, lo = self._rows(layer)
+        h = self.host[layer]
+        n, k = slot.shape
+        local = slot.reshape(-1)
+        if lo:
+            local = local - lo
+        blobs = rows.index_select(0, local)  # [N*k, stride]: each pick's expert, one copy
+        gu_n, dn_n = h.shape_gu[0] * h.shape_gu[1], h.shape_dn[0] * h.shape_dn[1]
+        gu = blobs[:, :gu_n].view(n * k, *h.shape_gu)  # [P, 2I, hidden]
+        dn = blobs[:, gu_n:gu_n + dn_n].view(n * k, *h.shape_dn)  # [P, hidden, I]
+        xr = x.unsqueeze(1).expand(n, k, x.shape[-1]).reshape(n * k, x.shape[-1], 1)
+        gate, up = torch.bmm(gu, xr).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(dn, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [P, hidden]
+        y = y * weights.reshape(-1, 1)
+        return y.view(n, k, -1).sum(dim=1).to(x.dtype)
+
+    def _read(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """``tensors`` on the host after one wait for the device (counted in ``syncs``)."""
+        self.syncs += 1
+        if self.device.type != "cuda":
+            return list(tensors)
+        out = [t.to("cpu", non_blocking=True) for t in tensors]
+        torch.cuda.current_stream(self.device).synchronize()
+        return out
 
     def routed(self, layer: int, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                experts: Any) -> torch.Tensor:
-        """The routed experts' sum for ``x`` ``[N, hidden]`` (``index``/``weights`` ``[N, top_k]``)."""
-        idx = index.cpu().numpy()
+        """The routed experts' sum for ``x`` ``[N, hidden]`` (``index``/``weights`` ``[N, top_k]``).
+
+        Every pick whose expert is resident is computed on the device from its slot; with all of
+        the layer's experts resident (known on the host) that is all the layer does: no read from
+        the device, routing never leaves it. Otherwise the device marks the picks that miss, one
+        read brings those marks (and ``x``, ``weights``) to the host, the hits are queued on the
+        device and the misses computed from the host copy meanwhile, and the two are added."""
         if self.recorder is not None:
-            self.recorder.add(layer, idx.astype(np.int16))
+            self.recorder.add(layer, index.cpu().numpy().astype(np.int16))
+        n, k = index.shape
         if layer == self.layers[0]:
-            self.tokens += x.shape[0]
+            self.tokens += n
             self.calls += 1
         if not self.offload:
             return experts(x, index, weights)
-        n, k = idx.shape
-        flat = idx.reshape(-1)
+        if n == 0:
+            return torch.zeros_like(x)
+        if self._pending:
+            self._poll()
+        live = int(self._live_count[layer])
+        if n * k * self.host[layer].blob > self.gather_max_bytes:
+            return self._routed_loop(layer, x, index, weights, live)
+        if live == self.n_expert:  # every pick a hit: no read, stats from the shapes
+            self.hits[layer] += n * k
+            return self._gather(layer, x, self.residency[layer][index], weights)
+        slot = self.residency[layer][index]  # [N, k] int32, NOT_RESIDENT for a miss
+        hit = slot >= 0
+        code = torch.where(hit, slot.to(index.dtype), -1 - index)  # a slot, or -1 - the missed expert
+        code_h, xh, wh = self._read(code, x, weights)
+        code_h = code_h.numpy()
+        n_hit = int((code_h >= 0).sum())
+        self.hits[layer] += n_hit
+        self.misses[layer] += n * k - n_hit
+        out = None
+        if n_hit:  # queued before the host work, so the device computes the hits meanwhile
+            safe = torch.where(hit, slot, self._rows(layer)[1])
+            out = self._gather(layer, x, safe, torch.where(hit, weights, torch.zeros_like(weights)))
+        if n_hit == n * k:
+            return out
+        acc = self._host_misses(layer, code_h, xh, wh, k)
+        acc = acc.to(x.device, x.dtype)
+        return acc if out is None else out + acc
+
+    def _routed_loop(self, layer: int, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                     live: int) -> torch.Tensor:
+        """A large batch (prefill): one read of every pick's slot, then one device computation per
+        resident expert routed (as the plain MoE loops over its experts) and the misses on the host."""
+        slot = self.residency[layer][index]
+        code = torch.where(slot >= 0, slot.to(index.dtype), -1 - index)
+        if live == self.n_expert:
+            (code_h,), xh, wh = self._read(code), None, None
+        else:
+            code_h, xh, wh = self._read(code, x, weights)
+        code_h = code_h.numpy()
+        n, k = code_h.shape
+        flat = code_h.reshape(-1)
         order = np.argsort(flat, kind="stable")
-        counts = np.bincount(flat, minlength=self.n_expert)
-        table = self.cache.table[layer]
-        host = self.host[layer]
+        sorted_code = flat[order]
+        first_hit = int(np.searchsorted(sorted_code, 0))  # misses (negative codes) sort first
+        n_hit = flat.size - first_hit
+        self.hits[layer] += n_hit
+        self.misses[layer] += flat.size - n_hit
         out = torch.zeros_like(x)
-        dev_order = torch.from_numpy(order).to(x.device, non_blocking=True)
-        dev_tok = dev_order // k
-        w_sorted = weights.reshape(-1)[dev_order]
-        miss: list[tuple[int, int, int]] = []
-        hits = 0
-        start = 0
-        for e in np.nonzero(counts)[0].tolist():
-            c = int(counts[e])
-            slot = int(table[e])
-            if slot != NOT_RESIDENT and self._ready(slot):
-                gu, dn = self._slot_views(slot, layer)
+        if n_hit:
+            hit_order = order[first_hit:]
+            dev_order = torch.from_numpy(hit_order).to(x.device, non_blocking=True)
+            dev_tok = dev_order // k
+            w_sorted = weights.reshape(-1)[dev_order]
+            slots, starts, counts = np.unique(sorted_code[first_hit:], return_index=True, return_counts=True)
+            for s, start, c in zip(slots.tolist(), starts.tolist(), counts.tolist()):
+                gu, dn = self._slot_views(s, layer)
                 tok = dev_tok[start:start + c]
                 gate, up = F.linear(x[tok], gu).chunk(2, dim=-1)
                 y = F.linear(F.silu(gate) * up, dn) * w_sorted[start:start + c, None]
                 out.index_add_(0, tok, y.to(out.dtype))
-                hits += c
-            else:
-                miss.append((e, start, c))
-            start += c
-        self.hits[layer] += hits
-        self.misses[layer] += n * k - hits
-        if miss:
-            out = out + self._host_compute(x, order, k, weights, host, miss)
-            self.host_bytes += len(miss) * host.blob
-            if self.admission != "profile":
-                self._admit_misses(layer, [e for e, _, _ in miss])
+        if n_hit < flat.size:
+            out = out + self._host_misses(layer, code_h, xh, wh, k).to(x.device, x.dtype)
         return out
 
-    def _host_compute(self, x: torch.Tensor, order: np.ndarray, k: int, weights: torch.Tensor,
-                      host: _HostLayer, miss: list[tuple[int, int, int]]) -> torch.Tensor:
-        xh = x.to("cpu", host.dtype)
-        wh = weights.reshape(-1).to("cpu")[torch.from_numpy(order)]
-        tok_all = torch.from_numpy(order // k)
+    def _host_misses(self, layer: int, code: np.ndarray, xh: torch.Tensor, wh: torch.Tensor,
+                     k: int) -> torch.Tensor:
+        """The missed picks (negative ``code``: ``-1 - expert``) computed from the host copy, each
+        missed expert read once for all its tokens; counts the bytes, admits under first-routed."""
+        host = self.host[layer]
+        flat = code.reshape(-1)
+        pos = np.flatnonzero(flat < 0)
+        miss_expert = -1 - flat[pos]
+        order = np.argsort(miss_expert, kind="stable")
+        pos, miss_expert = pos[order], miss_expert[order]
+        experts, starts, counts = np.unique(miss_expert, return_index=True, return_counts=True)
+        xh = xh.to("cpu", host.dtype)
+        w = wh.reshape(-1).to("cpu")[torch.from_numpy(pos)]
+        tok_all = torch.from_numpy(pos // k)
         acc = torch.zeros(xh.shape, dtype=host.dtype)
-        for e, start, c in miss:
+        for e, start, c in zip(experts.tolist(), starts.tolist(), counts.tolist()):
             tok = tok_all[start:start + c]
             gate, up = F.linear(xh[tok], host.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, host.down[e]) * wh[start:start + c, None]
+            y = F.linear(F.silu(gate) * up, host.down[e]) * w[start:start + c, None]
             acc.index_add_(0, tok, y.to(acc.dtype))
-        return acc.to(x.device, x.dtype, non_blocking=False)
+        self.miss_calls += 1
+        self.host_bytes += len(experts) * host.blob
+        if self.admission != "profile":
+            self._admit_misses(layer, experts.tolist())
+        return acc
 
     def _admit_misses(self, layer: int, experts: list[int]) -> None:
         host = self.host[layer]
@@ -535,8 +677,10 @@ class ExpertTier:
                     return
                 break
             ev = self.cache.fill_slot(slot, host.packed[e], self._stream, host.blob)
-            if ev is not None:
-                self._pending[slot] = ev
+            if ev is None:  # the copy is done (CPU)
+                self._publish(layer, e, slot)
+            else:  # published by _poll once the event has completed
+                self._pending[slot] = (ev, layer, e)
 
     # -- stats -----------------------------------------------------------------------------
     def blob_bytes(self) -> int:
@@ -557,12 +701,14 @@ class ExpertTier:
             "tokens": self.tokens, "host_bytes": self.host_bytes,
             "host_bytes_per_token": (self.host_bytes / self.tokens) if self.tokens else None,
             "recording": self.recorder is not None,
+            "syncs": self.syncs, "miss_calls": self.miss_calls,
         }
 
     def reset_stats(self) -> None:
         self.hits[:] = 0
         self.misses[:] = 0
         self.host_bytes = self.tokens = self.calls = 0
+        self.syncs = self.miss_calls = 0
 
 
 def expert_stats(model: Any) -> dict[str, Any] | None:

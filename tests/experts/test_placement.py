@@ -73,7 +73,8 @@ def test_builtin_offloaded_experts_are_host_tensors_the_tier_adopts():
     tier = attach_expert_tier(m, _tier_settings())
     _assert_adopted(m, tier, ptrs)
     for _ in range(2):  # misses from the host arrays, then hits from slots filled from them
-        torch.testing.assert_close(m.forward_tokens(PROMPT), want, rtol=1e-5, atol=1e-5)
+        # hits are batched matmuls summed over top_k, not the plain layer's per-expert loop: fp32 rounding
+        torch.testing.assert_close(m.forward_tokens(PROMPT), want, rtol=1e-4, atol=1e-4)
     st = tier.stats()
     assert st["resident"] == 24 and st["hit_rate"] > 0
 
@@ -176,7 +177,7 @@ def test_checkpoint_offloaded_load_matches_resident(hf_moe, tmp_path, layout):
     tier = attach_expert_tier(m, _tier_settings(budget_slots=12, admission="per-layer-first-routed"))
     _assert_adopted(m, tier, ptrs)
     for _ in range(2):
-        torch.testing.assert_close(m.forward_tokens(PROMPT), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(m.forward_tokens(PROMPT), want, rtol=1e-4, atol=1e-4)
 
 
 class _DeviceAllocations(TorchDispatchMode):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpc_cli.model.expert_profile import build_profile, synthetic_trace, trace_counts
 from hpc_cli.model.experts import NOT_RESIDENT, POLICIES, ExpertTier, expert_stats
+from hpc_cli.model.moe import Experts
 
 from .helpers import tiny_moe
 
@@ -37,14 +39,17 @@ def reference():
     return m.forward_tokens(PROMPT), _decode_logits(m, PROMPT)
 
 
+@pytest.mark.parametrize("path", ["gather", "loop"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 1.0])
-def test_split_equals_all_resident(policy, fraction, reference):
+def test_split_equals_all_resident(policy, fraction, path, reference):
     ref_prefill, ref_decode = reference
     m = tiny_moe()
     c = m.config
     slots = int(fraction * c.num_hidden_layers * c.num_experts)
     tier = ExpertTier(m, slots=slots, admission=policy, profile=_profile(m, slots), verify=True)
+    if path == "loop":  # every batch takes the per-expert loop (prefill-sized batches do)
+        tier.gather_max_bytes = 0
     assert all(layer.mlp.experts.gate_up_proj is None for layer in m.layers)  # the device copy is gone
     for _ in range(2):  # the second pass runs on what the first-routed policies admitted
         torch.testing.assert_close(m.forward_tokens(PROMPT), ref_prefill, rtol=1e-4, atol=1e-4)
@@ -70,8 +75,7 @@ def test_all_slots_resident_reads_nothing_from_host():
     # admit everything up front: then no token misses
     for layer in range(c.num_hidden_layers):
         for e in range(c.num_experts):
-            slot = tier.cache.admit(layer, e, tier.host[layer].blob)
-            tier.cache.fill_slot_blocking(slot, tier.host[layer].packed[e], tier.host[layer].blob)
+            assert tier.admit_blocking(layer, e) != NOT_RESIDENT
     tier.verify_all()
     m.forward_tokens(PROMPT)
     st = tier.stats()
@@ -110,3 +114,135 @@ def test_trace_recorded_while_running(tmp_path):
     x = torch.randn(3, m.config.hidden_size)
     _, idx = m.layers[0].mlp.route(x)
     assert idx.shape == (3, m.config.num_experts_per_tok)
+
+
+# -- the resident path stays on the device ----------------------------------------------------------
+_SYNCING_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal",
+                "aten::_unique", "aten::_unique2", "aten::unique_consecutive", "aten::unique_dim"}
+
+
+class _NoHostRead(TorchDispatchMode):
+    """Ops that read a tensor's values to the host (``.item()``, ``bool()``, ``nonzero``, ``unique``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in _SYNCING_OPS:
+            self.seen.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def _guard_routed(tier, monkeypatch):
+    """Run ``tier.routed`` under :class:`_NoHostRead` with ``Tensor.cpu/tolist/item/numpy`` refused
+    (only inside it: the rest of the model may use them)."""
+    inside = [False]
+    mode = _NoHostRead()
+    for name in ("cpu", "tolist", "item", "numpy"):
+        orig = getattr(torch.Tensor, name)
+
+        def refuse(self, *a, _orig=orig, _name=name, **kw):
+            if inside[0]:
+                raise AssertionError(f"Tensor.{_name}() on the resident path")
+            return _orig(self, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    routed = tier.routed
+
+    def guarded(*a, **kw):
+        inside[0] = True
+        try:
+            with mode:
+                return routed(*a, **kw)
+        finally:
+            inside[0] = False
+    monkeypatch.setattr(tier, "routed", guarded)
+    return mode
+
+
+def _all_resident_tier(m):
+    c = m.config
+    n = c.num_hidden_layers * c.num_experts
+    return ExpertTier(m, slots=n, admission="profile", profile=_profile(m, n))
+
+
+def test_all_resident_path_never_reads_the_device(reference, monkeypatch):
+    """100% of the pairs resident: no read from the device, no miss path, no loop over experts;
+    hits counted from the shapes."""
+    ref_prefill, ref_decode = reference
+    m = tiny_moe()
+    c = m.config
+    tier = _all_resident_tier(m)
+    assert (tier._live_count == c.num_experts).all()
+    assert tier.residency.dtype == torch.int32 and tuple(tier.residency.shape) == (c.num_hidden_layers,
+                                                                                   c.num_experts)
+    mode = _guard_routed(tier, monkeypatch)
+    torch.testing.assert_close(m.forward_tokens(PROMPT), ref_prefill, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_decode_logits(m, PROMPT), ref_decode, rtol=1e-4, atol=1e-4)
+    assert mode.seen == []
+    st = tier.stats()
+    assert st["syncs"] == 0 and st["miss_calls"] == 0
+    assert st["hit_rate"] == 1.0 and st["hit_rate_per_layer"] == [1.0] * c.num_hidden_layers
+    assert st["host_bytes"] == 0 and st["host_bytes_per_token"] == 0
+    picks = (len(PROMPT) + len(PROMPT) + 4) * c.num_experts_per_tok  # forward_tokens, prefill, 4 decode steps
+    assert tier.hits.tolist() == [picks] * c.num_hidden_layers and tier.misses.sum() == 0
+
+
+def test_the_guard_sees_the_miss_path(monkeypatch):
+    """The guard above is not vacuous: a tier with misses trips it."""
+    m = tiny_moe()
+    ExpertTier(m, slots=0, admission="per-layer-first-routed")
+    _guard_routed(m.expert_tier, monkeypatch)
+    with pytest.raises(AssertionError, match="resident path"):
+        m.forward_tokens(PROMPT)
+
+
+def test_only_layers_with_non_resident_experts_read():
+    """Layer 0 fully resident, the others partly: one read per call of each partial layer, none
+    for layer 0; stats per layer add up to the picks."""
+    m = tiny_moe()
+    c = m.config
+    L, E, k = c.num_hidden_layers, c.num_experts, c.num_experts_per_tok
+    tier = ExpertTier(m, slots=E + (L - 1) * 2, admission="first-routed")
+    for e in range(E):
+        tier.admit_blocking(0, e)
+    for layer in range(1, L):
+        for e in range(2):
+            tier.admit_blocking(layer, e)
+    ref = tiny_moe().forward_tokens(PROMPT)
+    torch.testing.assert_close(m.forward_tokens(PROMPT), ref, rtol=1e-4, atol=1e-4)
+    assert tier.syncs == L - 1  # one forward: every layer but the first read once
+    assert tier.hits[0] == len(PROMPT) * k and tier.misses[0] == 0
+    assert ((tier.hits + tier.misses) == len(PROMPT) * k).all()
+    assert tier.miss_calls == L - 1
+    st = tier.stats()
+    assert st["hit_rate_per_layer"][0] == 1.0 and all(h < 1.0 for h in st["hit_rate_per_layer"][1:])
+    assert st["host_bytes"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("resident", [0, 5, 16])
+@pytest.mark.parametrize("path", ["gather", "loop"])
+def test_layer_equals_plain_experts(dtype, resident, path):
+    """One layer call against the plain fused experts of the same weights, at a decode and a
+    prefill batch, with 0, some and all of the layer's experts resident."""
+    m = tiny_moe()
+    c = m.config
+    plain = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, dtype=dtype)
+    with torch.no_grad():
+        plain.gate_up_proj.copy_(m.layers[1].mlp.experts.gate_up_proj)
+        plain.down_proj.copy_(m.layers[1].mlp.experts.down_proj)
+    m.to(dtype)
+    tier = ExpertTier(m, slots=c.num_hidden_layers * c.num_experts, admission="first-routed")
+    if path == "loop":
+        tier.gather_max_bytes = 0
+    for e in range(resident):
+        tier.admit_blocking(1, (3 * e) % c.num_experts)
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 3, 40):
+        x = torch.randn(n, c.hidden_size, generator=gen).to(dtype)
+        w, idx = m.layers[1].mlp.route(x)
+        want = plain(x, idx, w)
+        got = tier.routed(1, x, idx, w, None)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got, want, **tol)
