@@ -105,6 +105,32 @@ class PagedKVStorage:
             out.append(self.profile.dequantize(parts, side, dtype, self._gs(layer, side)))
         return out[0], out[1]
 
+    def paged_attention_supported(self, num_heads: int) -> bool:
+        """Whether :meth:`decode_attention` can read this pool directly (CUDA, Triton, a built-in
+        profile's formats, a head_dim the kernel takes)."""
+        if self._formats is None or self.device.type != "cuda" or num_heads % self.kv_heads:
+            return False
+        from hpc_kernels import kv_quant
+
+        if not kv_quant.use_triton(self._formats["k"], self.device, self.head_dim):
+            return False
+        from hpc_kernels import paged_attention
+
+        return paged_attention.supports(self._formats["k"], self._formats["v"], self.head_dim, num_heads,
+                                        self.kv_heads)
+
+    def decode_attention(self, layer: int, q: torch.Tensor, tables: torch.Tensor, seqlens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """One query per lane (``q`` ``[B, H, D]``) over the lane's pages (``tables`` ``[B, W]``,
+        the first ``seqlens[b]`` tokens), read from the planes without a dequantised copy."""
+        from hpc_kernels import paged_attention
+
+        planes = self.planes[layer]
+        gs = [float(self._gs(layer, s)) if self.profile.uses_global_scale else 1.0 for s in ("k", "v")]
+        return paged_attention.paged_decode_attention(
+            q, self._formats["k"], [planes[i] for i in self._side_idx["k"]], gs[0],
+            self._formats["v"], [planes[i] for i in self._side_idx["v"]], gs[1], tables, seqlens, scale)
+
     def set_global_scale(self, layer: int, side: str, value: float) -> None:
         """Set a layer side's NVFP4 global scale; only before that layer holds data, since the
         stored codes are relative to it (it is part of the cache file's fingerprint)."""

@@ -71,6 +71,72 @@ def _groups(tables: Sequence[Sequence[int]], positions: Sequence[int], page: int
             for n, lanes in sorted(by.items())]
 
 
+def table_width(tables: Sequence[Sequence[int]], starts: Sequence[int], T: int, page: int) -> int:
+    """Pages the widest lane needs for its last column, rounded up to a power of two (>= 8), so
+    CUDA graphs keyed by the width serve many context lengths."""
+    need = max(max((s + T - 1) // page + 1 for s in starts), max(len(t) for t in tables), 1)
+    return max(8, 1 << (need - 1).bit_length())
+
+
+@dataclass
+class ColumnIndex:
+    """Every index a column pass reads, built once per pass (not per layer) and moved to the device
+    in ONE copy: rows are ``b * T + t``.
+
+    ``tokens``/``positions`` ``[B*T]``, ``slots`` ``[B]`` state slots, ``write`` ``[T, B]`` the KV slot
+    of column ``t`` of lane ``b``, ``seqlens`` ``[T, B]`` keys column ``t`` reads, ``rows`` ``[T, B]``,
+    ``tables`` ``[B, W]`` page tables (padded with page 0, never read past ``seqlens``). ``host``
+    keeps the lists for the gather + SDPA attention path."""
+
+    B: int
+    T: int
+    W: int
+    packed: torch.Tensor
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    write: torch.Tensor
+    seqlens: torch.Tensor
+    rows: torch.Tensor
+    tables: torch.Tensor
+    host: tuple | None = None
+
+    @staticmethod
+    def pack(tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]], slots: Sequence[int],
+             page: int, W: int) -> torch.Tensor:
+        """The int64 host buffer :meth:`view` reads (one H2D copy)."""
+        B, T = tokens.shape
+        t = torch.arange(T, dtype=torch.long)
+        st = torch.tensor(list(starts), dtype=torch.long)
+        pos = st[:, None] + t[None, :]  # [B, T]
+        tab = torch.zeros(B, W, dtype=torch.long)
+        for b, bt in enumerate(tables):
+            need = (starts[b] + T - 1) // page + 1
+            assert len(bt) >= need, f"block table has {len(bt)} pages, position {starts[b] + T - 1} needs {need}"
+            tab[b, :min(len(bt), W)] = torch.tensor(list(bt[:W]), dtype=torch.long)
+        write = tab.gather(1, pos // page) * page + pos % page  # [B, T]
+        rows = torch.arange(B, dtype=torch.long)[:, None] * T + t[None, :]
+        return torch.cat([tokens.reshape(-1).cpu().long(), pos.reshape(-1), torch.tensor(list(slots), dtype=torch.long),
+                          write.t().reshape(-1), (pos + 1).t().reshape(-1), rows.t().reshape(-1), tab.reshape(-1)])
+
+    @classmethod
+    def view(cls, packed: torch.Tensor, B: int, T: int, W: int, host: tuple | None = None) -> "ColumnIndex":
+        n = B * T
+        parts = torch.split(packed, [n, n, B, n, n, n, B * W])
+        return cls(B, T, W, packed, parts[0], parts[1], parts[2], parts[3].view(T, B), parts[4].view(T, B),
+                   parts[5].view(T, B), parts[6].view(B, W), host)
+
+    @classmethod
+    def build(cls, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
+              slots: Sequence[int], page: int, device: torch.device) -> "ColumnIndex":
+        B, T = tokens.shape
+        W = table_width(tables, starts, T, page)
+        packed = cls.pack(tokens, starts, tables, slots, page, W)
+        if device.type == "cuda":
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        return cls.view(packed, B, T, W, (list(starts), [list(t) for t in tables]))
+
+
 @dataclass
 class ColumnsOut:
     logits: torch.Tensor  # [B, T, vocab]
@@ -108,27 +174,30 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec0:
     return out, window, (torch.stack(states, dim=1) if keep_all else state)
 
 
-def _attention(attn, h, n: int, B: int, T: int, starts, tables, kv, layer: int, cos, sin, R: int):
+def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int):
     q, gate, k, v = blocks(attn.qkv, R, h, cos, sin)
     page = kv.page_tokens
     o_rows = q.new_zeros(q.shape)
-    lanes = torch.arange(B, device=h.device) * T
-    for t in range(T):  # column t's K/V is written just before column t reads the pages, as in decode
-        idx = lanes + t
+    paged = kv.paged_attention_supported(attn.n_heads)
+    for t in range(idx.T):  # column t's K/V is written just before column t reads the pages, as in decode
+        rows = idx.rows[t]
+        kv.write(layer, idx.write[t], k.index_select(0, rows), v.index_select(0, rows))
+        if paged:  # straight from the pages; one launch pair whatever the lanes' spans
+            o = kv.decode_attention(layer, q.index_select(0, rows), idx.tables, idx.seqlens[t], attn.scale)
+            o_rows.index_copy_(0, rows, o)
+            continue
+        starts, tables = idx.host
         positions = [s + t for s in starts]
-        write = torch.tensor([tables[b][p // page] * page + p % page for b, p in enumerate(positions)],
-                             dtype=torch.long, device=h.device)
-        kv.write(layer, write, k.index_select(0, idx), v.index_select(0, idx))
-        pos = torch.tensor(positions, dtype=torch.long, device=h.device)
+        pos = idx.seqlens[t] - 1
         for sel, pages, width in _groups(tables, positions, page, h.device):
             G, span = sel.shape[0], width * page
             keys, values = kv.gather(layer, pages, G * span, q.dtype)
             keys = keys.view(G, span, attn.n_kv, attn.head_dim).transpose(1, 2)
             values = values.view(G, span, attn.n_kv, attn.head_dim).transpose(1, 2)
             mask = (torch.arange(span, device=h.device)[None, :] <= pos.index_select(0, sel)[:, None])[:, None, None]
-            rows = idx.index_select(0, sel)
-            o = attn.attend(q.index_select(0, rows)[:, :, None, :], keys, values, mask)  # [G, H, 1, d]
-            o_rows.index_copy_(0, rows, o[:, :, 0, :])
+            sel_rows = rows.index_select(0, sel)
+            o = attn.attend(q.index_select(0, sel_rows)[:, :, None, :], keys, values, mask)  # [G, H, 1, d]
+            o_rows.index_copy_(0, sel_rows, o[:, :, 0, :])
     return blocks(attn.finish, R, o_rows, gate)
 
 
@@ -138,18 +207,24 @@ def columns_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Seq
     """Score ``tokens`` ``[B, T]`` at ``starts[b] + t``. With ``keep_all`` the slots are left
     untouched and the conv windows and recurrent states after every column come back; without it
     the state after the last column (and the last hidden) is written to each lane's slot."""
-    dev = model.device
-    tokens = tokens.to(dev)
     B, T = tokens.shape
     assert len(starts) == len(tables) == len(slots) == B, "one start, block table and state slot per lane"
     assert len(set(slots)) == B, f"lanes share a state slot: {list(slots)}"
+    idx = ColumnIndex.build(tokens, starts, tables, slots, kv.page_tokens, model.device)
+    return columns_core(model, idx, kv, states, keep_all=keep_all, capture=capture, logits=logits)
+
+
+def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture: Sequence[int] = (),
+                 logits: bool = True) -> ColumnsOut:
+    """The column pass over device indices only: no host reads, no shapes that depend on values,
+    so it can be captured in a CUDA graph (:mod:`hpc_cli.model.graphs`)."""
+    B, T = idx.B, idx.T
     R = row_block(model)
     n = B * T
     n_pad = -(-n // R) * R
-    pos = torch.tensor(list(starts), dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)[None]
-    slot_t = torch.tensor(list(slots), dtype=torch.long, device=dev)
-    flat_pos = _pad_rows(pos.reshape(-1), n_pad)
-    flat_tok = _pad_rows(tokens.reshape(-1), n_pad)
+    slot_t = idx.slots
+    flat_pos = _pad_rows(idx.positions, n_pad)
+    flat_tok = _pad_rows(idx.tokens, n_pad)
     cos, sin = blocks(lambda p: model.rotary.cos_sin(p, model.dtype), R, flat_pos)
     x = blocks(model._embed, R, flat_tok)
     capture = set(capture)
@@ -169,7 +244,7 @@ def columns_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Seq
                 conv.index_copy_(0, slot_t, window[:, :, -K1:].to(conv.dtype))
                 rec.index_copy_(0, slot_t, st)
         else:
-            out = _attention(layer.self_attn, h, n, B, T, starts, tables, kv, model.kv_index[i], cos, sin, R)
+            out = _attention(layer.self_attn, h, idx, kv, model.kv_index[i], cos, sin, R)
 
         if isinstance(layer.mlp, SparseMoE):
             # Routing depends on which tokens share a call, so the MoE is not row-blocked (MoE has

@@ -113,6 +113,8 @@ class HybridModel(nn.Module):
         #: rows per block of decode's and verify's row-wise ops (hpc_cli.model.columns); decode and
         #: verify agree bit for bit only under the same value, so set it before serving
         self.row_block: int | None = None
+        #: CUDA graphs of decode steps (hpc_cli.model.graphs); None until the first decode decides
+        self._graphs = None
         self.lm_head = Linear(config.hidden_size, config.vocab_size, **fk)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -239,11 +241,22 @@ class HybridModel(nn.Module):
         same code with ``k + 1`` columns, computes every column bit-identically to this."""
         from hpc_cli.model.columns import columns_pass
 
-        tokens = self._tokens(tokens)
+        if not torch.is_tensor(tokens):
+            tokens = torch.tensor(list(tokens), dtype=torch.long)
+        tokens = tokens.reshape(-1).long()
         bsz = tokens.shape[0]
         assert len(positions) == len(block_tables) == len(state_slots) == bsz, \
             "decode needs one position, block table and state slot per token"
         assert len(set(state_slots)) == bsz, f"decode lanes share a state slot: {list(state_slots)}"
+        if self.device.type == "cuda":
+            from hpc_cli.model.graphs import DecodeGraphs
+
+            if DecodeGraphs.wanted(self, kv):
+                if self._graphs is None:
+                    self._graphs = DecodeGraphs(self)
+                if not self._graphs.disabled:
+                    return self._graphs.decode(tokens.cpu(), list(positions), block_tables, list(state_slots),
+                                               kv, states)
         out = columns_pass(self, tokens.view(bsz, 1), list(positions), block_tables, list(state_slots), kv, states,
                            keep_all=False)
         return out.logits[:, 0]
