@@ -5,7 +5,10 @@ A Qwen3.5-MoE checkpoint of the 35B-A3B class often does not fit a GPU with room
 :class:`ExpertCache` of ``slots`` device slots holds a copy of some of them; each MoE layer then
 splits every token's routed experts into *resident* ones (computed on the device from their
 slots) and *misses* (computed on the host from the host copy), and adds the two. Router and
-shared expert stay on the device. The design is ``shared/spec/expert-cache.hpp`` (R4):
+shared expert stay on the device. A layer whose experts are all resident never reads from the
+device: the picks' slots come from a device residency tensor and their weights are gathered from
+the slot arena into batched matmuls (:meth:`ExpertTier.routed`). The design is
+``shared/spec/expert-cache.hpp`` (R4):
 
 * slot storage of uniform or per-slot sizes, checked against the device's free memory;
 * the residency table ``(layer, expert) -> slot`` or :data:`NOT_RESIDENT`, bounds-checked;
@@ -363,8 +366,12 @@ class ExpertTier:
         self.syncs = 0
         #: layer calls that computed misses from the host copy
         self.miss_calls = 0
-        #: a layer call whose gathered slot weights (``tokens x top_k`` experts) would exceed this
-        #: many bytes takes the per-expert loop instead (prefill-sized batches; one read per layer)
+        #: a layer call of more than this many picks (``tokens x top_k``) takes the per-expert loop
+        #: (prefill-sized batches, where reading each routed expert once beats gathering it per
+        #: pick; one read per layer, as the plain MoE's loop makes); fewer: the device-only gather
+        self.gather_max_picks = 4 * self.n_expert
+        #: the gather copies each pick's expert: it runs over the tokens in chunks whose copies
+        #: stay under this many bytes
         self.gather_max_bytes = 256 * MiB
         self.cache: ExpertCache | None = None
         self.host: dict[int, _HostLayer] = {}
@@ -535,8 +542,12 @@ class ExpertTier:
         valid slot of the layer), weighted by ``weights``: the slots' weights gathered by index
         and two batched matmuls, all on the device, no host read, no loop over experts."""
         rows, lo = self._rows(layer)
-        h = self.host[layer]
         n, k = slot.shape
+        chunk = max(1, self.gather_max_bytes // (k * rows.shape[1] * rows.element_size()))
+        if n > chunk:  # bound the copies: a few token chunks (not a loop over experts)
+            return torch.cat([self._gather(layer, x[i:i + chunk], slot[i:i + chunk], weights[i:i + chunk])
+                              for i in range(0, n, chunk)])
+        h = self.host[layer]
         local = slot.reshape(-1)
         if lo:
             local = local - lo
@@ -581,7 +592,7 @@ class ExpertTier:
         if self._pending:
             self._poll()
         live = int(self._live_count[layer])
-        if n * k * self.host[layer].blob > self.gather_max_bytes:
+        if n * k > self.gather_max_picks:
             return self._routed_loop(layer, x, index, weights, live)
         if live == self.n_expert:  # every pick a hit: no read, stats from the shapes
             self.hits[layer] += n * k

@@ -21,8 +21,9 @@ def _model():
     return m.eval()
 
 
+@pytest.mark.parametrize("path", ["gather", "loop"])
 @pytest.mark.parametrize("policy", ["profile", "first-routed", "per-layer-first-routed"])
-def test_split_on_cuda(policy):
+def test_split_on_cuda(policy, path):
     prompt = list(range(5, 69))
     ref = _model().forward_tokens(prompt)
     m = _model()
@@ -30,6 +31,8 @@ def test_split_on_cuda(policy):
     prof = build_profile(trace_counts(synthetic_trace(100, c.num_hidden_layers, c.num_experts,
                                                       c.num_experts_per_tok), c.num_experts), 24)
     tier = ExpertTier(m, slots=24, admission=policy, profile=prof, verify=True)
+    if path == "loop":
+        tier.gather_max_picks = 0
     assert tier.host[0].packed.is_pinned() and tier.cache.base.is_cuda
     for _ in range(3):
         torch.testing.assert_close(m.forward_tokens(prompt), ref, rtol=1e-4, atol=1e-4)
@@ -40,3 +43,64 @@ def test_split_on_cuda(policy):
     tier.cache.device_slot(slot)[3] ^= 1
     with pytest.raises(Exception, match="differs from the host copy"):
         tier.verify_all()
+
+
+def _all_resident(m):
+    c = m.config
+    n = c.num_hidden_layers * c.num_experts
+    prof = build_profile(trace_counts(synthetic_trace(100, c.num_hidden_layers, c.num_experts,
+                                                      c.num_experts_per_tok), c.num_experts) + 1, n)
+    return ExpertTier(m, slots=n, admission="profile", profile=prof, verify=True)
+
+
+def test_all_resident_path_does_not_synchronize():
+    """Every pair resident: the split layer never waits for the device (CUDA's sync debug mode
+    raises on any synchronising call inside it) and equals the all-on-device model."""
+    prompt = list(range(5, 69))
+    ref = _model().forward_tokens(prompt)
+    m = _model()
+    tier = _all_resident(m)
+    routed = tier.routed
+
+    def guarded(*a, **kw):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return routed(*a, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    tier.routed = guarded
+    for _ in range(2):
+        torch.testing.assert_close(m.forward_tokens(prompt), ref, rtol=1e-4, atol=1e-4)
+    st = tier.stats()
+    assert st["syncs"] == 0 and st["miss_calls"] == 0 and st["hit_rate"] == 1.0 and st["host_bytes"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("resident", [0, 5, 16])
+@pytest.mark.parametrize("path", ["gather", "chunked", "loop"])
+def test_layer_equals_plain_experts_on_cuda(dtype, resident, path):
+    from hpc_cli.model.moe import Experts
+
+    m = HybridModel(tiny_moe_config(), device="cuda", dtype=dtype)
+    init_seeded(m, 7)
+    m.eval()
+    c = m.config
+    plain = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        plain.gate_up_proj.copy_(m.layers[1].mlp.experts.gate_up_proj)
+        plain.down_proj.copy_(m.layers[1].mlp.experts.down_proj)
+    tier = ExpertTier(m, slots=c.num_hidden_layers * c.num_experts, admission="first-routed")
+    if path == "loop":
+        tier.gather_max_picks = 0
+    if path == "chunked":  # one token a gather
+        tier.gather_max_bytes = 1
+    for e in range(resident):
+        tier.admit_blocking(1, (3 * e) % c.num_experts)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for n in (1, 3, 40):
+        x = torch.randn(n, c.hidden_size, generator=gen, device="cuda").to(dtype)
+        w, idx = m.layers[1].mlp.route(x)
+        want = plain(x, idx, w)
+        got = tier.routed(1, x, idx, w, None)
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got, want, **tol)

@@ -49,7 +49,7 @@ def test_split_equals_all_resident(policy, fraction, path, reference):
     slots = int(fraction * c.num_hidden_layers * c.num_experts)
     tier = ExpertTier(m, slots=slots, admission=policy, profile=_profile(m, slots), verify=True)
     if path == "loop":  # every batch takes the per-expert loop (prefill-sized batches do)
-        tier.gather_max_bytes = 0
+        tier.gather_max_picks = 0
     assert all(layer.mlp.experts.gate_up_proj is None for layer in m.layers)  # the device copy is gone
     for _ in range(2):  # the second pass runs on what the first-routed policies admitted
         torch.testing.assert_close(m.forward_tokens(PROMPT), ref_prefill, rtol=1e-4, atol=1e-4)
@@ -166,13 +166,16 @@ def _all_resident_tier(m):
     return ExpertTier(m, slots=n, admission="profile", profile=_profile(m, n))
 
 
-def test_all_resident_path_never_reads_the_device(reference, monkeypatch):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_all_resident_path_never_reads_the_device(reference, monkeypatch, chunked):
     """100% of the pairs resident: no read from the device, no miss path, no loop over experts;
     hits counted from the shapes."""
     ref_prefill, ref_decode = reference
     m = tiny_moe()
     c = m.config
     tier = _all_resident_tier(m)
+    if chunked:
+        tier.gather_max_bytes = 1
     assert (tier._live_count == c.num_experts).all()
     assert tier.residency.dtype == torch.int32 and tuple(tier.residency.shape) == (c.num_hidden_layers,
                                                                                    c.num_experts)
@@ -222,7 +225,7 @@ def test_only_layers_with_non_resident_experts_read():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("resident", [0, 5, 16])
-@pytest.mark.parametrize("path", ["gather", "loop"])
+@pytest.mark.parametrize("path", ["gather", "chunked", "loop"])
 def test_layer_equals_plain_experts(dtype, resident, path):
     """One layer call against the plain fused experts of the same weights, at a decode and a
     prefill batch, with 0, some and all of the layer's experts resident."""
@@ -235,7 +238,9 @@ def test_layer_equals_plain_experts(dtype, resident, path):
     m.to(dtype)
     tier = ExpertTier(m, slots=c.num_hidden_layers * c.num_experts, admission="first-routed")
     if path == "loop":
-        tier.gather_max_bytes = 0
+        tier.gather_max_picks = 0
+    if path == "chunked":  # one token a gather
+        tier.gather_max_bytes = 1
     for e in range(resident):
         tier.admit_blocking(1, (3 * e) % c.num_experts)
     gen = torch.Generator().manual_seed(3)
