@@ -1,4 +1,4 @@
-"""CUDA graphs of decode's column pass.
+"""CUDA graphs of the column pass (decode steps and speculative verify passes).
 
 A decode step of a hybrid model is hundreds of small kernels (for each layer: norms, projections,
 the conv window, the gated delta rule or paged attention, the MLP); launched one by one from
@@ -7,7 +7,7 @@ launch.
 
 :func:`hpc_cli.model.columns.columns_core` reads only device tensors (the packed
 :class:`~hpc_cli.model.columns.ColumnIndex`) and has no value-dependent shapes when the pool is
-read by the paged attention kernel, so one graph per ``(lanes, table width)`` serves every step:
+read by the paged attention kernel, so one graph per ``(lanes, columns, table width, outputs)`` serves every step:
 a replay first copies the step's packed index (tokens, positions, slots, KV write slots, lengths,
 page tables) into the graph's static buffer, in one host-to-device copy.
 
@@ -16,6 +16,9 @@ page tables) into the graph's static buffer, in one host-to-device copy.
   written twice.
 * A replay runs exactly the kernels of the eager pass with the same shapes, so its results are
   the eager pass's bits: decode and the speculative verify pass stay bit-identical.
+* The speculative verify pass (``T = k + 1`` columns, per-column states kept) runs through the
+  same graphs; its static outputs are consumed within the round. Each such graph holds its
+  per-column recurrent states (``B * T`` images of every GDN layer's fp32 state) for its lifetime.
 * Graphs bake in the KV pool's and the state slots' storage (the key holds their ids) and the
   NVFP4 global scales (also in the key).
 * Used for dense models on CUDA with a pool the paged kernel reads; MoE layers route on values
@@ -47,8 +50,8 @@ class _Graph:
     out: ColumnsOut
 
 
-class DecodeGraphs:
-    """The graphs of one model's decode steps."""
+class ColumnGraphs:
+    """The graphs of one model's column passes (decode steps and speculative verify passes)."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -69,43 +72,54 @@ class DecodeGraphs:
             return False
         return kv.paged_attention_supported(model.config.num_attention_heads)
 
-    def _key(self, B: int, W: int, kv, states) -> tuple:
+    def _key(self, B: int, T: int, W: int, kv, states, keep_all: bool, capture: tuple, logits: bool) -> tuple:
         scales = tuple(kv.global_scales.flatten().tolist()) if kv.profile.uses_global_scale else ()
-        return (B, W, id(kv), id(states), scales, int(getattr(self.model, "row_block", None) or 0))
+        return (B, T, W, keep_all, capture, logits, id(kv), id(states), scales,
+                int(getattr(self.model, "row_block", None) or 0))
 
     def decode(self, tokens: torch.Tensor, positions: Sequence[int], tables: Sequence[Sequence[int]],
                slots: Sequence[int], kv, states) -> torch.Tensor:
         """Logits ``[B, vocab]`` of one decode step (``tokens`` ``[B]`` on the host)."""
+        out = self.run(tokens.view(-1, 1), positions, tables, slots, kv, states, keep_all=False)
+        return out.logits[:, 0].clone()
+
+    def run(self, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
+            slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = (),
+            logits: bool = True) -> ColumnsOut:
+        """The column pass of ``tokens`` ``[B, T]`` (on the host) through a graph. The result's
+        tensors are the graph's static outputs: valid until the next run with the same shape
+        (decode clones its logits; the speculative round consumes its verify result at once)."""
         model = self.model
-        B = tokens.shape[0]
-        toks = tokens.view(B, 1)
+        B, T = tokens.shape
         page = kv.page_tokens
-        W = table_width(tables, positions, 1, page)
-        packed = ColumnIndex.pack(toks, positions, tables, slots, page, W).pin_memory()
-        key = self._key(B, W, kv, states)
+        W = table_width(tables, starts, T, page)
+        packed = ColumnIndex.pack(tokens, starts, tables, slots, page, W).pin_memory()
+        capture = tuple(sorted(set(capture)))
+        key = self._key(B, T, W, kv, states, keep_all, capture, logits)
         entry = self.graphs.get(key)
         if entry is None and key in self.seen and len(self.graphs) < MAX_GRAPHS:
-            entry = self._capture(key, packed, B, W, kv, states)
-        if entry is None:  # the first step of this key (warm-up), or graphs unavailable
+            entry = self._capture(key, packed, B, T, W, kv, states, keep_all, capture, logits)
+        if entry is None:  # the first pass of this key (warm-up), or graphs unavailable
             self.seen.add(key)
-            idx = ColumnIndex.view(packed.to(model.device, non_blocking=True), B, 1, W)
-            return columns_core(model, idx, kv, states, keep_all=False).logits[:, 0]
+            idx = ColumnIndex.view(packed.to(model.device, non_blocking=True), B, T, W)
+            return columns_core(model, idx, kv, states, keep_all=keep_all, capture=capture, logits=logits)
         entry.index.packed.copy_(packed, non_blocking=True)
         entry.graph.replay()
         self.replays += 1
-        return entry.out.logits[:, 0].clone()
+        return entry.out
 
-    def _capture(self, key, packed: torch.Tensor, B: int, W: int, kv, states) -> _Graph | None:
+    def _capture(self, key, packed: torch.Tensor, B: int, T: int, W: int, kv, states, keep_all: bool,
+                 capture: tuple, logits: bool) -> _Graph | None:
         model = self.model
         static = packed.to(model.device)
-        idx = ColumnIndex.view(static, B, 1, W)
+        idx = ColumnIndex.view(static, B, T, W)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
             torch.cuda.synchronize()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = columns_core(model, idx, kv, states, keep_all=False)
+                out = columns_core(model, idx, kv, states, keep_all=keep_all, capture=capture, logits=logits)
         except Exception as exc:  # a kernel or library that cannot be captured: decode eagerly
             self.disabled = f"{type(exc).__name__}: {exc}"
             log.warning("CUDA graph capture failed, decoding without graphs: %s", self.disabled)

@@ -248,18 +248,26 @@ class HybridModel(nn.Module):
         assert len(positions) == len(block_tables) == len(state_slots) == bsz, \
             "decode needs one position, block table and state slot per token"
         assert len(set(state_slots)) == bsz, f"decode lanes share a state slot: {list(state_slots)}"
-        if self.device.type == "cuda":
-            from hpc_cli.model.graphs import DecodeGraphs
-
-            if DecodeGraphs.wanted(self, kv):
-                if self._graphs is None:
-                    self._graphs = DecodeGraphs(self)
-                if not self._graphs.disabled:
-                    return self._graphs.decode(tokens.cpu(), list(positions), block_tables, list(state_slots),
-                                               kv, states)
+        graphs = self.column_graphs(kv)
+        if graphs is not None:
+            return graphs.decode(tokens.cpu(), list(positions), block_tables, list(state_slots), kv, states)
         out = columns_pass(self, tokens.view(bsz, 1), list(positions), block_tables, list(state_slots), kv, states,
                            keep_all=False)
         return out.logits[:, 0]
+
+    def column_graphs(self, kv: "PagedKVStorage"):
+        """The CUDA graphs of this model's column passes over ``kv`` (:mod:`hpc_cli.model.graphs`),
+        or None where graphs are not used (CPU, MoE, a pool the paged kernel cannot read,
+        ``HPC_CUDA_GRAPHS=0``, a failed capture)."""
+        if self.device.type != "cuda":
+            return None
+        from hpc_cli.model.graphs import ColumnGraphs
+
+        if not ColumnGraphs.wanted(self, kv):
+            return None
+        if self._graphs is None:
+            self._graphs = ColumnGraphs(self)
+        return None if self._graphs.disabled else self._graphs
 
     # -- conveniences for tests and tools ----------------------------------------------------
     @torch.inference_mode()

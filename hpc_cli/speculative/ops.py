@@ -75,7 +75,13 @@ def verify_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Sequ
     :meth:`HybridModel.decode` runs with one column, so column ``t`` is bit-identical to decoding
     that token (hpc_cli.model.columns). With ``keep_all`` the slots are left untouched and the
     per-column states come back (commit with :func:`commit_states`); without it the final state
-    of every lane is written to its slot (the ``recompute`` rollback)."""
+    of every lane is written to its slot (the ``recompute`` rollback). On CUDA the pass runs
+    through the model's graphs (hpc_cli.model.graphs), whose outputs live until the next pass of
+    the same shape: consume them within the round."""
+    graphs = model.column_graphs(kv) if hasattr(model, "column_graphs") else None
+    if graphs is not None:
+        return graphs.run(torch.as_tensor(tokens).cpu(), starts, tables, slots, kv, states, keep_all=keep_all,
+                          capture=capture)
     return columns_pass(model, tokens, starts, tables, slots, kv, states, keep_all=keep_all, capture=capture)
 
 
