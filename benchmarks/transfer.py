@@ -9,11 +9,19 @@ contiguous pinned copy of the same number of bytes in the same run. Two clocks:
 * ``engine``: device events around the copies while a sleep kernel holds the stream until every
   copy is enqueued (what the copy engines take).
 
-Also the tap (device copy of one image between state slots) against image bytes x 2 over the
-measured device-to-device bandwidth, and torch's copy of a strided pinned view (the fallback
-without cuda-python) against cudaMemcpy2DAsync.
+Every row is measured, in the same run against the same contiguous baseline, for each copy
+method of the transfer engine: ``dma`` (cudaMemcpy2DAsync per run per plane), ``kernel`` (the
+batched segment copy kernel, hpc_kernels.seg_copy) and ``auto`` (the engine's per-job choice,
+reported as ``chose``).
 
-Usage: python benchmarks/transfer.py [--reps N] [--out FILE]
+Also the tap (device copy of one image between state slots) against image bytes x 2 over the
+measured device-to-device bandwidth (torch, memcpy2d, per-layer and kernel taps), the kernel's
+row size on a 1-block restore, and torch's copy of a strided pinned view (the fallback without
+cuda-python) against cudaMemcpy2DAsync.
+
+Prints the JSON document (to --out when given) and then a compact summary table.
+
+Usage: python benchmarks/transfer.py [--reps N] [--out FILE] [--methods dma,kernel,auto]
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ import time
 import torch
 
 from hpc_cli import plugins
+from hpc_cli.errors import EngineError
 from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage, MiB, image_slab_count
 from hpc_cli.memory.kv_pool import PagedKVStorage
 from hpc_cli.memory.state_pool import StateSlots
-from hpc_cli.memory.transfer import RestoreBatch, TransferEngine, layer_order_for_shape
+from hpc_cli.memory.transfer import CopyOp, RestoreBatch, TransferEngine, layer_order_for_shape
 from hpc_cli.shapes import preset
+from hpc_kernels import seg_copy
 
 SLEEP_CYCLES = 8_000_000  # ~4 ms at 1.98 GHz: longer than any enqueue below
 
@@ -77,6 +87,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--methods", default="dma,kernel,auto", help="engine copy methods to measure")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs CUDA"
     dev = torch.device("cuda")
@@ -116,11 +127,37 @@ def main() -> int:
                       "pin_seconds": round(time.perf_counter() - t0, 3)}
     host.chunks[0].random_(0, 256) if host.chunks else None
     order = layer_order_for_shape(shape)
-    engines = {k: TransferEngine(main, host, state=st, layer_order=order) for k, st in states.items()}
-    eng = engines["image"]
+    methods = [m for m in args.methods.split(",") if m]
+    # engines[state key][method]; they share the pools and slabs
+    engines: dict = {k: {} for k in states}
+    for m in list(methods):
+        try:
+            for k, st in states.items():
+                engines[k][m] = TransferEngine(main, host, state=st, layer_order=order, copy_method=m)
+        except EngineError as exc:  # the kernel cannot run here: measure the others
+            result.setdefault("skipped_methods", {})[m] = str(exc)
+            methods.remove(m)
+            for per in engines.values():
+                per.pop(m, None)
+    eng = engines["image"][methods[0]]
     result["cuda_python"] = eng.uses_2d_copies
     result["max_pitch"] = eng.max_pitch
-    rstream, wstream = eng._streams["restore"], eng._streams["write"]
+    result["methods"] = methods
+    result["kernel_ok"] = any(e.kernel_ok for e in engines["image"].values())
+    result["kernel_row_bytes"] = seg_copy.CHUNK_BYTES
+    result["kernel_max_call_bytes"] = eng.kernel_max_call_bytes
+    result["kernel_launch_bytes"] = eng.kernel_launch_bytes
+
+    def save():  # after every section, so a run cut short still leaves what it measured
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+    for per in engines.values():  # compile the kernel and fill the table pools before timing
+        for e in per.values():
+            e.write_through(blocks=[(0, 0)])
+            e.restore(RestoreBatch(blocks=[(0, 0)]))
+            e.drain()
 
     # contiguous baselines: one pinned buffer <-> one device buffer
     big = max(max_blocks * sb, states["image_dflash2"].image_bytes)
@@ -136,38 +173,70 @@ def main() -> int:
                     hbuf[:nbytes].copy_(dbuf[:nbytes], non_blocking=True)
         return fn
 
-    def compare(name, nbytes, h2d, fn, stream, engine=eng):
-        c = Clock(stream)
-        base = contiguous(nbytes, h2d, stream)
-        row = {"bytes": nbytes}
+    def timed(c, clock, fn, tb, nbytes):
+        te = getattr(c, clock)(fn, reps)
+        return {"GBps": round(nbytes / te / 1e9, 2), "ratio": round(tb / te, 3)}
+
+    def compare(name, nbytes, h2d, submit, key="image"):
+        """``submit(engine)`` enqueues one job; measured for every method against one baseline."""
+        row: dict = {"bytes": nbytes, "contiguous_GBps": {}}
+        side = "restore" if h2d else "write"
         for clock in ("wall", "engine"):
-            tb = getattr(c, clock)(base, reps)
-            te = getattr(c, clock)(fn, reps)
-            row[clock] = {"contiguous_GBps": round(nbytes / tb / 1e9, 2), "engine_GBps": round(nbytes / te / 1e9, 2),
-                          "ratio": round(tb / te, 3)}
-        engine.drain()
+            s0 = engines[key][methods[0]]._streams[side]
+            tb = getattr(Clock(s0), clock)(contiguous(nbytes, h2d, s0), reps)
+            row["contiguous_GBps"][clock] = round(nbytes / tb / 1e9, 2)
+            for m in methods:
+                e = engines[key][m]
+                c = Clock(e._streams[side])
+                job = {}
+
+                def fn(e=e):
+                    job["j"] = submit(e)
+                row.setdefault(m, {})[clock] = timed(c, clock, fn, tb, nbytes)
+                row[m]["chose"] = job["j"].method
+                e.drain()
         result.setdefault("rows", {})[name] = row
 
     for n in (1, 8, 64, 256):
         blocks = [(p, p) for p in range(n)]
-        compare(f"restore_{n}_blocks", n * sb, True, lambda b=blocks: eng.restore(RestoreBatch(blocks=b)), rstream)
-        compare(f"write_{n}_blocks", n * sb, False, lambda b=blocks: eng.write_through(blocks=b), wstream)
+        compare(f"restore_{n}_blocks", n * sb, True, lambda e, b=blocks: e.restore(RestoreBatch(blocks=b)))
+        compare(f"write_{n}_blocks", n * sb, False, lambda e, b=blocks: e.write_through(blocks=b))
     # scattered slabs: every other slab (stride 2: still one 2-D copy a plane) and reversed (one copy a page a plane)
     blocks = [(p, 2 * p) for p in range(64)]
-    compare("restore_64_blocks_stride2", 64 * sb, True, lambda: eng.restore(RestoreBatch(blocks=blocks)), rstream)
+    compare("restore_64_blocks_stride2", 64 * sb, True, lambda e: e.restore(RestoreBatch(blocks=blocks)))
     blocks_rev = [(p, 63 - p) for p in range(64)]
-    compare("restore_64_blocks_reversed", 64 * sb, True, lambda: eng.restore(RestoreBatch(blocks=blocks_rev)), rstream)
+    compare("restore_64_blocks_reversed", 64 * sb, True, lambda e: e.restore(RestoreBatch(blocks=blocks_rev)))
+    save()
 
-    for key, e in engines.items():
-        st = e.state
+    for key, st in states.items():
         k = image_slab_count(st.image_bytes, sb)
         slabs = list(range(max_blocks, max_blocks + k))
-        rs, ws = e._streams["restore"], e._streams["write"]
-        compare(f"restore_{key}", st.image_bytes, True, lambda e=e, s=slabs: e.restore(RestoreBatch(image=(0, s))), rs, e)
-        compare(f"write_{key}", st.image_bytes, False, lambda e=e, s=slabs: e.write_through(images=[(1, s)]), ws, e)
+        compare(f"restore_{key}", st.image_bytes, True, lambda e, s=slabs: e.restore(RestoreBatch(image=(0, s))), key)
+        compare(f"write_{key}", st.image_bytes, False, lambda e, s=slabs: e.write_through(images=[(1, s)]), key)
         scattered = slabs[::-1]
         compare(f"restore_{key}_scattered_slabs", st.image_bytes, True,
-                lambda e=e, s=scattered: e.restore(RestoreBatch(image=(0, s))), rs, e)
+                lambda e, s=scattered: e.restore(RestoreBatch(image=(0, s))), key)
+        save()
+
+    # -- the kernel's row size on one block's planes (H2D, table upload included) -------------
+    if "kernel" in methods:
+        plan = engines["image"]["kernel"].plan_restore(RestoreBatch(blocks=[(0, 0)]))
+        segs = engines["image"]["kernel"]._segments([op for op in plan if isinstance(op, CopyOp)])[:3]
+        rs = engines["image"]["kernel"]._streams["restore"]
+        c = Clock(rs)
+        tb = c.engine(contiguous(sb, True, rs), reps)
+        sweep = {}
+        for chunk in (4096, 8192, 16384, 32768, 65536):
+            def run(chunk=chunk):
+                with torch.cuda.stream(rs):
+                    keep.append(seg_copy.copy_segments(*segs, dev, chunk=chunk))
+            keep: list = []
+            run()
+            torch.cuda.synchronize()
+            sweep[str(chunk)] = timed(c, "engine", run, tb, sb)
+            keep.clear()
+        result["kernel_row_bytes_1_block_restore"] = sweep
+        save()
 
     # -- tap: one image between slots vs bytes x 2 / D2D bandwidth -------------------------
     cur = torch.cuda.current_stream()
@@ -183,14 +252,16 @@ def main() -> int:
         nb = st.image_bytes
         ideal = 2 * nb / d2d
         row = {"bytes": nb, "ideal_ms": round(ideal * 1e3, 4)}
-        for method in ("memcpy2d", "torch", "per_layer"):
-            if method == "memcpy2d" and eng.cudart is None:
+        for method in ("memcpy2d", "torch", "per_layer", "kernel"):
+            if (method == "memcpy2d" and eng.cudart is None) or (method == "kernel" and seg_copy.probe(dev)):
                 continue
+            st.copy_slot(0, 1, method)  # warm up (the kernel: compile, upload its table)
             t_tap = Clock(cur).engine(lambda st=st, m=method: st.copy_slot(0, 1, m), reps)
             t_wall = Clock(cur).wall(lambda st=st, m=method: st.copy_slot(0, 1, m), reps)
             row[method] = {"engine_ms": round(t_tap * 1e3, 4), "wall_ms": round(t_wall * 1e3, 4),
                            "engine_over_ideal": round(t_tap / ideal, 3)}
         result.setdefault("tap", {})[key] = row
+    save()
 
     # -- torch's strided pinned copy vs one 2-D copy (64 rows of 64 KiB, pitch = slab) -------
     rows, width = 64, 65536
@@ -208,17 +279,53 @@ def main() -> int:
                                  rt.cudaMemcpyKind.cudaMemcpyDefault, cur.cuda_stream)
         out["cudaMemcpy2DAsync_ms"] = round(Clock(cur).wall(two_d, reps) * 1e3, 4)
     result["strided_fallback"] = out
-    fallback = TransferEngine(main, host, state=states["image"], layer_order=order, use_cuda_python=False)
+    fallback = TransferEngine(main, host, state=states["image"], layer_order=order, use_cuda_python=False,
+                              copy_method="dma")
     blocks = [(p, p) for p in range(64)]
-    compare("restore_64_blocks_torch_fallback", 64 * sb, True,
-            lambda: fallback.restore(RestoreBatch(blocks=blocks)), fallback._streams["restore"], fallback)
+    fb = Clock(fallback._streams["restore"])
+    tb = fb.wall(contiguous(64 * sb, True, fallback._streams["restore"]), reps)
+    result["restore_64_blocks_torch_fallback_wall"] = timed(
+        fb, "wall", lambda: fallback.restore(RestoreBatch(blocks=blocks)), tb, 64 * sb)
+    fallback.drain()
 
-    text = json.dumps(result, indent=1)
-    print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        save()
+    else:
+        print(json.dumps(result, indent=1))
+    print(summary(result))
     return 0
+
+
+def summary(result: dict) -> str:
+    """The rows as ratios to the contiguous copy (engine / wall clock), the tap and the row size."""
+    methods = result.get("methods", [])
+    lines = [f"{result['machine']['gpu']}; ratio to one contiguous pinned copy, engine/wall clock; "
+             f"cuda-python {result.get('cuda_python')}, kernel {result.get('kernel_ok')}"]
+    head = f"{'row':34} {'MiB':>8} {'contig GB/s':>11}" + "".join(f" {m:>13}" for m in methods)
+    lines.append(head)
+    for name, row in result.get("rows", {}).items():
+        cells = ""
+        for m in methods:
+            r = row.get(m, {})
+            cell = f"{r.get('engine', {}).get('ratio', '-')}/{r.get('wall', {}).get('ratio', '-')}"
+            if m == "auto":
+                cell += f" {str(r.get('chose', '?'))[0]}"
+            cells += f" {cell:>13}"
+        contig = row.get("contiguous_GBps", {}).get("engine", "-")
+        lines.append(f"{name:34} {row['bytes'] / MiB:8.2f} {contig:>11}" + cells)
+    lines.append("  (cells: engine/wall ratio; auto's letter: k = chose the kernel, d = DMA)")
+    lines.append(f"tap (engine time / (bytes x 2 / {result.get('d2d_GBps_read_plus_write')} GB/s)):")
+    for key, row in result.get("tap", {}).items():
+        parts = [f"{m} {v['engine_over_ideal']}x ({v['engine_ms']} ms)" for m, v in row.items() if isinstance(v, dict)]
+        lines.append(f"  {key:14} {row['bytes'] / MiB:7.1f} MiB ideal {row['ideal_ms']} ms: " + ", ".join(parts))
+    sweep = result.get("kernel_row_bytes_1_block_restore")
+    if sweep:
+        lines.append("kernel row bytes, 1-block restore (engine ratio): "
+                     + ", ".join(f"{k}: {v['ratio']}" for k, v in sweep.items()))
+    fb = result.get("restore_64_blocks_torch_fallback_wall")
+    if fb:
+        lines.append(f"restore 64 blocks without cuda-python (wall ratio): {fb['ratio']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -19,3 +19,15 @@ def load_cudart() -> Any | None:
         return cudart
     except ImportError:
         return None
+
+
+def mapped_device_pointer(host_ptr: int) -> int | None:
+    """The device address of pinned, mapped host memory at ``host_ptr``: cuda-python's
+    ``cudaHostGetDevicePointer`` when installed (None when it reports the memory unmapped), else
+    ``host_ptr`` itself (unified addressing: registered host memory has the same address on the
+    device on x86-64 Linux)."""
+    rt = load_cudart()
+    if rt is None:
+        return host_ptr
+    err, dev = rt.cudaHostGetDevicePointer(host_ptr, 0)
+    return int(dev) if int(err) == 0 else None

@@ -2,9 +2,10 @@
 
 One host allocation of ``num_slabs * slab_bytes`` bytes, made as chunks of at most
 ``chunk_bytes`` (4 GiB) of *whole* slabs, so a slab never crosses a chunk. On CUDA each chunk is
-pinned (page-locked with ``cudaHostRegister``, exact size, no power-of-two rounding); on CPU it
-is ordinary memory. A failed allocation is a :class:`~hpc_cli.errors.CapacityError` naming the
-size.
+pinned (page-locked with ``cudaHostRegister``, portable and mapped, exact size, no power-of-two
+rounding) and ``device_ptrs`` holds the address kernels use for it (the host address under
+unified addressing); on CPU it is ordinary memory. A failed allocation is a
+:class:`~hpc_cli.errors.CapacityError` naming the size.
 
 A slab holds one *block bundle* (:class:`BundleLayout`): the main pool's page, every layer's
 planes back to back (layer-major, planes in profile order), then the backend pool's page at the
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import torch
 
 from hpc_cli.errors import CapacityError
+from hpc_cli.memory.cudart import mapped_device_pointer
 
 if TYPE_CHECKING:
     from hpc_cli.memory.kv_pool import PagedKVStorage
@@ -164,6 +166,11 @@ def _cudart():
     return torch.cuda.cudart()
 
 
+#: cudaHostRegisterPortable | cudaHostRegisterMapped: every context sees the chunk, and kernels
+#: (the batched segment copy) can read and write it at its device address
+HOST_REGISTER_FLAGS = 0x01 | 0x02
+
+
 class HostSlabStorage:
     """The host tier's bytes: ``num_slabs`` slabs of ``slab_bytes`` in chunks of whole slabs.
 
@@ -185,6 +192,8 @@ class HostSlabStorage:
         self.slabs_per_chunk = max(1, chunk_bytes // slab_bytes)
         self.pinned = bool(torch.cuda.is_available()) if pin is None else bool(pin)
         self.chunks: list[torch.Tensor] = []
+        #: per chunk, the address a kernel reads and writes it at (pinned chunks), else None
+        self.device_ptrs: list[int | None] = []
         self._registered: list[int] = []
         left = num_slabs
         try:
@@ -221,13 +230,16 @@ class HostSlabStorage:
                 f"{total} B ({total / GiB:.2f} GiB) in all failed: {exc}",
                 hint="lower --host-cache-mib (host_cache_mib), or free host memory") from exc
         if self.pinned:
-            err = _cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+            err = _cudart().cudaHostRegister(t.data_ptr(), nbytes, HOST_REGISTER_FLAGS)
             if int(err) != 0:
                 raise CapacityError(
                     f"cannot pin the host cache: pinning a chunk of {nbytes} B ({nbytes / GiB:.2f} GiB) "
                     f"of {total} B ({total / GiB:.2f} GiB) failed with CUDA error {int(err)}",
                     hint="lower --host-cache-mib (host_cache_mib); pinned memory is limited by the OS")
             self._registered.append(t.data_ptr())
+            self.device_ptrs.append(mapped_device_pointer(t.data_ptr()))
+        else:
+            self.device_ptrs.append(None)
         return t
 
     def close(self) -> None:
@@ -239,6 +251,7 @@ class HostSlabStorage:
                 pass
         self._registered = []
         self.chunks = []
+        self.device_ptrs = []
 
     def __del__(self) -> None:
         if getattr(self, "_registered", None):

@@ -86,14 +86,27 @@ class StateSlots:
     def copy_slot(self, src: int, dst: int, method: str | None = None) -> None:
         """Copy one whole image (a tap, or a resume from a snapshot slot) on the current stream.
 
-        ``method``: ``"torch"`` (default): one strided torch copy per stacked tensor plus one per
-        other part; ``"memcpy2d"`` (CUDA with cuda-python): a 2-D device memcpy per stacked tensor
-        (rows = GDN layers); ``"per_layer"``: one contiguous copy per part. On an H200 a 187 MiB
-        image took 0.14 ms with torch, 0.22 ms with memcpy2d, 0.36 ms per layer."""
+        ``method``: ``"kernel"`` (CUDA with Triton): one launch of the segment copy kernel
+        (``hpc_kernels.seg_copy``) over a row table of every part's slot-0 bytes kept on the
+        device, with the two slots as launch arguments; ``"torch"``: one strided torch copy per
+        stacked tensor plus one per other part; ``"memcpy2d"`` (CUDA with cuda-python): a 2-D
+        device memcpy per stacked tensor (rows = GDN layers); ``"per_layer"``: one contiguous copy
+        per part. None: ``"kernel"`` on CUDA when the kernel's startup probe passes, unless
+        ``HPC_TRANSFER_COPY=dma``, else ``"torch"`` (chosen once per pool). Before the kernel, on an H200 a 187 MiB image took 0.14 ms with torch,
+        0.22 ms with memcpy2d, 0.36 ms per layer."""
         if src == dst:
             return
         if method is None:
-            method = "torch"  # measured fastest on an H200 (benchmarks/transfer.py: tap)
+            method = self._default_tap_method()
+        if method == "kernel":
+            from hpc_kernels import seg_copy
+
+            assert 0 <= src < self.num_slots and 0 <= dst < self.num_slots, \
+                f"tap {src} -> {dst} outside slots 0..{self.num_slots - 1}"
+            table, n_wide = self._tap_table()
+            with torch.cuda.device(self.device):
+                seg_copy.launch(table, n_wide, src, dst)
+            return
         if method == "memcpy2d":
             rt = load_cudart()
             assert rt is not None and self.device.type == "cuda", "memcpy2d needs CUDA and cuda-python"
@@ -120,3 +133,44 @@ class StateSlots:
             self.hidden[dst].copy_(self.hidden[src])
             for t in self.extra.values():
                 t[dst].copy_(t[src])
+
+    def _default_tap_method(self) -> str:
+        method = getattr(self, "_tap_default", None)
+        if method is None:
+            import os
+
+            method = "torch"
+            if self.device.type == "cuda" and os.environ.get("HPC_TRANSFER_COPY", "").strip().lower() != "dma":
+                from hpc_kernels import seg_copy
+
+                method = "kernel" if seg_copy.probe(self.device) is None else "torch"
+            self._tap_default = method
+        return method
+
+    def tap_segments(self) -> tuple[list[int], list[int]]:
+        """``(slot-0 addresses, slot bytes)`` of every slot-indexed piece: one per GDN layer of
+        each stacked tensor, one per other part; slot ``s`` of a piece starts at ``address + s *
+        bytes`` (what a kernel tap copies)."""
+        addrs, widths = [], []
+        for t in (self.conv_all, self.recurrent_all):
+            assert t.is_contiguous(), "stacked state tensors must be contiguous"
+            w = t[0, 0].numel() * t.element_size() if t.shape[0] else 0
+            for layer in range(t.shape[0]):
+                addrs.append(t.data_ptr() + layer * self.num_slots * w)
+                widths.append(w)
+        for t in (self.hidden, *self.extra.values()):
+            assert t.is_contiguous(), "state parts must be contiguous"
+            addrs.append(t.data_ptr())
+            widths.append(t[0].numel() * t.element_size())
+        return addrs, widths
+
+    def _tap_table(self) -> tuple[torch.Tensor, int]:
+        """The tap's row table on the device, built once (one small blocking upload)."""
+        rows = getattr(self, "_tap_rows", None)
+        if rows is None:
+            from hpc_kernels import seg_copy
+
+            addrs, widths = self.tap_segments()
+            table, n_wide = seg_copy.plan_rows(addrs, addrs, widths, stride=widths)
+            rows = self._tap_rows = (torch.from_numpy(table).to(self.device), n_wide)
+        return rows

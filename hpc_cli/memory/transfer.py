@@ -24,6 +24,21 @@ contiguous and one per row when not (torch's copy of a strided host view stages 
 pageable buffer). Image parts move as one copy per part piece (pieces split only where the image
 crosses into a non-adjacent slab).
 
+Copy method, chosen per job (``copy_method``: ``"auto"``, ``"dma"``, ``"kernel"``; default the
+environment variable ``HPC_TRANSFER_COPY``, else ``"auto"``): ``"dma"`` is the copies above, on the
+copy engines; ``"kernel"`` moves the job's copies with the batched segment copy kernel
+(``hpc_kernels.seg_copy``: one launch copies a table of ``(src, dst, bytes)`` rows, reading and
+writing pinned host slabs at their mapped addresses). A separate copy costs ~10 us in the driver,
+so a job of many small copies (one 2 MiB block bundle is 64 of them) is bound by the calls; the
+kernel takes one launch. ``"auto"`` uses the kernel when the job's bytes per DMA call are below
+``kernel_max_call_bytes`` (1 MiB) and the DMA copies otherwise (big runs already reach ~0.95 of a
+contiguous copy on the copy engines and leave the SMs to the model). The kernel path keeps the
+stages: consecutive stages are joined into one launch until it holds ``kernel_launch_bytes`` (8
+MiB), and each stage's event is recorded after the launch that holds its copies (a 1-block
+restore is one launch, then every stage's event). The row table is built on the host, written to
+a pinned buffer and copied to the device on the job's stream before the launches (no device
+sync); both buffers stay with the job until it retires, then serve later jobs.
+
 On CPU the copies run at once and every job is complete when submitted. :class:`FakeTransferEngine`
 records the operations in order and copies only when told (:meth:`~FakeTransferEngine.complete`),
 and can fail a job, so Filling and pin rules are tested on CPU.
@@ -32,10 +47,12 @@ and can fail a job, so Filling and pin rules are tested on CPU.
 from __future__ import annotations
 
 import itertools
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
 
+import numpy as np
 import torch
 
 from hpc_cli.errors import EngineError
@@ -48,6 +65,27 @@ from hpc_cli.memory.state_pool import StateSlots
 BlockRef = Union[tuple[int, int], tuple[int, int, int]]
 #: ``(state_slot, [slab ids])``: the image's packed byte o lives in slabs[o // slab_bytes]
 ImageRef = tuple[int, Sequence[int]]
+
+COPY_METHODS = ("auto", "dma", "kernel")
+COPY_ENV = "HPC_TRANSFER_COPY"
+KERNEL_MAX_CALL_BYTES = 1 << 20
+KERNEL_LAUNCH_BYTES = 8 << 20
+
+
+def copy_method_from_env(value: str | None = None) -> str:
+    """``value``, else ``$HPC_TRANSFER_COPY``, else ``"auto"``; checked against :data:`COPY_METHODS`."""
+    method = (value if value is not None else os.environ.get(COPY_ENV, "") or "auto").strip().lower()
+    if method not in COPY_METHODS:
+        source = "the argument" if value is not None else COPY_ENV
+        raise EngineError(f"unknown transfer copy method {method!r} (from {source})",
+                          hint=f"use one of {', '.join(COPY_METHODS)}")
+    return method
+
+
+def _seg_copy():
+    from hpc_kernels import seg_copy
+
+    return seg_copy
 
 
 def layer_order_for_shape(shape) -> list[tuple[str, int]]:
@@ -118,6 +156,25 @@ class Mark:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelLaunch:
+    """One launch of the segment copy kernel over rows ``row0..row1`` of a job's table (the
+    first ``n_wide`` of them wide), then an event for each of ``stages``."""
+
+    row0: int
+    row1: int
+    n_wide: int
+    stages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KernelPlan:
+    """A job's row table (``int64 [rows, 4]``: src, dst, bytes, 0) and its launches in order."""
+
+    table: np.ndarray
+    launches: tuple[KernelLaunch, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     """A retired job: ``error`` is None when its copies landed."""
 
@@ -141,6 +198,8 @@ class _Job:
     final: Any = None
     done: bool = False
     error: str | None = None
+    method: str = "dma"
+    tables: Any = None  # kernel path: (pinned table, device table), held until retired
 
     def event_at_or_before(self, stage: int) -> Any:
         best = None
@@ -173,6 +232,11 @@ class TransferJob:
     def error(self) -> str | None:
         return self._job.error
 
+    @property
+    def method(self) -> str:
+        """How the job's copies moved: ``"dma"`` or ``"kernel"`` (CPU: ``"dma"``, plain copies)."""
+        return self._job.method
+
     def wait_all(self) -> None:
         """Make the compute stream wait for the whole job (CPU: no-op; never blocks the host)."""
         self._engine._wait(self._job, None)
@@ -198,13 +262,17 @@ class TransferEngine:
     ``main``: the main KV pool's storage; ``backend``: a backend's own pool (DFlash) or None;
     ``state``: the state slots (images) or None; ``layer_order``: model layers in forward order
     (:func:`layer_order_for_shape`), default all attention layers then all GDN layers; main KV
-    layers not named there (MTP's extra layer) are copied in the prelude.
+    layers not named there (MTP's extra layer) are copied in the prelude. ``copy_method``,
+    ``kernel_max_call_bytes`` and ``kernel_launch_bytes``: see the module doc (CUDA only; CPU
+    copies are plain copies whatever the method).
     """
 
     def __init__(self, main: PagedKVStorage, host: HostSlabStorage, *, state: StateSlots | None = None,
                  backend: PagedKVStorage | None = None,
                  layer_order: Sequence[tuple[str, int]] | None = None,
-                 use_cuda_python: bool = True) -> None:
+                 use_cuda_python: bool = True, copy_method: str | None = None,
+                 kernel_max_call_bytes: int = KERNEL_MAX_CALL_BYTES,
+                 kernel_launch_bytes: int = KERNEL_LAUNCH_BYTES) -> None:
         self.main = main
         self.backend = backend
         self.state = state
@@ -243,6 +311,19 @@ class TransferEngine:
         self.max_pitch = DEFAULT_MAX_PITCH
         self._streams: dict[str, Any] = {}
         self._event_pool: list[Any] = []
+        self.copy_method = copy_method_from_env(copy_method)
+        self.kernel_max_call_bytes = kernel_max_call_bytes
+        self.kernel_launch_bytes = kernel_launch_bytes
+        # addresses the kernel uses for host chunks (their mapped device addresses)
+        self._kernel_addr = {c.data_ptr(): d for c, d in zip(host.chunks, host.device_ptrs) if d is not None}
+        # the kernel address of every base tensor a CopyOp names, by id (the engine holds them all)
+        self._base_addr = {id(t): self._kernel_addr.get(t.data_ptr(), t.data_ptr()) for t in
+                           [*host.chunks, *(p for layer in self._main_bases for p in layer),
+                            *(p for layer in self._back_bases for p in layer),
+                            *(b for group in self._image_groups.values() for _, b, _, _ in group)]}
+        self._table_pool: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kernel_ok = False
+        self.kernel_unavailable: str | None = "CPU copies are plain copies"  # why kernel_ok is False
         if self.device.type == "cuda":
             self.cudart = load_cudart() if use_cuda_python else None
             self._streams = {"restore": torch.cuda.Stream(self.device), "write": torch.cuda.Stream(self.device)}
@@ -252,6 +333,19 @@ class TransferEngine:
                                                      self.device.index or 0)
                 if int(err) == 0:
                     self.max_pitch = int(val)
+            why = self.kernel_unavailable = "the copy method is dma" if self.copy_method == "dma" \
+                else self._why_no_kernel()
+            self.kernel_ok = why is None
+            if self.copy_method == "kernel" and why is not None:
+                raise EngineError(f"transfer copy method 'kernel' cannot run here: {why}",
+                                  hint=f"set {COPY_ENV}=auto or dma")
+
+    def _why_no_kernel(self) -> str | None:
+        if self.host.num_slabs and not self.host.pinned:
+            return "the host slabs are not pinned"
+        if any(d is None for d in self.host.device_ptrs):
+            return "a host chunk is not mapped into the device's address space"
+        return _seg_copy().probe(self.device)
 
     # -- public API -------------------------------------------------------------------------
     @property
@@ -403,6 +497,103 @@ class TransferEngine:
         items.append(Mark(0))
         return items
 
+    # -- the kernel path ----------------------------------------------------------------------
+    def _dma_calls(self, op: CopyOp) -> int:
+        flat = op.rows == 1 or (op.dst_pitch == op.width and op.src_pitch == op.width)
+        return 1 if (flat or self.cudart is not None) else op.rows
+
+    def choose_method(self, items: Sequence[CopyOp | Mark]) -> str:
+        """``"kernel"`` or ``"dma"`` for a job of these items (see the module doc)."""
+        if not self.kernel_ok:
+            return "dma"
+        if self.copy_method == "kernel":
+            return "kernel"
+        calls = nbytes = 0
+        for op in items:
+            if isinstance(op, CopyOp):
+                calls += self._dma_calls(op)
+                nbytes += op.nbytes
+        return "kernel" if calls and nbytes < calls * self.kernel_max_call_bytes else "dma"
+
+    def _segments(self, ops: Sequence[CopyOp]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(src, dst, nbytes, op index)`` of every row the ops move, at kernel addresses (the
+        rows of a copy with both sides packed become one segment)."""
+        addr = self._base_addr
+
+        def base(t: torch.Tensor) -> int:
+            a = addr.get(id(t))
+            if a is None:
+                a = self._kernel_addr.get(t.data_ptr(), t.data_ptr())
+            return a
+
+        a = np.array([(base(op.src) + op.src_off, op.src_pitch, base(op.dst) + op.dst_off, op.dst_pitch,
+                       op.width, op.rows) for op in ops], dtype=np.int64).reshape(-1, 6)
+        flat = (a[:, 5] == 1) | ((a[:, 1] == a[:, 4]) & (a[:, 3] == a[:, 4]))
+        width = np.where(flat, a[:, 4] * a[:, 5], a[:, 4])
+        rows = np.where(flat, 1, a[:, 5])
+        seg = np.repeat(np.arange(len(a)), rows)
+        r = np.arange(len(seg), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)
+        return a[seg, 0] + r * a[seg, 1], a[seg, 2] + r * a[seg, 3], width[seg], seg
+
+    def plan_kernel(self, items: Sequence[CopyOp | Mark], launch_bytes: int | None = None) -> KernelPlan:
+        """The row table and launches that move ``items`` (any device: on CPU the addresses are
+        host addresses, which :func:`hpc_kernels.seg_copy.copy_rows_ref` can replay). Stages are
+        joined into one launch until it holds ``launch_bytes``; a launch's events follow it."""
+        seg_copy = _seg_copy()
+        limit = self.kernel_launch_bytes if launch_bytes is None else launch_bytes
+        ops: list[CopyOp] = []
+        op_group: list[int] = []  # launch of each op
+        launch_stages: list[list[int]] = [[]]
+        nbytes, open_ops = 0, False
+        for it in items:
+            if isinstance(it, CopyOp):
+                ops.append(it)
+                op_group.append(len(launch_stages) - 1)
+                nbytes += it.nbytes
+                open_ops = True
+            else:
+                launch_stages[-1].append(it.stage)
+                if nbytes >= limit:  # this launch is full: later stages go to the next
+                    launch_stages.append([])
+                    nbytes, open_ops = 0, False
+        if len(launch_stages) > 1 and not launch_stages[-1] and not open_ops:
+            launch_stages.pop()
+        n = len(launch_stages)
+        if ops:
+            src, dst, nb, seg = self._segments(ops)
+            table, bounds = seg_copy.plan_groups(src, dst, nb, np.asarray(op_group, dtype=np.int64)[seg], n)
+        else:
+            table, bounds = np.empty((0, seg_copy.COLUMNS), dtype=np.int64), [(0, 0, 0)] * n
+        return KernelPlan(table, tuple(KernelLaunch(r0, r1, w, tuple(st))
+                                       for (r0, r1, w), st in zip(bounds, launch_stages)))
+
+    def _tables(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A (pinned, device) pair of ``int64 [cap, 4]`` tables with ``cap >= rows``."""
+        fits = [i for i, (h, _) in enumerate(self._table_pool) if h.shape[0] >= rows]
+        if fits:
+            return self._table_pool.pop(min(fits, key=lambda i: self._table_pool[i][0].shape[0]))
+        cap = 1 << max(8, (rows - 1).bit_length())
+        cols = _seg_copy().COLUMNS
+        return (torch.empty(cap, cols, dtype=torch.int64, pin_memory=True),
+                torch.empty(cap, cols, dtype=torch.int64, device=self.device))
+
+    def _submit_kernel(self, job: _Job, stream: Any) -> None:
+        seg_copy = _seg_copy()
+        plan = self.plan_kernel(job.items)
+        n = len(plan.table)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            if n:
+                host_t, dev_t = job.tables = self._tables(n)
+                host_t.numpy()[:n] = plan.table
+                dev_t[:n].copy_(host_t[:n], non_blocking=True)
+            for ln in plan.launches:
+                if ln.row1 > ln.row0:
+                    seg_copy.launch(dev_t[ln.row0:ln.row1], ln.n_wide)
+                for s in ln.stages:
+                    ev = self._event_pool.pop() if self._event_pool else torch.cuda.Event()
+                    ev.record(stream)
+                    job.events[s] = ev
+
     # -- execution (CPU: at once; CUDA: streams; the fake overrides these) ---------------------
     def _new_job(self, kind: str, items: list[CopyOp | Mark]) -> _Job:
         nbytes = sum(op.nbytes for op in items if isinstance(op, CopyOp))
@@ -422,13 +613,17 @@ class TransferEngine:
         stream = self._streams[job.kind]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            for op in job.items:
-                if isinstance(op, CopyOp):
-                    self._copy(op, stream)
-                else:
-                    ev = self._event_pool.pop() if self._event_pool else torch.cuda.Event()
-                    ev.record(stream)
-                    job.events[op.stage] = ev
+            job.method = self.choose_method(job.items)
+            if job.method == "kernel":
+                self._submit_kernel(job, stream)
+            else:
+                for op in job.items:
+                    if isinstance(op, CopyOp):
+                        self._copy(op, stream)
+                    else:
+                        ev = self._event_pool.pop() if self._event_pool else torch.cuda.Event()
+                        ev.record(stream)
+                        job.events[op.stage] = ev
         except Exception as exc:
             job.error = f"{type(exc).__name__}: {exc}"
         ev = self._event_pool.pop() if self._event_pool else torch.cuda.Event()
@@ -475,6 +670,10 @@ class TransferEngine:
         job.events = {}
         job.final = True
         job.items = []  # drop the views
+        if job.tables is not None:  # the copies landed: the tables can serve a later job
+            if len(self._table_pool) < 8:
+                self._table_pool.append(job.tables)
+            job.tables = None
         self._retired.append(Completion(job.job_id, job.kind, job.error))
 
     def _wait(self, job: _Job, stage: int | None) -> None:

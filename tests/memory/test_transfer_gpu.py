@@ -1,4 +1,5 @@
-"""Transfer engine on CUDA: pinned chunks, 2-D copies, per-layer events (run with -m gpu)."""
+"""Transfer engine on CUDA: pinned chunks, 2-D copies, the segment copy kernel, per-layer events
+(run with -m gpu)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hpc_cli.memory.kv_pool import PagedKVStorage
 from hpc_cli.memory.state_pool import StateSlots
 from hpc_cli.memory.transfer import RestoreBatch, TransferEngine, layer_order_for_shape
 from hpc_cli.shapes import HybridShape
+from hpc_kernels import seg_copy
 
 pytestmark = pytest.mark.gpu
 
@@ -19,28 +21,40 @@ SHAPE = HybridShape(name="g", num_layers=8, full_attention_interval=4, num_kv_he
                     linear_value_head_dim=64, linear_conv_kernel_dim=4, hidden_size=512)
 
 
-def _rig(use_cuda_python=True, profile="int8-g64"):
+PROFILES = ["bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"]
+
+
+def _rig(use_cuda_python=True, profile="int8-g64", backend=False, **engine_args):
     dev = torch.device("cuda")
     main = PagedKVStorage(plugins.kv_profile(profile), SHAPE.num_attention_layers, SHAPE.num_kv_heads,
                           SHAPE.head_dim, 64, device=dev)
+    back = PagedKVStorage(plugins.kv_profile("bf16"), 1, 2, 32, 64, device=dev, name="dflash") if backend else None
     state = StateSlots(SHAPE.num_gdn_layers, SHAPE.conv_dim, 3, SHAPE.linear_num_value_heads,
                        SHAPE.linear_key_head_dim, SHAPE.linear_value_head_dim, SHAPE.hidden_size, 3,
                        dtype=torch.bfloat16, device=dev, extra_parts={"ring": ((2, 64, 8), torch.bfloat16)})
-    sb = BundleLayout.for_storage(main).slab_bytes
+    sb = BundleLayout.for_storage(main, back).slab_bytes
     host = HostSlabStorage(sb, 100, pin=True, chunk_bytes=16 * sb)
-    eng = TransferEngine(main, host, state=state, layer_order=layer_order_for_shape(SHAPE),
-                         use_cuda_python=use_cuda_python)
-    for layer in main.planes:
-        for p in layer:
-            p.copy_(torch.randint(0, 256, p.shape, dtype=torch.uint8, device=dev))
+    eng = TransferEngine(main, host, state=state, backend=back, layer_order=layer_order_for_shape(SHAPE),
+                         use_cuda_python=use_cuda_python, **engine_args)
+    for pool in (main, back):
+        for layer in pool.planes if pool is not None else ():
+            for p in layer:
+                p.copy_(torch.randint(0, 256, p.shape, dtype=torch.uint8, device=dev))
     for t in state.parts():
         t.copy_(torch.randn(t.shape, device=dev).to(t.dtype))
     return eng
 
 
+def _need_kernel(method):
+    if method == "kernel" and not seg_copy.available():
+        pytest.skip("Triton does not import")
+
+
+@pytest.mark.parametrize("method", ["dma", "kernel"])
 @pytest.mark.parametrize("use_cuda_python", [True, False])
-def test_gpu_round_trip_runs_across_chunks(use_cuda_python):
-    eng = _rig(use_cuda_python)
+def test_gpu_round_trip_runs_across_chunks(use_cuda_python, method):
+    _need_kernel(method)
+    eng = _rig(use_cuda_python, copy_method=method)
     if use_cuda_python and not eng.uses_2d_copies:
         pytest.skip("cuda-python is not installed")
     assert eng.host.pinned and eng.max_pitch >= 1 << 30
@@ -50,7 +64,8 @@ def test_gpu_round_trip_runs_across_chunks(use_cuda_python):
     blocks = [(p, 10 + p) for p in range(20)] + [(30, 60), (31, 62), (32, 64)]  # crosses chunk 16|32|48
     need = -(-state.image_bytes // eng.host.slab_bytes)
     img = list(range(99, 99 - need, -1))
-    eng.write_through(blocks=blocks, images=[(1, img)])
+    w = eng.write_through(blocks=blocks, images=[(1, img)])
+    assert w.method == method
     assert all(c.ok for c in eng.drain())
     for layer in main.planes:
         for p in layer:
@@ -72,9 +87,13 @@ def test_gpu_round_trip_runs_across_chunks(use_cuda_python):
     assert [c.ok for c in eng.drain()] == [True]
 
 
-def test_gpu_layer_event_follows_its_copies():
-    """A kernel that waits on layer i's event sees that layer's bytes (checked on every layer)."""
-    eng = _rig()
+@pytest.mark.parametrize("method,launch_bytes", [("dma", None), ("kernel", 0), ("kernel", 1 << 40)])
+def test_gpu_layer_event_follows_its_copies(method, launch_bytes):
+    """A kernel that waits on layer i's event sees that layer's bytes (checked on every layer);
+    the kernel path with one launch per stage and with one launch for the whole restore."""
+    _need_kernel(method)
+    args = {} if launch_bytes is None else {"kernel_launch_bytes": launch_bytes}
+    eng = _rig(copy_method=method, **args)
     main = eng.main
     blocks = [(p, p) for p in range(48)]
     eng.write_through(blocks=blocks)
@@ -85,6 +104,7 @@ def test_gpu_layer_event_follows_its_copies():
             p.zero_()
     torch.cuda._sleep(20_000_000)  # keep the restore stream behind the compute stream for a while
     t = eng.restore(RestoreBatch(blocks=blocks))
+    assert t.method == method
     order = layer_order_for_shape(SHAPE)
     sums = []
     for i, (kind, idx) in enumerate(order):
@@ -97,13 +117,97 @@ def test_gpu_layer_event_follows_its_copies():
     assert eng.poll()[-1].ok
 
 
-@pytest.mark.parametrize("method", [None, "torch", "per_layer", "memcpy2d"])
+@pytest.mark.parametrize("method", [None, "torch", "per_layer", "memcpy2d", "kernel"])
 def test_gpu_tap_copies_one_image(method):
+    _need_kernel(method)
     eng = _rig()
     st = eng.state
     if method == "memcpy2d" and eng.cudart is None:
         pytest.skip("cuda-python is not installed")
     before = [t.clone() for t in st.parts()]
     st.copy_slot(0, 2, method)
+    st.copy_slot(2, 1, method)  # the kernel's table is reused with other slots
     for t, b in zip(st.parts(), before):
-        assert torch.equal(t[2], b[0]) and torch.equal(t[1], b[1])
+        assert torch.equal(t[2], b[0]) and torch.equal(t[1], b[0]) and torch.equal(t[0], b[0])
+    st.copy_slot(1, 1, method)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_gpu_kernel_round_trip_every_profile(profile):
+    """Bit-exact device -> host -> device through the kernel path: runs, lone blocks, a chunk
+    crossing, a tail, a backend pool and an image in scattered slabs."""
+    _need_kernel("kernel")
+    eng = _rig(profile=profile, backend=True, copy_method="kernel", kernel_launch_bytes=1 << 16)
+    main, back, state = eng.main, eng.backend, eng.state
+    ref = [[p.clone() for p in layer] for pool in (main, back) for layer in pool.planes]
+    sref = [t.clone() for t in state.parts()]
+    blocks = [(p, 10 + p) for p in range(8)] + [(20, 30, 5), (21, 33), (22, 47), (23, 48)]
+    need = -(-state.image_bytes // eng.host.slab_bytes)
+    img = [90, 3, 71, 55, 99, 60, 2, 81, 4, 95, 77, 66][:need]
+    assert len(img) == need, "test geometry: image needs more slabs than listed"
+    w = eng.write_through(blocks=blocks, images=[(2, img)], tails=[(30, 50)])
+    assert w.method == "kernel" and all(c.ok for c in eng.drain())
+    packed = torch.cat([eng.host.slab_view(s) for s in img])[:state.image_bytes]
+    expect = torch.cat([state.slot_bytes(t, 2) for _, _, t in state.image_parts()])
+    assert torch.equal(packed.cuda(), expect)
+    for pool in (main, back):
+        for layer in pool.planes:
+            for p in layer:
+                p.zero_()
+    for t in state.parts():
+        t.zero_()
+    moved = [(30 + p, s, *rest) for p, s, *rest in blocks]  # pages 30..37, 50..53
+    t = eng.restore(RestoreBatch(blocks=moved, tail=(63, 50), image=(0, img)))
+    assert t.method == "kernel"
+    t.wait_all()
+    torch.cuda.current_stream().synchronize()
+    nmain = main.num_layers
+    for li, (layer, rlayer) in enumerate(zip([*main.planes, *back.planes], ref)):
+        for plane, rp in zip(layer, rlayer):
+            for (p, _, *rest), (q, _, *_) in zip(blocks, moved):
+                src = p if li < nmain or not rest else rest[0]
+                dst = q if li < nmain or not rest else rest[0]
+                assert torch.equal(plane[dst], rp[src]), (profile, li, p, q)
+            assert torch.equal(plane[63], rp[30])
+    for a, r in zip(state.parts(), sref):
+        assert torch.equal(a[0], r[2])
+    assert [c.ok for c in eng.drain()] == [True]
+
+
+def test_gpu_auto_uses_the_kernel_for_small_jobs_only():
+    _need_kernel("kernel")
+    eng = _rig(copy_method="auto")
+    assert eng.kernel_ok, eng.kernel_unavailable
+    assert all(d is not None for d in eng.host.device_ptrs) and len(eng.host.device_ptrs) == len(eng.host.chunks)
+    small = eng.write_through(blocks=[(0, 0)])
+    big = eng.write_through(blocks=[(p, p) for p in range(48)])
+    assert small.method == "kernel" and big.method == "dma"
+    assert all(c.ok for c in eng.drain())
+    assert _rig(copy_method="dma").write_through(blocks=[(0, 0)]).method == "dma"
+
+
+def test_gpu_segment_kernel_unaligned_device_and_pinned_host():
+    _need_kernel("kernel")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda", generator=g)
+    b = torch.zeros_like(a)
+    h = torch.zeros(1 << 20, dtype=torch.uint8).pin_memory()
+    segs = [(0, 0, 4096), (8192, 16384, 5000), (20003, 30001, 3000), (40000, 40000, 1),
+            (50000, 50000, 0), (65536, 65536, 7 * 16384 + 48)]
+    A, B, H = a.data_ptr(), b.data_ptr(), h.data_ptr()
+    keep = [seg_copy.copy_segments([A + s for s, _, _ in segs], [B + d for _, d, _ in segs],
+                                   [n for _, _, n in segs], "cuda"),
+            seg_copy.copy_segments([A + s for s, _, _ in segs], [H + d for _, d, _ in segs],
+                                   [n for _, _, n in segs], "cuda")]
+    torch.cuda.synchronize()
+    mask = torch.zeros(1 << 20, dtype=torch.bool)
+    for s, d, n in segs:
+        assert torch.equal(b[d:d + n], a[s:s + n]) and torch.equal(h[d:d + n], a[s:s + n].cpu())
+        mask[d:d + n] = True
+    assert not b[mask.cuda().logical_not()].any() and not h[~mask].any()
+    c = torch.zeros_like(a)
+    keep.append(seg_copy.copy_segments([H + d for _, d, _ in segs], [c.data_ptr() + d for _, d, _ in segs],
+                                       [n for _, _, n in segs], "cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(c, b)
+    del keep
