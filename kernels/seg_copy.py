@@ -59,6 +59,8 @@ def probe(device: torch.device | str) -> str | None:
         return f"the kernel runs on CUDA devices, not {device.type}"
     if triton is None:
         return "Triton does not import"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
     return _probe(device.index if device.index is not None else torch.cuda.current_device())
 
 
