@@ -7,6 +7,10 @@ Slot mapping ``pages``: the pages in a random order, tokens in order inside each
 prefill fills its pages); ``tokens``: every token at a random slot (the worst case, reported
 beside it). Bytes counted = bytes read + bytes written (as for the copy).
 
+``write_ratio_exact_div`` times the same write with ``kv_quant_triton.CONFIG["fast_div"] = False``
+(a correctly rounded division per value, the kernels before the reciprocal division), so one run
+shows what the fast division gains; both paths store the same bytes.
+
     python benchmarks/kv_profiles.py [--tokens 65536] [--reference] [--sweep]
 
 Prints one JSON document.
@@ -75,6 +79,21 @@ def bench_profile(profile, tokens: int, heads: int, head_dim: int, copy_gbs: flo
     }
 
 
+def exact_div_write(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
+    """The write timed again with the exact-division kernels (CONFIG["fast_div"] = False)."""
+    try:
+        from hpc_kernels import kv_quant_triton as kt
+    except Exception:  # no Triton: the writes are the torch reference anyway
+        return {}
+    old = kt.CONFIG["fast_div"]
+    kt.CONFIG["fast_div"] = False
+    try:
+        e = bench_profile(profile, tokens, heads, head_dim, copy_gbs)
+    finally:
+        kt.CONFIG["fast_div"] = old
+    return {"write_ms_exact_div": e["write_ms"], "write_ratio_exact_div": e["write_ratio"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=65536)
@@ -103,6 +122,7 @@ def main() -> None:
     for cls in BUILTIN_PROFILES:
         prof = cls()
         entry = bench_profile(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"])
+        entry.update(exact_div_write(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"]))
         if args.reference:
             os.environ["HPC_KV_KERNELS"] = "torch"
             try:

@@ -9,7 +9,7 @@ import torch
 
 from hpc_kernels import kv_quant, kv_quant_ref as ref
 from hpc_cli.memory.kv_pool import PagedKVStorage
-from kvtest_util import PROFILES, gaussian, gs_for, outlier_channels
+from kvtest_util import PROFILES, gaussian, gs_for, outlier_channels, special_values, tie_data
 
 pytestmark = pytest.mark.gpu
 ALLOWED_TIE_MISMATCHES = 0
@@ -85,3 +85,44 @@ def test_cuda_pool_bytes_equal_cpu_pool_and_survive_a_host_copy(name):
     a = gpu.gather(1, [2], 64, torch.bfloat16)
     b = cpu.gather(1, [2], 64, torch.bfloat16)
     assert all(torch.equal(x.cpu(), y) for x, y in zip(a, b))
+
+
+def _triton_codes(fmt, x, gs, fast: bool):
+    """quantize_into through the Triton kernels with CONFIG["fast_div"] = fast: (planes at the
+    written slots, non-finite count)."""
+    from hpc_kernels import kv_quant_triton as kt
+
+    n = x.shape[0]
+    planes = [torch.zeros(n + 64, x.shape[1], b, dtype=torch.uint8, device="cuda") for b in fmt.plane_bytes(256)]
+    slots = torch.randperm(n + 64, device="cuda")[:n]
+    counter = torch.zeros((), dtype=torch.int32, device="cuda")
+    old = kt.CONFIG["fast_div"]
+    kt.CONFIG["fast_div"] = fast
+    try:
+        kv_quant.quantize_into(fmt, x.cuda(), slots, planes, gs, counter)
+    finally:
+        kt.CONFIG["fast_div"] = old
+    return [p[slots].cpu() for p in planes], int(counter)
+
+
+@pytest.mark.parametrize("name", [n for n in PROFILES if n != "bf16"])
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_div", "exact_div"])
+def test_both_division_paths_match_reference_on_ties(name, fast):
+    """Exact ties (x / s a grid midpoint), values one ulp off them, and special values, in fp32
+    and bf16, on the fast (reciprocal) and the exact (div_rn per value) path."""
+    prof = PROFILES[name]
+    for side in ("k", "v"):
+        fmt = prof.side_format(side, 256)
+        gss = [gs_for(prof, side)]
+        if fmt.kind == "nvfp4":
+            gss += [float(torch.tensor(0.3)), 2.0 ** -140, 2.0 ** 118]
+        for gs in gss:
+            data = {"ties": tie_data(fmt, gs, n=256), "near_ties": tie_data(fmt, gs, n=256, seed=4, nudge=True),
+                    "special": special_values(n=64), "gauss_bf16": gaussian(n=256, seed=8)}
+            data["ties_bf16"] = data["ties"].to(torch.bfloat16)
+            for label, x in data.items():
+                got, count = _triton_codes(fmt, x, gs, fast)
+                want = ref.quantize(fmt, x, gs)
+                mism = sum(int((a != b).sum()) for a, b in zip(got, want))
+                assert mism == 0, (name, side, gs, label, fast, mism)
+                assert count == int(ref.count_nonfinite(x)), (name, side, gs, label, fast)

@@ -1,0 +1,254 @@
+"""The Triton KV kernels run by Triton's CPU interpreter (TRITON_INTERPRET=1) against the torch
+reference, without a GPU: byte-exact codes and scales, equal non-finite counts, equal dequantised
+values, for every built-in profile side, on both quantisation paths (CONFIG["fast_div"] True:
+reciprocal division with the exact fall-back; False: a div_rn per value).
+
+Data: Gaussian and outlier channels in fp32, fp16 and bf16; special values (NaN, +-inf, -0, zero
+rows, huge, tiny and subnormal); exact ties (x / s a midpoint of the code grid) and values one ulp
+off a tie; NVFP4 also with global scales that make S * g inexact, subnormal, or overflowing.
+
+The interpreter has to be chosen before triton is imported, and a pytest run may already have
+imported it for the GPU, so the kernels run in a child process (this file run as a script) and
+the tests check its JSON report. Interpreter limits: its fp32 -> bf16 cast truncates (the GPU
+rounds to nearest even), so the bf16 format is fed bf16-representable values and gathers are
+checked in fp32 and fp16 only; test_gpu.py checks the rest on the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from kvtest_util import (HEAD_DIM, PROFILES, gaussian, group_scales, gs_for,  # noqa: E402
+                         outlier_channels, special_values, tie_data)
+
+#: Values per program in the interpreter: 16 rows of 256, so a run has several programs (the last
+#: one ragged) and a Gaussian int8 block is usually not flagged (the fast path proper is tested).
+BLOCK_VALUES = 4096
+TOKENS = 16
+#: NVFP4 global scales beyond the defaults: inexact S * g; subnormal S * g (inv = inf); S * g above
+#: 2^126 for a saturated block (inv subnormal; the special data's inf); S * g overflowing to inf
+#: (inv = 0; the tie data's largest groups overflow to inf themselves).
+ODD_GLOBAL_SCALES = (float(torch.tensor(0.3, dtype=torch.float32)), 2.0 ** -140, 2.0 ** 118, 2.0 ** 123)
+
+
+def _formats() -> list[tuple[str, object, float | None]]:
+    """(label, SideFormat, global scale): every built-in profile side once, plus NVFP4 with odd
+    global scales."""
+    out, seen = [], set()
+    for name, prof in PROFILES.items():
+        for side in ("k", "v"):
+            fmt, gs = prof.side_format(side, HEAD_DIM), gs_for(prof, side)
+            if (fmt, gs) not in seen:
+                seen.add((fmt, gs))
+                out.append((f"{name}/{side}", fmt, gs))
+    nv = PROFILES["nvfp4-g16"].side_format("k", HEAD_DIM)
+    out += [(f"nvfp4-g16/gs={gs:g}", nv, gs) for gs in ODD_GLOBAL_SCALES]
+    return out
+
+
+def _datasets(fmt, gs, label: str) -> dict[str, tuple[torch.Tensor, bool]]:
+    """name -> (input, whether the exact-division path runs it too). The gathers run on the
+    ``*_fp32`` Gaussian and special data."""
+    n = TOKENS
+    if fmt.kind == "bf16":
+        # bf16-representable values only, and no subnormals: the interpreter's fp32 -> bf16 cast
+        # truncates and flushes subnormals (see the module doc).
+        sp = special_values(n=n)
+        sp = torch.where((sp.abs() < 2.0 ** -126) & (sp != 0), 0.0, sp).to(torch.bfloat16)
+        big = sp.float()
+        big[:, :, 7::16] = 3.4e38  # finite fp32 above BF16_MAX (3.39e38): clamped to it
+        return {"gauss_bf16": (gaussian(n=n), True), "special_bf16": (sp, True), "special_fp32": (big, True)}
+    odd = "gs=" in label
+    data = {"gauss_fp32": (gaussian(n=n, dtype=torch.float32), False),
+            "ties_fp32": (tie_data(fmt, gs, n=n), not odd),
+            "near_ties_fp32": (tie_data(fmt, gs, n=n, seed=4, nudge=True), False),
+            "special_fp32": (special_values(n=n), True)}
+    if odd:
+        return data
+    out, _ = outlier_channels(n=n, dtype=torch.float32)
+    data.update({
+        "gauss_bf16": (gaussian(n=n), False), "gauss_fp16": (gaussian(n=n, dtype=torch.float16), False),
+        "outliers_fp32": (out, False), "outliers_bf16": (out.to(torch.bfloat16), False),
+        "special_fp16": (special_values(n=n).to(torch.float16), False),
+        "special_bf16": (special_values(n=n).to(torch.bfloat16), False),
+        "ties_fp16": (tie_data(fmt, gs, n=n, seed=5).to(torch.float16), False),
+        "ties_bf16": (tie_data(fmt, gs, n=n, seed=6).to(torch.bfloat16), False),
+    })
+    return data
+
+
+def _slots(n: int) -> torch.Tensor:
+    """Token i -> a shuffled slot among n + 8, two tokens skipped (negative slot)."""
+    g = torch.Generator().manual_seed(n)
+    slots = torch.randperm(n + 8, generator=g)[:n]
+    slots[3] = -1
+    slots[n - 2] = -5
+    return slots
+
+
+def _window_blocks(fmt, x, gs, slots, block_rows: int) -> tuple[int, int, int]:
+    """A torch model of the fast path's window test (finite data only): (programs with a value
+    in the window, programs with an unsure one, i.e. that redo their block, programs)."""
+    from hpc_kernels import kv_quant_ref as ref
+
+    x = torch.where((slots >= 0)[:, None, None], ref.sanitize(x), 0.0)
+    n, h, d = x.shape
+    s = group_scales(fmt, x, gs)
+    xg = x.reshape(n, h, s.shape[2], -1)
+    y = xg * torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
+    if fmt.kind == "int8":
+        t, q = y.clamp(-127.0, 127.0).abs(), torch.ones_like(y)
+    elif fmt.kind == "fp8":
+        a = y.clamp(-448.0, 448.0).abs()
+        ex = torch.clamp(a.view(torch.int32) >> 23, min=121)
+        q = ((ex - 3) << 23).view(torch.float32)
+        t = a / q
+    else:
+        a = y.clamp(-6.0, 6.0).abs()
+        q = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+        t = a / q
+    dist = t - torch.round(t)
+    near = (0.5 - dist.abs()) <= t * 2.0 ** -21
+    mid = torch.round(t) + torch.where(dist > 0, 0.5, -0.5)
+    tie = near & ((mid * q).double() * s.double() == xg.abs().double())  # exact in float64
+    rows_near, rows_unsure = near.reshape(n * h, -1).any(1), (near & ~tie).reshape(n * h, -1).any(1)
+    spans = range(0, n * h, block_rows)
+    return (sum(bool(rows_near[i:i + block_rows].any()) for i in spans),
+            sum(bool(rows_unsure[i:i + block_rows].any()) for i in spans), len(spans))
+
+
+def _fix_interpreter_fma() -> bool:
+    """Triton 3.6's interpreter computes ``tl.fma`` as ``x * y + z``, rounding twice (3.9's rounds
+    once, as compiled code does: ``fma.rn.f32``); the kernels' tie test needs one rounding. Where
+    the probe shows two, compute fp32 fmas through float64: the product of two fp32 values is
+    exact there, and for the kernels' operands so is the sum (it needs < 40 bits), so the one
+    rounding is the final one to fp32. Returns whether it patched."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    one = np.float32(1 + 2.0 ** -12)
+
+    def handle(v):
+        return interpreter.TensorHandle(np.array([v], dtype=np.float32), interpreter.tl.float32)
+
+    if builder.create_fma(handle(one), handle(one), handle(-(1 + 2.0 ** -11))).data[0] != 2.0 ** -24:
+        plain = type(builder).create_fma
+
+        def create_fma(self, x, y, z):
+            if x.data.dtype != np.float32:
+                return plain(self, x, y, z)
+            exact = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)
+            return interpreter.TensorHandle(exact.astype(np.float32), z.dtype.scalar)
+
+        type(builder).create_fma = create_fma
+        return True
+    return False
+
+
+def _child() -> dict:
+    """Run every case through the interpreted kernels (TRITON_INTERPRET=1 is set by the parent)."""
+    import triton.language as tl
+
+    from hpc_kernels import kv_quant_ref as ref
+    from hpc_kernels import kv_quant_triton as kt
+
+    kt.CONFIG["block_values"] = BLOCK_VALUES
+
+    def run(fmt, x, gs):
+        n, h, d = x.shape
+        slots = _slots(n)
+        planes = [torch.zeros(n + 8, h, b, dtype=torch.uint8) for b in fmt.plane_bytes(d)]
+        counter = torch.zeros((), dtype=torch.int32)
+        keep = slots >= 0
+        kt.quantize_into(fmt, x, slots, planes, 1.0 if gs is None else gs, counter)
+        want = ref.quantize(fmt, x[keep], gs)
+        got = [p[slots[keep]] for p in planes]
+        mism = sum(int((a != b).sum()) for a, b in zip(got, want))
+        count_ok = int(counter) == int(ref.count_nonfinite(x[keep]))  # a skipped token is not read
+        return mism, count_ok, planes, slots[keep], want
+
+    report = {"cases": {}, "without_window": {}, "window": {}, "patched_fma": _fix_interpreter_fma()}
+    for label, fmt, gs in _formats():
+        cases = report["cases"][label] = []
+        for name, (x, both) in _datasets(fmt, gs, label).items():
+            for fast in ((True, False) if both else (True,)):
+                kt.CONFIG["fast_div"] = fast
+                mism, count_ok, planes, slots, want = run(fmt, x, gs)
+                rec = {"data": name, "fast_div": fast, "mismatches": mism, "count_ok": count_ok}
+                if fast and name in ("gauss_fp32", "special_fp32"):
+                    gsf = 1.0 if gs is None else gs
+                    rec["gather_equal"] = {}
+                    for dtype in (torch.float32, torch.float16):
+                        out = kt.dequantize_slots(fmt, planes, slots, HEAD_DIM, dtype, gsf)
+                        exp = ref.dequantize(fmt, want, dtype, gs)
+                        rec["gather_equal"][str(dtype)] = bool(torch.equal(out.view(torch.int16 if dtype == torch.float16 else torch.int32),
+                                                                         exp.view(torch.int16 if dtype == torch.float16 else torch.int32)))
+                cases.append(rec)
+        kt.CONFIG["fast_div"] = True
+        if fmt.kind != "bf16" and "gs=" not in label:
+            br = max(1, BLOCK_VALUES // HEAD_DIM)
+            data = _datasets(fmt, gs, label)
+            for name in ("gauss_fp32", "gauss_bf16", "ties_fp32", "near_ties_fp32"):
+                report["window"][f"{label}:{name}"] = _window_blocks(fmt, data[name][0], gs, _slots(TOKENS), br)
+            # The tie data with the window switched off (nothing falls into it, no tie is settled,
+            # no block redone): mismatches show that the data reaches the cases the window is for.
+            kt.WINDOW = tl.constexpr(-1.0)
+            try:
+                report["without_window"][label] = [run(fmt, data[name][0], gs)[0]
+                                                   for name in ("ties_fp32", "near_ties_fp32")]
+            finally:
+                kt.WINDOW = tl.constexpr(2.0 ** -21)
+    return report
+
+
+# -- the tests (parent process) --------------------------------------------------------------
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+
+@pytest.fixture(scope="module")
+def report():
+    path = os.pathsep.join([str(HERE)] + [p for p in sys.path if p])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("label", [f[0] for f in _formats()])
+def test_interpreted_kernels_match_reference(report, label):
+    cases = report["cases"][label]
+    assert cases, f"no cases ran for {label}"
+    bad = [c for c in cases if c["mismatches"] or not c["count_ok"] or not all(c.get("gather_equal", {}).values())]
+    assert not bad, f"{label}: {bad}"
+    assert any(not c["fast_div"] for c in cases), f"{label}: the exact-division path did not run"
+
+
+def test_tie_data_reaches_the_window_and_gaussian_data_mostly_does_not_redo(report):
+    for label, (ties, near_ties) in report["without_window"].items():
+        assert ties > 0 and near_ties > 0, f"{label}: tie data matched without the window; it does not test it"
+    for key, (near, unsure, blocks) in report["window"].items():
+        if key.endswith(":ties_fp32"):  # exact ties everywhere: settled, no block redone
+            assert near == blocks and unsure == 0, f"{key}: {near}, {unsure} of {blocks}"
+        elif key.endswith(":near_ties_fp32"):  # one ulp off a tie: every block redone
+            assert unsure == blocks, f"{key}: {unsure} of {blocks}"
+        else:  # Gaussian: the fast path proper runs
+            assert unsure < blocks, f"{key}: every block redone ({unsure} of {blocks})"
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (it sets TRITON_INTERPRET=1)"
+    print(json.dumps(_child()))
