@@ -322,6 +322,9 @@ class TransferEngine:
                             *(p for layer in self._back_bases for p in layer),
                             *(b for group in self._image_groups.values() for _, b, _, _ in group)]}
         self._table_pool: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: the kernel reads its row table from pinned host memory instead of a device copy
+        #: (``HPC_SEG_TABLE_HOST=1``; measured against the upload in benchmarks/transfer.py)
+        self.table_on_host = os.environ.get("HPC_SEG_TABLE_HOST", "0") == "1"
         self.kernel_ok = False
         self.kernel_unavailable: str | None = "CPU copies are plain copies"  # why kernel_ok is False
         if self.device.type == "cuda":
@@ -585,7 +588,10 @@ class TransferEngine:
             if n:
                 host_t, dev_t = job.tables = self._tables(n)
                 host_t.numpy()[:n] = plan.table
-                dev_t[:n].copy_(host_t[:n], non_blocking=True)
+                if self.table_on_host:  # the kernel reads the pinned table itself: no upload copy
+                    dev_t = host_t
+                else:
+                    dev_t[:n].copy_(host_t[:n], non_blocking=True)
             for ln in plan.launches:
                 if ln.row1 > ln.row0:
                     seg_copy.launch(dev_t[ln.row0:ln.row1], ln.n_wide)
