@@ -322,9 +322,10 @@ class TransferEngine:
                             *(p for layer in self._back_bases for p in layer),
                             *(b for group in self._image_groups.values() for _, b, _, _ in group)]}
         self._table_pool: list[tuple[torch.Tensor, torch.Tensor]] = []
-        #: the kernel reads its row table from pinned host memory instead of a device copy
-        #: (``HPC_SEG_TABLE_HOST=1``; measured against the upload in benchmarks/transfer.py)
-        self.table_on_host = os.environ.get("HPC_SEG_TABLE_HOST", "0") == "1"
+        #: the kernel reads its row table from pinned host memory (mapped) instead of uploading
+        #: it first: a 1-block restore went from 0.82 to 0.92 of a contiguous copy on an H200
+        #: (``HPC_SEG_TABLE_HOST=0`` uploads it, as before; docs/memory.md)
+        self.table_on_host = os.environ.get("HPC_SEG_TABLE_HOST", "1") != "0"
         self.kernel_ok = False
         self.kernel_unavailable: str | None = "CPU copies are plain copies"  # why kernel_ok is False
         if self.device.type == "cuda":
