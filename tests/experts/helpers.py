@@ -25,3 +25,13 @@ def tiny_moe(seed: int = 7, **kw) -> HybridModel:
     model.tokenizer = ByteTokenizer()
     model.eval()
     return model
+
+
+def logits_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal within fp32 rounding: the misses are computed on the host CPU and the hits with other
+    GEMM shapes than the reference's, so a few small logits differ by ~1e-3 absolute after the
+    layers (measured on an H200: 40 of 17408, largest 6.5e-4); the whole agrees to 1e-4 in norm
+    and every position keeps its top-1."""
+    rel = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel <= 1e-4, f"relative difference {rel:.3g}"
+    assert torch.equal(got.argmax(-1), ref.argmax(-1)), "a top-1 token differs"

@@ -10,19 +10,9 @@ from hpc_cli.model.expert_profile import build_profile, synthetic_trace, trace_c
 from hpc_cli.model.experts import ExpertTier
 from hpc_cli.model.model import HybridModel
 
-from .helpers import tiny_moe_config
+from .helpers import logits_close as _close, tiny_moe_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
-    """Equal within fp32 rounding: the misses are computed on the host CPU and the hits with other
-    GEMM shapes than the reference's, so a few small logits differ by ~1e-3 absolute after the
-    layers (measured on an H200: 40 of 17408, largest 6.5e-4); the whole agrees to 1e-4 in norm
-    and every position keeps its top-1."""
-    rel = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-    assert rel <= 1e-4, f"relative difference {rel:.3g}"
-    assert torch.equal(got.argmax(-1), ref.argmax(-1)), "a top-1 token differs"
 
 
 def _model():
@@ -70,6 +60,10 @@ def test_all_resident_path_does_not_synchronize():
     ref = _model().forward_tokens(prompt)
     m = _model()
     tier = _all_resident(m)
+    # the 64-token prompt is a prefill-sized batch, which by design takes the per-expert loop
+    # (it reads the routing once per layer, as the plain MoE does); widen the gather path so the
+    # prompt exercises the decode path this test is about (the H200 run caught the loop's read)
+    tier.gather_max_picks = 1 << 30
     routed = tier.routed
 
     def guarded(*a, **kw):
