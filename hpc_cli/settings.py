@@ -51,6 +51,7 @@ class EngineSettings(_Section):
     concurrent_prefill: bool = Field(False, description="admit while another lane prefills (needed by coalescing)")
     pending_timeout_ms: int = Field(600_000, ge=1, description="queue timeout of a waiting request")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request names none")
+    cuda_graphs: bool = Field(True, description="replay decode and verify passes as CUDA graphs (dense models)")
 
 
 class KVSettings(_Section):
@@ -71,6 +72,9 @@ class CacheSettings(_Section):
     host_cache_mib: int = Field(8192, ge=0, description="host slab pool size; 0 = device only")
     prefix_cache_file: Path | None = Field(None, description="keep the host tier across restarts (spec §5.5)")
     no_prefix_reuse: bool = Field(False, description="disable the cache entirely")
+    transfer_copy: Literal["auto", "dma", "kernel"] = Field(
+        "auto", description="how restores, write-through and taps move bytes on CUDA: the copy engines "
+                            "(dma), the segment copy kernel, or auto (the kernel for jobs of small copies)")
 
 
 class ServerSettings(_Section):

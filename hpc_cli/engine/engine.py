@@ -41,8 +41,10 @@ class Engine:
                  transfer_factory: Callable | None = None, model_name: str | None = None,
                  coalesce: bool = True, pending_timeout_ms: int = 600_000, settings: Any = None,
                  speculative: Any = None, num_draft_tokens: int = 3, drafter: str | None = None,
-                 spec_rollback: str = "per_token") -> None:
+                 spec_rollback: str = "per_token", cuda_graphs: bool = True,
+                 transfer_copy: str | None = None) -> None:
         self.model = model
+        model.cuda_graphs = bool(cuda_graphs)  # hpc_cli.model.graphs reads it
         self.settings = settings
         self.tokenizer = getattr(model, "tokenizer", None)
         self.model_name = model_name or model.config.name
@@ -66,6 +68,14 @@ class Engine:
         self.spec_backend = backend
         extra_parts = backend.state_extra_parts(model) if self.spec is not None else None
         self.states = model.new_state_slots(self.C + (D if reuse else 0), extra_parts=extra_parts)
+        if transfer_copy is not None:  # [cache] transfer_copy: the transfer engine's and the taps' method
+            self.states.tap_method = "torch" if transfer_copy == "dma" else None
+            if transfer_factory is None:
+                import functools
+
+                from hpc_cli.memory.transfer import TransferEngine
+
+                transfer_factory = functools.partial(TransferEngine, copy_method=transfer_copy)
         pages = kv_pages or self._auto_pages(device_memory_fraction)
         self.storage, self.backend_storage = self._spec_storage(model, pages)
         planner = TapPlanner(chunk=prefill_chunk, tap_ladder_tokens=tap_ladder_tokens,
@@ -136,7 +146,8 @@ class Engine:
                   pending_timeout_ms=s.engine.pending_timeout_ms,
                   model_name=s.server.served_model_name or s.model.name, settings=resolved,
                   speculative=s.speculative.backend, num_draft_tokens=s.speculative.num_draft_tokens,
-                  drafter=s.speculative.drafter)
+                  drafter=s.speculative.drafter, cuda_graphs=s.engine.cuda_graphs,
+                  transfer_copy=s.cache.transfer_copy)
         kw.update(overrides)
         engine = cls(model, **kw)
         if s.experts.offload or s.experts.trace_file is not None:  # after the KV pools: they set what is free

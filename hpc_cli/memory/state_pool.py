@@ -140,7 +140,9 @@ class StateSlots:
             import os
 
             method = "torch"
-            if self.device.type == "cuda" and os.environ.get("HPC_TRANSFER_COPY", "").strip().lower() != "dma":
+            dma = (getattr(self, "tap_method", None) == "torch"
+                   or os.environ.get("HPC_TRANSFER_COPY", "").strip().lower() == "dma")
+            if self.device.type == "cuda" and not dma:
                 from hpc_kernels import seg_copy
 
                 method = "kernel" if seg_copy.probe(self.device) is None else "torch"

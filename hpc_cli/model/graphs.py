@@ -22,8 +22,9 @@ page tables) into the graph's static buffer, in one host-to-device copy.
 * Graphs bake in the KV pool's and the state slots' storage (the key holds their ids) and the
   NVFP4 global scales (also in the key).
 * Used for dense models on CUDA with a pool the paged kernel reads; MoE layers route on values
-  (and the expert tier reads the host), so MoE models decode eagerly. ``HPC_CUDA_GRAPHS=0``
-  turns graphs off; a failed capture turns them off for the model with one warning.
+  (and the expert tier reads the host), so MoE models decode eagerly. ``[engine] cuda_graphs =
+  false`` (or, for a model used without an engine, ``HPC_CUDA_GRAPHS=0``) turns graphs off; a
+  failed capture turns them off for the model with one warning.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class ColumnGraphs:
         from hpc_cli.model.moe import SparseMoE
 
         if os.environ.get("HPC_CUDA_GRAPHS", "1").strip().lower() in ("0", "false", "no", "off"):
+            return False
+        if not getattr(model, "cuda_graphs", True):  # [engine] cuda_graphs = false
             return False
         if model.device.type != "cuda" or any(isinstance(l.mlp, SparseMoE) for l in model.layers):
             return False
