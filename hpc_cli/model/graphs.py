@@ -121,7 +121,8 @@ class ColumnGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             torch.cuda.synchronize()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: CUDA calls of the server's other threads never invalidate a capture
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = columns_core(model, idx, kv, states, keep_all=keep_all, capture=capture, logits=logits)
         except Exception as exc:  # a kernel or library that cannot be captured: decode eagerly
             self.disabled = f"{type(exc).__name__}: {exc}"

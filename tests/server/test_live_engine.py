@@ -7,9 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-import anthropic
 import httpx
-import openai
 import pytest
 
 try:
@@ -20,6 +18,9 @@ except ImportError as exc:  # pragma: no cover - until the engine lands
 from hpc_cli.server.app import create_app
 from hpc_cli.server.stop import StopController
 from hpc_cli.settings import load_settings
+
+anthropic = pytest.importorskip("anthropic")  # the test extra; absent on bare machines
+openai = pytest.importorskip("openai")  # the test extra; absent on bare machines
 
 SYSTEM = "You are a careful assistant who answers briefly. " * 4  # ~200 byte tokens
 FLAGS = {"model.name": "builtin:tiny", "model.device": "cpu", "model.max_model_len": 2048,

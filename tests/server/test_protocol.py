@@ -8,14 +8,15 @@ import json
 import threading
 import time
 
-import anthropic
 import httpx
-import openai
 import pytest
 
 from hpc_cli.server.app import create_app
 from hpc_cli.server.stop import StopController
 from hpc_cli.settings import load_settings
+
+anthropic = pytest.importorskip("anthropic")  # the test extra; absent on bare machines
+openai = pytest.importorskip("openai")  # the test extra; absent on bare machines
 
 from .fake_engine import FakeEngine
 

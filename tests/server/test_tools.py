@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
-import openai
 import pytest
 
 from hpc_cli.model.tokenizer import ByteTokenizer
 from hpc_cli.server.app import create_app
 from hpc_cli.server.tools import ToolCall, ToolParser, ToolStream, convert_value, tools_enabled
 from hpc_cli.settings import load_settings
+
+anthropic = pytest.importorskip("anthropic")  # the test extra; absent on bare machines
+openai = pytest.importorskip("openai")  # the test extra; absent on bare machines
 
 from .conftest import live_server
 from .fake_engine import FakeEngine
