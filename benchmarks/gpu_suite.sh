@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks in one go, for one CUDA machine: every test marked `gpu` (file by
+# file, so one hanging file does not hide the others), then each benchmark's JSON. Each step has
+# its own time limit and the script carries on after a failure; a summary prints last.
+#
+#   bash benchmarks/gpu_suite.sh [OUT_DIR]        # default ./gpu-results; about 15-20 minutes
+#
+# Needs torch with CUDA, Triton, transformers (model_throughput's baseline) and, for the fast
+# GDN kernels, flash-linear-attention; the package itself installed (pip install -e .).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu-results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+declare -a SUMMARY
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    SUMMARY+=("$(printf '%-28s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - t0)))")
+    tail -n 3 "$OUT/$name.log"
+}
+
+for f in tests/kv/test_gpu.py tests/model/test_paged_attention.py tests/memory/test_transfer_gpu.py \
+         tests/engine/test_engine_gpu.py tests/spec/test_bf16_gpu.py tests/experts/test_gpu.py \
+         tests/experts/test_placement.py; do
+    step "test-$(basename "$f" .py)" 400 python3 -m pytest -q -p no:cacheprovider -m gpu "$f"
+done
+step bench-kv_profiles 120 bash -c "python3 benchmarks/kv_profiles.py > '$OUT/kv_profiles.json'"
+step bench-transfer 180 python3 benchmarks/transfer.py --out "$OUT/transfer.json"
+step bench-model_throughput 400 python3 benchmarks/model_throughput.py --out "$OUT/model_throughput.json"
+step bench-spec_decode 300 python3 benchmarks/spec_decode.py --model builtin:qwen3.5-27b-shape@8 \
+    --prompt-len 256 --max-tokens 64 --prompts 2 --rollback per_token --out "$OUT/spec_decode.json"
+step bench-expert_tier 300 python3 benchmarks/expert_tier.py --out "$OUT/expert_tier.json"
+step bench-engine_trace 600 bash -c "python3 benchmarks/engine_trace.py > '$OUT/engine_trace.json'"
+
+echo
+printf '%s\n' "${SUMMARY[@]}"
