@@ -19,6 +19,9 @@ page tables) into the graph's static buffer, in one host-to-device copy.
 * The speculative verify pass (``T = k + 1`` columns, per-column states kept) runs through the
   same graphs; its static outputs are consumed within the round. Each such graph holds its
   per-column recurrent states (``B * T`` images of every GDN layer's fp32 state) for its lifetime.
+* Kept graphs are bounded: at most ``MAX_GRAPHS`` and ``OUTPUT_BUDGET_SHARE`` of the device's
+  memory (at most 4 GiB) of static outputs, least recently used dropped first; a pass whose
+  outputs alone exceed the budget (a wide verify of a big model) runs eagerly.
 * Graphs bake in the KV pool's and the state slots' storage (the key holds their ids) and the
   NVFP4 global scales (also in the key).
 * Used for dense models on CUDA with a pool the paged kernel reads; MoE layers route on values
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,6 +46,12 @@ log = logging.getLogger(__name__)
 
 #: graphs kept per model (each holds its static buffers; intermediates share one memory pool)
 MAX_GRAPHS = 64
+#: static output bytes the kept graphs may hold together, as a share of the device's memory and at
+#: most 4 GiB: a verify graph keeps every column's GDN states (for the 27B shape 151 MiB per lane
+#: and column), so least recently used graphs are dropped past it, and a pass whose outputs alone
+#: exceed it runs eagerly
+OUTPUT_BUDGET_SHARE = 0.05
+OUTPUT_BUDGET_MAX = 4 << 30
 
 
 @dataclass
@@ -49,6 +59,12 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     index: ColumnIndex
     out: ColumnsOut
+    nbytes: int
+
+
+def _out_bytes(out: ColumnsOut) -> int:
+    parts = [out.logits, out.hidden, out.features, *(out.windows or ()), *(out.states or ())]
+    return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 class ColumnGraphs:
@@ -56,8 +72,13 @@ class ColumnGraphs:
 
     def __init__(self, model) -> None:
         self.model = model
-        self.graphs: dict[tuple, _Graph] = {}
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently used first
         self.seen: set[tuple] = set()
+        self.eager: set[tuple] = set()  # keys whose outputs alone exceed the budget
+        self.held = 0  # static output bytes of the kept graphs
+        self.evictions = 0
+        total = torch.cuda.get_device_properties(model.device).total_memory if model.device.type == "cuda" else 0
+        self.budget = min(OUTPUT_BUDGET_MAX, int(OUTPUT_BUDGET_SHARE * total))
         self.pool = None
         self.disabled: str | None = None
         self.replays = 0
@@ -100,7 +121,9 @@ class ColumnGraphs:
         capture = tuple(sorted(set(capture)))
         key = self._key(B, T, W, kv, states, keep_all, capture, logits)
         entry = self.graphs.get(key)
-        if entry is None and key in self.seen and len(self.graphs) < MAX_GRAPHS:
+        if entry is not None:
+            self.graphs.move_to_end(key)
+        elif key in self.seen and key not in self.eager:
             entry = self._capture(key, packed, B, T, W, kv, states, keep_all, capture, logits)
         if entry is None:  # the first pass of this key (warm-up), or graphs unavailable
             self.seen.add(key)
@@ -129,6 +152,18 @@ class ColumnGraphs:
             log.warning("CUDA graph capture failed, decoding without graphs: %s", self.disabled)
             return None
         self.captures += 1
-        entry = _Graph(graph, idx, out)
+        return self._keep(key, _Graph(graph, idx, out, _out_bytes(out)))
+
+    def _keep(self, key, entry: _Graph) -> _Graph | None:
+        """Keep a captured graph within the budget (least recently used dropped first); None
+        (and eager passes for this key from now on) when its outputs alone exceed the budget."""
+        if entry.nbytes > self.budget:
+            self.eager.add(key)
+            return None
         self.graphs[key] = entry
+        self.held += entry.nbytes
+        while len(self.graphs) > 1 and (self.held > self.budget or len(self.graphs) > MAX_GRAPHS):
+            _, old = self.graphs.popitem(last=False)  # its memory returns to the pool once unused
+            self.held -= old.nbytes
+            self.evictions += 1
         return entry
