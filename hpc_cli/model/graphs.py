@@ -22,8 +22,8 @@ page tables) into the graph's static buffer, in one host-to-device copy.
 * Kept graphs are bounded: at most ``MAX_GRAPHS`` and ``OUTPUT_BUDGET_SHARE`` of the device's
   memory (at most 4 GiB) of static outputs, least recently used dropped first; a pass whose
   outputs alone exceed the budget (a wide verify of a big model) runs eagerly.
-* Graphs bake in the KV pool's and the state slots' storage (the key holds their ids) and the
-  NVFP4 global scales (also in the key).
+* Graphs bake in the KV pool's and the state slots' storage and the NVFP4 global scales (in the
+  key); a model used with other pools drops its graphs.
 * Used for dense models on CUDA with a pool the paged kernel reads; MoE layers route on values
   (and the expert tier reads the host), so MoE models decode eagerly. ``[engine] cuda_graphs =
   false`` (or, for a model used without an engine, ``HPC_CUDA_GRAPHS=0``) turns graphs off; a
@@ -32,6 +32,7 @@ page tables) into the graph's static buffer, in one host-to-device copy.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections import OrderedDict
@@ -52,6 +53,7 @@ MAX_GRAPHS = 64
 #: exceed it runs eagerly
 OUTPUT_BUDGET_SHARE = 0.05
 OUTPUT_BUDGET_MAX = 4 << 30
+_SERIALS = itertools.count(1)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class ColumnGraphs:
         self.eager: set[tuple] = set()  # keys whose outputs alone exceed the budget
         self.held = 0  # static output bytes of the kept graphs
         self.evictions = 0
+        self.bound: tuple | None = None  # serials of the pools the kept graphs write
         total = torch.cuda.get_device_properties(model.device).total_memory if model.device.type == "cuda" else 0
         self.budget = min(OUTPUT_BUDGET_MAX, int(OUTPUT_BUDGET_SHARE * total))
         self.pool = None
@@ -96,9 +99,25 @@ class ColumnGraphs:
             return False
         return kv.paged_attention_supported(model.config.num_attention_heads)
 
+    def _bind(self, kv, states) -> None:
+        """Graphs hold raw addresses of one KV pool's and one state pool's storage: when the model
+        is used with other pools (a new engine), the old graphs are dropped, never replayed (an
+        object id can be reused after its pool is freed, so pools get a serial number here)."""
+        for obj in (kv, states):
+            if getattr(obj, "_graph_serial", None) is None:
+                obj._graph_serial = next(_SERIALS)
+        bound = (kv._graph_serial, states._graph_serial)
+        if bound != self.bound:
+            self.graphs.clear()
+            self.seen.clear()
+            self.eager.clear()
+            self.held = 0
+            self.bound = bound
+
     def _key(self, B: int, T: int, W: int, kv, states, keep_all: bool, capture: tuple, logits: bool) -> tuple:
+        self._bind(kv, states)
         scales = tuple(kv.global_scales.flatten().tolist()) if kv.profile.uses_global_scale else ()
-        return (B, T, W, keep_all, capture, logits, id(kv), id(states), scales,
+        return (B, T, W, keep_all, capture, logits, self.bound, scales,
                 int(getattr(self.model, "row_block", None) or 0))
 
     def decode(self, tokens: torch.Tensor, positions: Sequence[int], tables: Sequence[Sequence[int]],

@@ -42,3 +42,17 @@ def test_count_limit(monkeypatch):
     for k in range(5):
         cg._keep(k, _entry(1))
     assert list(cg.graphs) == [2, 3, 4] and cg.held == 3
+
+
+def test_other_pools_drop_the_graphs():
+    cg = _cache(1 << 30)
+    kv1, st1 = types.SimpleNamespace(), types.SimpleNamespace()
+    cg._bind(kv1, st1)
+    cg._keep("a", _entry(10))
+    cg.seen.add("a")
+    cg._bind(kv1, st1)
+    assert "a" in cg.graphs, "the same pools keep their graphs"
+    kv2 = types.SimpleNamespace()
+    cg._bind(kv2, st1)
+    assert not cg.graphs and not cg.seen and cg.held == 0
+    assert kv1._graph_serial != kv2._graph_serial
