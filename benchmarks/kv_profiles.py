@@ -10,10 +10,16 @@ beside it). Bytes counted = bytes read + bytes written (as for the copy).
 ``write_ratio_exact_div`` times the same write with ``kv_quant_triton.CONFIG["fast_div"] = False``
 (a correctly rounded division per value, the kernels before the reciprocal division), so one run
 shows what the fast division gains; both paths store the same bytes.
+``write_ratio_second_launch`` times it with ``CONFIG["redo"] = "second_launch"`` (the fast kernel
+without the exact path compiled in, flagged blocks redone by a second launch; the same bytes).
+
+``--sweep`` times the launch shapes (values per program x warps) 1024x4, 2048x4, 2048x8 and
+4096x8 with both redo variants (writes) and the gather, and prints a compact table of the write
+ratios to stderr after the JSON.
 
     python benchmarks/kv_profiles.py [--tokens 65536] [--reference] [--sweep]
 
-Prints one JSON document.
+Prints one JSON document (stdout).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 
@@ -79,19 +86,64 @@ def bench_profile(profile, tokens: int, heads: int, head_dim: int, copy_gbs: flo
     }
 
 
-def exact_div_write(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
-    """The write timed again with the exact-division kernels (CONFIG["fast_div"] = False)."""
+def _with_config(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float, **config) -> dict | None:
+    """bench_profile with kv_quant_triton.CONFIG updated by ``config`` (None without Triton)."""
     try:
         from hpc_kernels import kv_quant_triton as kt
     except Exception:  # no Triton: the writes are the torch reference anyway
-        return {}
-    old = kt.CONFIG["fast_div"]
-    kt.CONFIG["fast_div"] = False
+        return None
+    old = dict(kt.CONFIG)
+    kt.CONFIG.update(config)
     try:
-        e = bench_profile(profile, tokens, heads, head_dim, copy_gbs)
+        return bench_profile(profile, tokens, heads, head_dim, copy_gbs)
     finally:
-        kt.CONFIG["fast_div"] = old
-    return {"write_ms_exact_div": e["write_ms"], "write_ratio_exact_div": e["write_ratio"]}
+        kt.CONFIG.clear()
+        kt.CONFIG.update(old)
+
+
+def exact_div_write(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
+    """The write timed again with the exact-division kernels (CONFIG["fast_div"] = False)."""
+    e = _with_config(profile, tokens, heads, head_dim, copy_gbs, fast_div=False)
+    return {} if e is None else {"write_ms_exact_div": e["write_ms"], "write_ratio_exact_div": e["write_ratio"]}
+
+
+def second_launch_write(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
+    """The write timed again with flagged blocks redone by a second launch (CONFIG["redo"])."""
+    e = _with_config(profile, tokens, heads, head_dim, copy_gbs, redo="second_launch")
+    return {} if e is None else {"write_ms_second_launch": e["write_ms"],
+                                 "write_ratio_second_launch": e["write_ratio"]}
+
+
+#: --sweep: launch shapes (values per program, warps) and redo variants.
+SWEEP_SHAPES = ((1024, 4), (2048, 4), (2048, 8), (4096, 8))
+SWEEP_REDO = ("inline", "second_launch")
+
+
+def sweep(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
+    """"VALUESxWARPS" -> {"write_inline", "write_second_launch", "gather"} ratios."""
+    out = {}
+    for vals, warps in SWEEP_SHAPES:
+        row = {}
+        for redo in SWEEP_REDO:
+            e = _with_config(profile, tokens, heads, head_dim, copy_gbs, block_values=vals, num_warps=warps,
+                             redo=redo)
+            if e is None:
+                return {}
+            row[f"write_{redo}"] = e["write_ratio"]
+            row.setdefault("gather", e["gather_ratio"])  # the gather does not depend on redo
+        out[f"{vals}x{warps}"] = row
+    return out
+
+
+def sweep_table(profiles: dict) -> str:
+    """The sweep's write ratios, one line per profile: inline / second_launch per shape."""
+    shapes = [f"{v}x{w}" for v, w in SWEEP_SHAPES]
+    lines = ["write ratio, redo inline / second_launch", f"{'profile':<20}" + "".join(f"{s:>14}" for s in shapes)]
+    for name, entry in profiles.items():
+        sw = entry.get("sweep", {})
+        cells = [f"{sw[s]['write_inline']:.3f}/{sw[s]['write_second_launch']:.3f}" if s in sw else "-" for s in shapes]
+        lines.append(f"{name:<20}" + "".join(f"{c:>14}" for c in cells))
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -123,6 +175,7 @@ def main() -> None:
         prof = cls()
         entry = bench_profile(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"])
         entry.update(exact_div_write(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"]))
+        entry.update(second_launch_write(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"]))
         if args.reference:
             os.environ["HPC_KV_KERNELS"] = "torch"
             try:
@@ -133,21 +186,13 @@ def main() -> None:
         worst = bench_profile(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"], "tokens")
         entry["random_token_slots"] = {"write_ratio": worst["write_ratio"], "gather_ratio": worst["gather_ratio"]}
         if args.sweep:
-            from hpc_kernels import kv_quant_triton as kt
-
-            default = dict(kt.CONFIG)
-            entry["sweep"] = {}
-            try:
-                for vals, warps in ((2048, 4), (4096, 8), (8192, 8), (16384, 16)):
-                    kt.CONFIG.update(block_values=vals, num_warps=warps)
-                    e = bench_profile(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"])
-                    entry["sweep"][f"{vals}x{warps}"] = [e["write_ratio"], e["gather_ratio"]]
-            finally:
-                kt.CONFIG.update(default)
+            entry["sweep"] = sweep(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"])
         out["profiles"][prof.name] = entry
         torch.cuda.empty_cache()
     out["all_meet_goal"] = all(min(e["write_ratio"], e["gather_ratio"]) >= 0.5 for e in out["profiles"].values())
-    print(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2), flush=True)
+    if args.sweep:
+        print(sweep_table(out["profiles"]), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,15 @@ exactly representable (see ``e4m3_round_arith``). The reference divides every va
   number redoes the whole block by the exact path, so the stored bytes and the non-finite count
   are those of the exact path; one block-wide reduction decides.
 
+Where that redo runs is ``CONFIG["redo"]``: ``"inline"`` (the default) compiles the exact path
+into the fast kernel behind a dynamic branch; ``"second_launch"`` compiles the fast kernel
+without it (it only writes one flag per program, 1 if its block needs the exact path) and runs
+the exact path in a second kernel over the same grid, which returns at once for unflagged
+programs and otherwise recomputes and overwrites the whole block (counting its non-finite
+values, as the inline redo does). Both give the same bytes and counts; the second form exists to
+measure whether the inline exact path costs the fast path registers (occupancy) or the barrier of
+the block-wide reduction before the stores.
+
 Rows are (token, KV head) pairs; a program takes ``BLOCK_R`` rows of ``D`` values. A negative
 slot skips its token (padding). The pool planes are ``uint8`` ``[slots, H, plane_bytes]``
 contiguous; scale planes of fp16 scales are passed viewed as ``float16``.
@@ -296,12 +305,18 @@ def _exact_grid_codes(x, cnt_ptr, BLOCK_R: tl.constexpr, NG: tl.constexpr, GROUP
 
 
 @triton.jit
-def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, n_rows,
+def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, flag_ptr, n_rows,
                   H: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_R: tl.constexpr, COUNT: tl.constexpr, FAST: tl.constexpr):
+                  BLOCK_R: tl.constexpr, COUNT: tl.constexpr, FAST: tl.constexpr, REDO: tl.constexpr):
     """bf16 (KIND 0), int8 (1) and fp8 (2) with one fp16 scale per GROUP values. FAST: the
-    reciprocal division, redoing a block by the exact path when it needs it (module doc)."""
+    reciprocal division, redoing a block by the exact path when it needs it (module doc).
+    REDO (int8/fp8 only): 0 redo inline; 1 (with FAST) no exact path compiled in, write
+    ``flag_ptr[pid]`` = whether the block needs it; 2 (without FAST) the exact path for the
+    programs flagged by a REDO 1 launch over the same grid, nothing for the others."""
     pid = tl.program_id(0)
+    if REDO == 2:
+        if tl.load(flag_ptr + pid) == 0:
+            return
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < n_rows
     n = (r // H).to(tl.int64)
@@ -336,7 +351,9 @@ def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, 
             xv = _by_group(x, BLOCK_R, NG, GROUP)
             code, unsure = _grid_codes(xv * inv, tl.abs(xv), sf, KIND, True)
             redo = unsure | _per_value(amax_bits >= INF_BITS, NG)
-            if tl.max(redo.to(tl.int32)) > 0:
+            if REDO == 1:  # the second launch redoes the block
+                tl.store(flag_ptr + pid, tl.max(redo.to(tl.int32)).to(tl.int8))
+            elif tl.max(redo.to(tl.int32)) > 0:
                 code, s = _exact_grid_codes(x, cnt_ptr, BLOCK_R, NG, GROUP, KIND, COUNT)
         else:
             code, s = _exact_grid_codes(x, cnt_ptr, BLOCK_R, NG, GROUP, KIND, COUNT)
@@ -378,13 +395,17 @@ def _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R: tl.constexpr, NB: tl.conste
 
 
 @triton.jit
-def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, gs, n_rows,
+def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, flag_ptr, gs, n_rows,
                         H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, COUNT: tl.constexpr,
-                        PAIRED: tl.constexpr, FAST: tl.constexpr):
+                        PAIRED: tl.constexpr, FAST: tl.constexpr, REDO: tl.constexpr):
     """NVFP4-G16. PAIRED: ``x_ptr`` is bf16 input viewed as int32 (one even/odd pair per word,
-    strides in words), so the pairs split with two shifts instead of a register shuffle."""
+    strides in words), so the pairs split with two shifts instead of a register shuffle. REDO as
+    in _quant_kernel."""
     gs = tl.full((), gs, tl.float32)  # fp32 when compiled; Triton 3.6's interpreter passes a Python float
     pid = tl.program_id(0)
+    if REDO == 2:
+        if tl.load(flag_ptr + pid) == 0:
+            return
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < n_rows
     n = (r // H).to(tl.int64)
@@ -415,7 +436,9 @@ def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt
         go = tl.reshape(xo, (BLOCK_R, NB, 8))
         ce, ne = _e2m1_code(tl.minimum(tl.maximum(ge * inv, -6.0), 6.0), tl.abs(ge), eff, True)
         co, no = _e2m1_code(tl.minimum(tl.maximum(go * inv, -6.0), 6.0), tl.abs(go), eff, True)
-        if tl.max((ne | no | odd).to(tl.int32)) > 0:
+        if REDO == 1:  # the second launch redoes the block
+            tl.store(flag_ptr + pid, tl.max((ne | no | odd).to(tl.int32)).to(tl.int8))
+        elif tl.max((ne | no | odd).to(tl.int32)) > 0:
             ce, co, bcode = _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R, NB, COUNT)
     else:
         ce, co, bcode = _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R, NB, COUNT)
@@ -488,7 +511,20 @@ def supports(fmt: SideFormat, head_dim: int) -> bool:
 #: write/gather cases in benchmarks/kv_profiles.py --sweep on an H200 (see docs/kv-profiles.md).
 #: fast_div: quantise with the exact reciprocal division (True) or with a div_rn per value and
 #: the original rounding and counting (False); both give the same bytes.
-CONFIG = {"block_values": 2048, "num_warps": 4, "fast_div": True}
+#: redo (fast division, int8/fp8/nvfp4): where a block that needs the exact path is redone:
+#: "inline" (in the same kernel, behind a dynamic branch) or "second_launch" (the fast kernel
+#: flags the block, a second kernel over the same grid redoes flagged blocks); the same bytes.
+CONFIG = {"block_values": 2048, "num_warps": 4, "fast_div": True, "redo": "inline"}
+REDO_MODES = ("inline", "second_launch")
+
+
+def _redo_modes(kind: str) -> tuple[int, ...]:
+    """The REDO constexprs of the launches for one write: (0,) or (1, 2) (module doc)."""
+    mode = CONFIG["redo"]
+    assert mode in REDO_MODES, f"CONFIG['redo'] = {mode!r}, expected one of {REDO_MODES}"
+    if kind == "bf16" or not CONFIG["fast_div"] or mode == "inline":
+        return (0,)
+    return (1, 2)
 
 
 def _block_rows(head_dim: int) -> int:
@@ -519,19 +555,26 @@ def quantize_into(fmt: SideFormat, x: torch.Tensor, slots: torch.Tensor, planes,
     br = _block_rows(d)
     grid = (triton.cdiv(n_rows, br),)
     cnt = counter if counter is not None else slots
-    if fmt.kind == "nvfp4":
-        paired = (x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(0) % 2 == 0
-                  and x.stride(1) % 2 == 0 and x.data_ptr() % 4 == 0)
-        xs = x.view(torch.int32) if paired else x
-        _quant_nvfp4_kernel[grid](xs, xs.stride(0), xs.stride(1), xs.stride(2), slots, data, scale, cnt,
-                                  float(global_scale), n_rows, H=h, D=d, BLOCK_R=br,
-                                  COUNT=counter is not None, PAIRED=paired, FAST=bool(CONFIG["fast_div"]),
-                                  num_warps=CONFIG["num_warps"])
-        return
-    _quant_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), slots, data,
-                        scale if scale is not None else data, cnt, n_rows, H=h, D=d, KIND=KIND_IDS[fmt.kind],
-                        GROUP=max(fmt.group, 1), BLOCK_R=br, COUNT=counter is not None,
-                        FAST=bool(CONFIG["fast_div"]), num_warps=CONFIG["num_warps"])
+    modes = _redo_modes(fmt.kind)
+    # second_launch: one int8 flag per program, each written by the first launch (no memset, no
+    # host read: capture-safe).
+    flags = torch.empty(grid[0], dtype=torch.int8, device=x.device) if modes != (0,) else slots
+    for redo in modes:
+        fast = bool(CONFIG["fast_div"]) and redo != 2
+        if fmt.kind == "nvfp4":
+            paired = (x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(0) % 2 == 0
+                      and x.stride(1) % 2 == 0 and x.data_ptr() % 4 == 0)
+            xs = x.view(torch.int32) if paired else x
+            _quant_nvfp4_kernel[grid](xs, xs.stride(0), xs.stride(1), xs.stride(2), slots, data, scale, cnt,
+                                      flags, float(global_scale), n_rows, H=h, D=d, BLOCK_R=br,
+                                      COUNT=counter is not None, PAIRED=paired, FAST=fast, REDO=redo,
+                                      num_warps=CONFIG["num_warps"])
+        else:
+            _quant_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), slots, data,
+                                scale if scale is not None else data, cnt, flags, n_rows, H=h, D=d,
+                                KIND=KIND_IDS[fmt.kind], GROUP=max(fmt.group, 1), BLOCK_R=br,
+                                COUNT=counter is not None, FAST=fast, REDO=redo,
+                                num_warps=CONFIG["num_warps"])
 
 
 def dequantize_slots(fmt: SideFormat, planes, slots: torch.Tensor, head_dim: int, dtype: torch.dtype,

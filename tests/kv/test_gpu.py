@@ -13,6 +13,18 @@ from kvtest_util import PROFILES, gaussian, gs_for, outlier_channels, special_va
 
 pytestmark = pytest.mark.gpu
 ALLOWED_TIE_MISMATCHES = 0
+#: kv_quant_triton.CONFIG["redo"]: where the fast path redoes a block by the exact path.
+REDO = ["inline", "second_launch"]
+
+
+@pytest.fixture
+def redo(request):
+    from hpc_kernels import kv_quant_triton as kt
+
+    old = kt.CONFIG["redo"]
+    kt.CONFIG["redo"] = request.param
+    yield request.param
+    kt.CONFIG["redo"] = old
 
 
 def _special(n=300, h=4, d=256):
@@ -32,8 +44,9 @@ def _inputs():
     return {"gauss": gaussian(n=300), "outliers": o, "special": _special(), "special_bf16": _special().to(torch.bfloat16)}
 
 
+@pytest.mark.parametrize("redo", REDO, indirect=True)
 @pytest.mark.parametrize("name", list(PROFILES))
-def test_triton_codes_and_values_match_reference(name):
+def test_triton_codes_and_values_match_reference(name, redo):
     prof = PROFILES[name]
     for label, x in _inputs().items():
         for side in ("k", "v"):
@@ -48,8 +61,8 @@ def test_triton_codes_and_values_match_reference(name):
             kv_quant.quantize_into(fmt, x.cuda(), slots, planes, gs, counter)
             got = [p[slots].cpu() for p in planes]
             mism = sum(int((a != b).sum()) for a, b in zip(got, want))
-            print(f"{name} {side} {label}: {mism} code mismatches")
-            assert mism <= ALLOWED_TIE_MISMATCHES, (name, side, label)
+            print(f"{name} {side} {label} redo={redo}: {mism} code mismatches")
+            assert mism <= ALLOWED_TIE_MISMATCHES, (name, side, label, redo)
             assert int(counter) == int(ref.count_nonfinite(x))
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 out = kv_quant.dequantize_slots(fmt, planes, slots, 256, dtype, gs).cpu()
@@ -105,11 +118,14 @@ def _triton_codes(fmt, x, gs, fast: bool):
     return [p[slots].cpu() for p in planes], int(counter)
 
 
+@pytest.mark.parametrize("redo", REDO, indirect=True)
 @pytest.mark.parametrize("name", [n for n in PROFILES if n != "bf16"])
 @pytest.mark.parametrize("fast", [True, False], ids=["fast_div", "exact_div"])
-def test_both_division_paths_match_reference_on_ties(name, fast):
+def test_both_division_paths_match_reference_on_ties(name, fast, redo):
     """Exact ties (x / s a grid midpoint), values one ulp off them, and special values, in fp32
-    and bf16, on the fast (reciprocal) and the exact (div_rn per value) path."""
+    and bf16, on the fast (reciprocal) and the exact (div_rn per value) path, the fast path
+    redoing flagged blocks inline or by a second launch (CONFIG["redo"]; no effect on the exact
+    path)."""
     prof = PROFILES[name]
     for side in ("k", "v"):
         fmt = prof.side_format(side, 256)
@@ -124,5 +140,44 @@ def test_both_division_paths_match_reference_on_ties(name, fast):
                 got, count = _triton_codes(fmt, x, gs, fast)
                 want = ref.quantize(fmt, x, gs)
                 mism = sum(int((a != b).sum()) for a, b in zip(got, want))
-                assert mism == 0, (name, side, gs, label, fast, mism)
-                assert count == int(ref.count_nonfinite(x)), (name, side, gs, label, fast)
+                assert mism == 0, (name, side, gs, label, fast, redo, mism)
+                assert count == int(ref.count_nonfinite(x)), (name, side, gs, label, fast, redo)
+
+
+@pytest.mark.parametrize("redo", REDO, indirect=True)
+def test_write_is_capture_safe(redo):
+    """A CUDA graph of a k8v4 write (int8 K, NVFP4 V; flag buffer allocated per call) replays
+    with new input to the reference's bytes and count."""
+    prof = PROFILES["k8v4"]
+    n = 256
+    x = torch.zeros(n, 4, 256, device="cuda")
+    slots = torch.randperm(n + 64, device="cuda")[:n]
+    counter = torch.zeros((), dtype=torch.int32, device="cuda")
+    sides = []
+    for side in ("k", "v"):
+        fmt = prof.side_format(side, 256)
+        planes = [torch.zeros(n + 64, 4, b, dtype=torch.uint8, device="cuda") for b in fmt.plane_bytes(256)]
+        sides.append((fmt, gs_for(prof, side), planes))
+
+    def write():
+        for fmt, gs, planes in sides:
+            kv_quant.quantize_into(fmt, x, slots, planes, gs, counter)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        write()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write()
+    data = tie_data(prof.side_format("k", 256), gs_for(prof, "k"), n=n, seed=4, nudge=True)
+    data[0, 0, :3] = torch.tensor([float("nan"), float("inf"), 1.0])
+    x.copy_(data)
+    counter.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for fmt, gs, planes in sides:
+        want = ref.quantize(fmt, data, gs)
+        assert all(torch.equal(p[slots].cpu(), w) for p, w in zip(planes, want)), (fmt.kind, redo)
+    assert int(counter) == 2 * int(ref.count_nonfinite(data))

@@ -1,7 +1,8 @@
 """The Triton KV kernels run by Triton's CPU interpreter (TRITON_INTERPRET=1) against the torch
 reference, without a GPU: byte-exact codes and scales, equal non-finite counts, equal dequantised
 values, for every built-in profile side, on both quantisation paths (CONFIG["fast_div"] True:
-reciprocal division with the exact fall-back; False: a div_rn per value).
+reciprocal division with the exact fall-back; False: a div_rn per value), the fast path with both
+places for its exact redo (CONFIG["redo"] "inline" and "second_launch").
 
 Data: Gaussian and outlier channels in fp32, fp16 and bf16; special values (NaN, +-inf, -0, zero
 rows, huge, tiny and subnormal); exact ties (x / s a midpoint of the code grid) and values one ulp
@@ -179,15 +180,17 @@ def _child() -> dict:
         count_ok = int(counter) == int(ref.count_nonfinite(x[keep]))  # a skipped token is not read
         return mism, count_ok, planes, slots[keep], want
 
-    report = {"cases": {}, "without_window": {}, "window": {}, "patched_fma": _fix_interpreter_fma()}
+    report = {"cases": {}, "without_window": {}, "window": {}, "without_second_kernel": {},
+              "patched_fma": _fix_interpreter_fma()}
     for label, fmt, gs in _formats():
         cases = report["cases"][label] = []
         for name, (x, both) in _datasets(fmt, gs, label).items():
-            for fast in ((True, False) if both else (True,)):
-                kt.CONFIG["fast_div"] = fast
+            paths = [(True, "inline"), (True, "second_launch")] + ([(False, "inline")] if both else [])
+            for fast, redo in paths:
+                kt.CONFIG.update(fast_div=fast, redo=redo)
                 mism, count_ok, planes, slots, want = run(fmt, x, gs)
-                rec = {"data": name, "fast_div": fast, "mismatches": mism, "count_ok": count_ok}
-                if fast and name in ("gauss_fp32", "special_fp32"):
+                rec = {"data": name, "fast_div": fast, "redo": redo, "mismatches": mism, "count_ok": count_ok}
+                if fast and redo == "inline" and name in ("gauss_fp32", "special_fp32"):
                     gsf = 1.0 if gs is None else gs
                     rec["gather_equal"] = {}
                     for dtype in (torch.float32, torch.float16):
@@ -196,7 +199,7 @@ def _child() -> dict:
                         rec["gather_equal"][str(dtype)] = bool(torch.equal(out.view(torch.int16 if dtype == torch.float16 else torch.int32),
                                                                          exp.view(torch.int16 if dtype == torch.float16 else torch.int32)))
                 cases.append(rec)
-        kt.CONFIG["fast_div"] = True
+        kt.CONFIG.update(fast_div=True, redo="inline")
         if fmt.kind != "bf16" and "gs=" not in label:
             br = max(1, BLOCK_VALUES // HEAD_DIM)
             data = _datasets(fmt, gs, label)
@@ -210,7 +213,38 @@ def _child() -> dict:
                                                    for name in ("ties_fp32", "near_ties_fp32")]
             finally:
                 kt.WINDOW = tl.constexpr(2.0 ** -21)
+        if fmt.kind != "bf16":
+            # second_launch with its second kernel left out: the fast codes of flagged blocks
+            # stay, so the data that needs the redo must mismatch (the second kernel does it).
+            name = "special_fp32" if "gs=" in label else "near_ties_fp32"
+            kernels = {k: getattr(kt, k) for k in ("_quant_kernel", "_quant_nvfp4_kernel")}
+            for k, fn in kernels.items():
+                setattr(kt, k, _WithoutSecondKernel(fn))
+            kt.CONFIG["redo"] = "second_launch"
+            try:
+                mism, count_ok = run(fmt, _datasets(fmt, gs, label)[name][0], gs)[:2]
+                report["without_second_kernel"][label] = [name, mism, count_ok]
+            finally:
+                kt.CONFIG["redo"] = "inline"
+                for k, fn in kernels.items():
+                    setattr(kt, k, fn)
     return report
+
+
+class _WithoutSecondKernel:
+    """A kernel whose REDO=2 launches (the second launch of CONFIG["redo"] = "second_launch")
+    do nothing."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        launch = self.fn[grid]
+
+        def call(*args, **kw):
+            if kw.get("REDO") != 2:
+                launch(*args, **kw)
+        return call
 
 
 # -- the tests (parent process) --------------------------------------------------------------
@@ -235,6 +269,19 @@ def test_interpreted_kernels_match_reference(report, label):
     bad = [c for c in cases if c["mismatches"] or not c["count_ok"] or not all(c.get("gather_equal", {}).values())]
     assert not bad, f"{label}: {bad}"
     assert any(not c["fast_div"] for c in cases), f"{label}: the exact-division path did not run"
+    redo = {c["redo"] for c in cases if c["fast_div"]}
+    assert redo == {"inline", "second_launch"}, f"{label}: fast path ran with redo {redo}"
+    fast_data = {(c["data"], c["redo"]) for c in cases if c["fast_div"]}
+    assert {d for d, r in fast_data if r == "inline"} == {d for d, r in fast_data if r == "second_launch"}
+
+
+def test_second_launch_redo_is_what_fixes_flagged_blocks(report):
+    """With the second kernel left out, blocks that need the exact path keep wrong fast codes
+    (or, for non-finite data, an uncounted non-finite value): so the second kernel runs and the
+    first one flags them."""
+    assert report["without_second_kernel"], "no case ran"
+    for label, (name, mism, count_ok) in report["without_second_kernel"].items():
+        assert mism > 0 or not count_ok, f"{label}:{name}: second launch left out, yet nothing differs"
 
 
 def test_tie_data_reaches_the_window_and_gaussian_data_mostly_does_not_redo(report):
