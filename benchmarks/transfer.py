@@ -19,9 +19,17 @@ measured device-to-device bandwidth (torch, memcpy2d, per-layer and kernel taps)
 row size on a 1-block restore, and torch's copy of a strided pinned view (the fallback without
 cuda-python) against cudaMemcpy2DAsync.
 
+Every row also reports, per method, ``plan_us``: the host time to plan one job as the engine
+plans it (median, microseconds): the CopyOp plan, the method choice and, for the kernel, the row
+table; a blocks-only kernel job is planned from the engine's block template instead.
+
 Prints the JSON document (to --out when given) and then a compact summary table.
 
-Usage: python benchmarks/transfer.py [--reps N] [--out FILE] [--methods dma,kernel,auto]
+``--plan-only`` needs no GPU: it times planning alone (on CUDA when available, else on CPU with
+small page counts) for 1, 8 and 64 blocks of the 27B INT8 bundle: the general kernel plan
+(``plan_kernel(plan_restore(...))``) against the block template (``plan_kernel_blocks``).
+
+Usage: python benchmarks/transfer.py [--reps N] [--out FILE] [--methods dma,kernel,auto] [--plan-only]
 """
 
 from __future__ import annotations
@@ -83,12 +91,66 @@ class Clock:
         return _median(out)
 
 
+def plan_job(e: TransferEngine, kind: str, **kw) -> None:
+    """Plan one job as restore()/write_through() do, without submitting it."""
+    job = e._restore_job(kw["batch"]) if kind == "restore" else \
+        e._write_job(kw.get("blocks", ()), kw.get("images", ()), kw.get("tails", ()))
+    if job.plan is None and e.choose_method(job.items) == "kernel":
+        e.plan_kernel(job.items)
+
+
+def host_us(fn, reps: int) -> float:
+    """Median host time of ``fn()`` in microseconds (after one warm-up call)."""
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return round(_median(out) * 1e6, 1)
+
+
+def plan_only(reps: int) -> dict:
+    """Planning time of blocks-only restores and write-throughs, general plan vs block template."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = preset("qwen3.5-27b")
+    pages = 64
+    main = PagedKVStorage(plugins.kv_profile("int8-g64"), shape.num_attention_layers, shape.num_kv_heads,
+                          shape.head_dim, pages, device=dev)
+    sb = BundleLayout.for_storage(main).slab_bytes
+    host = HostSlabStorage(sb, pages, pin=dev.type == "cuda")
+    state = StateSlots(shape.num_gdn_layers, shape.conv_dim, shape.linear_conv_kernel_dim - 1,
+                       shape.linear_num_value_heads, shape.linear_key_head_dim, shape.linear_value_head_dim,
+                       shape.hidden_size, 1, dtype=torch.bfloat16, device=dev)
+    e = TransferEngine(main, host, state=state, layer_order=layer_order_for_shape(shape), copy_method="dma")
+    out: dict = {"device": str(dev), "cpu": platform.processor() or platform.machine(), "slab_bytes": sb,
+                 "reps": reps, "us_per_job": {}}
+    for n in (1, 8, 64):
+        blocks = [(p, p) for p in range(n)]
+        batch = RestoreBatch(blocks=blocks)
+        out["us_per_job"][f"{n}_blocks"] = {
+            "restore_general": host_us(lambda: e.plan_kernel(e.plan_restore(batch)), reps),
+            "restore_template": host_us(lambda: e.plan_kernel_blocks("restore", blocks), reps),
+            "write_general": host_us(lambda: e.plan_kernel(e.plan_write(blocks=blocks)), reps),
+            "write_template": host_us(lambda: e.plan_kernel_blocks("write", blocks), reps),
+        }
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
     ap.add_argument("--methods", default="dma,kernel,auto", help="engine copy methods to measure")
+    ap.add_argument("--plan-only", action="store_true", help="time host planning only (no GPU needed)")
     args = ap.parse_args()
+    if args.plan_only:
+        res = plan_only(max(args.reps, 200))
+        print(json.dumps(res, indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     assert torch.cuda.is_available(), "this benchmark needs CUDA"
     dev = torch.device("cuda")
     shape = preset("qwen3.5-27b")
@@ -177,8 +239,9 @@ def main() -> int:
         te = getattr(c, clock)(fn, reps)
         return {"GBps": round(nbytes / te / 1e9, 2), "ratio": round(tb / te, 3)}
 
-    def compare(name, nbytes, h2d, submit, key="image"):
-        """``submit(engine)`` enqueues one job; measured for every method against one baseline."""
+    def compare(name, nbytes, h2d, submit, key="image", plan=None):
+        """``submit(engine)`` enqueues one job; measured for every method against one baseline;
+        ``plan(engine)`` plans the same job without submitting it (its host time: ``plan_us``)."""
         row: dict = {"bytes": nbytes, "contiguous_GBps": {}}
         side = "restore" if h2d else "write"
         for clock in ("wall", "engine"):
@@ -195,27 +258,37 @@ def main() -> int:
                 row.setdefault(m, {})[clock] = timed(c, clock, fn, tb, nbytes)
                 row[m]["chose"] = job["j"].method
                 e.drain()
+        if plan is not None:
+            for m in methods:
+                row[m]["plan_us"] = host_us(lambda e=engines[key][m]: plan(e), max(reps, 50))
         result.setdefault("rows", {})[name] = row
 
     for n in (1, 8, 64, 256):
         blocks = [(p, p) for p in range(n)]
-        compare(f"restore_{n}_blocks", n * sb, True, lambda e, b=blocks: e.restore(RestoreBatch(blocks=b)))
-        compare(f"write_{n}_blocks", n * sb, False, lambda e, b=blocks: e.write_through(blocks=b))
+        compare(f"restore_{n}_blocks", n * sb, True, lambda e, b=blocks: e.restore(RestoreBatch(blocks=b)),
+                plan=lambda e, b=blocks: plan_job(e, "restore", batch=RestoreBatch(blocks=b)))
+        compare(f"write_{n}_blocks", n * sb, False, lambda e, b=blocks: e.write_through(blocks=b),
+                plan=lambda e, b=blocks: plan_job(e, "write", blocks=b))
     # scattered slabs: every other slab (stride 2: still one 2-D copy a plane) and reversed (one copy a page a plane)
     blocks = [(p, 2 * p) for p in range(64)]
-    compare("restore_64_blocks_stride2", 64 * sb, True, lambda e: e.restore(RestoreBatch(blocks=blocks)))
+    compare("restore_64_blocks_stride2", 64 * sb, True, lambda e: e.restore(RestoreBatch(blocks=blocks)),
+            plan=lambda e: plan_job(e, "restore", batch=RestoreBatch(blocks=blocks)))
     blocks_rev = [(p, 63 - p) for p in range(64)]
-    compare("restore_64_blocks_reversed", 64 * sb, True, lambda e: e.restore(RestoreBatch(blocks=blocks_rev)))
+    compare("restore_64_blocks_reversed", 64 * sb, True, lambda e: e.restore(RestoreBatch(blocks=blocks_rev)),
+            plan=lambda e: plan_job(e, "restore", batch=RestoreBatch(blocks=blocks_rev)))
     save()
 
     for key, st in states.items():
         k = image_slab_count(st.image_bytes, sb)
         slabs = list(range(max_blocks, max_blocks + k))
-        compare(f"restore_{key}", st.image_bytes, True, lambda e, s=slabs: e.restore(RestoreBatch(image=(0, s))), key)
-        compare(f"write_{key}", st.image_bytes, False, lambda e, s=slabs: e.write_through(images=[(1, s)]), key)
+        compare(f"restore_{key}", st.image_bytes, True, lambda e, s=slabs: e.restore(RestoreBatch(image=(0, s))), key,
+                plan=lambda e, s=slabs: plan_job(e, "restore", batch=RestoreBatch(image=(0, s))))
+        compare(f"write_{key}", st.image_bytes, False, lambda e, s=slabs: e.write_through(images=[(1, s)]), key,
+                plan=lambda e, s=slabs: plan_job(e, "write", images=[(1, s)]))
         scattered = slabs[::-1]
         compare(f"restore_{key}_scattered_slabs", st.image_bytes, True,
-                lambda e, s=scattered: e.restore(RestoreBatch(image=(0, s))), key)
+                lambda e, s=scattered: e.restore(RestoreBatch(image=(0, s))), key,
+                plan=lambda e, s=scattered: plan_job(e, "restore", batch=RestoreBatch(image=(0, s))))
         save()
 
     # -- the kernel's row size on one block's planes (H2D, table upload included) -------------
@@ -301,7 +374,7 @@ def summary(result: dict) -> str:
     methods = result.get("methods", [])
     lines = [f"{result['machine']['gpu']}; ratio to one contiguous pinned copy, engine/wall clock; "
              f"cuda-python {result.get('cuda_python')}, kernel {result.get('kernel_ok')}"]
-    head = f"{'row':34} {'MiB':>8} {'contig GB/s':>11}" + "".join(f" {m:>13}" for m in methods)
+    head = f"{'row':34} {'MiB':>8} {'contig GB/s':>11}" + "".join(f" {m:>22}" for m in methods)
     lines.append(head)
     for name, row in result.get("rows", {}).items():
         cells = ""
@@ -310,10 +383,12 @@ def summary(result: dict) -> str:
             cell = f"{r.get('engine', {}).get('ratio', '-')}/{r.get('wall', {}).get('ratio', '-')}"
             if m == "auto":
                 cell += f" {str(r.get('chose', '?'))[0]}"
-            cells += f" {cell:>13}"
+            cell += f" {r.get('plan_us', '-')}us"
+            cells += f" {cell:>22}"
         contig = row.get("contiguous_GBps", {}).get("engine", "-")
         lines.append(f"{name:34} {row['bytes'] / MiB:8.2f} {contig:>11}" + cells)
-    lines.append("  (cells: engine/wall ratio; auto's letter: k = chose the kernel, d = DMA)")
+    lines.append("  (cells: engine/wall ratio; auto's letter: k = chose the kernel, d = DMA; "
+                 "host planning time per job, median)")
     lines.append(f"tap (engine time / (bytes x 2 / {result.get('d2d_GBps_read_plus_write')} GB/s)):")
     for key, row in result.get("tap", {}).items():
         parts = [f"{m} {v['engine_over_ideal']}x ({v['engine_ms']} ms)" for m, v in row.items() if isinstance(v, dict)]

@@ -34,10 +34,15 @@ kernel takes one launch. ``"auto"`` uses the kernel when the job's bytes per DMA
 ``kernel_max_call_bytes`` (1 MiB) and the DMA copies otherwise (big runs already reach ~0.95 of a
 contiguous copy on the copy engines and leave the SMs to the model). The kernel path keeps the
 stages: consecutive stages are joined into one launch until it holds ``kernel_launch_bytes`` (8
-MiB), and each stage's event is recorded after the launch that holds its copies (a 1-block
-restore is one launch, then every stage's event). The row table is built on the host, written to
-a pinned buffer and copied to the device on the job's stream before the launches (no device
-sync); both buffers stay with the job until it retires, then serve later jobs.
+MiB), and one event is recorded after each launch and shared by every stage it holds (a 1-block
+restore is one launch, then one event for all its stages). The row table is built on the host and
+written to a pinned buffer that the kernel reads (or that is copied to the device on the job's
+stream first; no device sync); both buffers stay with the job until it retires, then serve later
+jobs. A blocks-only kernel job (restore blocks without tail or image; write-through blocks and
+tails without images) is planned without CopyOps: its table is a per-engine *block template* (the
+rows of one bundle at page 0 / slab 0, with per-row page and slab multipliers) broadcast over the
+job's blocks (:meth:`TransferEngine.plan_kernel_blocks`), the same launches and rows as
+``plan_kernel`` of the general plan.
 
 On CPU the copies run at once and every job is complete when submitted. :class:`FakeTransferEngine`
 records the operations in order and copies only when told (:meth:`~FakeTransferEngine.complete`),
@@ -200,6 +205,7 @@ class _Job:
     error: str | None = None
     method: str = "dma"
     tables: Any = None  # kernel path: (pinned table, device table), held until retired
+    plan: KernelPlan | None = None  # kernel path: planned from the block template (no CopyOps)
 
     def event_at_or_before(self, stage: int) -> Any:
         best = None
@@ -207,6 +213,34 @@ class _Job:
             if s <= stage and (best is None or s > best[0]):
                 best = (s, ev)
         return None if best is None else best[1]
+
+
+@dataclass(frozen=True, slots=True)
+class _BlockTemplate:
+    """The kernel rows of ONE block bundle (page 0, backend page 0, slab 0) of a restore or a
+    write-through, with per-row multipliers: row ``r``'s host-side address is ``host[r]`` plus
+    the slab's offset from slab 0 (``slab_bytes`` per slab within a chunk), its device-side
+    address ``dev[r] + page * main_ppb[r] + backend_page * back_ppb[r]`` (one of the two is the
+    plane's page bytes, the other 0); src is the host side for a restore, dst for a write. Rows
+    are wide rows in stage order, then narrow rows in stage order; stage ``stages[k]``'s wide
+    rows are ``wide[k]..wide[k + 1]``, its narrow rows ``n_wide + narrow[k]..n_wide + narrow[k + 1]``."""
+
+    to_host: bool
+    stages: tuple[int, ...]  # stages with copies (each gets a Mark in the general plan)
+    stage_bytes: tuple[int, ...]  # bytes one block moves in each of them
+    wide: tuple[int, ...]
+    narrow: tuple[int, ...]
+    host: np.ndarray  # int64 [rows]
+    dev: np.ndarray
+    main_ppb: np.ndarray
+    back_ppb: np.ndarray
+    nbytes: np.ndarray
+    base: np.ndarray  # int64 [rows, 1, 4]: the rows of the block at page 0, slab 0
+    dev_ppb: np.ndarray  # int64 [rows, 1]: main_ppb + back_ppb (a block's pages all equal)
+    n_wide: int
+    has_backend: bool
+    ops: int  # (layer, plane) copies per block: the fewest DMA calls a job of blocks can take
+    block_bytes: int
 
 
 class TransferJob:
@@ -322,6 +356,10 @@ class TransferEngine:
                             *(p for layer in self._back_bases for p in layer),
                             *(b for group in self._image_groups.values() for _, b, _, _ in group)]}
         self._table_pool: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._templates: dict[str, _BlockTemplate | None] = {}  # per job kind, built on first use
+        # bounds of a block ref's (page, slab, backend page), for the fast planner's range check
+        self._ref_limits = np.array([main.num_pages, host.num_slabs,
+                                     backend.num_pages if backend is not None else 1 << 63], dtype=np.uint64)
         #: the kernel reads its row table from pinned host memory (mapped) instead of uploading
         #: it first: a 1-block restore went from 0.82 to 0.92 of a contiguous copy on an H200
         #: (``HPC_SEG_TABLE_HOST=0`` uploads it, as before; docs/memory.md)
@@ -358,7 +396,7 @@ class TransferEngine:
 
     def restore(self, batch: RestoreBatch) -> RestoreTicket:
         """Enqueue a restore batch in forward-pass order; returns at once with its ticket."""
-        job = self._new_job("restore", self.plan_restore(batch))
+        job = self._restore_job(batch)
         self._submit(job)
         return RestoreTicket(self, job)
 
@@ -366,9 +404,26 @@ class TransferEngine:
                       tails: Sequence[BlockRef] = ()) -> TransferJob:
         """Enqueue one write-through batch (a lane's blocks at release, published images and
         tails) on the write-through stream; returns at once."""
-        job = self._new_job("write", self.plan_write(blocks, images, tails))
+        job = self._write_job(blocks, images, tails)
         self._submit(job)
         return TransferJob(self, job)
+
+    def _restore_job(self, batch: RestoreBatch) -> _Job:
+        """The job of a restore batch: from the block template when it is a blocks-only kernel
+        job (CUDA), else from :meth:`plan_restore`."""
+        if batch.tail is None and batch.image is None and batch.blocks:
+            job = self._fast_job("restore", batch.blocks)
+            if job is not None:
+                return job
+        return self._new_job("restore", self.plan_restore(batch))
+
+    def _write_job(self, blocks: Sequence[BlockRef], images: Sequence[ImageRef], tails: Sequence[BlockRef]) -> _Job:
+        """The job of a write-through batch (tails are blocks here; see :meth:`_restore_job`)."""
+        if not images and (blocks or tails):
+            job = self._fast_job("write", [*blocks, *tails] if tails else blocks)
+            if job is not None:
+                return job
+        return self._new_job("write", self.plan_write(blocks, images, tails))
 
     def poll(self) -> list[Completion]:
         """Retire every job whose copies finished (in order per stream); never blocks."""
@@ -571,6 +626,179 @@ class TransferEngine:
         return KernelPlan(table, tuple(KernelLaunch(r0, r1, w, tuple(st))
                                        for (r0, r1, w), st in zip(bounds, launch_stages)))
 
+    # -- the fast planner: blocks-only kernel jobs from a per-engine template ------------------
+    #: whether restore()/write_through() may plan blocks-only kernel jobs from the template
+    #: (the fake engine records CopyOps, so it keeps the general path)
+    fast_plan = True
+
+    def _chunk_addrs(self) -> np.ndarray:
+        return np.array([self._kernel_addr.get(c.data_ptr(), c.data_ptr()) for c in self.host.chunks],
+                        dtype=np.int64)
+
+    def _template_entries(self, kind: str) -> list[tuple[int, list[tuple[bool, int]]]]:
+        """``(stage, [(backend, layer)])`` in the order :meth:`plan_restore` / :meth:`plan_write`
+        emit a blocks-only job's copies (stages without copies left out)."""
+        if kind == "write":
+            return [(0, [(False, a) for a in range(self.main.num_layers)]
+                     + [(True, a) for a in range(self.backend.num_layers if self.backend else 0)])]
+        prelude = [(True, a) for a in range(self.backend.num_layers if self.backend else 0)]
+        prelude += [(False, a) for a in self.prelude_main_layers]
+        out = [(0, prelude)] if prelude else []
+        out += [(i + 1, [(False, idx)]) for i, (k, idx) in enumerate(self.layer_order) if k == "attn"]
+        return out
+
+    def _block_template(self, kind: str) -> _BlockTemplate | None:
+        """The template of ``kind`` (``"restore"`` or ``"write"``), or None when blocks do not
+        map onto it exactly: a row's alignment must not depend on the block (every page size
+        and chunk address a multiple of 16 apart) and no copy may be packed on both sides (a
+        plane page as large as the slab, which the general path moves as one segment)."""
+        if kind in self._templates:
+            return self._templates[kind]
+        self._templates[kind] = t = self._build_template(kind)
+        return t
+
+    def _build_template(self, kind: str) -> _BlockTemplate | None:
+        seg_copy = _seg_copy()
+        align, chunk = seg_copy.ALIGN, seg_copy.CHUNK_BYTES
+        sb = self.host.slab_bytes
+        chunks = self._chunk_addrs()
+        if not len(chunks) or (chunks % align != chunks[0] % align).any() or sb % align:
+            return None
+        slab0 = int(chunks[0])
+        to_host = kind == "write"
+        wide_rows: list[list[tuple]] = []
+        narrow_rows: list[list[tuple]] = []
+        stages, stage_bytes, ops, block_bytes = [], [], 0, 0
+        for stage, entries in self._template_entries(kind):
+            w: list[tuple] = []
+            nr: list[tuple] = []
+            nbytes = 0
+            for backend, layer in entries:
+                pool = self.backend if backend else self.main
+                bases = (self._back_bases if backend else self._main_bases)[layer]
+                for j, dev in enumerate(bases):
+                    ppb = pool.plane_page_bytes[j]
+                    if ppb % align or ppb >= sb:
+                        return None
+                    host = slab0 + (self.layout.backend_plane_offset(layer, j) if backend
+                                    else self.layout.main_offset(layer, j))
+                    daddr = self._base_addr.get(id(dev), dev.data_ptr())
+                    aligned = host % align == 0 and daddr % align == 0
+                    body = ppb - ppb % align if aligned else 0
+                    mult = (0, ppb) if backend else (ppb, 0)
+                    for o0, n, out in ((0, body, w), (body, ppb - body, nr)):
+                        for o in range(o0, o0 + n, chunk):
+                            out.append((host + o, daddr + o, *mult, min(chunk, o0 + n - o)))
+                    ops += 1
+                    nbytes += ppb
+            stages.append(stage)
+            stage_bytes.append(nbytes)
+            block_bytes += nbytes
+            wide_rows.append(w)
+            narrow_rows.append(nr)
+        rows = [r for w in wide_rows for r in w] + [r for nr in narrow_rows for r in nr]
+        cols = np.array(rows, dtype=np.int64).reshape(-1, 5).T.copy()
+        base = np.zeros((cols.shape[1], 1, 4), dtype=np.int64)
+        base[:, 0, 1 if to_host else 0] = cols[0]
+        base[:, 0, 0 if to_host else 1] = cols[1]
+        base[:, 0, 2] = cols[4]
+        return _BlockTemplate(to_host, tuple(stages), tuple(stage_bytes),
+                              tuple(np.cumsum([0] + [len(w) for w in wide_rows]).tolist()),
+                              tuple(np.cumsum([0] + [len(nr) for nr in narrow_rows]).tolist()),
+                              cols[0], cols[1], cols[2], cols[3], cols[4], base, (cols[2] + cols[3])[:, None],
+                              sum(len(w) for w in wide_rows), bool(cols[3].any()), ops, block_bytes)
+
+    def plan_kernel_blocks(self, kind: str, blocks: Sequence[BlockRef],
+                           launch_bytes: int | None = None) -> KernelPlan | None:
+        """The :class:`KernelPlan` of a blocks-only job (``kind`` ``"restore"``: the blocks of a
+        :class:`RestoreBatch` without tail or image; ``"write"``: write-through blocks and tails,
+        no images) built from the block template: the same launches, stages and rows per launch
+        as ``plan_kernel(plan_restore(...))`` / ``plan_kernel(plan_write(...))`` (rows may be
+        ordered differently within a launch's wide and narrow parts). None when the template does
+        not apply (see :meth:`_block_template`), for no blocks, or for a page or slab out of
+        range (the general path then reports it)."""
+        t = self._block_template(kind)
+        if t is None or not len(blocks):
+            return None
+        try:
+            b = np.array(blocks, dtype=np.int64)
+        except ValueError:  # (page, slab) and (page, slab, backend page) refs mixed
+            b = np.array([(r[0], r[1], r[2] if len(r) > 2 else r[0]) for r in blocks], dtype=np.int64)
+        if b.ndim != 2 or b.shape[1] not in (2, 3):
+            return None
+        # pages and slabs in range (a negative one wraps to a huge unsigned value)
+        lim = self._ref_limits[:b.shape[1]]
+        if (b.view(np.uint64) >= lim).any():
+            return None
+        pm, sl = b[:, 0], b[:, 1]
+        spc, sb = self.host.slabs_per_chunk, self.host.slab_bytes
+        nblk = len(b)
+        if len(self.host.chunks) == 1:
+            delta = sl * sb
+        else:
+            chunks = self._chunk_addrs()
+            delta = chunks[sl // spc] + (sl % spc) * sb - chunks[0]
+        # rows x blocks x (src, dst, nbytes, 0): template row major, so a stage's rows stay together
+        hcol, dcol = (1, 0) if t.to_host else (0, 1)
+        full = np.repeat(t.base, nblk, axis=1) if nblk > 1 else t.base.copy()
+        full[:, :, hcol] += delta
+        if t.has_backend and b.shape[1] == 3:
+            full[:, :, dcol] += t.main_ppb[:, None] * pm + t.back_ppb[:, None] * b[:, 2]
+        else:
+            full[:, :, dcol] += t.dev_ppb * pm
+        # launches: stages are joined until one holds the limit (as plan_kernel joins them)
+        limit = self.kernel_launch_bytes if launch_bytes is None else launch_bytes
+        groups: list[tuple[int, int]] = []
+        k0, acc = 0, 0
+        for k, sbytes in enumerate(t.stage_bytes):
+            acc += sbytes * nblk
+            if acc >= limit:
+                groups.append((k0, k + 1))
+                k0, acc = k + 1, 0
+        if k0 < len(t.stages) or not groups:
+            groups.append((k0, len(t.stages)))
+        nw = t.n_wide
+        if nw == len(t.nbytes):  # every row wide (the common case): each launch is a row range
+            table = full.reshape(-1, 4)
+            launches = tuple(KernelLaunch(t.wide[k0] * nblk, t.wide[k1] * nblk, (t.wide[k1] - t.wide[k0]) * nblk,
+                                          t.stages[k0:k1]) for k0, k1 in groups)
+        elif len(groups) == 1:
+            table = full.reshape(-1, 4)
+            launches = (KernelLaunch(0, len(table), nw * nblk, t.stages),)
+        else:
+            parts, launches_l, row = [], [], 0
+            for k0, k1 in groups:
+                wide = full[t.wide[k0]:t.wide[k1]]
+                narrow = full[nw + t.narrow[k0]:nw + t.narrow[k1]]
+                parts += [wide, narrow]
+                n = (len(wide) + len(narrow)) * nblk
+                launches_l.append(KernelLaunch(row, row + n, len(wide) * nblk, t.stages[k0:k1]))
+                row += n
+            table = np.concatenate(parts).reshape(-1, 4)
+            launches = tuple(launches_l)
+        return KernelPlan(table, launches)
+
+    def _fast_job(self, kind: str, blocks: Sequence[BlockRef]) -> _Job | None:
+        """A kernel job planned from the block template, or None (then the general path plans
+        it): CUDA with the kernel usable, and the job certain to take the kernel (``"kernel"``,
+        or ``"auto"`` with its bytes per DMA call below the limit even at the fewest calls)."""
+        if not (self.fast_plan and self.kernel_ok):
+            return None
+        t = self._block_template(kind)
+        if t is None:
+            return None
+        nbytes = len(blocks) * t.block_bytes
+        if self.copy_method != "kernel":
+            # without cuda-python every block's plane page is one call (strided rows); with it
+            # a job takes at least one call per (layer, plane)
+            calls = t.ops * (len(blocks) if self.cudart is None else 1)
+            if not nbytes < calls * self.kernel_max_call_bytes:
+                return None
+        plan = self.plan_kernel_blocks(kind, blocks)
+        if plan is None:
+            return None
+        return _Job(next(self._ids), kind, [], 1 + len(self.layer_order), nbytes, method="kernel", plan=plan)
+
     def _tables(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A (pinned, device) pair of ``int64 [cap, 4]`` tables with ``cap >= rows``."""
         fits = [i for i, (h, _) in enumerate(self._table_pool) if h.shape[0] >= rows]
@@ -583,7 +811,7 @@ class TransferEngine:
 
     def _submit_kernel(self, job: _Job, stream: Any) -> None:
         seg_copy = _seg_copy()
-        plan = self.plan_kernel(job.items)
+        plan = job.plan if job.plan is not None else self.plan_kernel(job.items)
         n = len(plan.table)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if n:
@@ -596,10 +824,11 @@ class TransferEngine:
             for ln in plan.launches:
                 if ln.row1 > ln.row0:
                     seg_copy.launch(dev_t[ln.row0:ln.row1], ln.n_wide)
-                for s in ln.stages:
+                if ln.stages:  # one event after the launch serves every stage it holds
                     ev = self._event_pool.pop() if self._event_pool else torch.cuda.Event()
                     ev.record(stream)
-                    job.events[s] = ev
+                    for s in ln.stages:
+                        job.events[s] = ev
 
     # -- execution (CPU: at once; CUDA: streams; the fake overrides these) ---------------------
     def _new_job(self, kind: str, items: list[CopyOp | Mark]) -> _Job:
@@ -620,7 +849,7 @@ class TransferEngine:
         stream = self._streams[job.kind]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            job.method = self.choose_method(job.items)
+            job.method = "kernel" if job.plan is not None else self.choose_method(job.items)
             if job.method == "kernel":
                 self._submit_kernel(job, stream)
             else:
@@ -671,12 +900,14 @@ class TransferEngine:
     def _retire(self, job: _Job) -> None:
         job.done = True
         if self.device.type == "cuda":
-            self._event_pool.extend(job.events.values())
+            # kernel jobs share one event among a launch's stages: return each event once
+            self._event_pool.extend({id(ev): ev for ev in job.events.values()}.values())
             if job.final is not None and job.final is not True:
                 self._event_pool.append(job.final)
         job.events = {}
         job.final = True
         job.items = []  # drop the views
+        job.plan = None
         if job.tables is not None:  # the copies landed: the tables can serve a later job
             if len(self._table_pool) < 8:
                 self._table_pool.append(job.tables)
@@ -696,6 +927,8 @@ class FakeTransferEngine(TransferEngine):
     failed with :meth:`fail`. ``log`` lists ``("copy", job, stage, tag)``, ``("event", job,
     stage)`` and ``("wait", job, stage)`` in enqueue order. Works on any device (copies run
     synchronously at completion)."""
+
+    fast_plan = False  # the log records CopyOps: always the general plan
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

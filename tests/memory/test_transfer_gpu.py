@@ -215,3 +215,27 @@ def test_gpu_segment_kernel_unaligned_device_and_pinned_host():
     torch.cuda.synchronize()
     assert torch.equal(c, b)
     del keep
+
+
+def test_gpu_kernel_stages_share_one_event_per_launch():
+    """A blocks-only kernel restore is planned from the block template; a launch's stages share
+    one event, and retiring the job returns each event to the pool once."""
+    _need_kernel("kernel")
+    eng = _rig(copy_method="kernel")
+    blocks = [(p, p) for p in range(4)]
+    eng.write_through(blocks=blocks)
+    eng.drain()
+    for _ in range(3):
+        t = eng.restore(RestoreBatch(blocks=blocks))
+        job = t._job
+        assert job.plan is not None and job.items == [] and t.method == "kernel"
+        assert len(job.plan.launches) == 1 and len({id(ev) for ev in job.events.values()}) == 1
+        assert sorted(job.events) == list(job.plan.launches[0].stages)
+        assert [c.ok for c in eng.drain()] == [True]
+        pool = eng._event_pool
+        assert len({id(ev) for ev in pool}) == len(pool), "an event went back to the pool twice"
+    eng2 = _rig(copy_method="kernel", kernel_launch_bytes=0)
+    t = eng2.restore(RestoreBatch(blocks=blocks))
+    launches = t._job.plan.launches
+    assert len({id(ev) for ev in t._job.events.values()}) == len(launches) > 1
+    assert [c.ok for c in eng2.drain()] == [True]
