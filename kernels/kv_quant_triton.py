@@ -305,6 +305,59 @@ def _exact_grid_codes(x, cnt_ptr, BLOCK_R: tl.constexpr, NG: tl.constexpr, GROUP
 
 
 @triton.jit
+def _write_rows(pid, slot_ptr, n_rows, H: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A write program's rows (token, KV head): ``(token n, head h, ok, row in the flat plane)``;
+    a row past the end or with a negative slot (padding) is not ok."""
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < n_rows
+    n = (r // H).to(tl.int64)
+    h = r % H
+    slot = tl.load(slot_ptr + n, mask=rmask, other=-1).to(tl.int64)
+    return n, h, rmask & (slot >= 0), slot * H + h
+
+
+@triton.jit
+def _nvfp4_halves(data_ptr, scale_ptr, rows, mask, gs, D: tl.constexpr, BLOCK: tl.constexpr):
+    """NVFP4 rows ``rows`` dequantised as fp32 even and odd halves ``[BLOCK, D // 2]``."""
+    db = tl.arange(0, D // 2)
+    byte = tl.load(data_ptr + rows[:, None] * (D // 2) + db[None, :], mask=mask[:, None], other=0).to(tl.int32)
+    g = tl.arange(0, D // 16)
+    sc = tl.load(scale_ptr + rows[:, None] * (D // 16) + g[None, :], mask=mask[:, None], other=0)
+    eff = (_e4m3_value(sc) * gs)[:, :, None]
+    ve = tl.reshape(tl.reshape(_e2m1_value(byte & 0xF), (BLOCK, D // 16, 8)) * eff, (BLOCK, D // 2))
+    vo = tl.reshape(tl.reshape(_e2m1_value(byte >> 4), (BLOCK, D // 16, 8)) * eff, (BLOCK, D // 2))
+    return ve, vo
+
+
+@triton.jit
+def dequant_tile(data_ptr, scale_ptr, rows, mask, gs, D: tl.constexpr, KIND: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows ``rows`` (flat ``slot * H + head``) of one side's planes dequantised to fp32
+    ``[BLOCK, D]`` (masked rows read as 0): the gather kernel's and paged attention's reader."""
+    d = tl.arange(0, D)
+    if KIND == 0:
+        v = tl.load(data_ptr + rows[:, None] * D + d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    elif KIND == 3:
+        ve, vo = _nvfp4_halves(data_ptr, scale_ptr, rows, mask, gs, D, BLOCK)
+        v = tl.reshape(tl.join(ve, vo), (BLOCK, D))
+    else:
+        NG: tl.constexpr = D // GROUP
+        c = tl.load(data_ptr + rows[:, None] * D + d[None, :], mask=mask[:, None], other=0)
+        if KIND == 1:
+            qv = c.to(tl.float32)
+        else:
+            qv = _e4m3_value(c)
+        if NG == 1:
+            s = tl.load(scale_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            v = qv * s[:, None]
+        else:
+            g = tl.arange(0, NG)
+            s = tl.load(scale_ptr + rows[:, None] * NG + g[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+            v = tl.reshape(tl.reshape(qv, (BLOCK, NG, GROUP)) * s[:, :, None], (BLOCK, D))
+    return v
+
+
+@triton.jit
 def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, flag_ptr, n_rows,
                   H: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_R: tl.constexpr, COUNT: tl.constexpr, FAST: tl.constexpr, REDO: tl.constexpr):
@@ -317,13 +370,7 @@ def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, 
     if REDO == 2:
         if tl.load(flag_ptr + pid) == 0:
             return
-    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < n_rows
-    n = (r // H).to(tl.int64)
-    h = r % H
-    slot = tl.load(slot_ptr + n, mask=rmask, other=-1).to(tl.int64)
-    ok = rmask & (slot >= 0)
-    orow = slot * H + h  # row in the flat plane
+    n, h, ok, orow = _write_rows(pid, slot_ptr, n_rows, H, BLOCK_R)
     d = tl.arange(0, D)
     x = tl.load(x_ptr + n[:, None] * sxn + h[:, None] * sxh + d[None, :] * sxd,
                 mask=ok[:, None], other=0.0).to(tl.float32)
@@ -406,13 +453,7 @@ def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt
     if REDO == 2:
         if tl.load(flag_ptr + pid) == 0:
             return
-    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < n_rows
-    n = (r // H).to(tl.int64)
-    h = r % H
-    slot = tl.load(slot_ptr + n, mask=rmask, other=-1).to(tl.int64)
-    ok = rmask & (slot >= 0)
-    orow = slot * H + h
+    n, h, ok, orow = _write_rows(pid, slot_ptr, n_rows, H, BLOCK_R)
     i = tl.arange(0, D // 2)
     if PAIRED:
         w = tl.load(x_ptr + n[:, None] * sxn + h[:, None] * sxh + i[None, :], mask=ok[:, None], other=0)
@@ -460,42 +501,17 @@ def _dequant_kernel(slot_ptr, data_ptr, scale_ptr, out_ptr, out32_ptr, gs, n_row
     h = r % H
     slot = tl.load(slot_ptr + t, mask=rmask, other=0).to(tl.int64)
     irow = slot * H + h
-    d = tl.arange(0, D)
     out_ty = out_ptr.dtype.element_ty
-    optr = out_ptr + r.to(tl.int64)[:, None] * D + d[None, :]
-    if KIND == 0:
-        v = tl.load(data_ptr + irow[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
-        tl.store(optr, v.to(tl.float32).to(out_ty), mask=rmask[:, None])
-    elif KIND == 3:
+    if KIND == 3 and OUT_PAIRED:  # 16-bit output: write each even/odd pair as one 32-bit word
+        ve, vo = _nvfp4_halves(data_ptr, scale_ptr, irow, rmask, gs, D, BLOCK_R)
+        lo = ve.to(out_ty).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi = vo.to(out_ty).to(tl.int16, bitcast=True).to(tl.int32) << 16
         db = tl.arange(0, D // 2)
-        byte = tl.load(data_ptr + irow[:, None] * (D // 2) + db[None, :], mask=rmask[:, None], other=0).to(tl.int32)
-        g = tl.arange(0, D // 16)
-        sc = tl.load(scale_ptr + irow[:, None] * (D // 16) + g[None, :], mask=rmask[:, None], other=0)
-        eff = (_e4m3_value(sc) * gs)[:, :, None]
-        ve = tl.reshape(tl.reshape(_e2m1_value(byte & 0xF), (BLOCK_R, D // 16, 8)) * eff, (BLOCK_R, D // 2))
-        vo = tl.reshape(tl.reshape(_e2m1_value(byte >> 4), (BLOCK_R, D // 16, 8)) * eff, (BLOCK_R, D // 2))
-        if OUT_PAIRED:  # 16-bit output: write each even/odd pair as one 32-bit word
-            lo = ve.to(out_ty).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            hi = vo.to(out_ty).to(tl.int16, bitcast=True).to(tl.int32) << 16
-            tl.store(out32_ptr + r.to(tl.int64)[:, None] * (D // 2) + db[None, :], lo | hi, mask=rmask[:, None])
-        else:
-            v = tl.reshape(tl.join(ve, vo), (BLOCK_R, D))
-            tl.store(optr, v.to(out_ty), mask=rmask[:, None])
+        tl.store(out32_ptr + r.to(tl.int64)[:, None] * (D // 2) + db[None, :], lo | hi, mask=rmask[:, None])
     else:
-        NG: tl.constexpr = D // GROUP
-        c = tl.load(data_ptr + irow[:, None] * D + d[None, :], mask=rmask[:, None], other=0)
-        if KIND == 1:
-            qv = c.to(tl.float32)
-        else:
-            qv = _e4m3_value(c)
-        if NG == 1:
-            s = tl.load(scale_ptr + irow, mask=rmask, other=0.0).to(tl.float32)
-            v = qv * s[:, None]
-        else:
-            g = tl.arange(0, NG)
-            s = tl.load(scale_ptr + irow[:, None] * NG + g[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-            v = tl.reshape(tl.reshape(qv, (BLOCK_R, NG, GROUP)) * s[:, :, None], (BLOCK_R, D))
-        tl.store(optr, v.to(out_ty), mask=rmask[:, None])
+        v = dequant_tile(data_ptr, scale_ptr, irow, rmask, gs, D, KIND, GROUP, BLOCK_R)
+        d = tl.arange(0, D)
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * D + d[None, :], v.to(out_ty), mask=rmask[:, None])
 
 
 def supports(fmt: SideFormat, head_dim: int) -> bool:

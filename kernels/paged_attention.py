@@ -11,8 +11,8 @@ lanes of the batch: decode and the speculative verify pass compute the same bits
 Page tables and lengths are device tensors and the grid depends only on the batch size, so the
 kernel can be captured in a CUDA graph whose replays serve every context length.
 
-Dequantisation uses the same formulas as ``kv_quant_triton``'s gather (the same values), cast to
-the query's dtype before the dot products, as the gather + SDPA path casts them.
+Pages are read by ``kv_quant_triton.dequant_tile``, the gather kernel's own reader (the same
+values), cast to the query's dtype before the dot products, as the gather + SDPA path casts them.
 """
 
 from __future__ import annotations
@@ -21,44 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_quant_triton import KIND_IDS, _e2m1_value, _e4m3_value, _typed_planes
+from .kv_quant_triton import KIND_IDS, _typed_planes, dequant_tile
 
 #: splits of a lane's pages (a constant, so a lane's result is independent of the batch)
 SPLITS = 16
 PAGE = 64
-
-
-@triton.jit
-def _load_side(data_ptr, scale_ptr, rows, valid, gs, D: tl.constexpr, KIND: tl.constexpr,
-               GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rows ``rows`` (flat ``slot * H_kv + head``) of one side, dequantised to fp32 ``[BLOCK_N, D]``."""
-    d = tl.arange(0, D)
-    if KIND == 0:
-        x = tl.load(data_ptr + rows[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    elif KIND == 3:
-        db = tl.arange(0, D // 2)
-        byte = tl.load(data_ptr + rows[:, None] * (D // 2) + db[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        g = tl.arange(0, D // 16)
-        sc = tl.load(scale_ptr + rows[:, None] * (D // 16) + g[None, :], mask=valid[:, None], other=0)
-        eff = (_e4m3_value(sc) * gs)[:, :, None]
-        ve = tl.reshape(tl.reshape(_e2m1_value(byte & 0xF), (BLOCK_N, D // 16, 8)) * eff, (BLOCK_N, D // 2))
-        vo = tl.reshape(tl.reshape(_e2m1_value(byte >> 4), (BLOCK_N, D // 16, 8)) * eff, (BLOCK_N, D // 2))
-        x = tl.reshape(tl.join(ve, vo), (BLOCK_N, D))
-    else:
-        NG: tl.constexpr = D // GROUP
-        c = tl.load(data_ptr + rows[:, None] * D + d[None, :], mask=valid[:, None], other=0)
-        if KIND == 1:
-            qv = c.to(tl.float32)
-        else:
-            qv = _e4m3_value(c)
-        if NG == 1:
-            s = tl.load(scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)
-            x = qv * s[:, None]
-        else:
-            g = tl.arange(0, NG)
-            s = tl.load(scale_ptr + rows[:, None] * NG + g[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            x = tl.reshape(tl.reshape(qv, (BLOCK_N, NG, GROUP)) * s[:, :, None], (BLOCK_N, D))
-    return x
 
 
 @triton.jit
@@ -91,7 +58,7 @@ def _split_kernel(q_ptr, o_ptr, ml_ptr, table_ptr, table_stride, seqlen_ptr,
         page = tl.load(table_ptr + b.to(tl.int64) * table_stride + p).to(tl.int64)
         valid = p * BLOCK_N + offs < n
         rows = (page * BLOCK_N + offs) * H_KV + hk
-        k = _load_side(kd_ptr, ks_ptr, rows, valid, gs_k, D, KIND_K, GROUP_K, BLOCK_N).to(dt)
+        k = dequant_tile(kd_ptr, ks_ptr, rows, valid, gs_k, D, KIND_K, GROUP_K, BLOCK_N).to(dt)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -101,7 +68,7 @@ def _split_kernel(q_ptr, o_ptr, ml_ptr, table_ptr, table_stride, seqlen_ptr,
         alpha = tl.exp2(m_i - m_new)
         pe = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pe, axis=1)
-        v = _load_side(vd_ptr, vs_ptr, rows, valid, gs_v, D, KIND_V, GROUP_V, BLOCK_N).to(dt)
+        v = dequant_tile(vd_ptr, vs_ptr, rows, valid, gs_v, D, KIND_V, GROUP_V, BLOCK_N).to(dt)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(pe.to(dt), v, input_precision="ieee")
         else:

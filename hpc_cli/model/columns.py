@@ -174,11 +174,11 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec0:
     return out, window, (torch.stack(states, dim=1) if keep_all else state)
 
 
-def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int):
+def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, paged: bool):
+    """``paged``: read the pages with the paged decode kernel (else gather + SDPA per span group)."""
     q, gate, k, v = blocks(attn.qkv, R, h, cos, sin)
     page = kv.page_tokens
     o_rows = q.new_zeros(q.shape)
-    paged = kv.paged_attention_supported(attn.n_heads)
     for t in range(idx.T):  # column t's K/V is written just before column t reads the pages, as in decode
         rows = idx.rows[t]
         kv.write(layer, idx.write[t], k.index_select(0, rows), v.index_select(0, rows))
@@ -228,6 +228,7 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
     cos, sin = blocks(lambda p: model.rotary.cos_sin(p, model.dtype), R, flat_pos)
     x = blocks(model._embed, R, flat_tok)
     capture = set(capture)
+    paged = kv.paged_attention_supported(model.config.num_attention_heads)
     feats, windows, kept = [], [], []
     for i, layer in enumerate(model.layers):
         h = blocks(layer.input_layernorm, R, x)
@@ -244,7 +245,7 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
                 conv.index_copy_(0, slot_t, window[:, :, -K1:].to(conv.dtype))
                 rec.index_copy_(0, slot_t, st)
         else:
-            out = _attention(layer.self_attn, h, idx, kv, model.kv_index[i], cos, sin, R)
+            out = _attention(layer.self_attn, h, idx, kv, model.kv_index[i], cos, sin, R, paged)
 
         if isinstance(layer.mlp, SparseMoE):
             # Routing depends on which tokens share a call, so the MoE is not row-blocked (MoE has

@@ -93,7 +93,7 @@ class ColumnGraphs:
 
         if os.environ.get("HPC_CUDA_GRAPHS", "1").strip().lower() in ("0", "false", "no", "off"):
             return False
-        if not getattr(model, "cuda_graphs", True):  # [engine] cuda_graphs = false
+        if not model.cuda_graphs:  # [engine] cuda_graphs = false
             return False
         if model.device.type != "cuda" or any(isinstance(l.mlp, SparseMoE) for l in model.layers):
             return False

@@ -113,7 +113,9 @@ class HybridModel(nn.Module):
         #: rows per block of decode's and verify's row-wise ops (hpc_cli.model.columns); decode and
         #: verify agree bit for bit only under the same value, so set it before serving
         self.row_block: int | None = None
-        #: CUDA graphs of decode steps (hpc_cli.model.graphs); None until the first decode decides
+        #: replay decode and verify passes as CUDA graphs where they apply ([engine] cuda_graphs)
+        self.cuda_graphs = True
+        #: those graphs (hpc_cli.model.graphs), made at the first pass that uses them
         self._graphs = None
         self.lm_head = Linear(config.hidden_size, config.vocab_size, **fk)
         if config.tie_word_embeddings:

@@ -78,7 +78,7 @@ def verify_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Sequ
     of every lane is written to its slot (the ``recompute`` rollback). On CUDA the pass runs
     through the model's graphs (hpc_cli.model.graphs), whose outputs live until the next pass of
     the same shape: consume them within the round."""
-    graphs = model.column_graphs(kv) if hasattr(model, "column_graphs") else None
+    graphs = model.column_graphs(kv)
     if graphs is not None:
         return graphs.run(torch.as_tensor(tokens).cpu(), starts, tables, slots, kv, states, keep_all=keep_all,
                           capture=capture)
