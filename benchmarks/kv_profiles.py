@@ -8,14 +8,13 @@ prefill fills its pages); ``tokens``: every token at a random slot (the worst ca
 beside it). Bytes counted = bytes read + bytes written (as for the copy).
 
 ``write_ratio_exact_div`` times the same write with ``kv_quant_triton.CONFIG["fast_div"] = False``
-(a correctly rounded division per value, the kernels before the reciprocal division), so one run
-shows what the fast division gains; both paths store the same bytes.
-``write_ratio_second_launch`` times it with ``CONFIG["redo"] = "second_launch"`` (the fast kernel
-without the exact path compiled in, flagged blocks redone by a second launch; the same bytes).
+(a correctly rounded division per value, the kernels before the reciprocal quotient), so one run
+shows what the fast quotient gains; both paths store the same bytes.
+``gather_ratio_unpaired`` times the int8/fp8 gather with ``CONFIG["gather_pairs"] = False``
+(codes read and values written one element at a time, not as 16-bit/32-bit pairs).
 
-``--sweep`` times the launch shapes (values per program x warps) 1024x4, 2048x4, 2048x8 and
-4096x8 with both redo variants (writes) and the gather, and prints a compact table of the write
-ratios to stderr after the JSON.
+``--sweep`` times the launch shapes (values per program x warps) in ``SWEEP_SHAPES`` for the
+write and both gather variants, and prints a compact table to stderr after the JSON.
 
     python benchmarks/kv_profiles.py [--tokens 65536] [--reference] [--sweep]
 
@@ -107,42 +106,39 @@ def exact_div_write(profile, tokens: int, heads: int, head_dim: int, copy_gbs: f
     return {} if e is None else {"write_ms_exact_div": e["write_ms"], "write_ratio_exact_div": e["write_ratio"]}
 
 
-def second_launch_write(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
-    """The write timed again with flagged blocks redone by a second launch (CONFIG["redo"])."""
-    e = _with_config(profile, tokens, heads, head_dim, copy_gbs, redo="second_launch")
-    return {} if e is None else {"write_ms_second_launch": e["write_ms"],
-                                 "write_ratio_second_launch": e["write_ratio"]}
+def unpaired_gather(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
+    """The gather timed again with CONFIG["gather_pairs"] = False (int8/fp8 sides only differ)."""
+    e = _with_config(profile, tokens, heads, head_dim, copy_gbs, gather_pairs=False)
+    return {} if e is None else {"gather_ms_unpaired": e["gather_ms"], "gather_ratio_unpaired": e["gather_ratio"]}
 
 
-#: --sweep: launch shapes (values per program, warps) and redo variants.
-SWEEP_SHAPES = ((1024, 4), (2048, 4), (2048, 8), (4096, 8))
-SWEEP_REDO = ("inline", "second_launch")
+#: --sweep: launch shapes (values per program, warps).
+SWEEP_SHAPES = ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8))
 
 
 def sweep(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
-    """"VALUESxWARPS" -> {"write_inline", "write_second_launch", "gather"} ratios."""
+    """"VALUESxWARPS" -> {"write", "gather", "gather_unpaired"} ratios."""
     out = {}
     for vals, warps in SWEEP_SHAPES:
-        row = {}
-        for redo in SWEEP_REDO:
-            e = _with_config(profile, tokens, heads, head_dim, copy_gbs, block_values=vals, num_warps=warps,
-                             redo=redo)
-            if e is None:
-                return {}
-            row[f"write_{redo}"] = e["write_ratio"]
-            row.setdefault("gather", e["gather_ratio"])  # the gather does not depend on redo
-        out[f"{vals}x{warps}"] = row
+        e = _with_config(profile, tokens, heads, head_dim, copy_gbs, block_values=vals, num_warps=warps)
+        u = _with_config(profile, tokens, heads, head_dim, copy_gbs, block_values=vals, num_warps=warps,
+                         gather_pairs=False)
+        if e is None or u is None:
+            return {}
+        out[f"{vals}x{warps}"] = {"write": e["write_ratio"], "gather": e["gather_ratio"],
+                                  "gather_unpaired": u["gather_ratio"]}
     return out
 
 
 def sweep_table(profiles: dict) -> str:
-    """The sweep's write ratios, one line per profile: inline / second_launch per shape."""
+    """The sweep's ratios, one line per profile: write / gather / unpaired gather per shape."""
     shapes = [f"{v}x{w}" for v, w in SWEEP_SHAPES]
-    lines = ["write ratio, redo inline / second_launch", f"{'profile':<20}" + "".join(f"{s:>14}" for s in shapes)]
+    lines = ["ratio write/gather/gather_unpaired", f"{'profile':<20}" + "".join(f"{s:>17}" for s in shapes)]
     for name, entry in profiles.items():
         sw = entry.get("sweep", {})
-        cells = [f"{sw[s]['write_inline']:.3f}/{sw[s]['write_second_launch']:.3f}" if s in sw else "-" for s in shapes]
-        lines.append(f"{name:<20}" + "".join(f"{c:>14}" for c in cells))
+        cells = [f"{sw[s]['write']:.2f}/{sw[s]['gather']:.2f}/{sw[s]['gather_unpaired']:.2f}" if s in sw else "-"
+                 for s in shapes]
+        lines.append(f"{name:<20}" + "".join(f"{c:>17}" for c in cells))
     return "\n".join(lines)
 
 
@@ -175,7 +171,7 @@ def main() -> None:
         prof = cls()
         entry = bench_profile(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"])
         entry.update(exact_div_write(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"]))
-        entry.update(second_launch_write(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"]))
+        entry.update(unpaired_gather(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"]))
         if args.reference:
             os.environ["HPC_KV_KERNELS"] = "torch"
             try:

@@ -3,31 +3,23 @@ mapping, and dequantise slots for attention.
 
 Bit-exactness with the torch reference comes from doing the same IEEE operations, or operations
 proven to give the same result: float -> fp16 and fp32 -> bf16 casts round to nearest even as
-torch's do, and the E4M3/E2M1 codes are assembled with integer arithmetic from values that are
-exactly representable (see ``e4m3_round_arith``). The reference divides every value by its scale
-(``q = round_half_even(fl(x / s))``); two kernel paths reproduce that:
+torch's do, and the E4M3/E2M1/int8 codes are assembled with integer arithmetic from values that
+are exactly representable (see ``e4m3_round_arith`` and ``RINT_MAGIC``). The reference divides
+every value by its scale and rounds the quotient, ``q = round_half_even(fl(x / s))``; the kernels
+compute the same ``fl(x / s)`` in one of two ways:
 
-* exact division (``CONFIG["fast_div"] = False``, the original kernels): every value takes a
-  correctly rounded ``div_rn`` (Triton's ``/`` is approximate), half-to-even is a ``floor`` and an
-  exact fraction test, and every block counts its non-finite values.
-* fast division (the default): one ``div_rn`` per group for ``inv = fl(1 / s)``, then
-  ``y = fl(x * inv)`` per value, rounded half to even with two fp32 additions (RINT_MAGIC).
-  ``y`` can differ from ``fl(x / s)`` by a few units in the last place, which changes the code
-  only when ``y`` lies next to a rounding midpoint of the code grid (the bound and the window
-  are proven in the comment above ``_settle``). Non-finite inputs show in the group maxima of
-  ``|x|``, computed on the bit patterns (where a NaN sorts above inf). A program whose block has
-  a value in the window, a non-finite value, or (NVFP4) a scale whose reciprocal is not a normal
-  number redoes the whole block by the exact path, so the stored bytes and the non-finite count
-  are those of the exact path; one block-wide reduction decides.
+* fast (``CONFIG["fast_div"] = True``, the default): one correctly rounded reciprocal per scale,
+  ``inv = fl(1 / s)``, then per value a product and two remainder corrections (``_quotient``),
+  which give ``fl(x / s)`` exactly (Markstein's theorem; the argument is above ``_quotient``).
+  Five fp32 operations per value and no branch.
+* exact (``CONFIG["fast_div"] = False``): a correctly rounded ``div_rn`` per value, the
+  original kernels, kept as the baseline the benchmark times beside the fast path.
 
-Where that redo runs is ``CONFIG["redo"]``: ``"inline"`` (the default) compiles the exact path
-into the fast kernel behind a dynamic branch; ``"second_launch"`` compiles the fast kernel
-without it (it only writes one flag per program, 1 if its block needs the exact path) and runs
-the exact path in a second kernel over the same grid, which returns at once for unflagged
-programs and otherwise recomputes and overwrites the whole block (counting its non-finite
-values, as the inline redo does). Both give the same bytes and counts; the second form exists to
-measure whether the inline exact path costs the fast path registers (occupancy) or the barrier of
-the block-wide reduction before the stores.
+Non-finite inputs show in the group maxima of ``|x|``, computed on the bit patterns (where a NaN
+sorts above inf). A program whose block holds one (or, NVFP4, whose effective scale ``S * g``
+lies outside the range the fast quotient is proven for) redoes the whole block by the exact path,
+which counts and cleans non-finite values as the reference does; one reduction over the block's
+group maxima decides, so finite data never pays for it.
 
 Rows are (token, KV head) pairs; a program takes ``BLOCK_R`` rows of ``D`` values. A negative
 slot skips its token (padding). The pool planes are ``uint8`` ``[slots, H, plane_bytes]``
@@ -51,128 +43,73 @@ EFF_MAX: tl.constexpr = tl.constexpr(2.0 ** 100)
 #: 1.5 * 2^23 and its bit pattern. For |v| <= 2^22, v + RINT_MAGIC lies in [2^23, 2^24), where
 #: consecutive fp32 values are 1 apart, so the (round to nearest even) addition rounds v to an
 #: integer n, half to even: (v + RINT_MAGIC) - RINT_MAGIC == n exactly, and the sum's bit pattern
-#: is RINT_BITS + n.
+#: is RINT_BITS + n. (Instead of libdevice.rint: an extern call, which Triton's interpreter
+#: cannot run; two full-rate additions cost no more than one conversion. Neither the compiler
+#: nor ptxas reassociates (v + c) - c without fast-math flags, which Triton does not set.)
 RINT_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
 RINT_BITS: tl.constexpr = tl.constexpr(0x4B400000)
 #: RINT_BITS + 968, for the E4M3 code assembly in _e4m3_code.
 E4M3_BIAS: tl.constexpr = tl.constexpr(0x4B400000 + 968)
-#: The fast-division window, in grid units per grid unit of the value (see the proof below).
-WINDOW: tl.constexpr = tl.constexpr(2.0 ** -21)
 #: Bit pattern of +inf: |x| bit patterns at or above it are inf or NaN.
 INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
 
 
-@triton.jit
-def _rne(v):
-    """Round half to even, exactly (``floor(v + 0.5)`` would be wrong for v just below 0.5).
-    The exact-division path's rounding; the fast path rounds with RINT_MAGIC."""
-    r = tl.floor(v)
-    frac = v - r  # exact
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    up = (frac > 0.5) | ((frac == 0.5) & odd)
-    return tl.where(up, r + 1.0, r)
-
-
-# Rounding by RINT_MAGIC instead of libdevice.rint (cvt.rni): libdevice functions are extern
-# calls, which Triton's interpreter cannot run, and two full-rate fp32 additions cost no more than
-# one conversion instruction. Neither the compiler nor ptxas reassociates (v + c) - c without
-# fast-math flags, which Triton does not set. y = x * inv below feeds only the clamp (min/max),
-# so no fused multiply-add can change it; a * (1 / quantum) is exact, so fusing it is harmless.
+# The fast quotient, and why it is fl(x / s) exactly.
 #
-# Fast division, and why it is exact.
-#
-# Let s > 0 be a group's scale (fp32), x a finite fp32 value, v = x / s (real), r = fl(v) the
-# reference's quotient, inv = fl(1 / s) a normal number, y = fl(x * inv), u = 2^-24. Then
-#   inv = (1/s)(1 + e1),  y = x inv (1 + e2),  r = v (1 + e3),  |e1|, |e2|, |e3| <= u,
-# so |y - r| <= (3u + u^2) |v| and, as |v| <= |y| / (1 - 2u - u^2),  |y - r| < 3.0001 u |y|.
-# (If x * inv underflows, y and r are below 2^-125, far under the smallest rounding midpoint,
-# 2^-10 for E4M3 subnormals, and both give code 0; if it overflows, both are far above the
-# clamp.) The reference clamps to [-M, M] before rounding, M a grid value (127, 448, 6); so do
-# the kernels. If |y| >= M, y clamps to M and r >= M (1 - 3.0001 u) rounds to M too (the nearest
-# midpoint is M - quantum/2, much further down). Otherwise rounding to the code grid is constant
-# between the midpoints of consecutive grid values, so the codes of y and r can differ only if a
-# midpoint m lies between them or on one of them (a tie): |y - m| < 3.0001 u |y|. Binade edges
-# (and E2M1's 2 and 4) are grid values and a neighbouring binade's midpoints are at least a
-# quarter quantum away, so m is a midpoint of y's own binade. In grid units, t = |y| / quantum
-# (exact: the quantum is a power of two; 0 <= t <= 127 for int8, <= 16 for E4M3, <= 4 for E2M1),
-# the midpoints are k + 1/2, and a code can differ only if
-#     1/2 - |t - rint(t)| < 3.0001 u t,   at most 2^-15.4 (int8), 2^-18.4 (E4M3), 2^-20.4 (E2M1).
-# The kernels flag  1/2 - |t - rint(t)| <= 2^-21 t  (8 u t, 2.6 times the bound), evaluated
-# exactly: t - rint(t) and 1/2 - d are exact (Sterbenz; d < 1/4 is far from the window anyway)
-# and 2^-21 t is a power-of-two scaling. A flagged value is settled in one of two ways (_settle):
-# * an exact tie of the reference: |x| = m_t q s exactly, m_t the midpoint next to t (then
-#   |x| / s = m_t q is representable, r is that midpoint, and the reference rounds it half to
-#   even; the kernel rounds m_t half to even). fma(m_t q, s, -|x|) rounds once, and the exact
-#   difference is a multiple of 2^-149 (so are |x| and m_t q s: s >= 2^-24 for int8/fp8, and an
-#   NVFP4 block needs S * g in [2^-100, 2^100], else it is redone), so it is 0 only for equality.
-#   With bf16 input these ties are common (an 8-bit x over an 11-bit fp16 scale, or a 4-bit
-#   S * g with a power-of-two g, often is a midpoint exactly), and they are then the only
-#   flagged values: x - m_t q s is a multiple of a granule far coarser than the window.
-# * anything else is "unsure": the program redoes its whole block by the exact path.
-# Where it matters inv is a normal number: a positive fp16 scale lies in [2^-24, 65504]; NVFP4's
-# S * g can be anything a global scale makes it, hence the range test. A value lands in the
-# window with probability about 2^-20 t, so with fp32 input a few per cent of 2048-value int8
-# programs (fewer for the others) redo their block; with bf16 input almost none.
+# Let s > 0 be a scale (fp32), x a finite fp32 value, Q = x / s (real), u = 2^-24, and
+# inv = fl(1 / s) (div_rn, once per scale). Then
+#   y  = fl(x * inv)             = Q (1 + e),  |e| <= 2u + u^2
+#   q1 = fma(fma(-y, s, x), inv, y)
+#   q2 = fma(fma(-q1, s, x), inv, q1)
+# The first remainder r0 = fl(x - y s) = s (Q - y)(1 + e0), so q1 = fl(y + (Q - y)(1 + e0)(1 + e1))
+# is within half an ulp of Q plus |Q - y| * 2.0001u <= 4.1 u^2 |Q|, far less than another half
+# ulp: q1 is a faithful rounding of Q (within one ulp). Markstein's theorem (Markstein 1990; Muller
+# et al., Handbook of Floating-Point Arithmetic, the theorem on division with an fma): if inv
+# is within half an ulp of 1 / s and q1 within one ulp of x / s, then x - q1 s is exactly
+# representable (so the fma computes it exactly) and fl(q1 + (x - q1 s) inv) = fl(x / s). So q2
+# is the reference's quotient, bit for bit, ties included, whenever nothing under- or overflows:
+# * int8 / fp8: s is a positive fp16 scale, in [2^-24, 65504], so inv is a normal number; a
+#   quotient that matters (|Q| >= 2^-10, the smallest midpoint of any code grid) has |x| >= 2^-34
+#   and the remainders are multiples of 2^-72 or coarser; |x| <= BF16/FLT_MAX and y s ~ x stay
+#   finite. A tiny |Q| may come out inexact, but it stays far below every midpoint (code 0).
+# * nvfp4: s = S * g can be anything a global scale makes it; blocks with s outside
+#   [2^-100, 2^100] take the exact path (``EFF_MIN``/``EFF_MAX``), which keeps every remainder
+#   that matters a multiple of 2^-149 at worst and every product finite.
+# * s = 0 (a zero group) passes inv = 0: y = 0, both corrections add 0 * r, q2 = 0, the
+#   reference's ``_safe_div`` value.
+# A fused multiply-add that the compiler forms elsewhere (FP fusion) is harmless: every other
+# product in these kernels is exact (a power-of-two scaling).
 
 
 @triton.jit
-def _settle(t, n, q, xa, sf, TIES: tl.constexpr):
-    """Fast path, in grid units: t >= 0 the value, n = rint(t), q the quantum (the quotient's
-    magnitude is t * q), xa = |x|, sf = the scale. Returns (t', unsure): t' is t, or the midpoint
-    next to t where |x| / s is exactly that midpoint (the reference sees a tie there, whatever
-    t's last bits say; the test is exact: an fma rounds once, so it gives 0 only for equality);
-    unsure marks the other values in the window (the proof above), whose block is redone."""
-    d = t - n
-    near = 0.5 - tl.abs(d) <= t * WINDOW
-    if TIES:
-        mt = n + tl.where(d > 0.0, 0.5, -0.5)
-        tie = near & (tl.fma(mt * q, sf, -xa) == 0.0)
-        t = tl.where(tie, mt, t)
-        near = near & (~tie)
-    return t, near
+def _quotient(x, s, inv):
+    """fl(x / s), exactly, from inv = fl(1 / s) (0 where s = 0): the proof above."""
+    y = x * inv
+    y = tl.fma(tl.fma(-y, s, x), inv, y)  # faithful
+    return tl.fma(tl.fma(-y, s, x), inv, y)  # correctly rounded
 
 
 @triton.jit
-def _int8_code(v, xa, sf, FAST: tl.constexpr):
-    """|v| <= 127 (fp32) -> (int32 code, unsure), rounded half to even."""
-    if FAST:
-        t, unsure = _settle(tl.abs(v), tl.abs((v + RINT_MAGIC) - RINT_MAGIC), 1.0, xa, sf, True)
-        code = (tl.where(v < 0.0, -t, t) + RINT_MAGIC).to(tl.int32, bitcast=True) - RINT_BITS
-    else:
-        code = _rne(v).to(tl.int32)
-        unsure = v != v  # unused: the exact path has no window
-    return code, unsure
+def _int8_code(v):
+    """|v| <= 127 (fp32) -> int32 code, rounded half to even."""
+    return (v + RINT_MAGIC).to(tl.int32, bitcast=True) - RINT_BITS
 
 
 @triton.jit
-def _e4m3_code(v, xa, sf, FAST: tl.constexpr, TIES: tl.constexpr):
-    """|v| <= 448 (fp32) -> (uint8-valued int32 E4M3FN code, its fp32 value, unsure), nearest
-    even. TIES: v is a fast quotient (see _settle; xa, sf unused otherwise)."""
+def _e4m3_code(v):
+    """|v| <= 448 (fp32) -> (uint8-valued int32 E4M3FN code, its fp32 value), nearest even.
+    ex = max(biased exponent, 121): the binade's quantum is q = 2^(ex - 130) (subnormals share
+    the lowest normal binade's 2^-9), t = |v| / q counts quanta exactly, n = rint(t); the code is
+    8 (ex - 130) + 72 + n = 8 ex - 968 + n for normals and subnormals alike (n = 16 carries into
+    the next binade): e4m3_round_arith's bit assembly in one sum. A zero gives the +0 code."""
     a = tl.abs(v)
-    if FAST:
-        # ex = max(biased exponent, 121): the binade's quantum is q = 2^(ex - 130) (subnormals
-        # share the lowest normal binade's 2^-9), t = a / q counts quanta exactly, n = rint(t).
-        # The code is 8 (ex - 130) + 72 + n = 8 ex - 968 + n for normals and subnormals alike
-        # (n = 16 carries into the next binade): e4m3_round_arith's bit assembly in one sum.
-        ex = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)
-        q = ((ex - 3) << 23).to(tl.float32, bitcast=True)
-        t = a * ((257 - ex) << 23).to(tl.float32, bitcast=True)
-        t, unsure = _settle(t, (t + RINT_MAGIC) - RINT_MAGIC, q, xa, sf, TIES)
-        m = t + RINT_MAGIC
-        code = (ex << 3) + m.to(tl.int32, bitcast=True) - E4M3_BIAS
-        val = (m - RINT_MAGIC) * q  # exact
-    else:
-        e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        qe = tl.maximum(e, -6) - 3
-        inv_q = ((127 - qe) << 23).to(tl.float32, bitcast=True)
-        q = ((127 + qe) << 23).to(tl.float32, bitcast=True)
-        val = _rne(a * inv_q) * q  # exact
-        bits = val.to(tl.int32, bitcast=True)
-        code = tl.where(val >= 0.015625, ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7),
-                        (val * 512.0).to(tl.int32))
-        unsure = v != v  # unused
+    ex = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)
+    q = ((ex - 3) << 23).to(tl.float32, bitcast=True)
+    m = a * ((257 - ex) << 23).to(tl.float32, bitcast=True) + RINT_MAGIC
+    code = (ex << 3) + m.to(tl.int32, bitcast=True) - E4M3_BIAS
+    val = (m - RINT_MAGIC) * q  # exact
     code = tl.where((v < 0.0) & (code != 0), code | 0x80, code)
-    return code, tl.where(v < 0.0, -val, val), unsure
+    return code, tl.where(v < 0.0, -val, val)
 
 
 @triton.jit
@@ -187,20 +124,13 @@ def _e4m3_value(c):
 
 
 @triton.jit
-def _e2m1_code(v, xa, sf, FAST: tl.constexpr):
-    """|v| <= 6 (fp32) -> (4-bit E2M1 code as int32, unsure), nearest even."""
+def _e2m1_code(v):
+    """|v| <= 6 (fp32) -> 4-bit E2M1 code as int32, nearest even."""
     a = tl.abs(v)
     inv_q = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # 1 / quantum, exact
-    t = a * inv_q  # quanta, 0 .. 4
-    if FAST:
-        q = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-        t, unsure = _settle(t, (t + RINT_MAGIC) - RINT_MAGIC, q, xa, sf, True)
-        r = (t + RINT_MAGIC).to(tl.int32, bitcast=True) - RINT_BITS
-    else:
-        r = _rne(t).to(tl.int32)
-        unsure = v != v  # unused
+    r = (a * inv_q + RINT_MAGIC).to(tl.int32, bitcast=True) - RINT_BITS  # quanta, 0 .. 4
     idx = tl.where(inv_q == 2.0, r, tl.where(inv_q == 1.0, r + 2, r + 4))
-    return tl.where((v < 0.0) & (idx != 0), idx | 8, idx), unsure
+    return tl.where((v < 0.0) & (idx != 0), idx | 8, idx)
 
 
 @triton.jit
@@ -276,14 +206,13 @@ def _fp16_scale(amax, KIND: tl.constexpr):
 
 
 @triton.jit
-def _grid_codes(v, xa, sf, KIND: tl.constexpr, FAST: tl.constexpr):
-    """Quotients -> (int32 codes, unsure flags): int8 (KIND 1) or E4M3FN (KIND 2), clamped
-    first. xa = |x|, sf = the scale (used by the fast path's tie test)."""
+def _grid_codes(v, KIND: tl.constexpr):
+    """Quotients -> int32 codes: int8 (KIND 1) or E4M3FN (KIND 2), clamped first."""
     if KIND == 1:
-        code, unsure = _int8_code(tl.minimum(tl.maximum(v, -127.0), 127.0), xa, sf, FAST)
+        code = _int8_code(tl.minimum(tl.maximum(v, -127.0), 127.0))
     else:
-        code, _, unsure = _e4m3_code(tl.minimum(tl.maximum(v, -448.0), 448.0), xa, sf, FAST, FAST)
-    return code, unsure
+        code, _ = _e4m3_code(tl.minimum(tl.maximum(v, -448.0), 448.0))
+    return code
 
 
 @triton.jit
@@ -300,8 +229,7 @@ def _exact_grid_codes(x, cnt_ptr, BLOCK_R: tl.constexpr, NG: tl.constexpr, GROUP
     s = _fp16_scale(amax, KIND)
     sf = _per_value(s.to(tl.float32), NG)
     pos = sf > 0.0
-    code, _ = _grid_codes(tl.where(pos, tl.math.div_rn(xv, tl.where(pos, sf, 1.0)), 0.0), xv, sf, KIND, False)
-    return code, s
+    return _grid_codes(tl.where(pos, tl.math.div_rn(xv, tl.where(pos, sf, 1.0)), 0.0), KIND), s
 
 
 @triton.jit
@@ -326,6 +254,34 @@ def _nvfp4_halves(data_ptr, scale_ptr, rows, mask, gs, D: tl.constexpr, BLOCK: t
     eff = (_e4m3_value(sc) * gs)[:, :, None]
     ve = tl.reshape(tl.reshape(_e2m1_value(byte & 0xF), (BLOCK, D // 16, 8)) * eff, (BLOCK, D // 2))
     vo = tl.reshape(tl.reshape(_e2m1_value(byte >> 4), (BLOCK, D // 16, 8)) * eff, (BLOCK, D // 2))
+    return ve, vo
+
+
+@triton.jit
+def _grid_halves(data_ptr, scale_ptr, rows, mask, D: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """int8 (KIND 1) / fp8 (KIND 2) rows ``rows`` read as 16-bit words (``data_ptr`` the data
+    plane viewed as int16: one even/odd pair per word), dequantised as fp32 even and odd halves
+    ``[BLOCK, D // 2]``."""
+    NG: tl.constexpr = D // GROUP
+    db = tl.arange(0, D // 2)
+    w = tl.load(data_ptr + rows[:, None] * (D // 2) + db[None, :], mask=mask[:, None], other=0).to(tl.int32)
+    if KIND == 1:
+        ce = ((w << 24) >> 24).to(tl.float32)  # the low byte, sign-extended
+        co = (w >> 8).to(tl.float32)  # the high byte (w is the int16 sign-extended)
+    else:
+        ce = _e4m3_value(w & 0xFF)
+        co = _e4m3_value((w >> 8) & 0xFF)
+    if NG == 1:
+        s = tl.load(scale_ptr + rows, mask=mask, other=0.0).to(tl.float32)[:, None]
+        ve = ce * s
+        vo = co * s
+    else:
+        g = tl.arange(0, NG)
+        s = tl.load(scale_ptr + rows[:, None] * NG + g[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+        s = s[:, :, None]
+        ve = tl.reshape(tl.reshape(ce, (BLOCK, NG, GROUP // 2)) * s, (BLOCK, D // 2))
+        vo = tl.reshape(tl.reshape(co, (BLOCK, NG, GROUP // 2)) * s, (BLOCK, D // 2))
     return ve, vo
 
 
@@ -358,18 +314,12 @@ def dequant_tile(data_ptr, scale_ptr, rows, mask, gs, D: tl.constexpr, KIND: tl.
 
 
 @triton.jit
-def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, flag_ptr, n_rows,
+def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, n_rows,
                   H: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_R: tl.constexpr, COUNT: tl.constexpr, FAST: tl.constexpr, REDO: tl.constexpr):
+                  BLOCK_R: tl.constexpr, COUNT: tl.constexpr, FAST: tl.constexpr):
     """bf16 (KIND 0), int8 (1) and fp8 (2) with one fp16 scale per GROUP values. FAST: the
-    reciprocal division, redoing a block by the exact path when it needs it (module doc).
-    REDO (int8/fp8 only): 0 redo inline; 1 (with FAST) no exact path compiled in, write
-    ``flag_ptr[pid]`` = whether the block needs it; 2 (without FAST) the exact path for the
-    programs flagged by a REDO 1 launch over the same grid, nothing for the others."""
+    reciprocal quotient, the block redone by the exact path if it holds a non-finite value."""
     pid = tl.program_id(0)
-    if REDO == 2:
-        if tl.load(flag_ptr + pid) == 0:
-            return
     n, h, ok, orow = _write_rows(pid, slot_ptr, n_rows, H, BLOCK_R)
     d = tl.arange(0, D)
     x = tl.load(x_ptr + n[:, None] * sxn + h[:, None] * sxh + d[None, :] * sxd,
@@ -387,20 +337,14 @@ def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, 
         if FAST:
             # Speculatively on the raw values: the group max of |x| through the bit patterns (a
             # NaN or inf shows as >= INF_BITS), one correctly rounded reciprocal per group (a
-            # positive fp16 scale lies in [2^-24, 65504], so inv is a normal number), one
-            # multiplication per value. A block with a non-finite value or a value in the window
-            # of a midpoint is redone by the exact path; one block-wide reduction decides.
+            # positive fp16 scale lies in [2^-24, 65504], so inv is a normal number), the exact
+            # quotient per value (_quotient). A block with a non-finite value is redone.
             amax_bits = _group_amax_bits(x, BLOCK_R, NG, GROUP)
             s = _fp16_scale(amax_bits.to(tl.float32, bitcast=True), KIND)
-            sf = _per_value(s.to(tl.float32), NG)
-            pos = sf > 0.0
-            inv = tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, sf, 1.0)), 0.0)
-            xv = _by_group(x, BLOCK_R, NG, GROUP)
-            code, unsure = _grid_codes(xv * inv, tl.abs(xv), sf, KIND, True)
-            redo = unsure | _per_value(amax_bits >= INF_BITS, NG)
-            if REDO == 1:  # the second launch redoes the block
-                tl.store(flag_ptr + pid, tl.max(redo.to(tl.int32)).to(tl.int8))
-            elif tl.max(redo.to(tl.int32)) > 0:
+            sg = s.to(tl.float32)
+            inv = _per_value(tl.where(sg > 0.0, tl.math.div_rn(1.0, tl.where(sg > 0.0, sg, 1.0)), 0.0), NG)
+            code = _grid_codes(_quotient(_by_group(x, BLOCK_R, NG, GROUP), _per_value(sg, NG), inv), KIND)
+            if tl.max(amax_bits) >= INF_BITS:
                 code, s = _exact_grid_codes(x, cnt_ptr, BLOCK_R, NG, GROUP, KIND, COUNT)
         else:
             code, s = _exact_grid_codes(x, cnt_ptr, BLOCK_R, NG, GROUP, KIND, COUNT)
@@ -419,40 +363,54 @@ def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, 
 
 
 @triton.jit
-def _nvfp4_block_scale(amax, gs, FAST: tl.constexpr):
-    """Block max |x| -> (UE4M3 block scale code, effective scale S * g ``[..., 1]``)."""
-    ratio = tl.minimum(tl.math.div_rn(amax, gs * 6.0), 448.0)
-    bcode, bval, _ = _e4m3_code(ratio, ratio, ratio, FAST, False)
-    return bcode, (bval * gs)[:, :, None]
+def _nvfp4_block_scale(amax, gs):
+    """Block max |x| -> (UE4M3 block scale code, effective scale S * g), both ``[..., NB]``."""
+    bcode, bval = _e4m3_code(tl.minimum(tl.math.div_rn(amax, gs * 6.0), 448.0))
+    return bcode, bval * gs
+
+
+@triton.jit
+def _nvfp4_codes(xe, xo, eff, inv, BLOCK_R: tl.constexpr, NB: tl.constexpr, FAST: tl.constexpr):
+    """Even and odd halves ``[BLOCK_R, D // 2]`` -> (even, odd) E2M1 codes ``[BLOCK_R, NB, 8]``
+    over the effective block scales ``eff`` ``[BLOCK_R, NB]`` (inv = fl(1 / eff), FAST only)."""
+    pos = (eff > 0.0)[:, :, None]
+    e = eff[:, :, None]
+    ge = tl.reshape(xe, (BLOCK_R, NB, 8))
+    go = tl.reshape(xo, (BLOCK_R, NB, 8))
+    if FAST:
+        i = inv[:, :, None]
+        qe = _quotient(ge, e, i)
+        qo = _quotient(go, e, i)
+    else:
+        safe = tl.where(pos, e, 1.0)
+        qe = tl.where(pos, tl.math.div_rn(ge, safe), 0.0)
+        qo = tl.where(pos, tl.math.div_rn(go, safe), 0.0)
+    ce = _e2m1_code(tl.minimum(tl.maximum(qe, -6.0), 6.0))
+    co = _e2m1_code(tl.minimum(tl.maximum(qo, -6.0), 6.0))
+    return ce, co
 
 
 @triton.jit
 def _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R: tl.constexpr, NB: tl.constexpr, COUNT: tl.constexpr):
     """The exact-division path for NVFP4: count and clean, a div_rn per value.
     Returns (even codes, odd codes, block scale codes)."""
-    xe = tl.reshape(_count_and_clean(xe, cnt_ptr, FLT_LIM, COUNT), (BLOCK_R, NB, 8))
-    xo = tl.reshape(_count_and_clean(xo, cnt_ptr, FLT_LIM, COUNT), (BLOCK_R, NB, 8))
-    amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))
-    bcode, eff = _nvfp4_block_scale(amax, gs, False)
-    pos = eff > 0.0
-    safe = tl.where(pos, eff, 1.0)
-    ce, _ = _e2m1_code(tl.minimum(tl.maximum(tl.where(pos, tl.math.div_rn(xe, safe), 0.0), -6.0), 6.0), xe, eff, False)
-    co, _ = _e2m1_code(tl.minimum(tl.maximum(tl.where(pos, tl.math.div_rn(xo, safe), 0.0), -6.0), 6.0), xo, eff, False)
+    xe = _count_and_clean(xe, cnt_ptr, FLT_LIM, COUNT)
+    xo = _count_and_clean(xo, cnt_ptr, FLT_LIM, COUNT)
+    amax = tl.maximum(tl.max(tl.reshape(tl.abs(xe), (BLOCK_R, NB, 8)), axis=2),
+                      tl.max(tl.reshape(tl.abs(xo), (BLOCK_R, NB, 8)), axis=2))
+    bcode, eff = _nvfp4_block_scale(amax, gs)
+    ce, co = _nvfp4_codes(xe, xo, eff, eff, BLOCK_R, NB, False)
     return ce, co, bcode
 
 
 @triton.jit
-def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, flag_ptr, gs, n_rows,
+def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, gs, n_rows,
                         H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, COUNT: tl.constexpr,
-                        PAIRED: tl.constexpr, FAST: tl.constexpr, REDO: tl.constexpr):
+                        PAIRED: tl.constexpr, FAST: tl.constexpr):
     """NVFP4-G16. PAIRED: ``x_ptr`` is bf16 input viewed as int32 (one even/odd pair per word,
-    strides in words), so the pairs split with two shifts instead of a register shuffle. REDO as
-    in _quant_kernel."""
+    strides in words), so the pairs split with two shifts instead of a register shuffle."""
     gs = tl.full((), gs, tl.float32)  # fp32 when compiled; Triton 3.6's interpreter passes a Python float
     pid = tl.program_id(0)
-    if REDO == 2:
-        if tl.load(flag_ptr + pid) == 0:
-            return
     n, h, ok, orow = _write_rows(pid, slot_ptr, n_rows, H, BLOCK_R)
     i = tl.arange(0, D // 2)
     if PAIRED:
@@ -466,20 +424,14 @@ def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt
     NB: tl.constexpr = D // 16
     if FAST:
         # As in _quant_kernel. eff = S * g is whatever the global scale makes it: a block with
-        # eff outside [2^-100, 2^100] is redone too (inv must be a normal number, and the tie
-        # test exact; see the proof above _settle).
+        # eff outside [2^-100, 2^100] (or a non-finite value) redoes the block by the exact path.
         amax_bits = _block16_amax_bits(xe, xo, BLOCK_R, NB)
-        bcode, eff = _nvfp4_block_scale(amax_bits.to(tl.float32, bitcast=True), gs, True)
+        bcode, eff = _nvfp4_block_scale(amax_bits.to(tl.float32, bitcast=True), gs)
         pos = eff > 0.0
         inv = tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, eff, 1.0)), 0.0)
-        odd = (pos & ((eff < EFF_MIN) | (eff > EFF_MAX))) | (amax_bits >= INF_BITS)[:, :, None]
-        ge = tl.reshape(xe, (BLOCK_R, NB, 8))
-        go = tl.reshape(xo, (BLOCK_R, NB, 8))
-        ce, ne = _e2m1_code(tl.minimum(tl.maximum(ge * inv, -6.0), 6.0), tl.abs(ge), eff, True)
-        co, no = _e2m1_code(tl.minimum(tl.maximum(go * inv, -6.0), 6.0), tl.abs(go), eff, True)
-        if REDO == 1:  # the second launch redoes the block
-            tl.store(flag_ptr + pid, tl.max((ne | no | odd).to(tl.int32)).to(tl.int8))
-        elif tl.max((ne | no | odd).to(tl.int32)) > 0:
+        ce, co = _nvfp4_codes(xe, xo, eff, inv, BLOCK_R, NB, True)
+        odd = (pos & ((eff < EFF_MIN) | (eff > EFF_MAX))) | (amax_bits >= INF_BITS)
+        if tl.max(odd.to(tl.int32)) > 0:
             ce, co, bcode = _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R, NB, COUNT)
     else:
         ce, co, bcode = _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R, NB, COUNT)
@@ -502,8 +454,11 @@ def _dequant_kernel(slot_ptr, data_ptr, scale_ptr, out_ptr, out32_ptr, gs, n_row
     slot = tl.load(slot_ptr + t, mask=rmask, other=0).to(tl.int64)
     irow = slot * H + h
     out_ty = out_ptr.dtype.element_ty
-    if KIND == 3 and OUT_PAIRED:  # 16-bit output: write each even/odd pair as one 32-bit word
-        ve, vo = _nvfp4_halves(data_ptr, scale_ptr, irow, rmask, gs, D, BLOCK_R)
+    if OUT_PAIRED:  # 16-bit output: write each even/odd pair as one 32-bit word
+        if KIND == 3:
+            ve, vo = _nvfp4_halves(data_ptr, scale_ptr, irow, rmask, gs, D, BLOCK_R)
+        else:  # int8 / fp8: data_ptr is the data plane viewed as int16
+            ve, vo = _grid_halves(data_ptr, scale_ptr, irow, rmask, D, KIND, GROUP, BLOCK_R)
         lo = ve.to(out_ty).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         hi = vo.to(out_ty).to(tl.int16, bitcast=True).to(tl.int32) << 16
         db = tl.arange(0, D // 2)
@@ -523,24 +478,12 @@ def supports(fmt: SideFormat, head_dim: int) -> bool:
     return fmt.kind in ("bf16", "nvfp4") or (pow2(fmt.group) and head_dim % fmt.group == 0)
 
 
-#: Launch shape: values per program and warps. 2048 x 4 was best or near best for 8 of the 10
-#: write/gather cases in benchmarks/kv_profiles.py --sweep on an H200 (see docs/kv-profiles.md).
-#: fast_div: quantise with the exact reciprocal division (True) or with a div_rn per value and
-#: the original rounding and counting (False); both give the same bytes.
-#: redo (fast division, int8/fp8/nvfp4): where a block that needs the exact path is redone:
-#: "inline" (in the same kernel, behind a dynamic branch) or "second_launch" (the fast kernel
-#: flags the block, a second kernel over the same grid redoes flagged blocks); the same bytes.
-CONFIG = {"block_values": 2048, "num_warps": 4, "fast_div": True, "redo": "inline"}
-REDO_MODES = ("inline", "second_launch")
-
-
-def _redo_modes(kind: str) -> tuple[int, ...]:
-    """The REDO constexprs of the launches for one write: (0,) or (1, 2) (module doc)."""
-    mode = CONFIG["redo"]
-    assert mode in REDO_MODES, f"CONFIG['redo'] = {mode!r}, expected one of {REDO_MODES}"
-    if kind == "bf16" or not CONFIG["fast_div"] or mode == "inline":
-        return (0,)
-    return (1, 2)
+#: Launch shape: values per program and warps (see docs/kv-profiles.md for the sweep).
+#: fast_div: quantise with the reciprocal quotient (True) or with a div_rn per value (False);
+#: both give the same bytes.
+#: gather_pairs: int8/fp8 gathers to a 16-bit dtype read the codes as 16-bit pairs and write each
+#: dequantised pair as one 32-bit word (as NVFP4 gathers always do); the same values.
+CONFIG = {"block_values": 2048, "num_warps": 4, "fast_div": True, "gather_pairs": True}
 
 
 def _block_rows(head_dim: int) -> int:
@@ -571,26 +514,20 @@ def quantize_into(fmt: SideFormat, x: torch.Tensor, slots: torch.Tensor, planes,
     br = _block_rows(d)
     grid = (triton.cdiv(n_rows, br),)
     cnt = counter if counter is not None else slots
-    modes = _redo_modes(fmt.kind)
-    # second_launch: one int8 flag per program, each written by the first launch (no memset, no
-    # host read: capture-safe).
-    flags = torch.empty(grid[0], dtype=torch.int8, device=x.device) if modes != (0,) else slots
-    for redo in modes:
-        fast = bool(CONFIG["fast_div"]) and redo != 2
-        if fmt.kind == "nvfp4":
-            paired = (x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(0) % 2 == 0
-                      and x.stride(1) % 2 == 0 and x.data_ptr() % 4 == 0)
-            xs = x.view(torch.int32) if paired else x
-            _quant_nvfp4_kernel[grid](xs, xs.stride(0), xs.stride(1), xs.stride(2), slots, data, scale, cnt,
-                                      flags, float(global_scale), n_rows, H=h, D=d, BLOCK_R=br,
-                                      COUNT=counter is not None, PAIRED=paired, FAST=fast, REDO=redo,
-                                      num_warps=CONFIG["num_warps"])
-        else:
-            _quant_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), slots, data,
-                                scale if scale is not None else data, cnt, flags, n_rows, H=h, D=d,
-                                KIND=KIND_IDS[fmt.kind], GROUP=max(fmt.group, 1), BLOCK_R=br,
-                                COUNT=counter is not None, FAST=fast, REDO=redo,
-                                num_warps=CONFIG["num_warps"])
+    fast = bool(CONFIG["fast_div"])
+    if fmt.kind == "nvfp4":
+        paired = (x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(0) % 2 == 0
+                  and x.stride(1) % 2 == 0 and x.data_ptr() % 4 == 0)
+        xs = x.view(torch.int32) if paired else x
+        _quant_nvfp4_kernel[grid](xs, xs.stride(0), xs.stride(1), xs.stride(2), slots, data, scale, cnt,
+                                  float(global_scale), n_rows, H=h, D=d, BLOCK_R=br,
+                                  COUNT=counter is not None, PAIRED=paired, FAST=fast,
+                                  num_warps=CONFIG["num_warps"])
+    else:
+        _quant_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), slots, data,
+                            scale if scale is not None else data, cnt, n_rows, H=h, D=d,
+                            KIND=KIND_IDS[fmt.kind], GROUP=max(fmt.group, 1), BLOCK_R=br,
+                            COUNT=counter is not None, FAST=fast, num_warps=CONFIG["num_warps"])
 
 
 def dequantize_slots(fmt: SideFormat, planes, slots: torch.Tensor, head_dim: int, dtype: torch.dtype,
@@ -604,8 +541,10 @@ def dequantize_slots(fmt: SideFormat, planes, slots: torch.Tensor, head_dim: int
         return out
     data, scale = _typed_planes(fmt, planes)
     br = _block_rows(head_dim)
-    paired = fmt.kind == "nvfp4" and out.element_size() == 2
+    paired = fmt.kind != "bf16" and out.element_size() == 2 and (fmt.kind == "nvfp4" or CONFIG["gather_pairs"])
     out32 = out.view(torch.int32) if paired else out
+    if paired and fmt.kind in ("int8", "fp8"):
+        data = planes[0].view(torch.int16)
     _dequant_kernel[(triton.cdiv(n_rows, br),)](slots, data, scale if scale is not None else data, out, out32,
                                                float(global_scale), n_rows, H=h, D=head_dim,
                                                KIND=KIND_IDS[fmt.kind], GROUP=max(fmt.group, 1),

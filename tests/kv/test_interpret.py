@@ -1,8 +1,7 @@
 """The Triton KV kernels run by Triton's CPU interpreter (TRITON_INTERPRET=1) against the torch
 reference, without a GPU: byte-exact codes and scales, equal non-finite counts, equal dequantised
 values, for every built-in profile side, on both quantisation paths (CONFIG["fast_div"] True:
-reciprocal division with the exact fall-back; False: a div_rn per value), the fast path with both
-places for its exact redo (CONFIG["redo"] "inline" and "second_launch").
+the reciprocal quotient with its two remainder corrections; False: a div_rn per value).
 
 Data: Gaussian and outlier channels in fp32, fp16 and bf16; special values (NaN, +-inf, -0, zero
 rows, huge, tiny and subnormal); exact ties (x / s a midpoint of the code grid) and values one ulp
@@ -98,43 +97,12 @@ def _slots(n: int) -> torch.Tensor:
     return slots
 
 
-def _window_blocks(fmt, x, gs, slots, block_rows: int) -> tuple[int, int, int]:
-    """A torch model of the fast path's window test (finite data only): (programs with a value
-    in the window, programs with an unsure one, i.e. that redo their block, programs)."""
-    from hpc_kernels import kv_quant_ref as ref
-
-    x = torch.where((slots >= 0)[:, None, None], ref.sanitize(x), 0.0)
-    n, h, d = x.shape
-    s = group_scales(fmt, x, gs)
-    xg = x.reshape(n, h, s.shape[2], -1)
-    y = xg * torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
-    if fmt.kind == "int8":
-        t, q = y.clamp(-127.0, 127.0).abs(), torch.ones_like(y)
-    elif fmt.kind == "fp8":
-        a = y.clamp(-448.0, 448.0).abs()
-        ex = torch.clamp(a.view(torch.int32) >> 23, min=121)
-        q = ((ex - 3) << 23).view(torch.float32)
-        t = a / q
-    else:
-        a = y.clamp(-6.0, 6.0).abs()
-        q = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-        t = a / q
-    dist = t - torch.round(t)
-    near = (0.5 - dist.abs()) <= t * 2.0 ** -21
-    mid = torch.round(t) + torch.where(dist > 0, 0.5, -0.5)
-    tie = near & ((mid * q).double() * s.double() == xg.abs().double())  # exact in float64
-    rows_near, rows_unsure = near.reshape(n * h, -1).any(1), (near & ~tie).reshape(n * h, -1).any(1)
-    spans = range(0, n * h, block_rows)
-    return (sum(bool(rows_near[i:i + block_rows].any()) for i in spans),
-            sum(bool(rows_unsure[i:i + block_rows].any()) for i in spans), len(spans))
-
-
 def _fix_interpreter_fma() -> bool:
     """Triton 3.6's interpreter computes ``tl.fma`` as ``x * y + z``, rounding twice (3.9's rounds
     once, as compiled code does: ``fma.rn.f32``); the kernels' tie test needs one rounding. Where
     the probe shows two, compute fp32 fmas through float64: the product of two fp32 values is
-    exact there, and for the kernels' operands so is the sum (it needs < 40 bits), so the one
-    rounding is the final one to fp32. Returns whether it patched."""
+    exact there, and for the remainders of the kernels' quotient so is the sum (x - y s cancels
+    to a few bits), so the one rounding is the final one to fp32. Returns whether it patched."""
     import numpy as np
     from triton.runtime import interpreter
 
@@ -180,71 +148,49 @@ def _child() -> dict:
         count_ok = int(counter) == int(ref.count_nonfinite(x[keep]))  # a skipped token is not read
         return mism, count_ok, planes, slots[keep], want
 
-    report = {"cases": {}, "without_window": {}, "window": {}, "without_second_kernel": {},
-              "patched_fma": _fix_interpreter_fma()}
+    report = {"cases": {}, "uncorrected": {}, "patched_fma": _fix_interpreter_fma()}
     for label, fmt, gs in _formats():
         cases = report["cases"][label] = []
-        for name, (x, both) in _datasets(fmt, gs, label).items():
-            paths = [(True, "inline"), (True, "second_launch")] + ([(False, "inline")] if both else [])
-            for fast, redo in paths:
-                kt.CONFIG.update(fast_div=fast, redo=redo)
+        data = _datasets(fmt, gs, label)
+        for name, (x, both) in data.items():
+            for fast in [True] + ([False] if both else []):
+                kt.CONFIG["fast_div"] = fast
                 mism, count_ok, planes, slots, want = run(fmt, x, gs)
-                rec = {"data": name, "fast_div": fast, "redo": redo, "mismatches": mism, "count_ok": count_ok}
-                if fast and redo == "inline" and name in ("gauss_fp32", "special_fp32"):
+                rec = {"data": name, "fast_div": fast, "mismatches": mism, "count_ok": count_ok}
+                if fast and name in ("gauss_fp32", "special_fp32"):
                     gsf = 1.0 if gs is None else gs
                     rec["gather_equal"] = {}
                     for dtype in (torch.float32, torch.float16):
                         out = kt.dequantize_slots(fmt, planes, slots, HEAD_DIM, dtype, gsf)
                         exp = ref.dequantize(fmt, want, dtype, gs)
-                        rec["gather_equal"][str(dtype)] = bool(torch.equal(out.view(torch.int16 if dtype == torch.float16 else torch.int32),
-                                                                         exp.view(torch.int16 if dtype == torch.float16 else torch.int32)))
+                        bits = torch.int16 if dtype == torch.float16 else torch.int32
+                        rec["gather_equal"][str(dtype)] = bool(torch.equal(out.view(bits), exp.view(bits)))
                 cases.append(rec)
-        kt.CONFIG.update(fast_div=True, redo="inline")
+        kt.CONFIG["fast_div"] = True
         if fmt.kind != "bf16" and "gs=" not in label:
-            br = max(1, BLOCK_VALUES // HEAD_DIM)
-            data = _datasets(fmt, gs, label)
-            for name in ("gauss_fp32", "gauss_bf16", "ties_fp32", "near_ties_fp32"):
-                report["window"][f"{label}:{name}"] = _window_blocks(fmt, data[name][0], gs, _slots(TOKENS), br)
-            # The tie data with the window switched off (nothing falls into it, no tie is settled,
-            # no block redone): mismatches show that the data reaches the cases the window is for.
-            kt.WINDOW = tl.constexpr(-1.0)
+            # The fast quotient without its corrections (y = x * inv): the tie data must then
+            # mismatch, so it reaches the cases the corrections are for.
+            kt._quotient = _uncorrected_quotient
             try:
-                report["without_window"][label] = [run(fmt, data[name][0], gs)[0]
-                                                   for name in ("ties_fp32", "near_ties_fp32")]
+                report["uncorrected"][label] = [run(fmt, data[name][0], gs)[0]
+                                                for name in ("ties_fp32", "near_ties_fp32")]
             finally:
-                kt.WINDOW = tl.constexpr(2.0 ** -21)
-        if fmt.kind != "bf16":
-            # second_launch with its second kernel left out: the fast codes of flagged blocks
-            # stay, so the data that needs the redo must mismatch (the second kernel does it).
-            name = "special_fp32" if "gs=" in label else "near_ties_fp32"
-            kernels = {k: getattr(kt, k) for k in ("_quant_kernel", "_quant_nvfp4_kernel")}
-            for k, fn in kernels.items():
-                setattr(kt, k, _WithoutSecondKernel(fn))
-            kt.CONFIG["redo"] = "second_launch"
-            try:
-                mism, count_ok = run(fmt, _datasets(fmt, gs, label)[name][0], gs)[:2]
-                report["without_second_kernel"][label] = [name, mism, count_ok]
-            finally:
-                kt.CONFIG["redo"] = "inline"
-                for k, fn in kernels.items():
-                    setattr(kt, k, fn)
+                kt._quotient = _QUOTIENT
     return report
 
 
-class _WithoutSecondKernel:
-    """A kernel whose REDO=2 launches (the second launch of CONFIG["redo"] = "second_launch")
-    do nothing."""
+def _uncorrected_quotient(x, s, inv):
+    return x * inv
 
-    def __init__(self, fn):
-        self.fn = fn
 
-    def __getitem__(self, grid):
-        launch = self.fn[grid]
+if os.environ.get("TRITON_INTERPRET") == "1" and __name__ == "__main__":
+    import triton
+    import triton.language as tl  # noqa: F401  (the interpreter wants it visible to the jit'd function)
 
-        def call(*args, **kw):
-            if kw.get("REDO") != 2:
-                launch(*args, **kw)
-        return call
+    from hpc_kernels import kv_quant_triton as _kt
+
+    _QUOTIENT = _kt._quotient
+    _uncorrected_quotient = triton.jit(_uncorrected_quotient)
 
 
 # -- the tests (parent process) --------------------------------------------------------------
@@ -269,31 +215,15 @@ def test_interpreted_kernels_match_reference(report, label):
     bad = [c for c in cases if c["mismatches"] or not c["count_ok"] or not all(c.get("gather_equal", {}).values())]
     assert not bad, f"{label}: {bad}"
     assert any(not c["fast_div"] for c in cases), f"{label}: the exact-division path did not run"
-    redo = {c["redo"] for c in cases if c["fast_div"]}
-    assert redo == {"inline", "second_launch"}, f"{label}: fast path ran with redo {redo}"
-    fast_data = {(c["data"], c["redo"]) for c in cases if c["fast_div"]}
-    assert {d for d, r in fast_data if r == "inline"} == {d for d, r in fast_data if r == "second_launch"}
+    assert any(c["fast_div"] for c in cases), f"{label}: the fast path did not run"
 
 
-def test_second_launch_redo_is_what_fixes_flagged_blocks(report):
-    """With the second kernel left out, blocks that need the exact path keep wrong fast codes
-    (or, for non-finite data, an uncounted non-finite value): so the second kernel runs and the
-    first one flags them."""
-    assert report["without_second_kernel"], "no case ran"
-    for label, (name, mism, count_ok) in report["without_second_kernel"].items():
-        assert mism > 0 or not count_ok, f"{label}:{name}: second launch left out, yet nothing differs"
-
-
-def test_tie_data_reaches_the_window_and_gaussian_data_mostly_does_not_redo(report):
-    for label, (ties, near_ties) in report["without_window"].items():
-        assert ties > 0 and near_ties > 0, f"{label}: tie data matched without the window; it does not test it"
-    for key, (near, unsure, blocks) in report["window"].items():
-        if key.endswith(":ties_fp32"):  # exact ties everywhere: settled, no block redone
-            assert near == blocks and unsure == 0, f"{key}: {near}, {unsure} of {blocks}"
-        elif key.endswith(":near_ties_fp32"):  # one ulp off a tie: every block redone
-            assert unsure == blocks, f"{key}: {unsure} of {blocks}"
-        else:  # Gaussian: the fast path proper runs
-            assert unsure < blocks, f"{key}: every block redone ({unsure} of {blocks})"
+def test_tie_data_needs_the_quotient_corrections(report):
+    """Without the two remainder corrections (the quotient as x * fl(1 / s)) the exact and
+    near ties give wrong codes: the tie data tests what the corrections are for."""
+    assert report["uncorrected"], "no case ran"
+    for label, (ties, near_ties) in report["uncorrected"].items():
+        assert ties > 0 and near_ties > 0, f"{label}: tie data matched without the corrections"
 
 
 if __name__ == "__main__":
