@@ -10,6 +10,9 @@ beside it). Bytes counted = bytes read + bytes written (as for the copy).
 ``write_ratio_exact_div`` times the same write with ``kv_quant_triton.CONFIG["fast_div"] = False``
 (a correctly rounded division per value, the kernels before the reciprocal quotient), so one run
 shows what the fast quotient gains; both paths store the same bytes.
+``write_ratio`` and ``gather_ratio`` are the median of ``--repeats`` timings.
+``write_ratio_sw_fp8`` / ``gather_ratio_sw_fp8`` (fp8 and nvfp4) time E4M3 done by integer
+arithmetic instead of the GPU's conversion (``CONFIG["hw_fp8"] = False``).
 ``gather_ratio_unpaired`` times the int8/fp8 gather with ``CONFIG["gather_pairs"] = False``
 (codes read and values written one element at a time, not as 16-bit/32-bit pairs).
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -58,7 +62,9 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> dict:
 
 
 def bench_profile(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float,
-                  pattern: str = "pages") -> dict:
+                  pattern: str = "pages", repeats: int = 1) -> dict:
+    """Write and gather timings of one layer; with ``repeats`` > 1, the median of that many
+    timings each (runs on a shared GPU vary, gathers most)."""
     from hpc_cli.memory.kv_pool import PagedKVStorage
 
     pages = tokens // 64
@@ -74,8 +80,8 @@ def bench_profile(profile, tokens: int, heads: int, head_dim: int, copy_gbs: flo
     page_ids = torch.arange(pages, device="cuda")
     in_bytes = 2 * k.numel() * k.element_size()
     stored = tokens * heads * pool.layout.bytes_per_token_head
-    w_ms = _bench(lambda: pool.write(0, slots, k, v))
-    r_ms = _bench(lambda: pool.gather(0, page_ids, tokens, torch.bfloat16))
+    w_ms = statistics.median(_bench(lambda: pool.write(0, slots, k, v)) for _ in range(repeats))
+    r_ms = statistics.median(_bench(lambda: pool.gather(0, page_ids, tokens, torch.bfloat16)) for _ in range(repeats))
     w_gbs = (in_bytes + stored) / w_ms / 1e6
     r_gbs = (in_bytes + stored) / r_ms / 1e6
     return {
@@ -104,6 +110,12 @@ def exact_div_write(profile, tokens: int, heads: int, head_dim: int, copy_gbs: f
     """The write timed again with the exact-division kernels (CONFIG["fast_div"] = False)."""
     e = _with_config(profile, tokens, heads, head_dim, copy_gbs, fast_div=False)
     return {} if e is None else {"write_ms_exact_div": e["write_ms"], "write_ratio_exact_div": e["write_ratio"]}
+
+
+def software_fp8(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
+    """Write and gather timed again with E4M3 converted by integer arithmetic (CONFIG["hw_fp8"])."""
+    e = _with_config(profile, tokens, heads, head_dim, copy_gbs, hw_fp8=False)
+    return {} if e is None else {"write_ratio_sw_fp8": e["write_ratio"], "gather_ratio_sw_fp8": e["gather_ratio"]}
 
 
 def unpaired_gather(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
@@ -147,6 +159,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3, help="timings per main figure (the median is reported)")
     ap.add_argument("--reference", action="store_true", help="also time the torch reference on the GPU")
     ap.add_argument("--sweep", action="store_true", help="also time other kernel launch shapes")
     args = ap.parse_args()
@@ -169,9 +182,11 @@ def main() -> None:
         out["triton"] = None
     for cls in BUILTIN_PROFILES:
         prof = cls()
-        entry = bench_profile(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"])
+        entry = bench_profile(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"], repeats=args.repeats)
         entry.update(exact_div_write(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"]))
         entry.update(unpaired_gather(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"]))
+        if prof.name in ("fp8-e4m3fn-row256", "nvfp4-g16"):
+            entry.update(software_fp8(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"]))
         if args.reference:
             os.environ["HPC_KV_KERNELS"] = "torch"
             try:

@@ -28,6 +28,9 @@ contiguous; scale planes of fp16 scales are passed viewed as ``float16``.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -96,12 +99,18 @@ def _int8_code(v):
 
 
 @triton.jit
-def _e4m3_code(v):
+def _e4m3_code(v, HW: tl.constexpr = False):
     """|v| <= 448 (fp32) -> (uint8-valued int32 E4M3FN code, its fp32 value), nearest even.
     ex = max(biased exponent, 121): the binade's quantum is q = 2^(ex - 130) (subnormals share
     the lowest normal binade's 2^-9), t = |v| / q counts quanta exactly, n = rint(t); the code is
     8 (ex - 130) + 72 + n = 8 ex - 968 + n for normals and subnormals alike (n = 16 carries into
-    the next binade): e4m3_round_arith's bit assembly in one sum. A zero gives the +0 code."""
+    the next binade): e4m3_round_arith's bit assembly in one sum. A zero gives the +0 code.
+    HW: the GPU's conversion instead (cvt.rn.satfinite.e4m3x2.f32 on sm_89+: round to nearest
+    even, saturating at 448; only -0 needs mending to the canonical +0)."""
+    if HW:
+        code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        code = tl.where(code == 0x80, 0, code)
+        return code, _e4m3_value(code, True)
     a = tl.abs(v)
     ex = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)
     q = ((ex - 3) << 23).to(tl.float32, bitcast=True)
@@ -113,8 +122,10 @@ def _e4m3_code(v):
 
 
 @triton.jit
-def _e4m3_value(c):
-    """uint8/int32 E4M3FN code -> fp32 value."""
+def _e4m3_value(c, HW: tl.constexpr = False):
+    """uint8/int32 E4M3FN code -> fp32 value (HW: the GPU's exact conversion)."""
+    if HW:
+        return c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     c = c.to(tl.int32)
     ex = (c >> 3) & 0xF
     m = c & 7
@@ -125,12 +136,15 @@ def _e4m3_value(c):
 
 @triton.jit
 def _e2m1_code(v):
-    """|v| <= 6 (fp32) -> 4-bit E2M1 code as int32, nearest even."""
-    a = tl.abs(v)
-    inv_q = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # 1 / quantum, exact
-    r = (a * inv_q + RINT_MAGIC).to(tl.int32, bitcast=True) - RINT_BITS  # quanta, 0 .. 4
-    idx = tl.where(inv_q == 2.0, r, tl.where(inv_q == 1.0, r + 2, r + 4))
-    return tl.where((v < 0.0) & (idx != 0), idx | 8, idx)
+    """v (fp32) clamped to [-6, 6] -> 4-bit E2M1 code as int32, nearest even. As in _e4m3_code:
+    ex = max(biased exponent of |v|, 127), the quantum is 2^(ex - 128) (values below 1 share
+    [1, 2)'s 0.5), t = |v| / quantum counts quanta exactly and the code is rint(t) + 2 (ex - 127)
+    (0 .. 4 below 2, 4 .. 6 below 4, 6 .. 7 up to 6; a tie goes to the even code)."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    ex = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127)
+    m = a * ((255 - ex) << 23).to(tl.float32, bitcast=True) + RINT_MAGIC  # exact scaling, then rint
+    code = m.to(tl.int32, bitcast=True) - (RINT_BITS + 254) + 2 * ex
+    return tl.where((v < 0.0) & (code != 0), code | 8, code)
 
 
 @triton.jit
@@ -206,10 +220,13 @@ def _fp16_scale(amax, KIND: tl.constexpr):
 
 
 @triton.jit
-def _grid_codes(v, KIND: tl.constexpr):
-    """Quotients -> int32 codes: int8 (KIND 1) or E4M3FN (KIND 2), clamped first."""
+def _grid_codes(v, KIND: tl.constexpr, HW_FP8: tl.constexpr):
+    """Quotients -> int32 codes: int8 (KIND 1) or E4M3FN (KIND 2), clamped first (the GPU's
+    saturating conversion clamps by itself)."""
     if KIND == 1:
         code = _int8_code(tl.minimum(tl.maximum(v, -127.0), 127.0))
+    elif HW_FP8:
+        code, _ = _e4m3_code(v, True)
     else:
         code, _ = _e4m3_code(tl.minimum(tl.maximum(v, -448.0), 448.0))
     return code
@@ -217,7 +234,7 @@ def _grid_codes(v, KIND: tl.constexpr):
 
 @triton.jit
 def _exact_grid_codes(x, cnt_ptr, BLOCK_R: tl.constexpr, NG: tl.constexpr, GROUP: tl.constexpr,
-                      KIND: tl.constexpr, COUNT: tl.constexpr):
+                      KIND: tl.constexpr, COUNT: tl.constexpr, HW_FP8: tl.constexpr):
     """The exact-division path for int8/fp8: count and clean, a div_rn per value.
     Returns (codes by group, fp16 scales)."""
     x = _count_and_clean(x, cnt_ptr, FLT_LIM, COUNT)
@@ -229,7 +246,7 @@ def _exact_grid_codes(x, cnt_ptr, BLOCK_R: tl.constexpr, NG: tl.constexpr, GROUP
     s = _fp16_scale(amax, KIND)
     sf = _per_value(s.to(tl.float32), NG)
     pos = sf > 0.0
-    return _grid_codes(tl.where(pos, tl.math.div_rn(xv, tl.where(pos, sf, 1.0)), 0.0), KIND), s
+    return _grid_codes(tl.where(pos, tl.math.div_rn(xv, tl.where(pos, sf, 1.0)), 0.0), KIND, HW_FP8), s
 
 
 @triton.jit
@@ -245,13 +262,14 @@ def _write_rows(pid, slot_ptr, n_rows, H: tl.constexpr, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_halves(data_ptr, scale_ptr, rows, mask, gs, D: tl.constexpr, BLOCK: tl.constexpr):
+def _nvfp4_halves(data_ptr, scale_ptr, rows, mask, gs, D: tl.constexpr, BLOCK: tl.constexpr,
+                  HW_FP8: tl.constexpr = False):
     """NVFP4 rows ``rows`` dequantised as fp32 even and odd halves ``[BLOCK, D // 2]``."""
     db = tl.arange(0, D // 2)
     byte = tl.load(data_ptr + rows[:, None] * (D // 2) + db[None, :], mask=mask[:, None], other=0).to(tl.int32)
     g = tl.arange(0, D // 16)
     sc = tl.load(scale_ptr + rows[:, None] * (D // 16) + g[None, :], mask=mask[:, None], other=0)
-    eff = (_e4m3_value(sc) * gs)[:, :, None]
+    eff = (_e4m3_value(sc, HW_FP8) * gs)[:, :, None]
     ve = tl.reshape(tl.reshape(_e2m1_value(byte & 0xF), (BLOCK, D // 16, 8)) * eff, (BLOCK, D // 2))
     vo = tl.reshape(tl.reshape(_e2m1_value(byte >> 4), (BLOCK, D // 16, 8)) * eff, (BLOCK, D // 2))
     return ve, vo
@@ -259,7 +277,7 @@ def _nvfp4_halves(data_ptr, scale_ptr, rows, mask, gs, D: tl.constexpr, BLOCK: t
 
 @triton.jit
 def _grid_halves(data_ptr, scale_ptr, rows, mask, D: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, HW_FP8: tl.constexpr):
     """int8 (KIND 1) / fp8 (KIND 2) rows ``rows`` read as 16-bit words (``data_ptr`` the data
     plane viewed as int16: one even/odd pair per word), dequantised as fp32 even and odd halves
     ``[BLOCK, D // 2]``."""
@@ -270,8 +288,8 @@ def _grid_halves(data_ptr, scale_ptr, rows, mask, D: tl.constexpr, KIND: tl.cons
         ce = ((w << 24) >> 24).to(tl.float32)  # the low byte, sign-extended
         co = (w >> 8).to(tl.float32)  # the high byte (w is the int16 sign-extended)
     else:
-        ce = _e4m3_value(w & 0xFF)
-        co = _e4m3_value((w >> 8) & 0xFF)
+        ce = _e4m3_value(w & 0xFF, HW_FP8)
+        co = _e4m3_value((w >> 8) & 0xFF, HW_FP8)
     if NG == 1:
         s = tl.load(scale_ptr + rows, mask=mask, other=0.0).to(tl.float32)[:, None]
         ve = ce * s
@@ -287,14 +305,14 @@ def _grid_halves(data_ptr, scale_ptr, rows, mask, D: tl.constexpr, KIND: tl.cons
 
 @triton.jit
 def dequant_tile(data_ptr, scale_ptr, rows, mask, gs, D: tl.constexpr, KIND: tl.constexpr,
-                 GROUP: tl.constexpr, BLOCK: tl.constexpr):
+                 GROUP: tl.constexpr, BLOCK: tl.constexpr, HW_FP8: tl.constexpr = False):
     """Rows ``rows`` (flat ``slot * H + head``) of one side's planes dequantised to fp32
     ``[BLOCK, D]`` (masked rows read as 0): the gather kernel's and paged attention's reader."""
     d = tl.arange(0, D)
     if KIND == 0:
         v = tl.load(data_ptr + rows[:, None] * D + d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
     elif KIND == 3:
-        ve, vo = _nvfp4_halves(data_ptr, scale_ptr, rows, mask, gs, D, BLOCK)
+        ve, vo = _nvfp4_halves(data_ptr, scale_ptr, rows, mask, gs, D, BLOCK, HW_FP8)
         v = tl.reshape(tl.join(ve, vo), (BLOCK, D))
     else:
         NG: tl.constexpr = D // GROUP
@@ -302,7 +320,7 @@ def dequant_tile(data_ptr, scale_ptr, rows, mask, gs, D: tl.constexpr, KIND: tl.
         if KIND == 1:
             qv = c.to(tl.float32)
         else:
-            qv = _e4m3_value(c)
+            qv = _e4m3_value(c, HW_FP8)
         if NG == 1:
             s = tl.load(scale_ptr + rows, mask=mask, other=0.0).to(tl.float32)
             v = qv * s[:, None]
@@ -316,9 +334,10 @@ def dequant_tile(data_ptr, scale_ptr, rows, mask, gs, D: tl.constexpr, KIND: tl.
 @triton.jit
 def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, n_rows,
                   H: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_R: tl.constexpr, COUNT: tl.constexpr, FAST: tl.constexpr):
+                  BLOCK_R: tl.constexpr, COUNT: tl.constexpr, FAST: tl.constexpr, HW_FP8: tl.constexpr):
     """bf16 (KIND 0), int8 (1) and fp8 (2) with one fp16 scale per GROUP values. FAST: the
-    reciprocal quotient, the block redone by the exact path if it holds a non-finite value."""
+    reciprocal quotient, the block redone by the exact path if it holds a non-finite value.
+    HW_FP8: E4M3 codes by the GPU's conversion (sm_89+)."""
     pid = tl.program_id(0)
     n, h, ok, orow = _write_rows(pid, slot_ptr, n_rows, H, BLOCK_R)
     d = tl.arange(0, D)
@@ -343,11 +362,11 @@ def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, 
             s = _fp16_scale(amax_bits.to(tl.float32, bitcast=True), KIND)
             sg = s.to(tl.float32)
             inv = _per_value(tl.where(sg > 0.0, tl.math.div_rn(1.0, tl.where(sg > 0.0, sg, 1.0)), 0.0), NG)
-            code = _grid_codes(_quotient(_by_group(x, BLOCK_R, NG, GROUP), _per_value(sg, NG), inv), KIND)
+            code = _grid_codes(_quotient(_by_group(x, BLOCK_R, NG, GROUP), _per_value(sg, NG), inv), KIND, HW_FP8)
             if tl.max(amax_bits) >= INF_BITS:
-                code, s = _exact_grid_codes(x, cnt_ptr, BLOCK_R, NG, GROUP, KIND, COUNT)
+                code, s = _exact_grid_codes(x, cnt_ptr, BLOCK_R, NG, GROUP, KIND, COUNT, HW_FP8)
         else:
-            code, s = _exact_grid_codes(x, cnt_ptr, BLOCK_R, NG, GROUP, KIND, COUNT)
+            code, s = _exact_grid_codes(x, cnt_ptr, BLOCK_R, NG, GROUP, KIND, COUNT, HW_FP8)
         if KIND == 1:
             q = code.to(tl.int8)
         else:
@@ -363,9 +382,9 @@ def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, 
 
 
 @triton.jit
-def _nvfp4_block_scale(amax, gs):
+def _nvfp4_block_scale(amax, gs, HW_FP8: tl.constexpr):
     """Block max |x| -> (UE4M3 block scale code, effective scale S * g), both ``[..., NB]``."""
-    bcode, bval = _e4m3_code(tl.minimum(tl.math.div_rn(amax, gs * 6.0), 448.0))
+    bcode, bval = _e4m3_code(tl.minimum(tl.math.div_rn(amax, gs * 6.0), 448.0), HW_FP8)
     return bcode, bval * gs
 
 
@@ -385,20 +404,21 @@ def _nvfp4_codes(xe, xo, eff, inv, BLOCK_R: tl.constexpr, NB: tl.constexpr, FAST
         safe = tl.where(pos, e, 1.0)
         qe = tl.where(pos, tl.math.div_rn(ge, safe), 0.0)
         qo = tl.where(pos, tl.math.div_rn(go, safe), 0.0)
-    ce = _e2m1_code(tl.minimum(tl.maximum(qe, -6.0), 6.0))
-    co = _e2m1_code(tl.minimum(tl.maximum(qo, -6.0), 6.0))
+    ce = _e2m1_code(qe)
+    co = _e2m1_code(qo)
     return ce, co
 
 
 @triton.jit
-def _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R: tl.constexpr, NB: tl.constexpr, COUNT: tl.constexpr):
+def _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R: tl.constexpr, NB: tl.constexpr, COUNT: tl.constexpr,
+                       HW_FP8: tl.constexpr):
     """The exact-division path for NVFP4: count and clean, a div_rn per value.
     Returns (even codes, odd codes, block scale codes)."""
     xe = _count_and_clean(xe, cnt_ptr, FLT_LIM, COUNT)
     xo = _count_and_clean(xo, cnt_ptr, FLT_LIM, COUNT)
     amax = tl.maximum(tl.max(tl.reshape(tl.abs(xe), (BLOCK_R, NB, 8)), axis=2),
                       tl.max(tl.reshape(tl.abs(xo), (BLOCK_R, NB, 8)), axis=2))
-    bcode, eff = _nvfp4_block_scale(amax, gs)
+    bcode, eff = _nvfp4_block_scale(amax, gs, HW_FP8)
     ce, co = _nvfp4_codes(xe, xo, eff, eff, BLOCK_R, NB, False)
     return ce, co, bcode
 
@@ -406,7 +426,7 @@ def _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R: tl.constexpr, NB: tl.conste
 @triton.jit
 def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, gs, n_rows,
                         H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, COUNT: tl.constexpr,
-                        PAIRED: tl.constexpr, FAST: tl.constexpr):
+                        PAIRED: tl.constexpr, FAST: tl.constexpr, HW_FP8: tl.constexpr):
     """NVFP4-G16. PAIRED: ``x_ptr`` is bf16 input viewed as int32 (one even/odd pair per word,
     strides in words), so the pairs split with two shifts instead of a register shuffle."""
     gs = tl.full((), gs, tl.float32)  # fp32 when compiled; Triton 3.6's interpreter passes a Python float
@@ -426,15 +446,15 @@ def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt
         # As in _quant_kernel. eff = S * g is whatever the global scale makes it: a block with
         # eff outside [2^-100, 2^100] (or a non-finite value) redoes the block by the exact path.
         amax_bits = _block16_amax_bits(xe, xo, BLOCK_R, NB)
-        bcode, eff = _nvfp4_block_scale(amax_bits.to(tl.float32, bitcast=True), gs)
+        bcode, eff = _nvfp4_block_scale(amax_bits.to(tl.float32, bitcast=True), gs, HW_FP8)
         pos = eff > 0.0
         inv = tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, eff, 1.0)), 0.0)
         ce, co = _nvfp4_codes(xe, xo, eff, inv, BLOCK_R, NB, True)
         odd = (pos & ((eff < EFF_MIN) | (eff > EFF_MAX))) | (amax_bits >= INF_BITS)
         if tl.max(odd.to(tl.int32)) > 0:
-            ce, co, bcode = _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R, NB, COUNT)
+            ce, co, bcode = _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R, NB, COUNT, HW_FP8)
     else:
-        ce, co, bcode = _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R, NB, COUNT)
+        ce, co, bcode = _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R, NB, COUNT, HW_FP8)
     byte = tl.reshape(ce | (co << 4), (BLOCK_R, D // 2)).to(tl.uint8)
     tl.store(data_ptr + orow[:, None] * (D // 2) + i[None, :], byte, mask=ok[:, None])
     g = tl.arange(0, NB)
@@ -444,7 +464,7 @@ def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt
 @triton.jit
 def _dequant_kernel(slot_ptr, data_ptr, scale_ptr, out_ptr, out32_ptr, gs, n_rows,
                     H: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_R: tl.constexpr, OUT_PAIRED: tl.constexpr):
+                    BLOCK_R: tl.constexpr, OUT_PAIRED: tl.constexpr, HW_FP8: tl.constexpr):
     gs = tl.full((), gs, tl.float32)  # as in _quant_nvfp4_kernel
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -456,15 +476,15 @@ def _dequant_kernel(slot_ptr, data_ptr, scale_ptr, out_ptr, out32_ptr, gs, n_row
     out_ty = out_ptr.dtype.element_ty
     if OUT_PAIRED:  # 16-bit output: write each even/odd pair as one 32-bit word
         if KIND == 3:
-            ve, vo = _nvfp4_halves(data_ptr, scale_ptr, irow, rmask, gs, D, BLOCK_R)
+            ve, vo = _nvfp4_halves(data_ptr, scale_ptr, irow, rmask, gs, D, BLOCK_R, HW_FP8)
         else:  # int8 / fp8: data_ptr is the data plane viewed as int16
-            ve, vo = _grid_halves(data_ptr, scale_ptr, irow, rmask, D, KIND, GROUP, BLOCK_R)
+            ve, vo = _grid_halves(data_ptr, scale_ptr, irow, rmask, D, KIND, GROUP, BLOCK_R, HW_FP8)
         lo = ve.to(out_ty).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         hi = vo.to(out_ty).to(tl.int16, bitcast=True).to(tl.int32) << 16
         db = tl.arange(0, D // 2)
         tl.store(out32_ptr + r.to(tl.int64)[:, None] * (D // 2) + db[None, :], lo | hi, mask=rmask[:, None])
     else:
-        v = dequant_tile(data_ptr, scale_ptr, irow, rmask, gs, D, KIND, GROUP, BLOCK_R)
+        v = dequant_tile(data_ptr, scale_ptr, irow, rmask, gs, D, KIND, GROUP, BLOCK_R, HW_FP8)
         d = tl.arange(0, D)
         tl.store(out_ptr + r.to(tl.int64)[:, None] * D + d[None, :], v.to(out_ty), mask=rmask[:, None])
 
@@ -483,7 +503,21 @@ def supports(fmt: SideFormat, head_dim: int) -> bool:
 #: both give the same bytes.
 #: gather_pairs: int8/fp8 gathers to a 16-bit dtype read the codes as 16-bit pairs and write each
 #: dequantised pair as one 32-bit word (as NVFP4 gathers always do); the same values.
-CONFIG = {"block_values": 2048, "num_warps": 4, "fast_div": True, "gather_pairs": True}
+#: hw_fp8: E4M3 codes and values by the GPU's own conversion where it has one (sm_89+, not under
+#: Triton's interpreter, whose fp8 casts do not round to nearest even): "auto" or False.
+CONFIG = {"block_values": 2048, "num_warps": 4, "fast_div": True, "gather_pairs": True, "hw_fp8": "auto"}
+
+
+def hw_fp8(device: torch.device) -> bool:
+    """Whether the kernels convert E4M3 in hardware on ``device`` (CONFIG["hw_fp8"])."""
+    if CONFIG["hw_fp8"] != "auto" or os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _block_rows(head_dim: int) -> int:
@@ -521,13 +555,14 @@ def quantize_into(fmt: SideFormat, x: torch.Tensor, slots: torch.Tensor, planes,
         xs = x.view(torch.int32) if paired else x
         _quant_nvfp4_kernel[grid](xs, xs.stride(0), xs.stride(1), xs.stride(2), slots, data, scale, cnt,
                                   float(global_scale), n_rows, H=h, D=d, BLOCK_R=br,
-                                  COUNT=counter is not None, PAIRED=paired, FAST=fast,
+                                  COUNT=counter is not None, PAIRED=paired, FAST=fast, HW_FP8=hw_fp8(x.device),
                                   num_warps=CONFIG["num_warps"])
     else:
         _quant_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), slots, data,
                             scale if scale is not None else data, cnt, n_rows, H=h, D=d,
                             KIND=KIND_IDS[fmt.kind], GROUP=max(fmt.group, 1), BLOCK_R=br,
-                            COUNT=counter is not None, FAST=fast, num_warps=CONFIG["num_warps"])
+                            COUNT=counter is not None, FAST=fast, HW_FP8=hw_fp8(x.device),
+                            num_warps=CONFIG["num_warps"])
 
 
 def dequantize_slots(fmt: SideFormat, planes, slots: torch.Tensor, head_dim: int, dtype: torch.dtype,
@@ -548,5 +583,6 @@ def dequantize_slots(fmt: SideFormat, planes, slots: torch.Tensor, head_dim: int
     _dequant_kernel[(triton.cdiv(n_rows, br),)](slots, data, scale if scale is not None else data, out, out32,
                                                float(global_scale), n_rows, H=h, D=head_dim,
                                                KIND=KIND_IDS[fmt.kind], GROUP=max(fmt.group, 1),
-                                               BLOCK_R=br, OUT_PAIRED=paired, num_warps=CONFIG["num_warps"])
+                                               BLOCK_R=br, OUT_PAIRED=paired, HW_FP8=hw_fp8(out.device),
+                                               num_warps=CONFIG["num_warps"])
     return out
