@@ -14,7 +14,7 @@ import torch
 from . import kv_quant_ref as ref
 from .kv_quant_ref import SideFormat
 
-__all__ = ["SideFormat", "quantize_into", "dequantize_slots", "use_triton", "page_slots"]
+__all__ = ["SideFormat", "quantize_into", "dequantize_slots", "dequantize_pages", "use_triton", "page_slots"]
 
 
 @functools.cache
@@ -78,3 +78,17 @@ def dequantize_slots(fmt: SideFormat, planes, slots: torch.Tensor, head_dim: int
                                     dtype, _gs_float(global_scale))
     slots = slots.to(device=flats[0].device, dtype=torch.long)
     return ref.dequantize(fmt, [f[slots] for f in flats], dtype, global_scale)
+
+
+def dequantize_pages(fmt: SideFormat, planes, page_ids: torch.Tensor, n_tokens: int, page_tokens: int,
+                     head_dim: int, dtype: torch.dtype, global_scale=None) -> torch.Tensor:
+    """The first ``n_tokens`` tokens of the pages ``page_ids`` (in order), dequantised:
+    ``[n_tokens, H, head_dim]``. The kernels read the page table directly (no slot list)."""
+    h = planes[0].shape[-2]
+    flats = [p.view(-1, h, p.shape[-1]) for p in planes]
+    if use_triton(fmt, flats[0].device, head_dim):
+        mod = _triton_module()
+        return mod.dequantize_slots(fmt, flats, page_ids.to(device=flats[0].device, dtype=torch.long), head_dim,
+                                    dtype, _gs_float(global_scale), page_tokens=page_tokens, n_tokens=n_tokens)
+    slots = page_slots(page_ids.to(flats[0].device), n_tokens, page_tokens)
+    return dequantize_slots(fmt, planes, slots, head_dim, dtype, global_scale)

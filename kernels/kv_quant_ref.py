@@ -91,8 +91,10 @@ def round_half_even(v: torch.Tensor) -> torch.Tensor:
 
 
 def _fp16_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """``fp16(amax / qmax)``, saturating at the fp16 maximum (so an inf never appears)."""
-    return torch.clamp(amax / qmax, max=FP16_MAX).to(torch.float16)
+    """``fp16(amax / qmax)``, saturating at the fp16 maximum (so an inf never appears). The
+    divisor is a tensor: torch on CUDA divides by a Python number as a multiplication by its
+    reciprocal, which is not the correctly rounded quotient."""
+    return torch.clamp(amax / torch.full_like(amax, qmax), max=FP16_MAX).to(torch.float16)
 
 
 def _safe_div(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -113,7 +115,11 @@ def _as_bytes(t: torch.Tensor, n: int, h: int) -> torch.Tensor:
 
 def e4m3_round(v: torch.Tensor) -> torch.Tensor:
     """``v`` (float32, |v| <= 448) rounded to nearest even E4M3FN, returned as its uint8 code.
-    A zero (of either sign) gives the +0 code."""
+    A zero (of either sign) gives the +0 code. Off the CPU this is ``e4m3_round_arith``: torch's
+    CUDA float8 cast does not round every exact tie to even, so the reference would otherwise
+    give other bytes there than on the CPU."""
+    if v.device.type != "cpu":
+        return e4m3_round_arith(v)
     codes = v.to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(codes == 0x80, torch.zeros_like(codes), codes)
 

@@ -174,10 +174,16 @@ def _abs_bits(x):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _block16_amax_bits(xe, xo, BLOCK_R: tl.constexpr, NB: tl.constexpr):
-    """Bit pattern of each 16-value block's max |x| from its even and odd halves: ``[BLOCK_R, NB]``."""
-    be = tl.max(tl.reshape(_abs_bits(xe), (BLOCK_R, NB, 8)), axis=2)
-    return tl.maximum(be, tl.max(tl.reshape(_abs_bits(xo), (BLOCK_R, NB, 8)), axis=2))
+    """Bit pattern of each 16-value block's max |x| from its even and odd halves: ``[BLOCK_R, NB]``
+    (a NaN-propagating float maximum: a NaN or inf in the block gives bits >= INF_BITS)."""
+    m = _max_nan(tl.abs(xe), tl.abs(xo))
+    return tl.reduce(tl.reshape(m, (BLOCK_R, NB, 8)), 2, _max_nan).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -206,6 +212,14 @@ def _per_value(t, NG: tl.constexpr):
         t = t[:, None]
     else:
         t = t[:, :, None]
+    return t
+
+
+@triton.jit
+def _per_row(t, NG: tl.constexpr):
+    """A per-row tensor ``[BLOCK_R]`` broadcastable against per-group ones."""
+    if NG != 1:
+        t = t[:, None]
     return t
 
 
@@ -251,14 +265,17 @@ def _exact_grid_codes(x, cnt_ptr, BLOCK_R: tl.constexpr, NG: tl.constexpr, GROUP
 
 @triton.jit
 def _write_rows(pid, slot_ptr, n_rows, H: tl.constexpr, BLOCK_R: tl.constexpr):
-    """A write program's rows (token, KV head): ``(token n, head h, ok, row in the flat plane)``;
-    a row past the end or with a negative slot (padding) is not ok."""
+    """A write program's rows (token, KV head): ``(token n, head h, in range, ok, row in the flat
+    plane)``; a row past the end or with a negative slot (padding) is not ok. The input is loaded
+    under ``in range`` alone, so its load does not wait for the slots' (two DRAM round trips in
+    a row otherwise); rows that are not ok are masked out of the group maxima, the exact path and
+    the stores."""
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < n_rows
     n = (r // H).to(tl.int64)
     h = r % H
     slot = tl.load(slot_ptr + n, mask=rmask, other=-1).to(tl.int64)
-    return n, h, rmask & (slot >= 0), slot * H + h
+    return n, h, rmask, rmask & (slot >= 0), slot * H + h
 
 
 @triton.jit
@@ -339,17 +356,18 @@ def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, 
     reciprocal quotient, the block redone by the exact path if it holds a non-finite value.
     HW_FP8: E4M3 codes by the GPU's conversion (sm_89+)."""
     pid = tl.program_id(0)
-    n, h, ok, orow = _write_rows(pid, slot_ptr, n_rows, H, BLOCK_R)
+    n, h, rmask, ok, orow = _write_rows(pid, slot_ptr, n_rows, H, BLOCK_R)
     d = tl.arange(0, D)
     x = tl.load(x_ptr + n[:, None] * sxn + h[:, None] * sxh + d[None, :] * sxd,
-                mask=ok[:, None], other=0.0).to(tl.float32)
+                mask=rmask[:, None], other=0.0).to(tl.float32)
     if KIND == 0:
         if FAST:
-            if tl.max(_abs_bits(x)) >= INF_BITS:  # rare: a NaN or inf in the block
-                x = _count_and_clean(x, cnt_ptr, BF16_LIM, COUNT)
+            # rare: a NaN or inf in a row that is stored
+            if tl.max(tl.where(ok, tl.max(_abs_bits(x), axis=1), 0)) >= INF_BITS:
+                x = _count_and_clean(tl.where(ok[:, None], x, 0.0), cnt_ptr, BF16_LIM, COUNT)
             x = tl.minimum(tl.maximum(x, -BF16_LIM), BF16_LIM)  # finite fp32 beyond bf16's range
         else:
-            x = _count_and_clean(x, cnt_ptr, BF16_LIM, COUNT)
+            x = _count_and_clean(tl.where(ok[:, None], x, 0.0), cnt_ptr, BF16_LIM, COUNT)
         tl.store(data_ptr + orow[:, None] * D + d[None, :], x.to(tl.bfloat16), mask=ok[:, None])
     else:
         NG: tl.constexpr = D // GROUP
@@ -358,15 +376,17 @@ def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, 
             # NaN or inf shows as >= INF_BITS), one correctly rounded reciprocal per group (a
             # positive fp16 scale lies in [2^-24, 65504], so inv is a normal number), the exact
             # quotient per value (_quotient). A block with a non-finite value is redone.
-            amax_bits = _group_amax_bits(x, BLOCK_R, NG, GROUP)
+            amax_bits = tl.where(_per_row(ok, NG), _group_amax_bits(x, BLOCK_R, NG, GROUP), 0)
             s = _fp16_scale(amax_bits.to(tl.float32, bitcast=True), KIND)
             sg = s.to(tl.float32)
             inv = _per_value(tl.where(sg > 0.0, tl.math.div_rn(1.0, tl.where(sg > 0.0, sg, 1.0)), 0.0), NG)
             code = _grid_codes(_quotient(_by_group(x, BLOCK_R, NG, GROUP), _per_value(sg, NG), inv), KIND, HW_FP8)
             if tl.max(amax_bits) >= INF_BITS:
-                code, s = _exact_grid_codes(x, cnt_ptr, BLOCK_R, NG, GROUP, KIND, COUNT, HW_FP8)
+                code, s = _exact_grid_codes(tl.where(ok[:, None], x, 0.0), cnt_ptr, BLOCK_R, NG, GROUP, KIND,
+                                            COUNT, HW_FP8)
         else:
-            code, s = _exact_grid_codes(x, cnt_ptr, BLOCK_R, NG, GROUP, KIND, COUNT, HW_FP8)
+            code, s = _exact_grid_codes(tl.where(ok[:, None], x, 0.0), cnt_ptr, BLOCK_R, NG, GROUP, KIND,
+                                        COUNT, HW_FP8)
         if KIND == 1:
             q = code.to(tl.int8)
         else:
@@ -431,30 +451,32 @@ def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt
     strides in words), so the pairs split with two shifts instead of a register shuffle."""
     gs = tl.full((), gs, tl.float32)  # fp32 when compiled; Triton 3.6's interpreter passes a Python float
     pid = tl.program_id(0)
-    n, h, ok, orow = _write_rows(pid, slot_ptr, n_rows, H, BLOCK_R)
+    n, h, rmask, ok, orow = _write_rows(pid, slot_ptr, n_rows, H, BLOCK_R)
     i = tl.arange(0, D // 2)
     if PAIRED:
-        w = tl.load(x_ptr + n[:, None] * sxn + h[:, None] * sxh + i[None, :], mask=ok[:, None], other=0)
+        w = tl.load(x_ptr + n[:, None] * sxn + h[:, None] * sxh + i[None, :], mask=rmask[:, None], other=0)
         xe = (w << 16).to(tl.float32, bitcast=True)
         xo = (w & -65536).to(tl.float32, bitcast=True)
     else:
         base = x_ptr + n[:, None] * sxn + h[:, None] * sxh + (2 * i)[None, :] * sxd
-        xe = tl.load(base, mask=ok[:, None], other=0.0).to(tl.float32)
-        xo = tl.load(base + sxd, mask=ok[:, None], other=0.0).to(tl.float32)
+        xe = tl.load(base, mask=rmask[:, None], other=0.0).to(tl.float32)
+        xo = tl.load(base + sxd, mask=rmask[:, None], other=0.0).to(tl.float32)
     NB: tl.constexpr = D // 16
     if FAST:
         # As in _quant_kernel. eff = S * g is whatever the global scale makes it: a block with
         # eff outside [2^-100, 2^100] (or a non-finite value) redoes the block by the exact path.
-        amax_bits = _block16_amax_bits(xe, xo, BLOCK_R, NB)
+        amax_bits = tl.where(ok[:, None], _block16_amax_bits(xe, xo, BLOCK_R, NB), 0)
         bcode, eff = _nvfp4_block_scale(amax_bits.to(tl.float32, bitcast=True), gs, HW_FP8)
         pos = eff > 0.0
         inv = tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, eff, 1.0)), 0.0)
         ce, co = _nvfp4_codes(xe, xo, eff, inv, BLOCK_R, NB, True)
         odd = (pos & ((eff < EFF_MIN) | (eff > EFF_MAX))) | (amax_bits >= INF_BITS)
         if tl.max(odd.to(tl.int32)) > 0:
-            ce, co, bcode = _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R, NB, COUNT, HW_FP8)
+            ce, co, bcode = _exact_nvfp4_codes(tl.where(ok[:, None], xe, 0.0), tl.where(ok[:, None], xo, 0.0),
+                                               cnt_ptr, gs, BLOCK_R, NB, COUNT, HW_FP8)
     else:
-        ce, co, bcode = _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R, NB, COUNT, HW_FP8)
+        ce, co, bcode = _exact_nvfp4_codes(tl.where(ok[:, None], xe, 0.0), tl.where(ok[:, None], xo, 0.0),
+                                           cnt_ptr, gs, BLOCK_R, NB, COUNT, HW_FP8)
     byte = tl.reshape(ce | (co << 4), (BLOCK_R, D // 2)).to(tl.uint8)
     tl.store(data_ptr + orow[:, None] * (D // 2) + i[None, :], byte, mask=ok[:, None])
     g = tl.arange(0, NB)
@@ -464,14 +486,20 @@ def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt
 @triton.jit
 def _dequant_kernel(slot_ptr, data_ptr, scale_ptr, out_ptr, out32_ptr, gs, n_rows,
                     H: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_R: tl.constexpr, OUT_PAIRED: tl.constexpr, HW_FP8: tl.constexpr):
+                    BLOCK_R: tl.constexpr, OUT_PAIRED: tl.constexpr, HW_FP8: tl.constexpr, PAGE: tl.constexpr):
+    """Rows of ``slot_ptr``'s slots (PAGE 0) or, PAGE > 0, of the pages ``slot_ptr`` lists in order
+    (token t at slot ``page[t // PAGE] * PAGE + t % PAGE``: one page id serves PAGE tokens, so
+    the table read before the data is mostly an L2 hit)."""
     gs = tl.full((), gs, tl.float32)  # as in _quant_nvfp4_kernel
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < n_rows
     t = (r // H).to(tl.int64)
     h = r % H
-    slot = tl.load(slot_ptr + t, mask=rmask, other=0).to(tl.int64)
+    if PAGE == 0:
+        slot = tl.load(slot_ptr + t, mask=rmask, other=0).to(tl.int64)
+    else:
+        slot = tl.load(slot_ptr + t // PAGE, mask=rmask, other=0).to(tl.int64) * PAGE + t % PAGE
     irow = slot * H + h
     out_ty = out_ptr.dtype.element_ty
     if OUT_PAIRED:  # 16-bit output: write each even/odd pair as one 32-bit word
@@ -566,11 +594,19 @@ def quantize_into(fmt: SideFormat, x: torch.Tensor, slots: torch.Tensor, planes,
 
 
 def dequantize_slots(fmt: SideFormat, planes, slots: torch.Tensor, head_dim: int, dtype: torch.dtype,
-                     global_scale: float) -> torch.Tensor:
-    """Rows at ``slots`` of ``planes`` dequantised to ``[len(slots), H, head_dim]`` in ``dtype``."""
+                     global_scale: float, page_tokens: int = 0, n_tokens: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows at ``slots`` of ``planes`` dequantised to ``[len(slots), H, head_dim]`` in ``dtype``;
+    with ``page_tokens`` > 0, ``slots`` are page ids instead and the first ``n_tokens`` tokens of
+    those pages (in order) are read. ``out``: write there instead of a new tensor."""
     h = planes[0].shape[-2]
-    n = slots.shape[0]
-    out = torch.empty(n, h, head_dim, dtype=dtype, device=planes[0].device)
+    n = slots.shape[0] if not page_tokens else n_tokens
+    assert n is not None and (not page_tokens or n <= slots.shape[0] * page_tokens), \
+        f"{n_tokens} tokens do not fit {slots.shape[0]} pages of {page_tokens}"
+    if out is None:
+        out = torch.empty(n, h, head_dim, dtype=dtype, device=planes[0].device)
+    assert out.shape == (n, h, head_dim) and out.dtype == dtype and out.is_contiguous(), \
+        f"out {tuple(out.shape)} {out.dtype} is not a contiguous [{n}, {h}, {head_dim}] {dtype} tensor"
     n_rows = n * h
     if n_rows == 0:
         return out
@@ -583,6 +619,6 @@ def dequantize_slots(fmt: SideFormat, planes, slots: torch.Tensor, head_dim: int
     _dequant_kernel[(triton.cdiv(n_rows, br),)](slots, data, scale if scale is not None else data, out, out32,
                                                float(global_scale), n_rows, H=h, D=head_dim,
                                                KIND=KIND_IDS[fmt.kind], GROUP=max(fmt.group, 1),
-                                               BLOCK_R=br, OUT_PAIRED=paired, HW_FP8=hw_fp8(out.device),
+                                               BLOCK_R=br, OUT_PAIRED=paired, HW_FP8=hw_fp8(out.device), PAGE=page_tokens,
                                                num_warps=CONFIG["num_warps"])
     return out

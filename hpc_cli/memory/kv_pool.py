@@ -93,9 +93,10 @@ class PagedKVStorage:
         if self._formats is not None:
             from hpc_kernels import kv_quant
 
-            slots = kv_quant.page_slots(page_ids.to(self.device), n_tokens, self.page_tokens)
-            k, v = (kv_quant.dequantize_slots(self._formats[side], [planes[i] for i in self._side_idx[side]],
-                                              slots, self.head_dim, dtype, self._gs(layer, side))
+            page_ids = page_ids.to(self.device)
+            k, v = (kv_quant.dequantize_pages(self._formats[side], [planes[i] for i in self._side_idx[side]],
+                                              page_ids, n_tokens, self.page_tokens, self.head_dim, dtype,
+                                              self._gs(layer, side))
                     for side in ("k", "v"))
             return k, v
         out = []

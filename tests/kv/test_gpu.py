@@ -201,3 +201,17 @@ def test_write_is_capture_safe():
         want = ref.quantize(fmt, data, gs)
         assert all(torch.equal(p[slots].cpu(), w) for p, w in zip(planes, want)), fmt.kind
     assert int(counter) == 2 * int(ref.count_nonfinite(data))
+
+
+@pytest.mark.parametrize("name", [n for n in PROFILES if n != "bf16"])
+def test_reference_gives_the_same_bytes_on_cuda_as_on_the_cpu(name):
+    """The torch reference (the fallback where the kernels do not apply) is device-independent:
+    exact ties, near ties and Gaussian data give the same planes on CUDA as on the CPU."""
+    prof = PROFILES[name]
+    for side in ("k", "v"):
+        fmt, gs = prof.side_format(side, 256), gs_for(prof, side)
+        for seed, x in enumerate((tie_data(fmt, gs, n=1024, seed=100), tie_data(fmt, gs, n=1024, seed=101, nudge=True),
+                                  gaussian(n=1024, seed=9).float())):
+            cpu = ref.quantize(fmt, x, gs)
+            cuda = [p.cpu() for p in ref.quantize(fmt, x.cuda(), gs)]
+            assert all(torch.equal(a, b) for a, b in zip(cpu, cuda)), (name, side, seed)

@@ -130,7 +130,7 @@ def _child() -> dict:
     """Run every case through the interpreted kernels (TRITON_INTERPRET=1 is set by the parent)."""
     import triton.language as tl
 
-    from hpc_kernels import kv_quant_ref as ref
+    from hpc_kernels import kv_quant, kv_quant_ref as ref
     from hpc_kernels import kv_quant_triton as kt
 
     kt.CONFIG["block_values"] = BLOCK_VALUES
@@ -165,6 +165,14 @@ def _child() -> dict:
                         exp = ref.dequantize(fmt, want, dtype, gs)
                         bits = torch.int16 if dtype == torch.float16 else torch.int32
                         rec["gather_equal"][str(dtype)] = bool(torch.equal(out.view(bits), exp.view(bits)))
+                    # by page table: pages of 4 slots in a shuffled order, a ragged last page
+                    page_ids = torch.randperm((TOKENS + 8) // 4, generator=torch.Generator().manual_seed(1))
+                    k = TOKENS + 1
+                    by_pages = kt.dequantize_slots(fmt, planes, page_ids, HEAD_DIM, torch.float32, gsf,
+                                                   page_tokens=4, n_tokens=k)
+                    by_slots = kt.dequantize_slots(fmt, planes, kv_quant.page_slots(page_ids, k, 4), HEAD_DIM,
+                                                   torch.float32, gsf)
+                    rec["gather_equal"]["pages"] = bool(torch.equal(by_pages, by_slots)) and by_pages.shape[0] == k
                 cases.append(rec)
         kt.CONFIG["fast_div"] = True
         if fmt.kind != "bf16" and "gs=" not in label:
