@@ -148,7 +148,7 @@ def unpaired_gather(profile, tokens: int, heads: int, head_dim: int, copy_gbs: f
 
 
 #: --sweep: launch shapes (values per program, warps).
-SWEEP_SHAPES = ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8))
+SWEEP_SHAPES = ((2048, 4), (4096, 4), (8192, 4), (4096, 8), (8192, 8))
 
 
 def sweep(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:

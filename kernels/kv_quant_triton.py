@@ -141,10 +141,11 @@ def _e2m1_code(v):
     [1, 2)'s 0.5), t = |v| / quantum counts quanta exactly and the code is rint(t) + 2 (ex - 127)
     (0 .. 4 below 2, 4 .. 6 below 4, 6 .. 7 up to 6; a tie goes to the even code)."""
     a = tl.minimum(tl.abs(v), 6.0)
-    ex = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127)
-    m = a * ((255 - ex) << 23).to(tl.float32, bitcast=True) + RINT_MAGIC  # exact scaling, then rint
-    code = m.to(tl.int32, bitcast=True) - (RINT_BITS + 254) + 2 * ex
-    return tl.where((v < 0.0) & (code != 0), code | 8, code)
+    ef = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 127 << 23)  # ex << 23
+    m = a * ((255 << 23) - ef).to(tl.float32, bitcast=True) + RINT_MAGIC  # exact scaling, then rint
+    code = m.to(tl.int32, bitcast=True) - (RINT_BITS + 254) + (ef >> 22)
+    # the sign where the code is not 0 (|v| <= 0.25 rounds to 0, the tie to the even 0)
+    return code | tl.where(v < -0.25, 8, 0)
 
 
 @triton.jit
@@ -533,7 +534,7 @@ def supports(fmt: SideFormat, head_dim: int) -> bool:
 #: dequantised pair as one 32-bit word (as NVFP4 gathers always do); the same values.
 #: hw_fp8: E4M3 codes and values by the GPU's own conversion where it has one (sm_89+, not under
 #: Triton's interpreter, whose fp8 casts do not round to nearest even): "auto" or False.
-CONFIG = {"block_values": 2048, "num_warps": 4, "fast_div": True, "gather_pairs": True, "hw_fp8": "auto"}
+CONFIG = {"block_values": 4096, "num_warps": 4, "fast_div": True, "gather_pairs": True, "hw_fp8": "auto"}
 
 
 def hw_fp8(device: torch.device) -> bool:
