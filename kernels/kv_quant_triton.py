@@ -9,9 +9,10 @@ every value by its scale and rounds the quotient, ``q = round_half_even(fl(x / s
 compute the same ``fl(x / s)`` in one of two ways:
 
 * fast (``CONFIG["fast_div"] = True``, the default): one correctly rounded reciprocal per scale,
-  ``inv = fl(1 / s)``, then per value a product and two remainder corrections (``_quotient``),
-  which give ``fl(x / s)`` exactly (Markstein's theorem; the argument is above ``_quotient``).
-  Five fp32 operations per value and no branch.
+  ``inv = fl(1 / s)``, then per value a product and one or two remainder corrections
+  (``_quotient``), which give ``fl(x / s)`` exactly (Markstein's theorem, and for scales with a
+  short significand one correction; the argument is above ``_quotient``). Three fp32 operations
+  per value (five for an NVFP4 global scale that is not a power of two) and no branch.
 * exact (``CONFIG["fast_div"] = False``): a correctly rounded ``div_rn`` per value, the
   original kernels, kept as the baseline the benchmark times beside the fast path.
 
@@ -29,6 +30,7 @@ contiguous; scale planes of fp16 scales are passed viewed as ``float16``.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -80,16 +82,31 @@ INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
 #   that matters a multiple of 2^-149 at worst and every product finite.
 # * s = 0 (a zero group) passes inv = 0: y = 0, both corrections add 0 * r, q2 = 0, the
 #   reference's ``_safe_div`` value.
+#
+# One correction is enough for a scale with a short significand. Write s = n 2^b with n odd and
+# x = X 2^c with X an integer, |X| < 2^24, and let [2^E, 2^(E+1)) be |Q|'s binade, where the
+# rounding boundaries of fp32 are the midpoints m = (2k + 1) 2^(E-24). |Q| >= 2^E gives
+# 2^(c-b) >= n 2^E / |X| > 2^(E-24), so n Q = X 2^(c-b) and n m are both multiples of 2^(E-24):
+# Q is either at least 2^(E-24) / n away from every midpoint, or equal to one; it never is (if n
+# divides X 2^(c-b), Q has at most 24 significant bits and is an fp32 number; otherwise it is not
+# a dyadic rational). q1 = fl(Q + d) with |d| <= 4.1 u^2 |Q| < 2^(E-44.9) (above), less than
+# 2^(E-24) / n for n < 2^20, so no midpoint lies between Q and Q + d: q1 = fl(Q) already. An fp16
+# scale has n < 2^11; an NVFP4 S * g with a power-of-two g has n <= 15 (S has 4 significant
+# bits). So int8/fp8 always, and NVFP4 under a power-of-two global scale (the defaults and
+# ``nvfp4_global_scale_for_amax``), stop at q1 (STEPS 1); other global scales take q2 (STEPS 2).
 # A fused multiply-add that the compiler forms elsewhere (FP fusion) is harmless: every other
 # product in these kernels is exact (a power-of-two scaling).
 
 
 @triton.jit
-def _quotient(x, s, inv):
-    """fl(x / s), exactly, from inv = fl(1 / s) (0 where s = 0): the proof above."""
+def _quotient(x, s, inv, STEPS: tl.constexpr):
+    """fl(x / s), exactly, from inv = fl(1 / s) (0 where s = 0), by STEPS (1 or 2) remainder
+    corrections: 1 when s has fewer than 20 significant bits, else 2 (the proof above)."""
     y = x * inv
-    y = tl.fma(tl.fma(-y, s, x), inv, y)  # faithful
-    return tl.fma(tl.fma(-y, s, x), inv, y)  # correctly rounded
+    y = tl.fma(tl.fma(-y, s, x), inv, y)  # faithful; fl(x / s) for a short s
+    if STEPS == 2:
+        y = tl.fma(tl.fma(-y, s, x), inv, y)  # correctly rounded (Markstein)
+    return y
 
 
 @triton.jit
@@ -381,7 +398,8 @@ def _quant_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, 
             s = _fp16_scale(amax_bits.to(tl.float32, bitcast=True), KIND)
             sg = s.to(tl.float32)
             inv = _per_value(tl.where(sg > 0.0, tl.math.div_rn(1.0, tl.where(sg > 0.0, sg, 1.0)), 0.0), NG)
-            code = _grid_codes(_quotient(_by_group(x, BLOCK_R, NG, GROUP), _per_value(sg, NG), inv), KIND, HW_FP8)
+            code = _grid_codes(_quotient(_by_group(x, BLOCK_R, NG, GROUP), _per_value(sg, NG), inv, 1), KIND,
+                               HW_FP8)
             if tl.max(amax_bits) >= INF_BITS:
                 code, s = _exact_grid_codes(tl.where(ok[:, None], x, 0.0), cnt_ptr, BLOCK_R, NG, GROUP, KIND,
                                             COUNT, HW_FP8)
@@ -410,17 +428,19 @@ def _nvfp4_block_scale(amax, gs, HW_FP8: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_codes(xe, xo, eff, inv, BLOCK_R: tl.constexpr, NB: tl.constexpr, FAST: tl.constexpr):
+def _nvfp4_codes(xe, xo, eff, inv, BLOCK_R: tl.constexpr, NB: tl.constexpr, FAST: tl.constexpr,
+                 STEPS: tl.constexpr = 2):
     """Even and odd halves ``[BLOCK_R, D // 2]`` -> (even, odd) E2M1 codes ``[BLOCK_R, NB, 8]``
-    over the effective block scales ``eff`` ``[BLOCK_R, NB]`` (inv = fl(1 / eff), FAST only)."""
+    over the effective block scales ``eff`` ``[BLOCK_R, NB]`` (inv = fl(1 / eff) and STEPS as
+    in _quotient, FAST only)."""
     pos = (eff > 0.0)[:, :, None]
     e = eff[:, :, None]
     ge = tl.reshape(xe, (BLOCK_R, NB, 8))
     go = tl.reshape(xo, (BLOCK_R, NB, 8))
     if FAST:
         i = inv[:, :, None]
-        qe = _quotient(ge, e, i)
-        qo = _quotient(go, e, i)
+        qe = _quotient(ge, e, i, STEPS)
+        qo = _quotient(go, e, i, STEPS)
     else:
         safe = tl.where(pos, e, 1.0)
         qe = tl.where(pos, tl.math.div_rn(ge, safe), 0.0)
@@ -447,7 +467,7 @@ def _exact_nvfp4_codes(xe, xo, cnt_ptr, gs, BLOCK_R: tl.constexpr, NB: tl.conste
 @triton.jit
 def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt_ptr, gs, n_rows,
                         H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, COUNT: tl.constexpr,
-                        PAIRED: tl.constexpr, FAST: tl.constexpr, HW_FP8: tl.constexpr):
+                        PAIRED: tl.constexpr, FAST: tl.constexpr, HW_FP8: tl.constexpr, STEPS: tl.constexpr):
     """NVFP4-G16. PAIRED: ``x_ptr`` is bf16 input viewed as int32 (one even/odd pair per word,
     strides in words), so the pairs split with two shifts instead of a register shuffle."""
     gs = tl.full((), gs, tl.float32)  # fp32 when compiled; Triton 3.6's interpreter passes a Python float
@@ -470,7 +490,7 @@ def _quant_nvfp4_kernel(x_ptr, sxn, sxh, sxd, slot_ptr, data_ptr, scale_ptr, cnt
         bcode, eff = _nvfp4_block_scale(amax_bits.to(tl.float32, bitcast=True), gs, HW_FP8)
         pos = eff > 0.0
         inv = tl.where(pos, tl.math.div_rn(1.0, tl.where(pos, eff, 1.0)), 0.0)
-        ce, co = _nvfp4_codes(xe, xo, eff, inv, BLOCK_R, NB, True)
+        ce, co = _nvfp4_codes(xe, xo, eff, inv, BLOCK_R, NB, True, STEPS)
         odd = (pos & ((eff < EFF_MIN) | (eff > EFF_MAX))) | (amax_bits >= INF_BITS)
         if tl.max(odd.to(tl.int32)) > 0:
             ce, co, bcode = _exact_nvfp4_codes(tl.where(ok[:, None], xe, 0.0), tl.where(ok[:, None], xo, 0.0),
@@ -549,6 +569,12 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _power_of_two(g: float) -> bool:
+    """Whether ``g`` is a positive power of two (an NVFP4 global scale whose products S * g keep
+    S's 4 significant bits: one quotient correction suffices)."""
+    return g > 0 and math.isfinite(g) and math.frexp(g)[0] == 0.5
+
+
 def _block_rows(head_dim: int) -> int:
     return max(1, CONFIG["block_values"] // head_dim)
 
@@ -585,6 +611,7 @@ def quantize_into(fmt: SideFormat, x: torch.Tensor, slots: torch.Tensor, planes,
         _quant_nvfp4_kernel[grid](xs, xs.stride(0), xs.stride(1), xs.stride(2), slots, data, scale, cnt,
                                   float(global_scale), n_rows, H=h, D=d, BLOCK_R=br,
                                   COUNT=counter is not None, PAIRED=paired, FAST=fast, HW_FP8=hw_fp8(x.device),
+                                  STEPS=1 if _power_of_two(float(global_scale)) else 2,
                                   num_warps=CONFIG["num_warps"])
     else:
         _quant_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), slots, data,

@@ -187,7 +187,7 @@ def _child() -> dict:
     return report
 
 
-def _uncorrected_quotient(x, s, inv):
+def _uncorrected_quotient(x, s, inv, STEPS):
     return x * inv
 
 
