@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_quant_triton import KIND_IDS, _typed_planes, dequant_tile
+from .kv_quant_triton import KIND_IDS, _typed_planes, dequant_tile, hw_fp8
 
 #: splits of a lane's pages (a constant, so a lane's result is independent of the batch)
 SPLITS = 16
@@ -33,7 +33,7 @@ def _split_kernel(q_ptr, o_ptr, ml_ptr, table_ptr, table_stride, seqlen_ptr,
                   kd_ptr, ks_ptr, vd_ptr, vs_ptr, gs_k, gs_v, qk_scale,
                   H_KV: tl.constexpr, REP: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
                   KIND_K: tl.constexpr, GROUP_K: tl.constexpr, KIND_V: tl.constexpr, GROUP_V: tl.constexpr,
-                  SPLITS_C: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                  SPLITS_C: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HW_FP8: tl.constexpr):
     b = tl.program_id(0)
     hk = tl.program_id(1)
     s = tl.program_id(2)
@@ -58,7 +58,7 @@ def _split_kernel(q_ptr, o_ptr, ml_ptr, table_ptr, table_stride, seqlen_ptr,
         page = tl.load(table_ptr + b.to(tl.int64) * table_stride + p).to(tl.int64)
         valid = p * BLOCK_N + offs < n
         rows = (page * BLOCK_N + offs) * H_KV + hk
-        k = dequant_tile(kd_ptr, ks_ptr, rows, valid, gs_k, D, KIND_K, GROUP_K, BLOCK_N).to(dt)
+        k = dequant_tile(kd_ptr, ks_ptr, rows, valid, gs_k, D, KIND_K, GROUP_K, BLOCK_N, HW_FP8).to(dt)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -68,7 +68,7 @@ def _split_kernel(q_ptr, o_ptr, ml_ptr, table_ptr, table_stride, seqlen_ptr,
         alpha = tl.exp2(m_i - m_new)
         pe = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pe, axis=1)
-        v = dequant_tile(vd_ptr, vs_ptr, rows, valid, gs_v, D, KIND_V, GROUP_V, BLOCK_N).to(dt)
+        v = dequant_tile(vd_ptr, vs_ptr, rows, valid, gs_v, D, KIND_V, GROUP_V, BLOCK_N, HW_FP8).to(dt)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(pe.to(dt), v, input_precision="ieee")
         else:
@@ -130,7 +130,7 @@ def paged_decode_attention(q: torch.Tensor, fmt_k, k_planes, gs_k: float, fmt_v,
         vd, vs if vs is not None else vd, float(gs_k), float(gs_v), float(scale) * 1.4426950408889634,
         H_KV=h_kv, REP=rep, M=m_rows, D=D, KIND_K=KIND_IDS[fmt_k.kind], GROUP_K=max(fmt_k.group, 1),
         KIND_V=KIND_IDS[fmt_v.kind], GROUP_V=max(fmt_v.group, 1), SPLITS_C=SPLITS, BLOCK_N=PAGE,
-        IEEE=q.dtype == torch.float32, num_warps=4 if D <= 128 else 8)
+        IEEE=q.dtype == torch.float32, HW_FP8=hw_fp8(q.device), num_warps=4 if D <= 128 else 8)
     out = torch.empty_like(q)
     _combine_kernel[(B * H,)](o, ml, out, D=D, SPLITS_C=SPLITS, num_warps=4)
     return out
