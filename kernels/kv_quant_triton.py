@@ -16,14 +16,20 @@ compute the same ``fl(x / s)`` in one of two ways:
 * exact (``CONFIG["fast_div"] = False``): a correctly rounded ``div_rn`` per value, the
   original kernels, kept as the baseline the benchmark times beside the fast path.
 
+E4M3 codes and values come from the GPU's own conversion on sm_89 and newer (``HW_FP8``,
+``CONFIG["hw_fp8"]``: ``cvt.rn.satfinite.e4m3x2.f32`` rounds to nearest even and saturates, as
+the reference does; only -0 is mended to the canonical +0), else from integer arithmetic (always
+under Triton's interpreter, whose fp8 casts do not round to nearest even).
+
 Non-finite inputs show in the group maxima of ``|x|``, computed on the bit patterns (where a NaN
-sorts above inf). A program whose block holds one (or, NVFP4, whose effective scale ``S * g``
+sorts above inf; NVFP4 uses NaN-propagating float maxima). A program whose block holds one (or, NVFP4, whose effective scale ``S * g``
 lies outside the range the fast quotient is proven for) redoes the whole block by the exact path,
 which counts and cleans non-finite values as the reference does; one reduction over the block's
 group maxima decides, so finite data never pays for it.
 
 Rows are (token, KV head) pairs; a program takes ``BLOCK_R`` rows of ``D`` values. A negative
-slot skips its token (padding). The pool planes are ``uint8`` ``[slots, H, plane_bytes]``
+slot skips its token (padding): its input is loaded (so the load need not wait for the slots)
+but masked out of the group maxima, the exact path and the stores. The pool planes are ``uint8`` ``[slots, H, plane_bytes]``
 contiguous; scale planes of fp16 scales are passed viewed as ``float16``.
 """
 
