@@ -6,7 +6,9 @@ import torch
 
 from hpc_cli.model.builtin import init_seeded
 from hpc_cli.model.config import ModelConfig
+from hpc_cli.model.experts import ExpertTier
 from hpc_cli.model.model import HybridModel
+from hpc_cli.model.moe import Experts
 from hpc_cli.model.tokenizer import ByteTokenizer
 
 
@@ -35,3 +37,30 @@ def logits_close(got: torch.Tensor, ref: torch.Tensor) -> None:
     rel = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
     assert rel <= 1e-4, f"relative difference {rel:.3g}"
     assert torch.equal(got.argmax(-1), ref.argmax(-1)), "a top-1 token differs"
+
+
+def check_layer_equals_plain_experts(m: HybridModel, path: str, resident: int, tol: float) -> ExpertTier:
+    """Layer 1 of ``m`` through an ExpertTier (``path``: "gather", "chunked" (one token a gather)
+    or "loop"; ``resident`` of the layer's experts admitted) against the plain fused experts of
+    the same weights, at a decode and two prefill batches, on ``m``'s device and dtype, to
+    ``rtol = atol = tol``. Returns the tier (for its counters)."""
+    c = m.config
+    ref = m.layers[1].mlp.experts
+    device, dtype = ref.gate_up_proj.device, ref.gate_up_proj.dtype
+    plain = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, device=device, dtype=dtype)
+    with torch.no_grad():
+        plain.gate_up_proj.copy_(ref.gate_up_proj)
+        plain.down_proj.copy_(ref.down_proj)
+    tier = ExpertTier(m, slots=c.num_hidden_layers * c.num_experts, admission="first-routed")
+    if path == "loop":
+        tier.gather_max_picks = 0
+    if path == "chunked":  # one token a gather
+        tier.gather_max_bytes = 1
+    for e in range(resident):
+        tier.admit_blocking(1, (3 * e) % c.num_experts)
+    gen = torch.Generator(device=device).manual_seed(3)
+    for n in (1, 3, 40):
+        x = torch.randn(n, c.hidden_size, generator=gen, device=device).to(dtype)
+        w, idx = m.layers[1].mlp.route(x)
+        torch.testing.assert_close(tier.routed(1, x, idx, w, None), plain(x, idx, w), rtol=tol, atol=tol)
+    return tier

@@ -10,7 +10,7 @@ from hpc_cli.model.expert_profile import build_profile, synthetic_trace, trace_c
 from hpc_cli.model.experts import ExpertTier
 from hpc_cli.model.model import HybridModel
 
-from .helpers import logits_close as _close, tiny_moe_config
+from .helpers import check_layer_equals_plain_experts, logits_close as _close, tiny_moe_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -83,28 +83,7 @@ def test_all_resident_path_does_not_synchronize():
 @pytest.mark.parametrize("resident", [0, 5, 16])
 @pytest.mark.parametrize("path", ["gather", "chunked", "loop"])
 def test_layer_equals_plain_experts_on_cuda(dtype, resident, path):
-    from hpc_cli.model.moe import Experts
-
     m = HybridModel(tiny_moe_config(), device="cuda", dtype=dtype)
     init_seeded(m, 7)
     m.eval()
-    c = m.config
-    plain = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, device="cuda", dtype=dtype)
-    with torch.no_grad():
-        plain.gate_up_proj.copy_(m.layers[1].mlp.experts.gate_up_proj)
-        plain.down_proj.copy_(m.layers[1].mlp.experts.down_proj)
-    tier = ExpertTier(m, slots=c.num_hidden_layers * c.num_experts, admission="first-routed")
-    if path == "loop":
-        tier.gather_max_picks = 0
-    if path == "chunked":  # one token a gather
-        tier.gather_max_bytes = 1
-    for e in range(resident):
-        tier.admit_blocking(1, (3 * e) % c.num_experts)
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    for n in (1, 3, 40):
-        x = torch.randn(n, c.hidden_size, generator=gen, device="cuda").to(dtype)
-        w, idx = m.layers[1].mlp.route(x)
-        want = plain(x, idx, w)
-        got = tier.routed(1, x, idx, w, None)
-        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(got, want, **tol)
+    check_layer_equals_plain_experts(m, path, resident, 1e-4 if dtype == torch.float32 else 2e-2)
