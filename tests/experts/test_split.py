@@ -8,7 +8,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpc_cli.model.expert_profile import build_profile, synthetic_trace, trace_counts
 from hpc_cli.model.experts import NOT_RESIDENT, POLICIES, ExpertTier, expert_stats
-from hpc_cli.model.moe import Experts
 
 from .helpers import check_layer_equals_plain_experts, tiny_moe
 
@@ -230,72 +229,4 @@ def test_layer_equals_plain_experts(dtype, resident, path):
     """One layer call against the plain fused experts of the same weights, at a decode and a
     prefill batch, with 0, some and all of the layer's experts resident."""
     m = tiny_moe().to(dtype)
-    tier = check_layer_equals_plain_experts(m, path, resident, 1e-5 if dtype == torch.float32 else 2e-2)
-    st = tier.stats()
-    assert st["syncs"] == 0 and st["miss_calls"] == 0
-    assert st["hit_rate"] == 1.0 and st["hit_rate_per_layer"] == [1.0] * c.num_hidden_layers
-    assert st["host_bytes"] == 0 and st["host_bytes_per_token"] == 0
-    picks = (len(PROMPT) + len(PROMPT) + 4) * c.num_experts_per_tok  # forward_tokens, prefill, 4 decode steps
-    assert tier.hits.tolist() == [picks] * c.num_hidden_layers and tier.misses.sum() == 0
-
-
-def test_the_guard_sees_the_miss_path(monkeypatch):
-    """The guard above is not vacuous: a tier with misses trips it."""
-    m = tiny_moe()
-    ExpertTier(m, slots=0, admission="per-layer-first-routed")
-    _guard_routed(m.expert_tier, monkeypatch)
-    with pytest.raises(AssertionError, match="resident path"):
-        m.forward_tokens(PROMPT)
-
-
-def test_only_layers_with_non_resident_experts_read():
-    """Layer 0 fully resident, the others partly: one read per call of each partial layer, none
-    for layer 0; stats per layer add up to the picks."""
-    m = tiny_moe()
-    c = m.config
-    L, E, k = c.num_hidden_layers, c.num_experts, c.num_experts_per_tok
-    tier = ExpertTier(m, slots=E + (L - 1) * 2, admission="first-routed")
-    for e in range(E):
-        tier.admit_blocking(0, e)
-    for layer in range(1, L):
-        for e in range(2):
-            tier.admit_blocking(layer, e)
-    ref = tiny_moe().forward_tokens(PROMPT)
-    torch.testing.assert_close(m.forward_tokens(PROMPT), ref, rtol=1e-4, atol=1e-4)
-    assert tier.syncs == L - 1  # one forward: every layer but the first read once
-    assert tier.hits[0] == len(PROMPT) * k and tier.misses[0] == 0
-    assert ((tier.hits + tier.misses) == len(PROMPT) * k).all()
-    assert tier.miss_calls == L - 1
-    st = tier.stats()
-    assert st["hit_rate_per_layer"][0] == 1.0 and all(h < 1.0 for h in st["hit_rate_per_layer"][1:])
-    assert st["host_bytes"] > 0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("resident", [0, 5, 16])
-@pytest.mark.parametrize("path", ["gather", "chunked", "loop"])
-def test_layer_equals_plain_experts(dtype, resident, path):
-    """One layer call against the plain fused experts of the same weights, at a decode and a
-    prefill batch, with 0, some and all of the layer's experts resident."""
-    m = tiny_moe()
-    c = m.config
-    plain = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, dtype=dtype)
-    with torch.no_grad():
-        plain.gate_up_proj.copy_(m.layers[1].mlp.experts.gate_up_proj)
-        plain.down_proj.copy_(m.layers[1].mlp.experts.down_proj)
-    m.to(dtype)
-    tier = ExpertTier(m, slots=c.num_hidden_layers * c.num_experts, admission="first-routed")
-    if path == "loop":
-        tier.gather_max_picks = 0
-    if path == "chunked":  # one token a gather
-        tier.gather_max_bytes = 1
-    for e in range(resident):
-        tier.admit_blocking(1, (3 * e) % c.num_experts)
-    gen = torch.Generator().manual_seed(3)
-    for n in (1, 3, 40):
-        x = torch.randn(n, c.hidden_size, generator=gen).to(dtype)
-        w, idx = m.layers[1].mlp.route(x)
-        want = plain(x, idx, w)
-        got = tier.routed(1, x, idx, w, None)
-        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(got, want, **tol)
+    check_layer_equals_plain_experts(m, path, resident, 1e-5 if dtype == torch.float32 else 2e-2)

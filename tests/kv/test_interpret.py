@@ -29,7 +29,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from kvtest_util import (HEAD_DIM, PROFILES, gaussian, group_scales, gs_for,  # noqa: E402
+from kvtest_util import (HEAD_DIM, PROFILES, gaussian, gs_for,  # noqa: E402
                          outlier_channels, special_values, tie_data)
 
 #: Values per program in the interpreter: 16 rows of 256, so a run has several programs (the last
@@ -128,8 +128,6 @@ def _fix_interpreter_fma() -> bool:
 
 def _child() -> dict:
     """Run every case through the interpreted kernels (TRITON_INTERPRET=1 is set by the parent)."""
-    import triton.language as tl
-
     from hpc_kernels import kv_quant, kv_quant_ref as ref
     from hpc_kernels import kv_quant_triton as kt
 
