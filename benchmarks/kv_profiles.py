@@ -17,11 +17,9 @@ from graphs too); ``eager`` has the same timed as Python calls, where the launch
 the kernels.
 ``write_ratio_sw_fp8`` / ``gather_ratio_sw_fp8`` (fp8 and nvfp4) time E4M3 done by integer
 arithmetic instead of the GPU's conversion (``CONFIG["hw_fp8"] = False``).
-``gather_ratio_unpaired`` times the int8/fp8 gather with ``CONFIG["gather_pairs"] = False``
-(codes read and values written one element at a time, not as 16-bit/32-bit pairs).
 
 ``--sweep`` times the launch shapes (values per program x warps) in ``SWEEP_SHAPES`` for the
-write and both gather variants, and prints a compact table to stderr after the JSON.
+write and the gather, and prints a compact table to stderr after the JSON.
 
     python benchmarks/kv_profiles.py [--tokens 65536] [--reference] [--sweep]
 
@@ -141,39 +139,29 @@ def software_fp8(profile, tokens: int, heads: int, head_dim: int, copy_gbs: floa
     return {} if e is None else {"write_ratio_sw_fp8": e["write_ratio"], "gather_ratio_sw_fp8": e["gather_ratio"]}
 
 
-def unpaired_gather(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
-    """The gather timed again with CONFIG["gather_pairs"] = False (int8/fp8 sides only differ)."""
-    e = _with_config(profile, tokens, heads, head_dim, copy_gbs, gather_pairs=False)
-    return {} if e is None else {"gather_ms_unpaired": e["gather_ms"], "gather_ratio_unpaired": e["gather_ratio"]}
-
-
 #: --sweep: launch shapes (values per program, warps).
 SWEEP_SHAPES = ((2048, 4), (4096, 4), (8192, 4), (4096, 8), (8192, 8))
 
 
 def sweep(profile, tokens: int, heads: int, head_dim: int, copy_gbs: float) -> dict:
-    """"VALUESxWARPS" -> {"write", "gather", "gather_unpaired"} ratios."""
+    """"VALUESxWARPS" -> {"write", "gather"} ratios."""
     out = {}
     for vals, warps in SWEEP_SHAPES:
         e = _with_config(profile, tokens, heads, head_dim, copy_gbs, block_values=vals, num_warps=warps)
-        u = _with_config(profile, tokens, heads, head_dim, copy_gbs, block_values=vals, num_warps=warps,
-                         gather_pairs=False)
-        if e is None or u is None:
+        if e is None:
             return {}
-        out[f"{vals}x{warps}"] = {"write": e["write_ratio"], "gather": e["gather_ratio"],
-                                  "gather_unpaired": u["gather_ratio"]}
+        out[f"{vals}x{warps}"] = {"write": e["write_ratio"], "gather": e["gather_ratio"]}
     return out
 
 
 def sweep_table(profiles: dict) -> str:
-    """The sweep's ratios, one line per profile: write / gather / unpaired gather per shape."""
+    """The sweep's ratios, one line per profile: write / gather per shape."""
     shapes = [f"{v}x{w}" for v, w in SWEEP_SHAPES]
-    lines = ["ratio write/gather/gather_unpaired", f"{'profile':<20}" + "".join(f"{s:>17}" for s in shapes)]
+    lines = ["ratio write/gather", f"{'profile':<20}" + "".join(f"{s:>12}" for s in shapes)]
     for name, entry in profiles.items():
         sw = entry.get("sweep", {})
-        cells = [f"{sw[s]['write']:.2f}/{sw[s]['gather']:.2f}/{sw[s]['gather_unpaired']:.2f}" if s in sw else "-"
-                 for s in shapes]
-        lines.append(f"{name:<20}" + "".join(f"{c:>17}" for c in cells))
+        cells = [f"{sw[s]['write']:.2f}/{sw[s]['gather']:.2f}" if s in sw else "-" for s in shapes]
+        lines.append(f"{name:<20}" + "".join(f"{c:>12}" for c in cells))
     return "\n".join(lines)
 
 
@@ -207,7 +195,6 @@ def main() -> None:
         prof = cls()
         entry = bench_profile(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"], repeats=args.repeats)
         entry.update(exact_div_write(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"]))
-        entry.update(unpaired_gather(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"]))
         if prof.name in ("fp8-e4m3fn-row256", "nvfp4-g16"):
             entry.update(software_fp8(prof, args.tokens, args.heads, args.head_dim, copy["gb_per_s"]))
         if args.reference:

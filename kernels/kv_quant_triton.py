@@ -317,34 +317,6 @@ def _nvfp4_halves(data_ptr, scale_ptr, rows, mask, gs, D: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def _grid_halves(data_ptr, scale_ptr, rows, mask, D: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK: tl.constexpr, HW_FP8: tl.constexpr):
-    """int8 (KIND 1) / fp8 (KIND 2) rows ``rows`` read as 16-bit words (``data_ptr`` the data
-    plane viewed as int16: one even/odd pair per word), dequantised as fp32 even and odd halves
-    ``[BLOCK, D // 2]``."""
-    NG: tl.constexpr = D // GROUP
-    db = tl.arange(0, D // 2)
-    w = tl.load(data_ptr + rows[:, None] * (D // 2) + db[None, :], mask=mask[:, None], other=0).to(tl.int32)
-    if KIND == 1:
-        ce = ((w << 24) >> 24).to(tl.float32)  # the low byte, sign-extended
-        co = (w >> 8).to(tl.float32)  # the high byte (w is the int16 sign-extended)
-    else:
-        ce = _e4m3_value(w & 0xFF, HW_FP8)
-        co = _e4m3_value((w >> 8) & 0xFF, HW_FP8)
-    if NG == 1:
-        s = tl.load(scale_ptr + rows, mask=mask, other=0.0).to(tl.float32)[:, None]
-        ve = ce * s
-        vo = co * s
-    else:
-        g = tl.arange(0, NG)
-        s = tl.load(scale_ptr + rows[:, None] * NG + g[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-        s = s[:, :, None]
-        ve = tl.reshape(tl.reshape(ce, (BLOCK, NG, GROUP // 2)) * s, (BLOCK, D // 2))
-        vo = tl.reshape(tl.reshape(co, (BLOCK, NG, GROUP // 2)) * s, (BLOCK, D // 2))
-    return ve, vo
-
-
-@triton.jit
 def dequant_tile(data_ptr, scale_ptr, rows, mask, gs, D: tl.constexpr, KIND: tl.constexpr,
                  GROUP: tl.constexpr, BLOCK: tl.constexpr, HW_FP8: tl.constexpr = False):
     """Rows ``rows`` (flat ``slot * H + head``) of one side's planes dequantised to fp32
@@ -529,11 +501,8 @@ def _dequant_kernel(slot_ptr, data_ptr, scale_ptr, out_ptr, out32_ptr, gs, n_row
         slot = tl.load(slot_ptr + t // PAGE, mask=rmask, other=0).to(tl.int64) * PAGE + t % PAGE
     irow = slot * H + h
     out_ty = out_ptr.dtype.element_ty
-    if OUT_PAIRED:  # 16-bit output: write each even/odd pair as one 32-bit word
-        if KIND == 3:
-            ve, vo = _nvfp4_halves(data_ptr, scale_ptr, irow, rmask, gs, D, BLOCK_R, HW_FP8)
-        else:  # int8 / fp8: data_ptr is the data plane viewed as int16
-            ve, vo = _grid_halves(data_ptr, scale_ptr, irow, rmask, D, KIND, GROUP, BLOCK_R, HW_FP8)
+    if OUT_PAIRED:  # NVFP4 to a 16-bit dtype: write each even/odd pair as one 32-bit word
+        ve, vo = _nvfp4_halves(data_ptr, scale_ptr, irow, rmask, gs, D, BLOCK_R, HW_FP8)
         lo = ve.to(out_ty).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         hi = vo.to(out_ty).to(tl.int16, bitcast=True).to(tl.int32) << 16
         db = tl.arange(0, D // 2)
@@ -556,11 +525,9 @@ def supports(fmt: SideFormat, head_dim: int) -> bool:
 #: Launch shape: values per program and warps (see docs/kv-profiles.md for the sweep).
 #: fast_div: quantise with the reciprocal quotient (True) or with a div_rn per value (False);
 #: both give the same bytes.
-#: gather_pairs: int8/fp8 gathers to a 16-bit dtype read the codes as 16-bit pairs and write each
-#: dequantised pair as one 32-bit word (as NVFP4 gathers always do); the same values.
 #: hw_fp8: E4M3 codes and values by the GPU's own conversion where it has one (sm_89+, not under
 #: Triton's interpreter, whose fp8 casts do not round to nearest even): "auto" or False.
-CONFIG = {"block_values": 4096, "num_warps": 4, "fast_div": True, "gather_pairs": True, "hw_fp8": "auto"}
+CONFIG = {"block_values": 4096, "num_warps": 4, "fast_div": True, "hw_fp8": "auto"}
 
 
 def hw_fp8(device: torch.device) -> bool:
@@ -646,13 +613,11 @@ def dequantize_slots(fmt: SideFormat, planes, slots: torch.Tensor, head_dim: int
         return out
     data, scale = _typed_planes(fmt, planes)
     br = _block_rows(head_dim)
-    paired = fmt.kind != "bf16" and out.element_size() == 2 and (fmt.kind == "nvfp4" or CONFIG["gather_pairs"])
+    paired = fmt.kind == "nvfp4" and out.element_size() == 2
     out32 = out.view(torch.int32) if paired else out
-    if paired and fmt.kind in ("int8", "fp8"):
-        data = planes[0].view(torch.int16)
     _dequant_kernel[(triton.cdiv(n_rows, br),)](slots, data, scale if scale is not None else data, out, out32,
                                                float(global_scale), n_rows, H=h, D=head_dim,
                                                KIND=KIND_IDS[fmt.kind], GROUP=max(fmt.group, 1),
-                                               BLOCK_R=br, OUT_PAIRED=paired, HW_FP8=hw_fp8(out.device), PAGE=page_tokens,
-                                               num_warps=CONFIG["num_warps"])
+                                               BLOCK_R=br, OUT_PAIRED=paired, HW_FP8=hw_fp8(out.device),
+                                               PAGE=page_tokens, num_warps=CONFIG["num_warps"])
     return out

@@ -1,7 +1,7 @@
 """Triton kernels against the torch reference (CUDA only): identical codes, identical values.
 
 The kernels compute the reference's quotient exactly (a div_rn per value, or the fast path's
-reciprocal with two remainder corrections) and round half to even exactly, so no tie case is
+reciprocal with one or two remainder corrections) and round half to even exactly, so no tie case is
 expected to differ; every mismatch is counted and reported, and the allowance is zero.
 """
 

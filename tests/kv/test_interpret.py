@@ -1,7 +1,7 @@
 """The Triton KV kernels run by Triton's CPU interpreter (TRITON_INTERPRET=1) against the torch
 reference, without a GPU: byte-exact codes and scales, equal non-finite counts, equal dequantised
 values, for every built-in profile side, on both quantisation paths (CONFIG["fast_div"] True:
-the reciprocal quotient with its two remainder corrections; False: a div_rn per value).
+the reciprocal quotient with its one or two remainder corrections; False: a div_rn per value).
 
 Data: Gaussian and outlier channels in fp32, fp16 and bf16; special values (NaN, +-inf, -0, zero
 rows, huge, tiny and subnormal); exact ties (x / s a midpoint of the code grid) and values one ulp
@@ -32,8 +32,8 @@ sys.path.insert(0, str(HERE))
 from kvtest_util import (HEAD_DIM, PROFILES, gaussian, gs_for,  # noqa: E402
                          outlier_channels, special_values, tie_data)
 
-#: Values per program in the interpreter: 16 rows of 256, so a run has several programs (the last
-#: one ragged) and a Gaussian int8 block is usually not flagged (the fast path proper is tested).
+#: Values per program in the interpreter: 16 rows of 256, so a run of TOKENS tokens x 4 heads has
+#: several programs.
 BLOCK_VALUES = 4096
 TOKENS = 16
 #: NVFP4 global scales beyond the defaults: inexact S * g; subnormal S * g (inv = inf); S * g above
