@@ -14,6 +14,7 @@ FLAG_KEYS = {
     "max_model_len": "model.max_model_len",
     "host": "server.host", "port": "server.port", "api_key": "server.api_key",
     "served_model_name": "server.served_model_name", "tui": "server.tui",
+    "debug_timing": "server.debug_timing",
     "max_concurrency": "engine.max_concurrency", "prefill_chunk": "engine.prefill_chunk",
     "kv_capacity": "engine.kv_capacity", "default_max_tokens": "engine.default_max_tokens",
     "kv_profile": "kv.profile",
@@ -67,6 +68,8 @@ def register(cli: click.Group) -> None:
     @click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY' [server.api_key]")
     @click.option("--served-model-name", default=None, help="the model id clients send [server.served_model_name]")
     @click.option("--tui/--no-tui", default=None, help="live cache view in the terminal [server.tui]")
+    @click.option("--debug-timing", default=None, is_flag=True, flag_value=True,
+                  help="per-request phase seconds in usage.hpc_timing [server.debug_timing]")
     @click.option("--max-concurrency", default=None, type=int, help="lanes [engine.max_concurrency]")
     @click.option("--prefill-chunk", default=None, type=int, help="tokens per prefill pass [engine.prefill_chunk]")
     @click.option("--kv-capacity", default=None, help="device KV pages or auto [engine.kv_capacity]")
@@ -108,6 +111,22 @@ def _log_to_stderr(level: str) -> None:
     logger.setLevel(level.upper())
 
 
+def _warmup_progress():
+    """A progress callback for the warm-up's shape passes: a line at every tenth on stderr."""
+    import time
+
+    t0 = time.monotonic()
+    shown = [-1]
+
+    def show(done: int, total: int) -> None:
+        tenth = done * 10 // max(1, total)
+        if tenth != shown[0]:
+            shown[0] = tenth
+            click.echo(f"hpc-cli: warm-up {done}/{total} kernel shapes ({time.monotonic() - t0:.1f} s)", err=True)
+
+    return show
+
+
 def run_server(resolved, log_level: str = "info") -> None:
     """Build the engine, serve until an orderly stop, then return."""
     import uvicorn
@@ -126,7 +145,8 @@ def run_server(resolved, log_level: str = "info") -> None:
         # Loads a matching file now (host-only entries) and saves at the orderly stop (spec §5.5).
         save_control = attach_cache_file(engine, s.cache.prefix_cache_file, progress=True).control
     engine.start()
-    click.echo(f"hpc-cli: warm-up pass done in {engine.warmup():.1f} s (kernels compiled; nothing cached)", err=True)
+    seconds = engine.warmup(progress=_warmup_progress())
+    click.echo(f"hpc-cli: warm-up done in {seconds:.1f} s (every kernel shape compiled; nothing cached)", err=True)
     controller = StopController(engine, prefix_cache_file=s.cache.prefix_cache_file,
                                 echo=lambda msg: click.echo(f"hpc-cli: {msg}", err=True))
     if save_control is not None:

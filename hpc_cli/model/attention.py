@@ -54,3 +54,22 @@ class GatedAttention(nn.Module):
             v = v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                               scale=self.scale)
+
+
+def prefill_attention(attn: GatedAttention, q: torch.Tensor, kv, layer: int, pages: torch.Tensor,
+                      start: int) -> torch.Tensor:
+    """A prefill pass's queries ``q`` ``[T, H, d]`` (positions ``start ..``) over the lane's first
+    ``start + T`` keys, gathered dequantised from ``pages`` (the pass's own K/V written first):
+    query ``t`` reads keys ``[0, start + t]``. The path where the paged prefill kernel does not
+    apply (CPU, a third-party KV format); returns ``[T, H, d]``."""
+    t = q.shape[0]
+    end = start + t
+    keys, values = kv.gather(layer, pages, end, q.dtype)
+    mask = None
+    if start:
+        dev = q.device
+        positions = torch.arange(start, end, device=dev)
+        mask = (torch.arange(end, device=dev)[None, :] <= positions[:, None])[None, None]
+    o = attn.attend(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                    mask, causal=True)
+    return o[0].transpose(0, 1)

@@ -191,18 +191,24 @@ class GatedDeltaNet(nn.Module):
         y = self.norm(core.reshape(-1, self.d_v), z.reshape(-1, self.d_v))
         return self.out_proj(y.reshape(*lead, self.value_dim))
 
-    def prefill(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor):
+    def prefill(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, valid: int | None = None):
         """One lane's run of ``T`` tokens. ``x`` ``[T, hidden]``; ``conv_state`` ``[conv_dim, kernel-1]``;
-        ``rec_state`` ``[H_v, d_k, d_v]``. Returns the output and the new conv and recurrent states."""
+        ``rec_state`` ``[H_v, d_k, d_v]``. Returns the output and the new conv and recurrent states.
+        ``valid``: rows past it are padding (zero decay and zero write strength, so the recurrent
+        state passes them unchanged; the conv state is the window ending at the last valid row)."""
         t = x.shape[0]
+        n = t if valid is None else int(valid)
         mixed, z, b, a = self._project(x)
         w = self.conv1d.weight
         window = torch.cat([conv_state.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)  # [C, k-1+T]
         conv = F.conv1d(window.unsqueeze(0).to(w.dtype), w, groups=self.conv_dim)[0]  # [C, T]
         mixed = F.silu(conv).to(mixed.dtype).transpose(0, 1)
-        new_conv = window[:, -(self.kernel - 1):]
+        new_conv = window[:, n:n + self.kernel - 1]
         q, k, v, g, beta = self._heads(mixed, b, a, (1, t))
-        core, state = gated_delta_prefill(q, k, v, g.view(1, t, -1), beta.view(1, t, -1),
-                                          rec_state.unsqueeze(0), self.use_fla)
+        g, beta = g.view(1, t, -1), beta.view(1, t, -1)
+        if n < t:
+            g, beta = g.clone(), beta.clone()
+            g[:, n:] = 0.0
+            beta[:, n:] = 0.0
+        core, state = gated_delta_prefill(q, k, v, g, beta, rec_state.unsqueeze(0), self.use_fla)
         return self._finish(core[0], z), new_conv, state[0]
-

@@ -46,7 +46,7 @@ from hpc_cli.model.columns import ColumnIndex, ColumnsOut, columns_core, table_w
 log = logging.getLogger(__name__)
 
 #: graphs kept per model (each holds its static buffers; intermediates share one memory pool)
-MAX_GRAPHS = 64
+MAX_GRAPHS = 128
 #: static output bytes the kept graphs may hold together, as a share of the device's memory and at
 #: most 4 GiB: a verify graph keeps every column's GDN states (for the 27B shape 151 MiB per lane
 #: and column), so least recently used graphs are dropped past it, and a pass whose outputs alone

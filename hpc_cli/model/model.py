@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc_cli.model.attention import GatedAttention
+from hpc_cli.model.attention import GatedAttention, prefill_attention
 from hpc_cli.model.config import ModelConfig
 from hpc_cli.model.gdn import GatedDeltaNet
 from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, param
@@ -113,6 +113,10 @@ class HybridModel(nn.Module):
         #: rows per block of decode's and verify's row-wise ops (hpc_cli.model.columns); decode and
         #: verify agree bit for bit only under the same value, so set it before serving
         self.row_block: int | None = None
+        #: prefill passes are padded to a multiple of this many tokens (see :meth:`prefill`): 64 on
+        #: CUDA for dense models, 1 (no padding) on CPU and for MoE models, whose routing must see
+        #: real tokens only
+        self.prefill_pad = 64 if device.type == "cuda" and not config.is_moe else 1
         #: replay decode and verify passes as CUDA graphs where they apply ([engine] cuda_graphs)
         self.cuda_graphs = True
         #: those graphs (hpc_cli.model.graphs), made at the first pass that uses them
@@ -183,6 +187,14 @@ class HybridModel(nn.Module):
                 state_slot: int, kv: "PagedKVStorage", states: "StateSlots", *,
                 layer_ready: Callable[[int], None] | None = None, all_logits: bool = False,
                 all_hidden: bool = False, capture: Sequence[int] = ()) -> PrefillOut:
+        """One lane's prefill pass of ``tokens`` at positions ``start ..``: K/V written into the
+        lane's pages, the GDN states of ``state_slot`` advanced, the last position's logits.
+
+        On CUDA the pass is padded at its end to a multiple of :attr:`prefill_pad` tokens (padded
+        rows leave every state untouched: no K/V write, zero decay and zero write strength in the
+        GDN, their outputs dropped), so the kernels meet only ``chunk / prefill_pad`` lengths and
+        the warm-up compiles all of them. Attention reads the pages in place (the paged prefill
+        kernel) where the pool allows, else gathers the span (:func:`prefill_attention`)."""
         tokens = self._tokens(tokens)
         t = tokens.shape[0]
         assert t >= 1, "prefill needs at least one token"
@@ -193,13 +205,15 @@ class HybridModel(nn.Module):
         assert len(block_table) >= n_pages, \
             f"block table has {len(block_table)} pages, positions [0, {end}) need {n_pages}"
         dev = self.device
+        pad = (-t) % max(1, int(self.prefill_pad))
+        if pad:
+            tokens = F.pad(tokens, (0, pad))
         pages = torch.tensor(list(block_table[:n_pages]), dtype=torch.long, device=dev)
-        positions = torch.arange(start, end, device=dev)
-        write_slots = pages.index_select(0, positions // page) * page + positions % page
+        positions = torch.arange(start, end + pad, device=dev)
+        real = positions[:t]
+        write_slots = pages.index_select(0, real // page) * page + real % page
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        mask = None
-        if start:
-            mask = (torch.arange(end, device=dev)[None, :] <= positions[:, None])[None, None]
+        paged = kv.paged_attention_supported(self.config.num_attention_heads)
         x = self._embed(tokens)
         feats = []
         for i, layer in enumerate(self.layers):
@@ -209,24 +223,26 @@ class HybridModel(nn.Module):
             if layer.kind == "linear_attention":
                 g = self.state_index[i]
                 conv, rec = states.conv[g], states.recurrent[g]
-                out, new_conv, new_rec = layer.linear_attn.prefill(h, conv[state_slot], rec[state_slot])
+                out, new_conv, new_rec = layer.linear_attn.prefill(h, conv[state_slot], rec[state_slot], valid=t)
                 conv[state_slot].copy_(new_conv)
                 rec[state_slot].copy_(new_rec)
             else:
                 a = self.kv_index[i]
                 attn = layer.self_attn
                 q, gate, k, v = attn.qkv(h, cos, sin)
-                kv.write(a, write_slots, k, v)
-                keys, values = kv.gather(a, pages, end, q.dtype)
-                o = attn.attend(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                                mask, causal=True)
-                out = attn.finish(o[0].transpose(0, 1), gate)
+                kv.write(a, write_slots, k[:t], v[:t])
+                if paged:
+                    o = kv.prefill_attention(a, q, pages, start, attn.scale, valid=t)
+                else:
+                    o = prefill_attention(attn, q[:t], kv, a, pages, start)
+                    if pad:
+                        o = F.pad(o, (0, 0, 0, 0, 0, pad))
+                out = attn.finish(o, gate)
             x = x + out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if capture and i in capture:
-                feats.append(x)
-        if not (all_logits or all_hidden):
-            x = x[-1:]
+                feats.append(x[:t])
+        x = x[:t] if (all_logits or all_hidden) else x[t - 1:t]
         x = self.norm(x)
         states.hidden[state_slot].copy_(x[-1])
         logits = self.lm_head(x if all_logits else x[-1:])

@@ -112,3 +112,34 @@ def test_gdn_chunk_rule_matches_recurrent_rule():
     o1, s1 = chunk_rule(q, k, v, decay, beta, s0)
     o2, s2 = recurrent_rule(q, k, v, decay, beta, s0)
     assert rel_err(o1, o2) < 1e-5 and rel_err(s1, s2) < 1e-5
+
+
+@pytest.mark.parametrize("cuts", [[1], [37, 101], [64, 128]], ids=lambda c: "-".join(map(str, c)))
+def test_padded_prefill_equals_unpadded(tiny, tokens, cuts):
+    """Passes padded at their end (what CUDA does, so kernels meet few lengths) leave the same K/V,
+    the same GDN states and the same logits as unpadded passes: padded rows decay nothing, write
+    nothing and are dropped."""
+    runs = {}
+    for pad in (1, 64):
+        kv, states = _pools(tiny)
+        tiny.prefill_pad = pad
+        try:
+            bounds = [0, *cuts, N]
+            logits = [tiny.prefill(tokens[a:b], a, TABLE, 1, kv, states, all_logits=True).logits
+                      for a, b in zip(bounds, bounds[1:])]
+        finally:
+            tiny.prefill_pad = 1
+        runs[pad] = (torch.cat(logits), kv, states)
+    (l1, kv1, s1), (l64, kv64, s64) = runs[1], runs[64]
+    assert l64.shape == l1.shape, f"padded pass returned {tuple(l64.shape)} logits, expected {tuple(l1.shape)}"
+    assert rel_err(l64, l1) <= BOUND
+    for g in range(len(s1.recurrent)):
+        assert rel_err(s64.recurrent[g][1], s1.recurrent[g][1]) <= BOUND, f"GDN layer {g} state"
+        assert rel_err(s64.conv[g][1], s1.conv[g][1]) <= BOUND, f"GDN layer {g} conv window"
+    assert rel_err(s64.hidden[1], s1.hidden[1]) <= BOUND
+    k1, v1 = kv1.gather(0, TABLE, N, torch.float32)
+    k64, v64 = kv64.gather(0, TABLE, N, torch.float32)
+    assert rel_err(k64, k1) <= BOUND and rel_err(v64, v1) <= BOUND
+    # nothing was written past the prompt: the pages' remaining slots are still zero
+    tail_k, _ = kv64.gather(0, TABLE, len(TABLE) * 64, torch.float32)
+    assert not tail_k[N:].any(), "a padded row wrote K/V into the pages"

@@ -1,0 +1,98 @@
+"""The warm-up: every kernel shape that serving will meet is compiled, tuned and captured before
+the first request, so no request waits for Triton or a CUDA graph capture.
+
+On CUDA a prefill pass is padded to a multiple of ``model.prefill_pad`` tokens
+(:meth:`hpc_cli.model.model.HybridModel.prefill`), so prefill kernels meet only
+``ceil(chunk / pad)`` lengths; a decode step's shapes are its lane count ``B <= C`` and its page
+table width ``W`` (a power of two >= 8, :func:`hpc_cli.model.columns.table_width`), so decode
+meets ``C * log2(max W / 4)`` shapes. :func:`plan` lists them all and :func:`run_shapes` runs
+each once (decode twice: the first pass of a CUDA graph key runs eagerly, the second captures).
+The passes write only free pages and the lanes' own state slots, which are reset afterwards;
+run it on the engine's worker thread before the first request, while the device pool holds no
+cached block. On the CPU nothing is compiled and the plan is empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from hpc_cli.engine.engine import Engine
+
+#: real lengths besides the padded buckets: a KV write's row count is specialised by Triton on
+#: divisibility by 16 (and on being 1), so short odd passes are warmed too
+SHORT_LENGTHS = (1, 2, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupPlan:
+    """What the warm-up runs: prefill passes of ``prefill_lengths`` real tokens, decode steps of
+    every ``decode_batches`` x ``decode_widths`` (lanes, page table width)."""
+
+    prefill_lengths: tuple[int, ...] = ()
+    decode_batches: tuple[int, ...] = ()
+    decode_widths: tuple[int, ...] = ()
+
+    @property
+    def steps(self) -> int:
+        return len(self.prefill_lengths) + len(self.decode_batches) * len(self.decode_widths)
+
+
+def plan(engine: "Engine") -> WarmupPlan:
+    """The shapes of this engine's prefill passes and decode steps (empty off CUDA)."""
+    model = engine.model
+    if model.device.type != "cuda":
+        return WarmupPlan()
+    pad = max(1, int(getattr(model, "prefill_pad", 1)))
+    top = min(engine.chunk, engine.max_model_len - 1)
+    if pad > 1:
+        lengths = sorted({*(n for n in SHORT_LENGTHS if n <= top), *range(pad, top + 1, pad),
+                          *([top] if top % pad else [])})
+    else:  # unpadded (MoE): the lengths a pass can have are too many; warm the chunk and short passes
+        lengths = sorted({*(n for n in SHORT_LENGTHS if n <= top), top})
+    widest = 1 << max(3, (-(-engine.max_model_len // 64) - 1).bit_length())
+    widths = []
+    w = 8
+    while w <= widest:
+        widths.append(w)
+        w *= 2
+    batches = tuple(range(1, engine.C + 1)) if engine.spec is None else ()
+    return WarmupPlan(tuple(lengths), batches, tuple(widths))
+
+
+def run_shapes(engine: "Engine", shapes: WarmupPlan,
+               progress: Callable[[int, int], None] | None = None) -> None:
+    """Run every planned pass once (decode twice) on the engine's pools; call on the worker thread."""
+    model, kv, states = engine.model, engine.storage, engine.states
+    num_pages = kv.num_pages
+    vocab = model.config.vocab_size
+    done = 0
+    slot = 0
+    for n in shapes.prefill_lengths:
+        tokens = [(7 * i + 3) % max(2, vocab - 1) + 1 for i in range(n)]
+        table = [i % num_pages for i in range(-(-n // 64))]
+        states.reset(slot)
+        model.prefill(tokens, 0, table, slot, kv, states)
+        done += 1
+        if progress is not None:
+            progress(done, shapes.steps)
+    for B in shapes.decode_batches:
+        for W in shapes.decode_widths:
+            p = min(W * 64, engine.max_model_len) - 1
+            need = p // 64 + 1
+            tables = [[(b * need + i) % num_pages for i in range(need)] for b in range(B)]
+            slots = list(range(B))
+            for s in slots:
+                states.reset(s)
+            for _ in range(2):  # eager, then the capture of its graph
+                model.decode([1 + b for b in range(B)], [p] * B, tables, slots, kv, states)
+            done += 1
+            if progress is not None:
+                progress(done, shapes.steps)
+    for s in range(engine.C):
+        states.reset(s)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
