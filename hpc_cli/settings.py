@@ -83,6 +83,8 @@ class ServerSettings(_Section):
     api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer KEY'")
     served_model_name: str | None = Field(None, description="the model id clients send; default the model name")
     tui: bool = Field(False, description="show the live cache view in the terminal")
+    debug_timing: bool = Field(False, description="add usage.hpc_timing (seconds per request phase) to every "
+                                                  "response; a request asks with \"hpc\": {\"timing\": true}")
 
 
 class TuiSettings(_Section):

@@ -173,3 +173,20 @@ def test_plugin_error_type_for_unknown_names_is_config_error():
     with pytest.raises(ConfigError):
         load_settings(None, {"kv.profile": "x"}, environ={})
     assert issubclass(ConfigError, Exception) and not issubclass(PluginError, ConfigError)
+
+
+def test_debug_timing_from_env_and_serve_flag(monkeypatch):
+    assert load_settings(None, environ={}).settings.server.debug_timing is False
+    r = load_settings(None, environ={"HPC_SERVER__DEBUG_TIMING": "true"})
+    assert r.settings.server.debug_timing is True and r.source("server.debug_timing") == "env"
+    from click.testing import CliRunner
+
+    from hpc_cli.cli import cli, serve_cmd
+
+    seen = []
+    monkeypatch.setattr(serve_cmd, "run_server", lambda resolved, log_level="info": seen.append(resolved))
+    for args, want in ((["--debug-timing"], True), ([], False)):
+        res = CliRunner().invoke(cli, ["serve", *args], env={"HPC_SERVER__DEBUG_TIMING": None})
+        assert res.exit_code == 0, res.output
+        assert seen[-1].settings.server.debug_timing is want
+    assert seen[0].source("server.debug_timing") == "cli"

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 from hpc_cli.errors import RequestError
 
@@ -68,6 +68,79 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 
+# The phases of a request, in order; each is a disjoint stretch of its wall time (RequestTiming).
+PHASES = ("admission", "restore_wait", "prefill", "tap", "decode", "finish")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPass:
+    seconds: float  # the pass's host time less its restore wait and taps
+    tokens: int
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """Where one request's time went: host wall-clock seconds on the engine's worker thread
+    (``time.perf_counter`` at a few points; admission from the handle's monotonic submit time).
+
+    The phases are disjoint stretches of the request's life, so they add up to no more than its
+    wall time (the rest is waiting for other lanes' work, sampling outside passes, the server):
+    ``admission`` submit until the lane is admitted (queue wait, quote, restore submission);
+    ``restore_wait`` the first prefill pass's waits on the restore's per-layer events;
+    ``prefill`` each pass less its restore wait and taps (:attr:`passes`; the last pass includes
+    sampling the first token); ``tap`` the tap calls around passes that took snapshot copies
+    (:attr:`taps` of them; the block commits of such a call included); ``decode`` from the end of
+    the pass that sampled the first token to the last token; ``finish`` the finish call
+    (endpoint snapshot, release, write-through submission).
+
+    Nothing here synchronises the device. On CUDA the host does not wait for kernels it
+    launches, so a phase is the host time the worker spent in it, which is what the user feels:
+    device work shows where the host already waits (reading a sampled token), and a restore wait
+    is the compute stream waiting on an event, near zero on the host."""
+
+    admission: float = 0.0
+    restore_wait: float = 0.0
+    passes: list[PrefillPass] = field(default_factory=list)
+    taps: int = 0
+    tap: float = 0.0
+    finish: float = 0.0
+    decode_from: float | None = None  # perf_counter at the end of the pass that sampled the first token
+    last_token_at: float | None = None  # perf_counter at the last token
+
+    @property
+    def prefill(self) -> float:
+        return sum(p.seconds for p in self.passes)
+
+    @property
+    def decode(self) -> float:
+        if self.decode_from is None or self.last_token_at is None:
+            return 0.0
+        return max(0.0, self.last_token_at - self.decode_from)
+
+    def phases(self) -> dict[str, float]:
+        """Seconds per phase, every one of :data:`PHASES`."""
+        return {"admission": self.admission, "restore_wait": self.restore_wait, "prefill": self.prefill,
+                "tap": self.tap, "decode": self.decode, "finish": self.finish}
+
+    def timed_wait(self, wait: Callable[[int], None]) -> Callable[[int], None]:
+        """``wait`` (a restore ticket's per-layer wait) adding its host time to ``restore_wait``."""
+
+        def timed(layer: int) -> None:
+            t0 = time.perf_counter()
+            wait(layer)
+            self.restore_wait += time.perf_counter() - t0
+
+        return timed
+
+    def add_taps(self, seconds: float, snapshots: int) -> float:
+        """Count a tap call that took ``snapshots`` copies; returns the seconds charged to taps."""
+        if snapshots <= 0:
+            return 0.0
+        self.taps += snapshots
+        self.tap += seconds
+        return seconds
+
+
 @dataclass(slots=True)
 class Usage:
     prompt_tokens: int = 0
@@ -80,6 +153,7 @@ class Usage:
     queue_seconds: float = 0.0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    timing: RequestTiming = field(default_factory=RequestTiming)  # phase seconds (RequestTiming)
 
 
 @dataclass(slots=True)

@@ -21,8 +21,8 @@ import torch
 from hpc_cli import plugins
 from hpc_cli.cache.keys import prepare_prompt
 from hpc_cli.cache.taps import TapPlanner
-from hpc_cli.engine.api import (AdmittedEvent, FinishEvent, GenerationRequest, RequestHandle, SamplingParams,
-                                TokenEvent, Usage)
+from hpc_cli.engine.api import (AdmittedEvent, FinishEvent, GenerationRequest, PrefillPass, RequestHandle,
+                                SamplingParams, TokenEvent, Usage)
 from hpc_cli.engine.hybrid import Blocked, HybridBinding
 from hpc_cli.engine.lane import Lane
 from hpc_cli.engine.sampling import make_generator, prompt_logprobs, sample
@@ -351,6 +351,7 @@ class Engine:
             u.reuse_tokens = adm.reuse_tokens
             u.cached_prefix_tokens = adm.cached_prefix_tokens
             u.queue_seconds = head.admitted_at - head.handle.submitted_at
+            u.timing.admission = u.queue_seconds
             head.handle.put(AdmittedEvent(adm.reuse_tokens, adm.cached_prefix_tokens))
             self._lanes.append(head)
 
@@ -370,16 +371,23 @@ class Engine:
         return worked
 
     def _prefill(self, lane: Lane) -> None:
+        timing = lane.usage.timing  # phase seconds (RequestTiming): host time, no device syncs
+        t_start = time.perf_counter()
+        waited = timing.restore_wait
         start = lane.pos
         end = self.cache.next_stop(lane, min(lane.n_prompt, start + self.chunk))
+        taps, t = self.cache.counters.get("taps", 0), time.perf_counter()
         self.cache.before_pass(lane, end)
+        tapped = timing.add_taps(time.perf_counter() - t, self.cache.counters.get("taps", 0) - taps)
         sp = lane.request.sampling
         want_all = sp.prompt_logprobs
         spec_kw = self.spec.prefill_kwargs() if self.spec is not None else {}
         pre_hidden = self.spec.pre_hidden(lane) if self.spec is not None else None
+        ready = self.cache.layer_ready(lane)
         out = self.model.prefill(lane.tokens[start:end], start, lane.pages[:math.ceil(end / 64)],
                                  lane.state_slot, self.storage, self.states,
-                                 layer_ready=self.cache.layer_ready(lane), all_logits=want_all, **spec_kw)
+                                 layer_ready=timing.timed_wait(ready) if ready is not None else None,
+                                 all_logits=want_all, **spec_kw)
         if self.spec is not None:
             self.spec.after_prefill(lane, start, end, out, pre_hidden)
         lane.pos = end
@@ -393,12 +401,18 @@ class Engine:
             lane.prompt_logprobs += lps
             lane.prompt_top_logprobs += tops
             logits = logits[-1]
+        taps, t = self.cache.counters.get("taps", 0), time.perf_counter()
         self.cache.after_pass(lane)
+        tapped += timing.add_taps(time.perf_counter() - t, self.cache.counters.get("taps", 0) - taps)
         if lane.pos == lane.n_prompt and not lane.finish_reason:
             if sp.max_tokens == 0:
                 lane.finish_reason = "length"
-                return
-            self._sample(lane, logits)
+            else:
+                self._sample(lane, logits)
+        t_end = time.perf_counter()
+        timing.passes.append(PrefillPass(t_end - t_start - tapped - (timing.restore_wait - waited), end - start))
+        if lane.pos == lane.n_prompt:
+            timing.decode_from = t_end
 
     def _decode(self, lanes: list[Lane]) -> None:
         if self.spec is not None:  # propose + verify per lane (docs/speculative.md)
@@ -428,6 +442,7 @@ class Engine:
         """Hand one chosen token to the lane: usage, stop conditions, the event, ``next_token``."""
         sp = lane.request.sampling
         now = time.monotonic()
+        lane.usage.timing.last_token_at = time.perf_counter()
         if lane.first_token_at is None:
             lane.first_token_at = now
             lane.usage.time_to_first_token = now - lane.handle.submitted_at
@@ -454,10 +469,12 @@ class Engine:
         lane.next_token = tok
 
     def _finish(self, lane: Lane, *, publish: bool = True) -> None:
+        t0 = time.perf_counter()
         if self.spec is not None and publish:
             self.spec.before_finish(lane)
         self.cache.finish(lane, publish=publish)
         self._lanes.remove(lane)
+        lane.usage.timing.finish = time.perf_counter() - t0
         self._emit_finish(lane)
 
     def _emit_finish(self, lane: Lane) -> None:

@@ -25,6 +25,7 @@ from hpc_cli.server.chat import Marker, PreparedChat, prepare_chat
 from hpc_cli.server.common import (ClientDisconnected, ReasoningSplitter, TextAssembler, Unavailable,
                                    anthropic_error_body, iterate_events, parse_json_body, validate_model)
 from hpc_cli.server.openai import _Tracker, _outcome
+from hpc_cli.server.timing import HpcOptions, wants_timing, with_timing
 from hpc_cli.server.tools import ToolParser, ToolStream, tools_enabled
 
 
@@ -77,6 +78,7 @@ class MessagesRequest(BaseModel):
     tool_choice: Any = None
     thinking: Thinking | None = None
     cache_control: CacheControl | None = None
+    hpc: HpcOptions | None = None  # this server's options: {"timing": true} adds usage.hpc_timing
 
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
@@ -310,13 +312,16 @@ def register(app: FastAPI, state) -> None:
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         opens = prepared.opens_thinking and thinking
         parser = ToolParser(tools) if tools_enabled(tools, body.tool_choice) else None
+        timing = wants_timing(state, body.hpc)
         if body.stream:
-            return StreamingResponse(_stream(state, request, handle, prepared, ttls, mid, model, stop, opens, parser),
+            return StreamingResponse(_stream(state, request, handle, prepared, ttls, mid, model, stop, opens, parser,
+                                             timing=timing),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _full(state, request, handle, prepared, ttls, mid, model, stop, opens, parser)
+        return await _full(state, request, handle, prepared, ttls, mid, model, stop, opens, parser, timing=timing)
 
 
-async def _full(state, request, handle, prepared, ttls, mid, model, stop, thinking, parser=None):
+async def _full(state, request, handle, prepared, ttls, mid, model, stop, thinking, parser=None, *,
+                timing: bool = False):
     tracker = _Tracker(state, "messages")
     asm = TextAssembler(state.tokenizer, stop, set(state.stop_token_ids()))
     try:
@@ -345,10 +350,12 @@ async def _full(state, request, handle, prepared, ttls, mid, model, stop, thinki
     return JSONResponse({
         "id": mid, "type": "message", "role": "assistant", "model": model,
         "content": blocks, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-        "usage": anthropic_usage(prepared, fin.usage, fin.usage.reuse_tokens, fin.usage.completion_tokens, ttls)})
+        "usage": with_timing(anthropic_usage(prepared, fin.usage, fin.usage.reuse_tokens, fin.usage.completion_tokens,
+                                             ttls), fin.usage, timing)})
 
 
-async def _stream(state, request, handle, prepared, ttls, mid, model, stop, thinking, parser=None):
+async def _stream(state, request, handle, prepared, ttls, mid, model, stop, thinking, parser=None, *,
+                  timing: bool = False):
     tracker = _Tracker(state, "messages")
     asm = TextAssembler(state.tokenizer, stop, set(state.stop_token_ids()))
     splitter = ReasoningSplitter(thinking)
@@ -460,8 +467,9 @@ async def _stream(state, request, handle, prepared, ttls, mid, model, stop, thin
                 u = ev.usage
                 yield _sse("message_delta", {"type": "message_delta",
                                              "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                             "usage": anthropic_usage(prepared, u, u.reuse_tokens,
-                                                                      u.completion_tokens, ttls)})
+                                             "usage": with_timing(anthropic_usage(prepared, u, u.reuse_tokens,
+                                                                                  u.completion_tokens, ttls),
+                                                                  u, timing)})
                 yield _sse("message_stop", {"type": "message_stop"})
                 outcome = "ok"
                 tracker.finish("ok", u)

@@ -1,8 +1,9 @@
 """The FastAPI application: ``create_app(engine, settings)``.
 
-Routes: ``/health``, ``/metrics`` (Prometheus text), ``/v1/cache/stats`` (the engine's stats JSON),
-``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (OpenAI, :mod:`.openai`) and
-``/v1/messages`` (Anthropic, :mod:`.anthropic`). Every ``/v1`` route requires
+Routes: ``/health``, ``/metrics`` (Prometheus text or OpenMetrics, :mod:`.metrics`),
+``/v1/cache/stats`` (the engine's stats JSON), ``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions`` (OpenAI, :mod:`.openai`) and ``/v1/messages`` (Anthropic,
+:mod:`.anthropic`). Every ``/v1`` route requires
 ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key``) when an API key is set. Errors come
 back in the API's own shape: OpenAI ``{"error": {...}}``, Anthropic ``{"type": "error", ...}``.
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hpc_cli.engine.api import GenerationRequest, RequestHandle
@@ -152,9 +153,9 @@ def create_app(engine: Any, settings: Any, stop_controller: Any = None) -> FastA
         return {"status": "ok", "model": state.served_name}
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(state.metrics.render(_engine_stats(state)),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request):
+        body, content_type = state.metrics.exposition(_engine_stats(state), request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/cache/stats")
     async def cache_stats(request: Request):

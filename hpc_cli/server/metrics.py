@@ -1,138 +1,177 @@
-"""Prometheus text exposition, written by hand (no extra dependency).
+"""/metrics through prometheus_client: one :class:`CollectorRegistry` per app (no global state).
 
-Server-side counters (requests, prompt/cached/completion tokens, restores and their bytes, time to
-first token and inter-token latency histograms) are kept here; the engine's ``stats()`` document
-is flattened into gauges ``hpc_engine_<path>`` (cache residency on device and host, evictions,
-pools, ...), so whatever the engine reports is exported without a second list of names.
+Server-side metrics (requests by endpoint and outcome, prompt/cached/prefill/completion tokens,
+host restores and their bytes, the cache hit rate, time to first token, inter-token latency,
+the per-request phases and the prefill passes) are prometheus_client Counters, Gauges and
+Histograms on the app's registry, next to the process, platform and garbage-collector
+collectors. The engine's ``stats()`` document is flattened into gauges ``hpc_engine_<path>``
+(cache residency on device and host, evictions, pools, ...) by :class:`EngineStatsCollector`, so
+whatever the engine reports is exported without a second list of names; a ``compilations``
+count in it is also the counter ``hpc_kernel_compilations_total``.
+
+:meth:`Metrics.exposition` negotiates the format from the Accept header (Prometheus text 0.0.4
+by default, OpenMetrics when asked for).
 """
 
 from __future__ import annotations
 
-import math
 import re
 import threading
-from typing import Any, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
-from hpc_cli.engine.api import Usage
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hpc_cli.engine.api import PHASES, Usage
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                 60.0)
+PASS_TOKEN_BUCKETS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+# The label values the server uses; anything else is a bug, refused before it becomes a series.
+ENDPOINTS = ("chat", "completions", "messages")
+OUTCOMES = ("ok", "error", "unavailable", "disconnected")
+
+StatsDoc = Mapping[str, object]
 
 
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.count = 0
-        self.sum = 0.0
+class EngineStatsCollector(Collector):
+    """The numeric leaves of an engine ``stats()`` document as gauges ``hpc_engine_<path>``, and
+    its ``compilations`` count (if it reports one) as ``hpc_kernel_compilations_total``.
+    ``document`` gives the document to export at collection time (``None``: nothing)."""
 
-    def observe(self, value: float) -> None:
-        self.count += 1
-        self.sum += value
-        for i, b in enumerate(self.buckets):
-            if value <= b:
-                self.counts[i] += 1
+    def __init__(self, document: Callable[[], StatsDoc | None]) -> None:
+        self._document = document
 
-    def lines(self, name: str) -> list[str]:
-        out = [f'{name}_bucket{{le="{_num(b)}"}} {c}' for b, c in zip(self.buckets, self.counts)]
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{name}_sum {_num(self.sum)}")
-        out.append(f"{name}_count {self.count}")
-        return out
+    def describe(self) -> list[Metric]:
+        return []  # the names follow the document: nothing to check at registration
 
-
-def _num(v: float | int) -> str:
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    if isinstance(v, int):
-        return str(v)
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v))
+    def collect(self) -> Iterator[Metric]:
+        stats = self._document()
+        if not stats:
+            return
+        for name, (path, value) in _leaves(stats).items():
+            yield GaugeMetricFamily(name, f"engine stats(): {path}", value=value)
+        compilations = kernel_compilations(stats)
+        if compilations is not None:
+            yield CounterMetricFamily("hpc_kernel_compilations", "kernel compilations counted by the engine",
+                                      value=compilations)
 
 
-def _label(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def kernel_compilations(stats: StatsDoc) -> float | None:
+    """``stats["compilations"]`` when it is a count (or a mapping with a numeric ``total``)."""
+    value = stats.get("compilations")
+    if isinstance(value, Mapping):
+        value = value.get("total")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
 
 
 class Metrics:
-    """Thread-safe counters; :meth:`render` gives the /metrics text."""
+    """The app's metrics on its own registry; thread-safe (prometheus_client's metrics are)."""
 
     def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        ProcessCollector(registry=reg)
+        PlatformCollector(registry=reg)
+        GCCollector(registry=reg)
         self._lock = threading.Lock()
-        self.requests: dict[tuple[str, str], int] = {}  # (endpoint, outcome) -> count
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-        self.completion_tokens = 0
-        self.prefill_tokens = 0
-        self.restores = 0
-        self.restored_bytes = 0
-        self.running = 0
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
+        self._prompt_total = 0
+        self._cached_total = 0
+        self._expose_lock = threading.Lock()
+        self._stats: StatsDoc | None = None  # the document of the exposition in progress
 
+        self.requests = Counter("hpc_requests", "requests by endpoint and outcome", ["endpoint", "outcome"],
+                                registry=reg)
+        for endpoint in ENDPOINTS:
+            for outcome in OUTCOMES:
+                self.requests.labels(endpoint=endpoint, outcome=outcome)
+        self.running = Gauge("hpc_requests_running", "requests being served", registry=reg)
+        self.prompt_tokens = Counter("hpc_prompt_tokens", "prompt tokens of finished requests", registry=reg)
+        self.cached_tokens = Counter("hpc_cached_tokens", "prompt tokens reused from the prefix cache (reuse_tokens)",
+                                     registry=reg)
+        self.prefill_tokens = Counter("hpc_prefill_tokens", "prompt tokens prefilled", registry=reg)
+        self.completion_tokens = Counter("hpc_completion_tokens", "generated tokens", registry=reg)
+        Gauge("hpc_cache_hit_rate", "cached_tokens_total / prompt_tokens_total", registry=reg) \
+            .set_function(self._hit_rate)
+        self.restores = Counter("hpc_host_restores", "requests that restored from the host tier", registry=reg)
+        self.restored_bytes = Counter("hpc_host_restored_bytes", "bytes restored from the host tier", registry=reg)
+        self.ttft = Histogram("hpc_time_to_first_token_seconds", "submit to first token", buckets=TTFT_BUCKETS,
+                              registry=reg)
+        self.itl = Histogram("hpc_inter_token_latency_seconds", "gap between streamed tokens", buckets=ITL_BUCKETS,
+                             registry=reg)
+        phase = Histogram("hpc_request_phase_seconds",
+                          "seconds of each finished request in each phase (host time on the engine thread; "
+                          "phases are disjoint, once per request, zero included)",
+                          ["phase"], buckets=PHASE_BUCKETS, registry=reg)
+        self.phases = {name: phase.labels(phase=name) for name in PHASES}
+        self.pass_seconds = Histogram("hpc_prefill_pass_seconds", "seconds of each prefill pass (less restore "
+                                      "waits and taps)", buckets=PHASE_BUCKETS, registry=reg)
+        self.pass_tokens = Histogram("hpc_prefill_pass_tokens", "tokens of each prefill pass",
+                                     buckets=PASS_TOKEN_BUCKETS, registry=reg)
+        reg.register(EngineStatsCollector(lambda: self._stats))
+
+    # --- observations ---------------------------------------------------------------------------
     def request_done(self, endpoint: str, outcome: str) -> None:
-        with self._lock:
-            self.requests[(endpoint, outcome)] = self.requests.get((endpoint, outcome), 0) + 1
+        if endpoint not in ENDPOINTS or outcome not in OUTCOMES:
+            raise ValueError(f"unknown request label endpoint={endpoint!r} outcome={outcome!r}")
+        self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
 
     def add_running(self, delta: int) -> None:
-        with self._lock:
-            self.running += delta
+        self.running.inc(delta)
 
     def usage(self, usage: Usage) -> None:
         with self._lock:
-            self.prompt_tokens += usage.prompt_tokens
-            self.cached_tokens += usage.reuse_tokens
-            self.completion_tokens += usage.completion_tokens
-            self.prefill_tokens += usage.prefill_tokens
-            if usage.restored_host_bytes:
-                self.restores += 1
-                self.restored_bytes += usage.restored_host_bytes
-            if usage.time_to_first_token is not None:
-                self.ttft.observe(usage.time_to_first_token)
+            self._prompt_total += usage.prompt_tokens
+            self._cached_total += usage.reuse_tokens
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.cached_tokens.inc(usage.reuse_tokens)
+        self.completion_tokens.inc(usage.completion_tokens)
+        self.prefill_tokens.inc(usage.prefill_tokens)
+        if usage.restored_host_bytes:
+            self.restores.inc()
+            self.restored_bytes.inc(usage.restored_host_bytes)
+        if usage.time_to_first_token is not None:
+            self.ttft.observe(usage.time_to_first_token)
+        self.timing(usage)
+
+    def timing(self, usage: Usage) -> None:
+        """The request's phases (once each) and its prefill passes."""
+        for name, seconds in usage.timing.phases().items():
+            self.phases[name].observe(seconds)
+        for p in usage.timing.passes:
+            self.pass_seconds.observe(p.seconds)
+            self.pass_tokens.observe(p.tokens)
 
     def inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def _hit_rate(self) -> float:
         with self._lock:
-            self.itl.observe(seconds)
+            return self._cached_total / self._prompt_total if self._prompt_total else 0.0
 
-    def render(self, engine_stats: Mapping[str, Any] | None) -> str:
-        with self._lock:
-            lines: list[str] = []
+    # --- exposition -----------------------------------------------------------------------------
+    def exposition(self, engine_stats: StatsDoc | None, accept: str | None = None) -> tuple[bytes, str]:
+        """The registry with ``engine_stats`` as its engine gauges, in the format the Accept
+        header asks for: ``(body, content type)``."""
+        encoder, content_type = choose_encoder(accept or "")
+        with self._expose_lock:
+            self._stats = engine_stats
+            try:
+                return encoder(self.registry), content_type
+            finally:
+                self._stats = None
 
-            def metric(name: str, kind: str, help_: str, samples: list[str]) -> None:
-                lines.append(f"# HELP {name} {help_}")
-                lines.append(f"# TYPE {name} {kind}")
-                lines.extend(samples)
-
-            metric("hpc_requests_total", "counter", "requests by endpoint and outcome",
-                   [f'hpc_requests_total{{endpoint="{_label(e)}",outcome="{_label(o)}"}} {c}'
-                    for (e, o), c in sorted(self.requests.items())] or ['hpc_requests_total{endpoint="",outcome=""} 0'])
-            metric("hpc_requests_running", "gauge", "requests being served", [f"hpc_requests_running {self.running}"])
-            metric("hpc_prompt_tokens_total", "counter", "prompt tokens of finished requests",
-                   [f"hpc_prompt_tokens_total {self.prompt_tokens}"])
-            metric("hpc_cached_tokens_total", "counter", "prompt tokens reused from the prefix cache (reuse_tokens)",
-                   [f"hpc_cached_tokens_total {self.cached_tokens}"])
-            metric("hpc_prefill_tokens_total", "counter", "prompt tokens prefilled",
-                   [f"hpc_prefill_tokens_total {self.prefill_tokens}"])
-            metric("hpc_completion_tokens_total", "counter", "generated tokens",
-                   [f"hpc_completion_tokens_total {self.completion_tokens}"])
-            rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-            metric("hpc_cache_hit_rate", "gauge", "cached_tokens_total / prompt_tokens_total",
-                   [f"hpc_cache_hit_rate {_num(rate)}"])
-            metric("hpc_host_restores_total", "counter", "requests that restored from the host tier",
-                   [f"hpc_host_restores_total {self.restores}"])
-            metric("hpc_host_restored_bytes_total", "counter", "bytes restored from the host tier",
-                   [f"hpc_host_restored_bytes_total {self.restored_bytes}"])
-            metric("hpc_time_to_first_token_seconds", "histogram", "submit to first token",
-                   self.ttft.lines("hpc_time_to_first_token_seconds"))
-            metric("hpc_inter_token_latency_seconds", "histogram", "gap between streamed tokens",
-                   self.itl.lines("hpc_inter_token_latency_seconds"))
-        for name, value in sorted(flatten_stats(engine_stats or {}).items()):
-            lines.append(f"# TYPE {name} gauge")
-            lines.append(f"{name} {_num(value)}")
-        return "\n".join(lines) + "\n"
+    def render(self, engine_stats: StatsDoc | None = None) -> str:
+        """Prometheus text (0.0.4) with ``engine_stats`` as the engine gauges."""
+        return self.exposition(engine_stats)[0].decode()
 
 
 _NAME_BAD = re.compile(r"[^a-zA-Z0-9_]")
@@ -143,24 +182,29 @@ _NAME_BAD = re.compile(r"[^a-zA-Z0-9_]")
 SKIPPED_KEYS = frozenset({"top_snapshots", "ttft_recent_s"})
 
 
-def flatten_stats(stats: Mapping[str, Any], prefix: str = "hpc_engine") -> dict[str, float | int]:
-    """Numeric leaves of a nested dict as Prometheus names (lists by index); strings, ``None``
-    and the row lists in :data:`SKIPPED_KEYS` are left out."""
-    out: dict[str, float | int] = {}
+def _leaves(stats: StatsDoc, prefix: str = "hpc_engine") -> dict[str, tuple[str, float | int]]:
+    """Prometheus name -> (dotted path, value) for the numeric leaves of a nested document."""
+    out: dict[str, tuple[str, float | int]] = {}
 
-    def walk(value: Any, name: str) -> None:
+    def walk(value: object, name: str, path: str) -> None:
         if isinstance(value, bool):
-            out[name] = int(value)
+            out[name] = (path, int(value))
         elif isinstance(value, (int, float)):
-            out[name] = value
+            out[name] = (path, value)
         elif isinstance(value, Mapping):
             for k, v in value.items():
                 if k in SKIPPED_KEYS:
                     continue
-                walk(v, f"{name}_{_NAME_BAD.sub('_', str(k))}")
+                walk(v, f"{name}_{_NAME_BAD.sub('_', str(k))}", f"{path}.{k}" if path else str(k))
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
-                walk(v, f"{name}_{i}")
+                walk(v, f"{name}_{i}", f"{path}[{i}]")
 
-    walk(stats, prefix)
+    walk(stats, prefix, "")
     return out
+
+
+def flatten_stats(stats: StatsDoc, prefix: str = "hpc_engine") -> dict[str, float | int]:
+    """Numeric leaves of a nested dict as Prometheus names (lists by index); strings, ``None``
+    and the row lists in :data:`SKIPPED_KEYS` are left out."""
+    return {name: value for name, (_, value) in _leaves(stats, prefix).items()}

@@ -20,6 +20,7 @@ from hpc_cli.errors import RequestError
 from hpc_cli.server.chat import Marker, prepare_chat
 from hpc_cli.server.common import (ClientDisconnected, ReasoningSplitter, TextAssembler, Unavailable,
                                    iterate_events, openai_error_body, parse_json_body, token_text, validate_model)
+from hpc_cli.server.timing import HpcOptions, wants_timing, with_timing
 from hpc_cli.server.tools import ToolParser, ToolStream, tools_enabled
 
 Number = float
@@ -71,6 +72,7 @@ class _Sampling(_Body):
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     ignore_eos: StrictBool = False
     user: str | None = None
+    hpc: HpcOptions | None = None  # this server's options: {"timing": true} adds usage.hpc_timing
 
     @field_validator("stop")
     @classmethod
@@ -411,8 +413,9 @@ async def _chat_full(state, request, handles, body: ChatRequest, prepared, rid, 
             tr.finish(_outcome(exc))
         raise
     first = usages[0]
-    usage = openai_usage(first.prompt_tokens or len(prepared.prompt_tokens),
-                         sum(u.completion_tokens for u in usages), first.reuse_tokens)
+    usage = with_timing(openai_usage(first.prompt_tokens or len(prepared.prompt_tokens),
+                                     sum(u.completion_tokens for u in usages), first.reuse_tokens),
+                        first, wants_timing(state, body.hpc))
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                          "choices": choices, "usage": usage, "system_fingerprint": None})
 
@@ -498,8 +501,9 @@ async def _chat_stream(state, request, handle, body: ChatRequest, prepared, rid,
                 yield chunk({}, finish=_finish_reason(ev, asm, n_calls > 0))
                 u = ev.usage
                 if include_usage:
-                    yield _sse(dict(base, choices=[], usage=openai_usage(
-                        u.prompt_tokens or len(prepared.prompt_tokens), u.completion_tokens, u.reuse_tokens)))
+                    yield _sse(dict(base, choices=[], usage=with_timing(openai_usage(
+                        u.prompt_tokens or len(prepared.prompt_tokens), u.completion_tokens, u.reuse_tokens),
+                        u, wants_timing(state, body.hpc))))
                 yield "data: [DONE]\n\n"
                 outcome = "ok"
                 tracker.finish("ok", u)
@@ -584,11 +588,14 @@ async def _completion_full(state, request, handles, plan, body: CompletionReques
     choices = []
     prompt_total = completion_total = cached_total = 0
     seen_prompts: set[int] = set()
+    first: Usage | None = None
     try:
         for i, (h, tr, (pi, ids, text)) in enumerate(zip(handles, trackers, plan)):
             tokens, asm, fin = await _collect(state, request, h, tr, _stops(body.stop), skip)
             _raise_for_finish(fin)
             tr.finish("ok", fin.usage)
+            if first is None:
+                first = fin.usage
             if pi not in seen_prompts:
                 seen_prompts.add(pi)
                 prompt_total += fin.usage.prompt_tokens or len(ids)
@@ -606,7 +613,9 @@ async def _completion_full(state, request, handles, plan, body: CompletionReques
             tr.finish(_outcome(exc))
         raise
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": choices, "usage": openai_usage(prompt_total, completion_total, cached_total),
+                         "choices": choices,
+                         "usage": with_timing(openai_usage(prompt_total, completion_total, cached_total), first,
+                                              wants_timing(state, body.hpc)),
                          "system_fingerprint": None})
 
 
@@ -655,8 +664,9 @@ async def _completion_stream(state, request, handle, body: CompletionRequest, pr
                 yield chunk(tail, finish=_finish_reason(ev, asm))
                 u = ev.usage
                 if include_usage:
-                    yield _sse(dict(base, choices=[], usage=openai_usage(u.prompt_tokens or len(ids),
-                                                                         u.completion_tokens, u.reuse_tokens)))
+                    yield _sse(dict(base, choices=[], usage=with_timing(
+                        openai_usage(u.prompt_tokens or len(ids), u.completion_tokens, u.reuse_tokens),
+                        u, wants_timing(state, body.hpc))))
                 yield "data: [DONE]\n\n"
                 outcome = "ok"
                 tracker.finish("ok", u)
