@@ -82,7 +82,9 @@ def main() -> None:
                              "torch": torch.__version__},
                  "model": a.model, "kv_profile": a.kv_profile, "chunk": a.chunk, "build_s": round(built, 2),
                  "warmup": {"seconds": round(warm, 2), "compilations": counts.compilations - c0,
-                            "autotunes": counts.autotunes - t0_}}
+                            "autotunes": counts.autotunes - t0_,
+                            "shapes": (eng.warmup_report and {k: round(getattr(eng.warmup_report, k), 2)
+                                                              for k in ("first_prefill_s", "prefill_s", "decode_s")})}}
     eng.stop()
 
     kv, states = eng.storage, eng.states
@@ -117,6 +119,20 @@ def main() -> None:
         timings["turn_ratio_paged_over_gathered"] = round(timings["paged"]["turn_s"] / timings["gathered"]["turn_s"], 3)
         timings["cold_ratio_paged_over_gathered"] = round(timings["paged"]["cold_s"] / timings["gathered"]["cold_s"], 3)
     res["passes"] = timings
+    if dev == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        _passes(model, kv, states, a.turn, a.context, a.chunk)
+        _sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                _passes(model, kv, states, a.turn, a.context, a.chunk)
+            _sync()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        with open(a.out + ".profile.txt" if a.out else "prefill.profile.txt", "w") as f:
+            f.write(table)
+            f.write("\n\nby CPU time\n")
+            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
 
     if paged and dev == "cuda":
         import triton.testing

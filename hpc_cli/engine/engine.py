@@ -107,6 +107,10 @@ class Engine:
         self.ttft = collections.deque(maxlen=2048)  # (monotonic time, seconds)
         self.itl = collections.deque(maxlen=4096)
         self.started_at = time.time()
+        from hpc_cli.model.compile_watch import watch
+
+        self.compile_counts = watch()  # Triton compilations and autotune runs (process-wide)
+        self.warmup_report = None  # hpc_cli.engine.warmup.WarmupReport of the last warm-up (CUDA)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -232,11 +236,22 @@ class Engine:
         toks, fin = self.submit(request).result(timeout=timeout)
         return [t.token_id for t in toks], fin
 
-    def warmup(self, tokens: int | None = None, decode: int = 4) -> float:
-        """Run one disabled request (it leaves nothing in the cache, spec §7.7) through a prefill
-        pass and a few decode rounds, so kernel compilation and autotuning happen before the
-        first real request; the stats forget it. Returns the seconds it took."""
+    def warmup(self, tokens: int | None = None, decode: int = 4,
+               progress: Callable[[int, int], None] | None = None) -> float:
+        """Compile, tune and capture every kernel shape serving will meet before the first request:
+        on CUDA every padded prefill length and every decode (lanes, table width) shape
+        (:mod:`hpc_cli.engine.warmup`, on the worker thread), then one disabled request (it leaves
+        nothing in the cache, spec §7.7) through a prefill pass and a few decode rounds. The stats
+        forget it; compilations counted from here on happened while serving
+        (``stats()["compilations"]``). ``progress(done, total)`` follows the shape passes.
+        Returns the seconds it took."""
+        from hpc_cli.engine import warmup as shapes
+
         self.start()
+        t0 = time.monotonic()
+        plan = shapes.plan(self)
+        if plan.steps:
+            self.warmup_report = self.call(lambda: shapes.run_shapes(self, plan, progress))
         n = min(tokens or self.chunk, self.max_model_len - decode - 1)
         vocab = self.model.config.vocab_size
         prompt = [(17 * i + 3) % max(2, vocab - 1) + 1 for i in range(max(1, n))]
@@ -248,7 +263,20 @@ class Engine:
             self.counters.clear()
             self.ttft.clear()
             self.itl.clear()
+        self._wake.set()  # the idle worker publishes the cleared stats before it sleeps again
+        self.compile_counts.mark_warm()
         return time.monotonic() - t0
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = 600) -> Any:
+        """Run ``fn`` on the worker thread between steps and return its result (or raise its error)."""
+        import concurrent.futures
+
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineError("the engine is not running", hint="start the engine first")
+        fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, fut)))
+        self._wake.set()
+        return fut.result(timeout=timeout)
 
     def stop(self, timeout: float | None = 60) -> None:
         """Orderly stop: admission ends, running and queued requests finish as unavailable at the
@@ -318,6 +346,13 @@ class Engine:
                 self._by_id[req.request_id] = lane
                 self._waiting.append(lane)
                 self.counters["requests"] += 1
+            elif kind == "call":
+                fn, fut = item
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # handed to the caller, not fatal to the worker
+                        fut.set_exception(exc)
             elif kind == "cancel":
                 lane = self._by_id.get(item)
                 if lane is not None:
@@ -516,6 +551,8 @@ class Engine:
                          "prefilling": sum(1 for l in self._lanes if l.prefilling)},
             "counters": dict(self.counters), "cache": cache,
             "ttft_recent_s": recent, "fatal": self.fatal,
+            "compilations": self.compile_counts.since_warm,
+            "kernel_compilations": self.compile_counts.as_dict(),
         }
         if getattr(self.model, "expert_tier", None) is not None:
             snap["experts"] = self.model.expert_tier.stats()

@@ -63,22 +63,42 @@ def plan(engine: "Engine") -> WarmupPlan:
     return WarmupPlan(tuple(lengths), batches, tuple(widths))
 
 
+@dataclass(slots=True)
+class WarmupReport:
+    """Seconds the warm-up spent: its first prefill pass (most compilations), the other prefill
+    lengths, and the decode shapes (eager pass and graph capture each)."""
+
+    first_prefill_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
 def run_shapes(engine: "Engine", shapes: WarmupPlan,
-               progress: Callable[[int, int], None] | None = None) -> None:
+               progress: Callable[[int, int], None] | None = None) -> WarmupReport:
     """Run every planned pass once (decode twice) on the engine's pools; call on the worker thread."""
+    import time
+
+    report = WarmupReport()
     model, kv, states = engine.model, engine.storage, engine.states
     num_pages = kv.num_pages
     vocab = model.config.vocab_size
     done = 0
     slot = 0
+    t0 = time.perf_counter()
     for n in shapes.prefill_lengths:
         tokens = [(7 * i + 3) % max(2, vocab - 1) + 1 for i in range(n)]
         table = [i % num_pages for i in range(-(-n // 64))]
         states.reset(slot)
         model.prefill(tokens, 0, table, slot, kv, states)
+        if done == 0:
+            torch.cuda.synchronize(model.device)
+            report.first_prefill_s = time.perf_counter() - t0
         done += 1
         if progress is not None:
             progress(done, shapes.steps)
+    torch.cuda.synchronize(model.device)
+    t1 = time.perf_counter()
+    report.prefill_s = t1 - t0 - report.first_prefill_s
     for B in shapes.decode_batches:
         for W in shapes.decode_widths:
             p = min(W * 64, engine.max_model_len) - 1
@@ -94,5 +114,6 @@ def run_shapes(engine: "Engine", shapes: WarmupPlan,
                 progress(done, shapes.steps)
     for s in range(engine.C):
         states.reset(s)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    torch.cuda.synchronize(model.device)
+    report.decode_s = time.perf_counter() - t1
+    return report

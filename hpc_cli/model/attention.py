@@ -70,6 +70,8 @@ def prefill_attention(attn: GatedAttention, q: torch.Tensor, kv, layer: int, pag
         dev = q.device
         positions = torch.arange(start, end, device=dev)
         mask = (torch.arange(end, device=dev)[None, :] <= positions[:, None])[None, None]
-    o = attn.attend(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                    mask, causal=True)
+    # GQA by the kernel itself (no repeated K/V copies); causal without a mask from position 0
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                       values.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                       scale=attn.scale, enable_gqa=attn.n_heads != attn.n_kv)
     return o[0].transpose(0, 1)

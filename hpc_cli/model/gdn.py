@@ -41,39 +41,59 @@ def _prepare(q, k, v, g, beta):
 
 def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                initial_state: torch.Tensor | None, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked (UT-transform) form, fp32. Products that involve only ``q`` and ``k`` (``q k^T``,
+    ``k k^T``) run once per key head and are shared by the value heads it serves; the triangular
+    system of each chunk is inverted once (a solve against the identity: 64 right-hand sides
+    instead of two solves of ``d_k`` and ``d_v``) and applied by matrix products."""
     out_dtype = v.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    b, h, t, dk = k.shape
-    dv = v.shape[-1]
+    b, t, hk, dk = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    rep = hv // hk
     pad = (-t) % chunk
-    if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
     n = (t + pad) // chunk
-    q, k, v = (x.view(b, h, n, chunk, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.view(b, h, n, chunk), beta.view(b, h, n, chunk)
-    kb = k * beta.unsqueeze(-1)
-    vb = v * beta.unsqueeze(-1)
-    cg = g.cumsum(-1)  # log decay from the chunk start to each position (inclusive)
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cg.unsqueeze(-1) - cg.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    # (I + A) with A strictly lower: A[i, j] = beta_i k_i.k_j decay(i, j)
-    system = (kb @ k.transpose(-1, -2)) * decay
-    attn = (q @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, kb * cg.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    state = (torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, d] -> [B, H, n, C, d] (a view when unpadded)
+        if pad:
+            x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        return x.view(b, n, chunk, x.shape[2], x.shape[3]).permute(0, 3, 1, 2, 4)
+
+    def gates(x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, H, n, C]
+        x = x.float()
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+        return x.view(b, n, chunk, hv).permute(0, 3, 1, 2)
+
+    qh = heads(l2norm(q.float()) * (dk ** -0.5))  # [B, Hk, n, C, dk]
+    kh = heads(l2norm(k.float()))
+    vh = heads(v.float())  # [B, Hv, n, C, dv]
+    bb = gates(beta)
+    cg = gates(g).cumsum(-1)  # log decay from the chunk start to each position (inclusive)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (cg.unsqueeze(-1) - cg.unsqueeze(-2)).masked_fill_(~lower, float("-inf")).exp_()
+    decay = decay.view(b, hk, rep, n, chunk, chunk)
+    kk = (kh @ kh.transpose(-1, -2)).unsqueeze(2)  # [B, Hk, 1, n, C, C]
+    qk = (qh @ kh.transpose(-1, -2)).unsqueeze(2)
+    # (I + A) with A strictly lower: A[i, j] = beta_i k_i.k_j decay(i, j); attn = q_i.k_j decay(i, j)
+    system = (kk * decay * bb.view(b, hk, rep, n, chunk, 1)).view(b, hv, n, chunk, chunk).tril_(-1)
+    attn = (qk * decay).view(b, hv, n, chunk, chunk)
+    eye = torch.eye(chunk, dtype=torch.float32, device=q.device)
+    inv = torch.linalg.solve_triangular(system + eye, eye.expand_as(system), upper=False, unitriangular=True)
+    kv_heads = kh.unsqueeze(2).expand(b, hk, rep, n, chunk, dk).reshape(b, hv, n, chunk, dk)
+    ecg = cg.exp()
+    u = inv @ (vh * bb.unsqueeze(-1))
+    w = inv @ (kv_heads * (bb * ecg).unsqueeze(-1))
+    qd = (qh.unsqueeze(2) * ecg.view(b, hk, rep, n, chunk, 1)).view(b, hv, n, chunk, dk)
+    kd = kv_heads * (cg[..., -1:] - cg).exp().unsqueeze(-1)
+    total = ecg[..., -1][..., None, None]
+    state = (torch.zeros(b, hv, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
              else initial_state.float().clone())
-    qd = q * cg.exp().unsqueeze(-1)
-    kd = k * (cg[..., -1:] - cg).exp().unsqueeze(-1)
-    total = cg[..., -1].exp()[..., None, None]
-    out = torch.empty_like(v)
+    out = torch.empty(b, hv, n, chunk, dv, dtype=torch.float32, device=q.device)
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state
         out[:, :, i] = qd[:, :, i] @ state + attn[:, :, i] @ v_new
         state = state * total[:, :, i] + kd[:, :, i].transpose(-1, -2) @ v_new
-    out = out.view(b, h, n * chunk, dv)[:, :, :t]
-    return out.transpose(1, 2).to(out_dtype), state
+    out = out.permute(0, 2, 3, 1, 4).reshape(b, n * chunk, hv, dv)[:, :t]
+    return out.to(out_dtype), state
 
 
 def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
