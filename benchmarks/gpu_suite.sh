@@ -24,7 +24,8 @@ step() {  # step NAME SECONDS COMMAND...
     tail -n 3 "$OUT/$name.log"
 }
 
-for f in tests/kv/test_gpu.py tests/model/test_paged_attention.py tests/memory/test_transfer_gpu.py \
+for f in tests/kv/test_gpu.py tests/model/test_paged_attention.py tests/model/test_paged_prefill.py \
+         tests/memory/test_transfer_gpu.py \
          tests/engine/test_engine_gpu.py tests/spec/test_bf16_gpu.py tests/experts/test_gpu.py \
          tests/experts/test_placement.py; do
     step "test-$(basename "$f" .py)" 400 python3 -m pytest -q -p no:cacheprovider -m gpu "$f"
@@ -36,6 +37,10 @@ step bench-spec_decode 300 python3 benchmarks/spec_decode.py --model builtin:qwe
     --prompt-len 256 --max-tokens 64 --prompts 2 --rollback per_token --out "$OUT/spec_decode.json"
 step bench-expert_tier 300 python3 benchmarks/expert_tier.py --out "$OUT/expert_tier.json"
 step bench-engine_trace 600 bash -c "python3 benchmarks/engine_trace.py > '$OUT/engine_trace.json'"
+step bench-prefill 480 python3 benchmarks/prefill.py --out "$OUT/prefill.json"
+step bench-serve_trace 900 bash -c "python3 benchmarks/serve_trace.py --write-checkpoint /tmp/q27 --shape 27b && \
+    python3 benchmarks/serve_trace.py --model /tmp/q27 --edits --concurrency 1,8 \
+    --serve-args '--kv-profile int8-g64 --prefill-chunk 2048' --out '$OUT/serve_trace.json'"
 
 echo
 printf '%s\n' "${SUMMARY[@]}"
