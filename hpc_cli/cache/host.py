@@ -6,6 +6,11 @@ slabs, not necessarily contiguous, and a snapshot with a tail one slab more. The
 pinned in chunks of at most ``chunk_bytes`` (4 GiB) of whole slabs: a slab never crosses a
 chunk. The free list is an index stack (O(1) alloc and free); capacity is ``free_slabs``.
 
+The memory layer may pin the chunks in the background, first chunk first: then only the slabs
+below ``ready_slabs`` exist for allocation, and :meth:`HostSlabPool.grow` adds the slabs of the
+chunks that became ready (the free list grows; the first slabs still go first). The pool counts
+its slabs per use as it assigns and frees them (:meth:`HostSlabPool.slabs_by_use`, O(1)).
+
 This class only accounts: slab ids and owners. The memory layer owns the bytes and maps a slab
 id to ``(chunk, offset)`` with :meth:`HostSlabPool.location`.
 """
@@ -44,10 +49,11 @@ def round_slab(record_bytes: int) -> int:
 class HostSlabPool:
     """Slab ids ``0 .. num_slabs-1``; ``alloc`` and ``free`` are O(1) per slab."""
 
-    __slots__ = ("slab_bytes", "image_bytes", "num_slabs", "slabs_per_chunk", "_free", "_use", "_owner")
+    __slots__ = ("slab_bytes", "image_bytes", "num_slabs", "slabs_per_chunk", "ready_slabs", "_free", "_use",
+                 "_owner", "_by_use")
 
     def __init__(self, host_bytes: int, slab_bytes: int, image_bytes: int, *,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, ready_slabs: int | None = None) -> None:
         if slab_bytes <= 0:
             raise CapacityError(f"slab size must be positive, got {slab_bytes}")
         if host_bytes < 0:
@@ -65,10 +71,14 @@ class HostSlabPool:
                 f"host cache of {host_bytes} B holds {self.num_slabs} slabs, fewer than one snapshot "
                 f"plus one block ({need} slabs of {slab_bytes} B)",
                 hint=f"set --host-cache-mib to at least {mib}, or 0 to run without a host tier")
-        # Pop from the end: slab 0 is handed out first, so a fresh pool fills in order.
-        self._free: list[int] = list(range(self.num_slabs - 1, -1, -1))
-        self._use = bytearray(self.num_slabs)  # SlabUse per slab
+        #: slabs ``0 .. ready_slabs-1`` are backed by memory and may be handed out (all of them
+        #: unless the memory layer pins the chunks in the background)
+        self.ready_slabs = 0
+        self._free: list[int] = []
+        self._use = bytearray(self.num_slabs)  # SlabUse per slab (FREE for slabs not ready yet)
         self._owner: list[Any] = [None] * self.num_slabs
+        self._by_use = [0] * len(SlabUse)  # ready slabs per use, kept by alloc/free/set_use
+        self.grow(self.num_slabs if ready_slabs is None else ready_slabs)
 
     # -- geometry ---------------------------------------------------------------------------
     @property
@@ -102,6 +112,24 @@ class HostSlabPool:
     def same_chunk(self, a: int, b: int) -> bool:
         return a // self.slabs_per_chunk == b // self.slabs_per_chunk
 
+    # -- readiness ---------------------------------------------------------------------------
+    @property
+    def pending_slabs(self) -> int:
+        """Slabs whose chunk is not ready yet (never handed out)."""
+        return self.num_slabs - self.ready_slabs
+
+    def grow(self, ready_slabs: int) -> int:
+        """Slabs below ``ready_slabs`` are now backed by memory: put the new ones on the free
+        stack *under* the free slabs already there (a fresh pool still hands out slab 0 first,
+        then 1, ...). Returns how many slabs were added."""
+        ready = min(max(ready_slabs, self.ready_slabs), self.num_slabs)
+        added = ready - self.ready_slabs
+        if added:
+            self._free[0:0] = range(ready - 1, self.ready_slabs - 1, -1)
+            self._by_use[SlabUse.FREE] += added
+            self.ready_slabs = ready
+        return added
+
     # -- accounting -------------------------------------------------------------------------
     @property
     def free_slabs(self) -> int:
@@ -109,7 +137,17 @@ class HostSlabPool:
 
     @property
     def used_slabs(self) -> int:
-        return self.num_slabs - len(self._free)
+        return self.ready_slabs - len(self._free)
+
+    def slabs_by_use(self) -> dict[str, int]:
+        """Ready slabs per use (``free``, ``node``, ``image``, ``tail``), uses with none left out;
+        O(1) (counted as slabs are assigned and freed)."""
+        return {u.name.lower(): n for u, n in zip(SlabUse, self._by_use) if n}
+
+    def recount_by_use(self) -> dict[str, int]:
+        """:meth:`slabs_by_use` counted from the slabs themselves (a pass over one byte per slab)."""
+        used = self._use[:self.ready_slabs]
+        return {u.name.lower(): n for u in SlabUse if (n := used.count(u))}
 
     def alloc(self, k: int, use: SlabUse, owner: Any) -> list[int] | None:
         """Take ``k`` slabs for ``owner`` or None (nothing taken) when fewer are free."""
@@ -119,23 +157,32 @@ class HostSlabPool:
         out = free[len(free) - k:]
         del free[len(free) - k:]
         out.reverse()
+        assert use != SlabUse.FREE, "alloc into FREE makes no sense"
         u, o = self._use, self._owner
         for s in out:
             u[s] = use
             o[s] = owner
+        self._by_use[SlabUse.FREE] -= k
+        self._by_use[use] += k
         return out
 
     def free(self, slabs: list[int] | tuple[int, ...]) -> None:
-        u, o, free = self._use, self._owner, self._free
+        u, o, free, by_use = self._use, self._owner, self._free, self._by_use
         for s in slabs:
-            assert u[s] != SlabUse.FREE, f"slab {s} freed twice"
+            was = u[s]
+            assert was != SlabUse.FREE, f"slab {s} freed twice"
             u[s] = SlabUse.FREE
             o[s] = None
             free.append(s)
+            by_use[was] -= 1
+        by_use[SlabUse.FREE] += len(slabs)
 
     def set_use(self, slab: int, use: SlabUse) -> None:
-        assert self._use[slab] != SlabUse.FREE and use != SlabUse.FREE, f"set_use on free slab {slab}"
+        was = self._use[slab]
+        assert was != SlabUse.FREE and use != SlabUse.FREE, f"set_use on free slab {slab}"
         self._use[slab] = use
+        self._by_use[was] -= 1
+        self._by_use[use] += 1
 
     def use_of(self, slab: int) -> SlabUse:
         return SlabUse(self._use[slab])
@@ -144,13 +191,21 @@ class HostSlabPool:
         return self._owner[slab]
 
     def check(self) -> None:
-        """Every slab is free xor owned (spec §10.1); the free stack holds exactly the free ones."""
+        """Every slab is free xor owned (spec §10.1); the free stack holds exactly the free ready
+        ones; slabs not ready are free and unowned; the per-use counts match a recount."""
         free = self._free
+        ready = self.ready_slabs
+        assert 0 <= ready <= self.num_slabs, f"host pool: {ready} ready slabs of {self.num_slabs}"
         assert len(set(free)) == len(free), "host pool: a slab is on the free stack twice"
         for s in free:
+            assert 0 <= s < ready, f"host pool: slab {s} on the free stack but not ready ({ready} ready)"
             assert self._use[s] == SlabUse.FREE, f"host pool: slab {s} on the free stack but in use"
-        nfree = sum(1 for u in self._use if u == SlabUse.FREE)
-        assert nfree == len(free), f"host pool: {nfree} free slabs but {len(free)} on the free stack"
+        used = self._use[:ready]
+        recount = [used.count(u) for u in SlabUse]
+        assert recount[SlabUse.FREE] == len(free), \
+            f"host pool: {recount[SlabUse.FREE]} free ready slabs but {len(free)} on the free stack"
+        assert recount == self._by_use, f"host pool: slabs by use {self._by_use}, recount {recount}"
+        assert not any(self._use[ready:]), "host pool: a slab that is not ready yet is in use"
         for s in range(self.num_slabs):
             assert (self._use[s] == SlabUse.FREE) == (self._owner[s] is None), \
                 f"host pool: slab {s} use {self._use[s]} disagrees with owner {self._owner[s]!r}"

@@ -32,7 +32,7 @@ from hpc_cli.cache.host import HostSlabPool, SlabUse, image_slabs, round_slab
 from hpc_cli.cache.keys import BLOCK_TOKENS, PreparedPrompt, lookup_hash
 from hpc_cli.cache.lru import LruList
 from hpc_cli.cache.snapshot import Snapshot, SnapshotKind
-from hpc_cli.cache.stats import Counters
+from hpc_cli.cache.stats import Counters, Tally, restore_batch_bytes, write_batch_bytes
 from hpc_cli.cache.tree import ABSENT, FILLING, RESIDENT, BlockNode, BlockTree, MatchResult
 from hpc_cli.errors import CapacityError
 
@@ -180,6 +180,7 @@ class RestoreBatch:
     snapshot: SnapshotTransfer | None
     restore_image: bool
     landed: bool = False
+    nbytes: int = 0  # what it moves, set when it opens (the tally's in-flight bytes)
 
 
 @dataclass(slots=True, eq=False)
@@ -190,6 +191,7 @@ class WriteBatch:
     blocks: list[BlockTransfer]
     snapshots: list[SnapshotTransfer]
     landed: bool = False
+    nbytes: int = 0  # what it moves, set when it opens (the tally's in-flight bytes)
 
     def __bool__(self) -> bool:
         return bool(self.blocks or self.snapshots)
@@ -220,7 +222,10 @@ class PublishResult:
 class PrefixIndex:
     """The block tree, snapshots, device LRU, snapshot slots and host slab accounting."""
 
-    def __init__(self, geometry: CacheGeometry, cost: CacheCostModel = GENERIC) -> None:
+    def __init__(self, geometry: CacheGeometry, cost: CacheCostModel = GENERIC, *,
+                 host_ready_slabs: int | None = None) -> None:
+        """``host_ready_slabs``: how many host slabs exist now when the memory layer pins the
+        tier in the background (None: all); :meth:`grow_host` adds the rest as they are ready."""
         if geometry.device_snapshot_slots < 0:
             raise CapacityError("device_snapshot_slots must not be negative")
         if geometry.num_pools < 1:
@@ -232,7 +237,7 @@ class PrefixIndex:
         self.tree = BlockTree()
         self.tree.root.hash = _root_hash()
         self.host = HostSlabPool(geometry.host_bytes, geometry.slab, geometry.image_bytes,
-                                 chunk_bytes=geometry.chunk_bytes)
+                                 chunk_bytes=geometry.chunk_bytes, ready_slabs=host_ready_slabs)
         self.image_slabs = image_slabs(geometry.image_bytes, geometry.slab)
         self.lru_backed = LruList("device-lru-backed")
         self.lru_unbacked = LruList("device-lru-unbacked")
@@ -253,6 +258,9 @@ class PrefixIndex:
         self._next_seq = 1
         self._next_batch = 1
         self.counters = Counters()
+        #: gauges kept up to date at every change of state (stats.summary reads them, O(1));
+        #: check_invariants compares them with a full recount
+        self.tally = Tally()
 
     # ------------------------------------------------------------------ lookup and admission
     def match(self, prompt: PreparedPrompt) -> MatchResult:
@@ -420,8 +428,10 @@ class PrefixIndex:
             assert node.alive and node.device_state == ABSENT and node.host_state == RESIDENT, \
                 f"restore of {node!r}: needs a host-only node"
             self._awaiting_restore.pop(node, None)
+            self.tally.count_node(node, -1)
             node.device_pages = tuple(pg)
             node.device_state = FILLING
+            self.tally.count_node(node, +1)
             self._node_pins(node, +1)
             batch.blocks.append(BlockTransfer(node, node.device_pages, node.host_slab))
         if s is not None and (staged.restore_tail or staged.restore_image):
@@ -431,13 +441,15 @@ class PrefixIndex:
                 self._check_bundle(tail_pages)
                 assert s.tail_device_state == ABSENT and s.tail_host_state == RESIDENT, \
                     f"tail restore of {s!r}: needs a host-only tail"
+                self.tally.count_snapshot(s, -1)
                 s.tail_pages = tuple(tail_pages)
                 s.tail_device_state = FILLING
+                self.tally.count_snapshot(s, +1)
                 st.tail_pages = s.tail_pages
                 st.tail_slab = s.tail_host_slab
             self._snap_pins(s, +1)
             batch.snapshot = st
-        self.restores[batch.id] = batch
+        self._open_restore(batch)
         self.counters.restores += 1
         self.counters.restored_bytes += (len(batch.blocks) * self.block_bytes
                                          + (self.image_bytes if staged.restore_image else 0)
@@ -452,10 +464,13 @@ class PrefixIndex:
         assert not batch.landed, f"restore batch {batch.id} landed twice"
         batch.landed = True
         del self.restores[batch.id]
+        self.tally.restore_bytes -= batch.nbytes
         for bt in batch.blocks:
             node = bt.node
             assert node.device_state == FILLING, f"landing {node!r}: not Filling"
+            self.tally.count_node(node, -1)
             node.device_state = RESIDENT
+            self.tally.count_node(node, +1)
             self._node_pins(node, -1)
         st = batch.snapshot
         if st is not None:
@@ -499,9 +514,11 @@ class PrefixIndex:
             self._pin_node(node)
         elif node is not None:
             outcome = CommitOutcome.ADOPTED
+            self.tally.count_node(node, -1)
             node.active_refs += 1
             node.device_pages = tuple(pages)
             node.device_state = RESIDENT
+            self.tally.count_node(node, +1)
             self._relink(node)
             self._update_dead(node)
         else:
@@ -510,6 +527,7 @@ class PrefixIndex:
             node.active_refs = 1
             node.device_pages = tuple(pages)
             node.device_state = RESIDENT
+            self.tally.count_node(node, +1)
             self._update_dead(parent)
         self.tick += 1
         node.last_access = self.tick
@@ -627,6 +645,7 @@ class PrefixIndex:
             s.tail_pages = tuple(tail_pages)
             s.tail_device_state = RESIDENT
         self.slot_owner[slot] = s
+        self.tally.count_snapshot(s, +1)
         self._attach_snapshot(s)
         self._relink_tail(s)
         if kind in (SnapshotKind.TAP, SnapshotKind.BOUNDARY):
@@ -647,8 +666,10 @@ class PrefixIndex:
             self.counters.image_writes_refused += 1
             return None
         st = SnapshotTransfer(s, s.device_slot, tuple(slabs[:self.image_slabs]))
+        self.tally.count_snapshot(s, -1)
         s.host_slabs = st.slabs
         s.host_state = FILLING
+        self.tally.count_snapshot(s, +1)
         if s.tail_tokens:
             tail_slab = slabs[-1]
             self.host.set_use(tail_slab, SlabUse.TAIL)
@@ -659,7 +680,7 @@ class PrefixIndex:
         self._snap_pins(s, +1)
         batch = WriteBatch(self._next_batch, [], [st])
         self._next_batch += 1
-        self.writes[batch.id] = batch
+        self._open_write(batch)
         return batch
 
     # ------------------------------------------------------------------ release (§7.7)
@@ -684,17 +705,21 @@ class PrefixIndex:
                     if slabs is None:
                         self.counters.block_writes_refused += 1
                         break
+                    self.tally.count_node(node, -1)
                     node.host_slab = slabs[0]
                     node.host_state = FILLING
+                    self.tally.count_node(node, +1)
                     self._node_pins(node, +1)
                     self._dirty_sole_owner(node)
                     blocks.append(BlockTransfer(node, node.device_pages, node.host_slab))
             if blocks:
                 write = WriteBatch(self._next_batch, blocks, [])
                 self._next_batch += 1
-                self.writes[write.id] = write
+                self._open_write(write)
         for node in reversed(seq.nodes):
+            self.tally.count_node(node, -1)
             node.active_refs -= 1
+            self.tally.count_node(node, +1)
             assert node.active_refs >= 0, f"{node!r}: active_refs below zero"
             self._relink(node)
             self._update_dead(node)
@@ -712,10 +737,13 @@ class PrefixIndex:
         assert not batch.landed, f"write batch {batch.id} landed twice"
         batch.landed = True
         del self.writes[batch.id]
+        self.tally.write_bytes -= batch.nbytes
         for bt in sorted(batch.blocks, key=lambda b: -b.node.depth):
             node = bt.node
             assert node.host_state == FILLING, f"landing write of {node!r}: not Filling"
+            self.tally.count_node(node, -1)
             node.host_state = RESIDENT
+            self.tally.count_node(node, +1)
             self._node_pins(node, -1)
             self._dirty_sole_owner(node)
         for st in batch.snapshots:
@@ -862,11 +890,13 @@ class PrefixIndex:
             self._check_bundle(pg)
             assert node.alive and node.device_state == ABSENT and node.host_state == RESIDENT, \
                 f"prefetch of {node!r}: needs a host-only node"
+            self.tally.count_node(node, -1)
             node.device_pages = tuple(pg)
             node.device_state = FILLING
+            self.tally.count_node(node, +1)
             self._node_pins(node, +1)
             batch.blocks.append(BlockTransfer(node, node.device_pages, node.host_slab))
-        self.restores[batch.id] = batch
+        self._open_restore(batch)
         self.counters.prefetches += 1
         self.counters.prefetched_blocks += len(nodes)
         return batch
@@ -881,10 +911,15 @@ class PrefixIndex:
                 node.lru_list.move_to_mru(node)
 
     # ------------------------------------------------------------------ host allocation (§9.3)
+    def grow_host(self, ready_slabs: int) -> int:
+        """The memory layer made slabs up to ``ready_slabs`` usable (a chunk finished pinning):
+        they join the free list. Returns how many were added."""
+        return self.host.grow(ready_slabs)
+
     def _host_alloc(self, k: int, use: SlabUse, owner: object, freed: Freed,
                     bound: float | None = None) -> list[int] | None:
         pool = self.host
-        if k > pool.num_slabs:
+        if k > pool.ready_slabs:  # more than the tier holds now: evicting would not make room
             return None
         while pool.free_slabs < k:
             if self._dead:  # 1. dead KV, leaves first
@@ -974,6 +1009,8 @@ class PrefixIndex:
             f"a page bundle has one page per pool ({self.geometry.num_pools}), got {tuple(pages)}"
 
     def _pin_node(self, node: BlockNode) -> None:
+        if not node.pinned:
+            self.tally.nodes_pinned += 1
         node.active_refs += 1
         if node.lru_list is not None:
             node.lru_list.remove(node)
@@ -986,8 +1023,10 @@ class PrefixIndex:
         self._snap_pins(s, -1)
 
     def _node_pins(self, node: BlockNode, delta: int) -> None:
+        was = node.pinned
         node.restore_pins += delta
         assert node.restore_pins >= 0, f"{node!r}: restore_pins below zero"
+        self.tally.nodes_pinned += node.pinned - was
         self._self_pin(node)
         self._relink(node)
         self._update_dead(node)
@@ -1055,8 +1094,10 @@ class PrefixIndex:
             f"dropping the device copy of {node!r}"
         pages = node.device_pages
         assert pages is not None
+        self.tally.count_node(node, -1)
         node.device_pages = None
         node.device_state = ABSENT
+        self.tally.count_node(node, +1)
         self._relink(node)
         self._update_dead(node)
         return pages
@@ -1065,8 +1106,10 @@ class PrefixIndex:
         assert s.tail_device_state == RESIDENT and s.tail_host_state == RESIDENT and s.restore_pins == 0
         pages = s.tail_pages
         assert pages is not None
+        self.tally.count_snapshot(s, -1)
         s.tail_pages = None
         s.tail_device_state = ABSENT
+        self.tally.count_snapshot(s, +1)
         self._relink_tail(s)
         return pages
 
@@ -1075,8 +1118,10 @@ class PrefixIndex:
         slot = s.device_slot
         self.slot_owner[slot] = None
         self._free_slots.append(slot)
+        self.tally.count_snapshot(s, -1)
         s.device_slot = -1
         s.device_state = ABSENT
+        self.tally.count_snapshot(s, +1)
         self.epoch += 1
 
     def _drop_host_node(self, node: BlockNode, freed: Freed) -> None:
@@ -1086,8 +1131,10 @@ class PrefixIndex:
             return
         self.host.free((node.host_slab,))
         freed.slabs.append(node.host_slab)
+        self.tally.count_node(node, -1)
         node.host_slab = -1
         node.host_state = ABSENT
+        self.tally.count_node(node, +1)
         self._dead.pop(node, None)
         self._relink(node)
         self._dirty_sole_owner(node)
@@ -1099,8 +1146,10 @@ class PrefixIndex:
         if s.host_state == RESIDENT:
             self.host.free(s.host_slabs)
             freed.slabs += s.host_slabs
+            self.tally.count_snapshot(s, -1)
             s.host_slabs = ()
             s.host_state = ABSENT
+            self.tally.count_snapshot(s, +1)
         if s.tail_host_state == RESIDENT:
             self.host.free((s.tail_host_slab,))
             freed.slabs.append(s.tail_host_slab)
@@ -1187,6 +1236,7 @@ class PrefixIndex:
                 self._delete_snapshot(s, freed)
         parent = node.parent
         for n in reversed(order):  # children before parents
+            self.tally.count_node(n, -1)
             if n.lru_list is not None:
                 n.lru_list.remove(n)
             self._dead.pop(n, None)
@@ -1209,6 +1259,7 @@ class PrefixIndex:
 
     def _delete_snapshot(self, s: Snapshot, freed: Freed) -> None:
         assert s.alive and s.restore_pins == 0, f"deleting pinned or dead {s!r}"
+        self.tally.count_snapshot(s, -1)
         s.anchor.snapshots.remove(s)
         if s.superseded:
             del self._superseded[s]
@@ -1282,6 +1333,7 @@ class PrefixIndex:
         self._reown((slab,), SlabUse.NODE, node)
         node.host_slab = slab
         node.host_state = RESIDENT
+        self.tally.count_node(node, +1)
         self._update_dead(node)
         self._update_dead(parent)
         self.epoch += 1
@@ -1308,6 +1360,7 @@ class PrefixIndex:
             self._reown((tail_slab,), SlabUse.TAIL, s)
             s.tail_host_slab = tail_slab
             s.tail_host_state = RESIDENT
+        self.tally.count_snapshot(s, +1)
         self._attach_snapshot(s)
         self.epoch += 1
         return s
@@ -1341,14 +1394,26 @@ class PrefixIndex:
         got = pool.alloc(len(slabs), use, owner)
         assert got is not None and tuple(got) == tuple(slabs), f"reown of slabs {slabs} got {got}"
 
+    def _open_restore(self, batch: RestoreBatch) -> None:
+        batch.nbytes = restore_batch_bytes(batch, self.block_bytes, self.image_bytes)
+        self.restores[batch.id] = batch
+        self.tally.restore_bytes += batch.nbytes
+
+    def _open_write(self, batch: WriteBatch) -> None:
+        batch.nbytes = write_batch_bytes(batch, self.block_bytes, self.image_bytes)
+        self.writes[batch.id] = batch
+        self.tally.write_bytes += batch.nbytes
+
     # ------------------------------------------------------------------ views
     def check_invariants(self) -> None:
         from hpc_cli.cache.invariants import check_invariants
         check_invariants(self)
 
-    def stats(self) -> dict:
-        from hpc_cli.cache.stats import stats
-        return stats(self)
+    def stats(self, *, recount: bool = False) -> dict:
+        """The index as a JSON-able dict (:func:`hpc_cli.cache.stats.summary`, O(1)); with
+        ``recount`` every count is taken by a full walk instead (tests, debugging)."""
+        from hpc_cli.cache import stats
+        return stats.stats(self) if recount else stats.summary(self)
 
 
 def backfill_proof(need_borrower: int, need_head_root: int, free_pages: int, evictable_pages: int,

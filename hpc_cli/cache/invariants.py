@@ -1,7 +1,9 @@
 """check_invariants(): walk the whole index against spec §10 and the accounting of §5 and §9.
 
 Raises AssertionError with a message naming the object and the rule. It is O(everything) and
-meant for tests and debugging, never for the serving path.
+meant for tests and debugging, never for the serving path. It also recounts every gauge the
+index keeps incrementally (``ix.tally``, the host pool's slabs by use) so a missed update is
+caught by any test that checks invariants.
 """
 
 from __future__ import annotations
@@ -252,3 +254,9 @@ def check_invariants(ix: PrefixIndex) -> None:
         assert not b.landed, f"restore batch {b.id} landed but still open"
     for w in ix.writes.values():
         assert not w.landed, f"write batch {w.id} landed but still open"
+
+    # --- the running tally (what stats.summary and the stepping path read) against a recount
+    from hpc_cli.cache.stats import recount
+
+    drift = ix.tally.differences(recount(ix))
+    assert not drift, "index tally drifted from a full recount: " + "; ".join(drift)

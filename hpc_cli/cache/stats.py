@@ -1,5 +1,10 @@
 """Counts and bytes of the index, by kind and residency, as a plain JSON-able dict (for
-metrics and the terminal view), and the running event counters."""
+metrics and the terminal view), and the running event counters.
+
+Two kinds of numbers: the :class:`Tally` of gauges the index keeps up to date as its state
+changes (:func:`summary`, O(1), the stepping path's and /metrics' view), and the walks that
+only a client's request or a test pays for: :func:`recount` / :func:`stats` (every node,
+snapshot and slab), :func:`snapshot_rows` (the terminal view's table), :func:`inflight_bytes`."""
 
 from __future__ import annotations
 
@@ -7,8 +12,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from hpc_cli.cache.tree import ABSENT, FILLING
+
 if TYPE_CHECKING:
-    from hpc_cli.cache.index import PrefixIndex
+    from hpc_cli.cache.index import PrefixIndex, RestoreBatch, WriteBatch
+    from hpc_cli.cache.snapshot import Snapshot
+    from hpc_cli.cache.tree import BlockNode
 
 
 @dataclass(slots=True)
@@ -48,56 +57,115 @@ class Counters:
         return d
 
 
+#: residency names by ``2 * has_device + has_host`` (a live node or image always has a copy)
+RESIDENCY = ("none", "host", "device", "both")
+
+
 def _res(dev: bool, host: bool) -> str:
-    return "both" if dev and host else "device" if dev else "host" if host else "none"
+    return RESIDENCY[2 * dev + host]
+
+
+@dataclass(slots=True)
+class Tally:
+    """Gauges of the index, kept up to date by :class:`~hpc_cli.cache.index.PrefixIndex` where
+    the state they count changes (O(1) per change), so the stepping path never walks the tree,
+    the snapshots or the slabs. ``check_invariants`` compares every field with :func:`recount`.
+
+    Residency is by copy present (Resident or Filling), indexed like :data:`RESIDENCY`."""
+
+    nodes: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    nodes_filling_device: int = 0
+    nodes_filling_host: int = 0
+    nodes_pinned: int = 0  # active_refs or restore_pins
+    snapshots: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # by image residency
+    snapshots_by_kind: Counter = field(default_factory=Counter)
+    snapshots_with_tail: int = 0
+    tail_page_bundles: int = 0  # snapshot tails holding a device page bundle
+    restore_bytes: int = 0  # restores in flight (block bundles, images, tails)
+    write_bytes: int = 0  # write-throughs in flight
+
+    def count_node(self, n: BlockNode, sign: int) -> None:
+        """Add (``sign`` +1) or take away (-1) one node's part."""
+        dev, host = n.device_state, n.host_state
+        self.nodes[2 * (dev != ABSENT) + (host != ABSENT)] += sign
+        if dev == FILLING:
+            self.nodes_filling_device += sign
+        if host == FILLING:
+            self.nodes_filling_host += sign
+        if n.active_refs or n.restore_pins:
+            self.nodes_pinned += sign
+
+    def count_snapshot(self, s: Snapshot, sign: int) -> None:
+        """Add or take away one snapshot's part."""
+        self.snapshots[2 * (s.device_state != ABSENT) + (s.host_state != ABSENT)] += sign
+        self.snapshots_by_kind[s.kind.value] += sign
+        if s.tail_tokens:
+            self.snapshots_with_tail += sign
+        if s.tail_pages is not None:
+            self.tail_page_bundles += sign
+
+    def differences(self, other: Tally) -> list[str]:
+        """The fields in which ``other`` differs, as ``name: mine != theirs``."""
+        out = []
+        for name in self.__slots__:
+            a, b = getattr(self, name), getattr(other, name)
+            if isinstance(a, Counter):  # kinds counted down to zero are absent
+                a, b = ({k: v for k, v in c.items() if v} for c in (a, b))
+            if a != b:
+                out.append(f"{name}: {a} != {b}")
+        return out
+
+
+def recount(index: PrefixIndex) -> Tally:
+    """The :class:`Tally` from a full walk of the tree, the snapshots and the in-flight batches
+    (O(everything): for :func:`check_invariants` and :func:`stats`, never the stepping path)."""
+    t = Tally()
+    for n in index.tree.walk():
+        t.count_node(n, +1)
+    for s in index.snapshots.values():
+        t.count_snapshot(s, +1)
+    b = inflight_bytes(index)
+    t.restore_bytes, t.write_bytes = b["restore_bytes"], b["write_bytes"]
+    return t
+
+
+def summary(index: PrefixIndex) -> dict:
+    """The index as a plain JSON-able dict from its running :class:`Tally` and the pools' own
+    counts: node and snapshot counts by residency and kind, host slabs and bytes by use, device
+    pages cached, LRU and dead-KV lengths, slots, L, the in-flight bytes and the event counters.
+    O(1): what the engine publishes every few hundred milliseconds and /metrics exports."""
+    return _document(index, index.tally, index.host.slabs_by_use())
 
 
 def stats(index: PrefixIndex) -> dict:
-    """A snapshot of the index: node and snapshot counts by residency and kind, host slabs and
-    bytes by use, device pages cached, LRU and dead-KV lengths, slots, L and the counters."""
-    from hpc_cli.cache.tree import ABSENT, FILLING
+    """:func:`summary`'s document with every count taken by a full walk (tests and debugging;
+    the two agree whenever :func:`check_invariants` holds)."""
+    return _document(index, recount(index), index.host.recount_by_use())
 
-    nodes = Counter()
-    filling = Counter()
-    pinned = 0
-    for n in index.tree.walk():
-        nodes[_res(n.device_state != ABSENT, n.host_state != ABSENT)] += 1
-        if n.device_state == FILLING:
-            filling["device"] += 1
-        if n.host_state == FILLING:
-            filling["host"] += 1
-        if n.pinned:
-            pinned += 1
-    snaps_kind = Counter()
-    snaps_res = Counter()
-    tails = 0
-    superseded = 0
-    for s in index.snapshots.values():
-        snaps_kind[s.kind.value] += 1
-        snaps_res[_res(s.device_state != ABSENT, s.host_state != ABSENT)] += 1
-        tails += bool(s.tail_tokens)
-        superseded += s.superseded
+
+def _nonzero(pairs) -> dict:
+    return {k: v for k, v in pairs if v}
+
+
+def _document(index: PrefixIndex, t: Tally, slabs_by_use: dict[str, int]) -> dict:
+    nodes = _nonzero(zip(RESIDENCY, t.nodes))
+    filling = _nonzero((("device", t.nodes_filling_device), ("host", t.nodes_filling_host)))
     host = index.host
-    slabs_by_use = Counter()
-    if host.enabled:
-        for slab in range(host.num_slabs):
-            slabs_by_use[host.use_of(slab).name.lower()] += 1
-    device_pages = nodes["device"] + nodes["both"] + sum(
-        1 for s in index.snapshots.values() if s.tail_pages is not None)
-    slots_used = sum(1 for o in index.slot_owner if o is not None)
+    device_pages = t.nodes[2] + t.nodes[3] + t.tail_page_bundles
+    slots = len(index.slot_owner)
     sb = host.slab_bytes
     return {
-        "nodes": {"total": index.tree.size, **dict(nodes), "filling": dict(filling), "pinned": pinned},
-        "snapshots": {"total": len(index.snapshots), "by_kind": dict(snaps_kind),
-                      "by_residency": dict(snaps_res), "with_tail": tails, "superseded": superseded},
+        "nodes": {"total": index.tree.size, **nodes, "filling": filling, "pinned": t.nodes_pinned},
+        "snapshots": {"total": len(index.snapshots), "by_kind": _nonzero(t.snapshots_by_kind.items()),
+                      "by_residency": _nonzero(zip(RESIDENCY, t.snapshots)),
+                      "with_tail": t.snapshots_with_tail, "superseded": len(index._superseded)},
         "device": {"cached_page_bundles": device_pages, "lru_backed": len(index.lru_backed),
-                   "lru_unbacked": len(index.lru_unbacked), "snapshot_slots": len(index.slot_owner),
-                   "snapshot_slots_used": slots_used,
+                   "lru_unbacked": len(index.lru_unbacked), "snapshot_slots": slots,
+                   "snapshot_slots_used": slots - len(index._free_slots),
                    "block_bytes_cached": device_pages * index.block_bytes,
-                   "image_bytes_cached": sum(1 for o in index.slot_owner if o not in (None, "staging"))
-                   * index.image_bytes},
-        "host": {"slabs": host.num_slabs, "free_slabs": host.free_slabs, "slab_bytes": sb,
-                 "slabs_by_use": dict(slabs_by_use),
+                   "image_bytes_cached": (t.snapshots[2] + t.snapshots[3]) * index.image_bytes},
+        "host": {"slabs": host.num_slabs, "ready_slabs": host.ready_slabs, "free_slabs": host.free_slabs,
+                 "slab_bytes": sb, "slabs_by_use": slabs_by_use,
                  "bytes_by_use": {k: v * sb for k, v in slabs_by_use.items()},
                  "dead_kv_nodes": len(index._dead)},
         "gdsf_L": index.L,
@@ -114,8 +182,6 @@ def snapshot_rows(index: PrefixIndex, limit: int = 16) -> list[dict]:
     while stale), superseded. Read-only and bounded; for the terminal view."""
     import heapq
 
-    from hpc_cli.cache.tree import ABSENT
-
     snaps = list(index.snapshots.values())  # one copy; the walk below never touches the dict
     top = heapq.nlargest(max(0, limit), snaps, key=lambda s: (not s.superseded, s.gdsf_h, s.hits, s.frontier))
     rows = []
@@ -128,18 +194,26 @@ def snapshot_rows(index: PrefixIndex, limit: int = 16) -> list[dict]:
     return rows
 
 
+def restore_batch_bytes(batch: RestoreBatch, block_bytes: int, image_bytes: int) -> int:
+    """Bytes one restore batch moves: its block bundles, the image if restored, the tail."""
+    st = batch.snapshot
+    tail = st is not None and st.tail_pages is not None
+    return (len(batch.blocks) + tail) * block_bytes + (image_bytes if batch.restore_image else 0)
+
+
+def write_batch_bytes(batch: WriteBatch, block_bytes: int, image_bytes: int) -> int:
+    """Bytes one write-through batch moves: block bundles, images (a write carries an image
+    when it has image slabs) and tails."""
+    n = len(batch.blocks) * block_bytes
+    for t in batch.snapshots:
+        n += (image_bytes if t.slabs else 0) + (block_bytes if t.tail_pages is not None else 0)
+    return n
+
+
 def inflight_bytes(index: PrefixIndex) -> dict:
-    """Bytes of the restores and write-throughs in flight (block bundles, images, tails)."""
+    """Bytes of the restores and write-throughs in flight (block bundles, images, tails), summed
+    over the open batches (the tally keeps the same sums as batches open and land)."""
     bb, ib = index.block_bytes, index.image_bytes
-
-    def size(blocks, snaps, image: bool | None) -> int:
-        n = len(blocks) * bb
-        for t in snaps:  # a write carries an image when it has image slabs
-            n += (ib if (image if image is not None else bool(t.slabs)) else 0)
-            n += bb if t.tail_pages is not None else 0
-        return n
-
-    restores = sum(size(b.blocks, [b.snapshot] if b.snapshot else [], b.restore_image)
-                   for b in list(index.restores.values()))
-    writes = sum(size(b.blocks, b.snapshots, None) for b in list(index.writes.values()))
+    restores = sum(restore_batch_bytes(b, bb, ib) for b in list(index.restores.values()))
+    writes = sum(write_batch_bytes(b, bb, ib) for b in list(index.writes.values()))
     return {"restore_bytes": restores, "write_bytes": writes}

@@ -127,6 +127,49 @@ def _warmup_progress():
     return show
 
 
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+def report_host_tier(host, echo, *, follow: bool = True, every_s: float = 5.0):
+    """The host tier's allocation and pinning at startup: one line now and, with ``follow``,
+    a line every ``every_s`` seconds while it pins in the background and one when it ends (from
+    a daemon thread, which it returns). ``host``: the engine's HostSlabStorage."""
+    import threading
+
+    p = host.progress()
+    if p.total_slabs == 0:
+        return None
+    if p.state != "pinning":
+        _echo_host_end(p, echo)
+        return None
+    echo(f"host tier {_gib(p.total_bytes)}: allocating and pinning {p.total_chunks} chunks in the background, "
+         f"first chunk first ({_gib(p.ready_bytes)} ready); serving meanwhile")
+    if not follow:
+        return None
+
+    def watch() -> None:
+        while True:
+            host.wait_ready(host.num_slabs, timeout=every_s)
+            q = host.progress()
+            if q.state != "pinning":
+                _echo_host_end(q, echo)
+                return
+            echo(f"host tier {_gib(q.ready_bytes)} of {_gib(q.total_bytes)} ready "
+                 f"({q.ready_chunks}/{q.total_chunks} chunks, {q.seconds:.1f} s)")
+
+    th = threading.Thread(target=watch, name="hpc-host-tier-progress", daemon=True)
+    th.start()
+    return th
+
+
+def _echo_host_end(p, echo) -> None:
+    if p.state == "ready":
+        echo(f"host tier {_gib(p.total_bytes)} ready ({p.total_chunks} chunks in {p.seconds:.1f} s)")
+    elif p.state == "failed":
+        echo(f"warning: host tier stopped at {_gib(p.ready_bytes)} of {_gib(p.total_bytes)}: {p.error}")
+
+
 def run_server(resolved, log_level: str = "info") -> None:
     """Build the engine, serve until an orderly stop, then return."""
     import uvicorn
@@ -138,6 +181,8 @@ def run_server(resolved, log_level: str = "info") -> None:
     s = resolved.settings
     _log_to_stderr("warning" if s.server.tui and log_level == "info" else log_level)
     engine = Engine.from_settings(resolved, progress=True)
+    echo = lambda msg: click.echo(f"hpc-cli: {msg}", err=True)  # noqa: E731
+    report_host_tier(engine.cache.host, echo, follow=not s.server.tui)
     save_control = None
     if s.cache.prefix_cache_file:
         from hpc_cli.engine.persistence import attach_cache_file

@@ -10,10 +10,12 @@ decoding lane. Cancellation takes effect at the next unit boundary.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -29,6 +31,15 @@ from hpc_cli.engine.sampling import make_generator, prompt_logprobs, sample
 from hpc_cli.errors import EngineError, HpcError, RequestError, UnavailableError
 
 MiB = 1 << 20
+log = logging.getLogger("hpc_cli.engine")
+
+
+@dataclass(slots=True, eq=False)
+class StatsRequest:
+    """A client's request for detailed stats, answered by the worker between two steps."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    result: dict[str, Any] | None = None
 
 
 class Engine:
@@ -103,6 +114,9 @@ class Engine:
         self.on_stop: list[Callable[["Engine"], None]] = []  # run by the worker after the last request
         self._stats_lock = threading.Lock()
         self._stats_snapshot: dict[str, Any] = {}
+        self._serving = False  # lanes or waiting requests (the host tier pins between, not during)
+        # a host chunk finished pinning: wake the worker, which hands its slabs to the index
+        self.cache.host.on_ready = lambda _ready: self._wake.set()
         self.counters = collections.Counter()
         self.ttft = collections.deque(maxlen=2048)  # (monotonic time, seconds)
         self.itl = collections.deque(maxlen=4096)
@@ -264,6 +278,7 @@ class Engine:
             self.ttft.clear()
             self.itl.clear()
         self._wake.set()  # the idle worker publishes the cleared stats before it sleeps again
+        self._wake.set()  # the idle worker publishes the cleared stats before it sleeps again
         self.compile_counts.mark_warm()
         return time.monotonic() - t0
 
@@ -288,11 +303,35 @@ class Engine:
         self._stopped.set()
 
     def stats(self) -> dict[str, Any]:
-        """A recent snapshot of the engine's stats (taken by the worker a few times a second)."""
+        """The engine's stats as the worker last published them: a few times a second while it
+        works, and once more before it sleeps (running counts only, O(1) to take; /metrics)."""
         with self._stats_lock:
             return dict(self._stats_snapshot) if self._stats_snapshot else {}
 
+    def detailed_stats(self, timeout: float = 2.0) -> dict[str, Any]:
+        """Fresh stats with what takes a walk of the cache (the snapshot table), for a client that
+        asks (/v1/cache/stats, ``hpc-cli top``). The worker, the cache's only mutator (spec
+        §10.9), makes them between two steps; this waits up to ``timeout`` seconds and falls back
+        to :meth:`stats` when the worker does not answer in time. Without a running worker they
+        are made on the calling thread."""
+        th = self._thread
+        if th is None or not th.is_alive():
+            return self._take_stats(detailed=True)
+        req = StatsRequest()
+        self._inbox.put(("stats", req))
+        self._wake.set()
+        if req.done.wait(timeout) and req.result is not None:
+            return req.result
+        return self.stats()
+
     # ------------------------------------------------------------------ the worker
+    #: the published stats are refreshed at most this often while the engine works
+    STATS_PERIOD_S = 0.2
+    #: nothing to step but transfers in flight: how often they are polled
+    TRANSFER_POLL_S = 0.001
+    #: lanes or waiting requests but no step possible this round: when to look again
+    RECHECK_S = 0.05
+
     def _run(self) -> None:
         last_stats = 0.0
         try:
@@ -303,15 +342,27 @@ class Engine:
                     raise EngineError(self.cache.failed, hint="check the device; restart the server")
                 self._admit()
                 worked = self._step()
+                busy = bool(self._lanes or self._waiting)
+                self._serve_or_pin(busy)
                 now = time.monotonic()
-                if now - last_stats > 0.2:
-                    self._take_stats()
-                    last_stats = now
-                if not worked:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
+                if worked or busy or self.cache.transfers_pending:
+                    if now - last_stats > self.STATS_PERIOD_S:
+                        self._take_stats()
+                        last_stats = now
+                    if not worked:  # poll transfers only while some are pending
+                        self._wake.wait(self.TRANSFER_POLL_S if self.cache.transfers_pending else self.RECHECK_S)
+                        self._wake.clear()
+                    continue
+                # idle: publish the stats as they are, then sleep until submit, cancel, stop, a
+                # stats request or a host chunk wakes the worker (no polling: an idle server
+                # uses no CPU)
+                self._take_stats()
+                last_stats = now
+                self._wake.wait()
+                self._wake.clear()
             self._shutdown("unavailable", "the server is stopping")
             self.cache.drain()
+            self.cache.host.stop_growth()
             self._take_stats()
             for hook in self.on_stop:
                 hook(self)
@@ -322,6 +373,7 @@ class Engine:
                 self.cache.drain()
             except Exception:  # pragma: no cover - a broken device may fail the wait too
                 pass
+            self.cache.host.stop_growth()
             self._take_stats()
         finally:
             self._stopping.set()
@@ -357,6 +409,28 @@ class Engine:
                 lane = self._by_id.get(item)
                 if lane is not None:
                     lane.finish_reason = lane.finish_reason or "cancelled"
+            elif kind == "stats":
+                self._answer_stats(item)
+
+    def _answer_stats(self, req: "StatsRequest") -> None:
+        """A client's detailed stats, made between steps; a failure answers None (the caller
+        falls back to the published stats) and never stops the worker."""
+        try:
+            req.result = self._take_stats(detailed=True)
+        except Exception:  # noqa: BLE001 - stats must never take the engine down
+            log.exception("detailed stats failed")
+        finally:
+            req.done.set()
+
+    def _serve_or_pin(self, busy: bool) -> None:
+        """The host tier pins its next chunk only while nothing is served (a registration stalls
+        every CUDA call of the process); tell it when that changes."""
+        if busy != self._serving:
+            self._serving = busy
+            if busy:
+                self.cache.host.may_pin.clear()
+            else:
+                self.cache.host.may_pin.set()
 
     def _admit(self) -> None:
         while self._waiting:
@@ -540,8 +614,10 @@ class Engine:
             self._emit_finish(lane)
 
     # ------------------------------------------------------------------ stats
-    def _take_stats(self) -> None:
-        cache = self.cache.stats()
+    def _take_stats(self, *, detailed: bool = False) -> dict[str, Any]:
+        """Publish the stats (running counts: O(1) in the size of the cache) and return them;
+        ``detailed`` returns them with the snapshot table as well (a walk; clients only)."""
+        cache = self.cache.stats(detailed=detailed)
         now = time.monotonic()
         recent = [t for at, t in self.ttft if now - at <= 60]
         snap = {
@@ -559,8 +635,12 @@ class Engine:
         if self.spec is not None:
             snap["speculative"] = self.spec.stats()
         snap["settings"] = self._settings_meta()
+        published = snap
+        if detailed:
+            published = dict(snap, cache={k: v for k, v in cache.items() if k != "top_snapshots"})
         with self._stats_lock:
-            self._stats_snapshot = snap
+            self._stats_snapshot = published
+        return snap
 
     def _settings_meta(self) -> dict[str, Any]:
         """The names a client shows next to the stats (``hpc-cli top``'s header)."""

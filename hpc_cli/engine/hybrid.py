@@ -19,7 +19,7 @@ from typing import Any
 from hpc_cli.cache.index import CacheGeometry, CommitOutcome, PrefixIndex, Readiness, StaleQuote
 from hpc_cli.cache.keys import BLOCK_TOKENS, token_bytes
 from hpc_cli.cache.snapshot import SnapshotKind
-from hpc_cli.cache.stats import inflight_bytes, snapshot_rows
+from hpc_cli.cache.stats import snapshot_rows
 from hpc_cli.cache.taps import Placement, Tap, TapHint as PlannerHint, TapPlanner, TapSource
 from hpc_cli.engine.api import TapHint
 from hpc_cli.engine.lane import Lane
@@ -69,6 +69,10 @@ def _common_prefix(a: Lane, b: Lane) -> int:
 
 
 class HybridBinding:
+    #: how long construction waits for the host tier's first chunk (allocation is lazy on the
+    #: CPU, so it is there at once; a pinned 4 GiB chunk takes ~1.5 s on an H200 and joins later)
+    FIRST_CHUNK_WAIT_S = 0.1
+
     def __init__(self, model: Any, storage: Any, states: Any, *, lanes: int, snapshot_slots: int,
                  host_bytes: int, reuse: bool, planner: TapPlanner, transfer_factory=None,
                  coalesce: bool = False, coalesce_wait_limit: float = 300.0,
@@ -92,11 +96,15 @@ class HybridBinding:
         slab = self.layout.slab_bytes
         image_bytes = states.image_bytes
         num_slabs = host_bytes // slab if (reuse and host_bytes) else 0
+        # the host tier is allocated and pinned in the background, first chunk first (§5.4);
+        # the slabs of each chunk join the index at the first poll() after it is ready (the
+        # engine sets host.on_ready to wake its worker for that)
+        self.host = HostSlabStorage(slab, num_slabs, background=True)
+        self.host.wait_ready(self.host.slabs_per_chunk, timeout=self.FIRST_CHUNK_WAIT_S)
         self.index = PrefixIndex(CacheGeometry(block_bytes=self.layout.record_bytes, image_bytes=image_bytes,
                                                device_snapshot_slots=self.D, host_bytes=num_slabs * slab,
-                                               slab_bytes=slab))
+                                               slab_bytes=slab), host_ready_slabs=self.host.ready_slabs)
         self.pool = DeviceKVPool(storage, evictable=self.index.evictable_pages)
-        self.host = HostSlabStorage(slab, num_slabs)
         make = transfer_factory or TransferEngine
         from hpc_cli.memory.transfer import layer_order_for_shape
 
@@ -463,8 +471,30 @@ class HybridBinding:
             tails=[(st.tail_pages[0], st.tail_slab) for st in batch.snapshots if st.tail_pages is not None])
         self.jobs[job.job_id] = ("write", batch)
 
+    def grow_host(self) -> int:
+        """Hand the index the host slabs whose chunks finished pinning since the last call
+        (O(1) when none did). Returns how many were added."""
+        ready = self.host.ready_slabs
+        if ready == self.index.host.ready_slabs:
+            return 0
+        return self.index.grow_host(ready)
+
+    def wait_host(self, slabs: int, timeout: float | None = None) -> int:
+        """Wait for ``slabs`` host slabs to be ready (or the allocation to stop short), hand them
+        to the index and return how many are ready (the cache file load before start)."""
+        ready = self.host.wait_ready(slabs, timeout)
+        self.grow_host()
+        return ready
+
+    @property
+    def transfers_pending(self) -> int:
+        """Copies enqueued and not yet landed (the worker polls only while some are)."""
+        return self.transfer.pending
+
     def poll(self, completions=None) -> None:
-        """Land finished transfers (spec §10.9: residency changes only here or at commit)."""
+        """Land finished transfers (spec §10.9: residency changes only here or at commit); pick
+        up host chunks that became ready."""
+        self.grow_host()
         for c in (self.transfer.poll() if completions is None else completions):
             kind, batch = self.jobs.pop(c.job_id)
             if self._prefetch is not None and self._prefetch.job_id == c.job_id:
@@ -508,11 +538,19 @@ class HybridBinding:
         self.index.check_invariants()
         self.pool.check_invariants()
 
-    def stats(self) -> dict[str, Any]:
-        return {"index": self.index.stats(), "pool": self.pool.counts(), "pages": self.pool.num_pages,
-                "snapshot_slots": self.D, "lanes_free": len(self.free_active),
-                "host_slabs": self.host.num_slabs, "slab_bytes": self.host.slab_bytes,
-                "page_bytes": self.storage.page_bytes, "image_bytes": self.image_bytes,
-                "transfers_pending": self.transfer.pending,
-                "top_snapshots": snapshot_rows(self.index, 16), "inflight": inflight_bytes(self.index),
-                **self.counters}
+    def stats(self, *, detailed: bool = False) -> dict[str, Any]:
+        """The cache's stats from running counts (O(1): the worker publishes them a few times a
+        second and /metrics exports them). ``detailed`` adds what takes a walk, the snapshot
+        table (``top_snapshots``): only for a client's request, served by the worker."""
+        t = self.index.tally
+        out = {"index": self.index.stats(), "pool": self.pool.counts(), "pages": self.pool.num_pages,
+               "snapshot_slots": self.D, "lanes_free": len(self.free_active),
+               "host_slabs": self.host.num_slabs, "slab_bytes": self.host.slab_bytes,
+               "host_tier": self.host.progress().as_dict(),
+               "page_bytes": self.storage.page_bytes, "image_bytes": self.image_bytes,
+               "transfers_pending": self.transfer.pending,
+               "inflight": {"restore_bytes": t.restore_bytes, "write_bytes": t.write_bytes},
+               **self.counters}
+        if detailed:
+            out["top_snapshots"] = snapshot_rows(self.index, 16)
+        return out

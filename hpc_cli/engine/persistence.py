@@ -152,8 +152,13 @@ def load_cache_file(engine: Any, path: str | Path, *, progress: bool = True) -> 
             ("host geometry differs in " + ", ".join(gdiff))
         return report
     assert not index.snapshots and index.tree.size == 0, "load into a cache that already holds entries"
-    free = index.host.free_slabs
+    # The host tier may still be pinning in the background: plan with every slab it will hold,
+    # wait for the chunks the plan needs, and plan again with what is there if it stopped short.
+    free = index.host.free_slabs + index.host.pending_slabs
     plan = persist.plan_host_restore(cf, free, index.cost)
+    if plan.snapshots and cache.wait_host(plan.slabs) < plan.slabs:
+        free = index.host.free_slabs
+        plan = persist.plan_host_restore(cf, free, index.cost)
     report.need_host_bytes = plan.total_slabs * cf.geometry.slab_bytes
     if not plan.snapshots:
         report.status = "not_restored"

@@ -1,7 +1,8 @@
 """The FastAPI application: ``create_app(engine, settings)``.
 
 Routes: ``/health``, ``/metrics`` (Prometheus text or OpenMetrics, :mod:`.metrics`),
-``/v1/cache/stats`` (the engine's stats JSON), ``/v1/models``, ``/v1/completions``,
+``/v1/cache/stats`` (the engine's stats JSON with the snapshot table, made by its worker on
+request), ``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions`` (OpenAI, :mod:`.openai`) and ``/v1/messages`` (Anthropic,
 :mod:`.anthropic`). Every ``/v1`` route requires
 ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key``) when an API key is set. Errors come
@@ -18,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hpc_cli.engine.api import GenerationRequest, RequestHandle
@@ -160,7 +162,8 @@ def create_app(engine: Any, settings: Any, stop_controller: Any = None) -> FastA
     @app.get("/v1/cache/stats")
     async def cache_stats(request: Request):
         state.authorize(request)
-        return JSONResponse(_engine_stats(state) or {})
+        # the worker answers between two steps: wait for it off the event loop
+        return JSONResponse(await run_in_threadpool(_detailed_stats, state) or {})
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -180,3 +183,16 @@ def _engine_stats(state: ServerState) -> dict | None:
     except Exception as exc:  # stats must never take /metrics down
         log.warning("engine.stats() failed: %s", exc)
         return None
+
+
+def _detailed_stats(state: ServerState) -> dict | None:
+    """``engine.detailed_stats()`` (fresh, with the snapshot table); an engine without it
+    serves its published stats."""
+    detailed = getattr(state.engine, "detailed_stats", None)
+    if detailed is None:
+        return _engine_stats(state)
+    try:
+        return detailed()
+    except Exception as exc:  # stats must never take the route down
+        log.warning("engine.detailed_stats() failed: %s", exc)
+        return _engine_stats(state)

@@ -311,29 +311,28 @@ def build_view(stats: dict, source: str = "") -> View:
 # ---------------------------------------------------------------------------------------------
 # Sources and the rolling history
 # ---------------------------------------------------------------------------------------------
-def engine_source(engine: Any, settings: Any = None, *, rows: int = 12) -> Callable[[], dict]:
-    """Stats from an engine in this process: its published snapshot (taken by the worker a few
-    times a second), plus the snapshot rows and in-flight bytes when the stats lack them (a
-    bounded read-only walk; the worker is never waited on), plus the settings' names."""
+def engine_source(engine: Any, settings: Any = None, *, rows: int = 12,
+                  timeout: float = 0.25) -> Callable[[], dict]:
+    """Stats from an engine in this process: ``engine.detailed_stats()`` (made by its worker
+    between two steps, snapshot rows included; waited for at most ``timeout`` seconds, else
+    the published stats with the rows of the last frame that had them), plus the settings'
+    names. The view never reads the cache itself: the worker is its only mutator (spec §10.9)."""
     meta = settings_meta(settings)
+    last_rows: list = []
 
     def read() -> dict:
-        stats = dict(engine.stats() or {})
+        nonlocal last_rows
+        detailed = getattr(engine, "detailed_stats", None)
+        stats = dict((detailed(timeout) if detailed is not None else engine.stats()) or {})
         if meta:
             stats.setdefault("settings", meta)
         cache = stats.get("cache")
-        index = getattr(getattr(engine, "cache", None), "index", None)
-        if isinstance(cache, dict) and index is not None:
-            from hpc_cli.cache.stats import inflight_bytes, snapshot_rows
-
+        if isinstance(cache, dict):
             cache = dict(cache)
-            for key, fn in (("top_snapshots", lambda: snapshot_rows(index, rows)),
-                            ("inflight", lambda: inflight_bytes(index))):
-                if key not in cache:
-                    try:
-                        cache[key] = fn()
-                    except Exception:  # racing the worker: skip this frame's rows
-                        pass
+            if isinstance(cache.get("top_snapshots"), list):
+                cache["top_snapshots"] = last_rows = cache["top_snapshots"][:rows]
+            elif last_rows:
+                cache["top_snapshots"] = last_rows
             stats["cache"] = cache
         return stats
 

@@ -44,3 +44,23 @@ def test_budget_smaller_than_one_snapshot_plus_one_block_is_rejected():
     assert ok.num_slabs == 4
     off = HostSlabPool(0, 4096, 10000)  # 0 disables the host tier
     assert not off.enabled and off.alloc(1, SlabUse.NODE, "x") is None
+
+
+def test_pool_hands_out_only_ready_slabs_first_slabs_first():
+    """A tier pinned in the background: the free list grows as chunks are ready, under the
+    slabs already free, so a fresh pool still goes 0, 1, 2, ...; per-use counts follow."""
+    pool = HostSlabPool(10 * 4096, 4096, 3 * 4096, chunk_bytes=4 * 4096, ready_slabs=0)
+    assert pool.num_slabs == 10 and pool.ready_slabs == 0 and pool.free_slabs == 0 and pool.enabled
+    assert pool.alloc(1, SlabUse.NODE, "a") is None and pool.slabs_by_use() == {}
+    assert pool.grow(4) == 4 and pool.pending_slabs == 6
+    a = pool.alloc(3, SlabUse.NODE, "a")
+    assert a == [0, 1, 2] and pool.alloc(2, SlabUse.IMAGE, "b") is None
+    pool.free([1])
+    assert pool.grow(8) == 4 and pool.grow(5) == 0  # never shrinks
+    got = pool.alloc(6, SlabUse.IMAGE, "c")
+    assert got == [1, 3, 4, 5, 6, 7] and pool.free_slabs == 0
+    pool.set_use(7, SlabUse.TAIL)
+    assert pool.slabs_by_use() == {"node": 2, "image": 5, "tail": 1} == pool.recount_by_use()
+    pool.check()
+    assert pool.grow(99) == 2 and pool.ready_slabs == 10 and pool.alloc(2, SlabUse.NODE, "d") == [8, 9]
+    pool.check()

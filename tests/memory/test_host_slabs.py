@@ -154,3 +154,124 @@ def test_image_pieces_cover_the_image_in_order():
     # a part in the middle of the image
     mid = h.image_pieces(slabs, 5000, 4000)
     assert [(v.numel(), o) for v, o in mid] == [(4000, 5000)]
+
+
+# -- allocation and pinning in the background ---------------------------------------------------
+def _gated_alloc(monkeypatch, n, fail_at=None):
+    """Make chunk ``k``'s allocation wait for ``gates[k]`` (and raise at ``fail_at``)."""
+    import threading
+
+    gates = [threading.Event() for _ in range(n)]
+    sizes: list[int] = []
+    real = HostSlabStorage._alloc_chunk
+
+    def alloc(self, nbytes):
+        k = len(sizes)
+        sizes.append(nbytes)
+        assert gates[k].wait(10), f"chunk {k} never released"
+        if k == fail_at:
+            raise CapacityError(f"cannot pin chunk {k}: out of locked memory")
+        return real(self, nbytes)
+
+    monkeypatch.setattr(HostSlabStorage, "_alloc_chunk", alloc)
+    return gates, sizes
+
+
+def test_background_chunks_become_usable_in_order(monkeypatch):
+    from hpc_cli.cache.host import HostSlabPool, SlabUse
+
+    sb = 4096
+    gates, sizes = _gated_alloc(monkeypatch, 3)
+    seen: list[int] = []
+    h = HostSlabStorage(sb, 10, pin=False, chunk_bytes=4 * sb, background=True, on_ready=seen.append)
+    pool = HostSlabPool(10 * sb, sb, 2 * sb, chunk_bytes=4 * sb, ready_slabs=h.ready_slabs)
+    assert h.ready_slabs == 0 and h.chunks == [] and h.progress().state == "pinning"
+    assert pool.alloc(1, SlabUse.NODE, "x") is None  # nothing is handed out before its chunk
+    gates[0].set()
+    assert h.wait_ready(4, timeout=5) == 4
+    pool.grow(h.ready_slabs)
+    assert pool.alloc(4, SlabUse.NODE, "x") == [0, 1, 2, 3]
+    h.slab_view(3).fill_(7)  # the first chunk is usable while the others are not there yet
+    assert h.wait_ready(5, timeout=0.1) == 4 and pool.alloc(1, SlabUse.NODE, "y") is None
+    gates[1].set()
+    gates[2].set()
+    assert h.wait_ready(10, timeout=5) == 10
+    pool.grow(h.ready_slabs)
+    assert pool.alloc(6, SlabUse.IMAGE, "z") == [4, 5, 6, 7, 8, 9]
+    assert seen == [4, 8, 10] and sizes == [4 * sb, 4 * sb, 2 * sb]
+    p = h.progress()
+    assert (p.state, p.ready_bytes, p.total_bytes, p.ready_chunks, p.total_chunks) == ("ready", 10 * sb, 10 * sb, 3, 3)
+    assert [c.numel() for c in h.chunks] == sizes and h.slab_view(3).eq(7).all()
+    h.close()
+    assert h.progress().state == "closed" and h.chunks == []
+
+
+def test_background_pinning_waits_for_an_idle_engine_at_most_defer_s(monkeypatch):
+    import time
+
+    sb = 4096
+    gates, _ = _gated_alloc(monkeypatch, 3)
+    h = HostSlabStorage(sb, 12, pin=False, chunk_bytes=4 * sb, background=True, defer_s=30)
+    h.may_pin.clear()  # the engine serves: the next chunk waits
+    gates[0].set()
+    gates[1].set()
+    assert h.wait_ready(4, timeout=5) == 4
+    assert h.wait_ready(8, timeout=0.3) == 4
+    h.may_pin.set()  # idle again
+    assert h.wait_ready(8, timeout=5) == 8
+    h.may_pin.clear()
+    h.defer_s = 0.2  # a chunk waits this long at most, then is pinned anyway
+    gates[2].set()
+    t0 = time.monotonic()
+    assert h.wait_ready(12, timeout=5) == 12 and time.monotonic() - t0 < 4
+
+
+def test_a_failed_chunk_stops_the_growth_and_says_so(monkeypatch, caplog):
+    import logging
+
+    sb = 4096
+    gates, _ = _gated_alloc(monkeypatch, 3, fail_at=1)
+    seen: list[int] = []
+    h = HostSlabStorage(sb, 10, pin=False, chunk_bytes=4 * sb, background=True, on_ready=seen.append)
+    with caplog.at_level(logging.WARNING, logger="hpc_cli.memory"):
+        for g in gates:
+            g.set()
+        assert h.wait_ready(10, timeout=5) == 4  # returns as soon as the growth ended
+        h._thread.join(5)
+    p = h.progress()
+    assert p.state == "failed" and p.ready_bytes == 4 * sb and "out of locked memory" in p.error
+    assert p.as_dict()["error"] == p.error and seen == [4, 4]
+    assert "stopped growing" in caplog.text and "out of locked memory" in caplog.text
+    h.slab_view(0).fill_(1)  # the chunks it has stay usable
+
+
+def test_a_failed_background_allocation_names_the_size(monkeypatch):
+    calls = []
+    real = torch.empty
+
+    def empty(*a, **k):
+        calls.append(a)
+        if len(calls) == 2:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real(*a, **k)
+
+    monkeypatch.setattr(host_slabs.torch, "empty", empty)
+    h = HostSlabStorage(4096, 8, pin=False, chunk_bytes=4 * 4096, background=True)
+    assert h.wait_ready(8, timeout=5) == 4
+    h._thread.join(5)
+    assert h.progress().state == "failed" and "cannot allocate the host cache" in h.error
+
+
+def test_close_during_background_allocation_publishes_nothing_more(monkeypatch):
+    import threading
+
+    sb = 4096
+    gates, _ = _gated_alloc(monkeypatch, 3)
+    h = HostSlabStorage(sb, 12, pin=False, chunk_bytes=4 * sb, background=True)
+    gates[0].set()
+    assert h.wait_ready(4, timeout=5) == 4
+    threading.Timer(0.2, gates[1].set).start()  # chunk 1 is being allocated while close() runs
+    h.stop_growth()
+    h._thread.join(5)
+    assert not h._thread.is_alive() and h.ready_slabs == 4 and len(h.chunks) == 1
+    assert h.progress().state == "stopped" and len(h.device_ptrs) == 1

@@ -109,7 +109,8 @@ def test_damaged_file_loads_nothing_and_says_why(model, saved, tmp_path):
 
 def test_fatal_engine_saves_nothing(model, tmp_path):
     path = tmp_path / "prefix.bin"
-    path.write_bytes(b"previous")
+    previous = persist.MAGIC + b"previous"  # a damaged prefix cache file
+    path.write_bytes(previous)
     e = Engine(model, **KW)
     r = attach_cache_file(e, path, progress=False)
     assert r.status == "damaged"
@@ -124,10 +125,10 @@ def test_fatal_engine_saves_nothing(model, tmp_path):
     e._thread.join(10)
     assert e.fatal
     e.stop()
-    assert path.read_bytes() == b"previous" and r.control.result is None
+    assert path.read_bytes() == previous and r.control.result is None
     # the hook itself refuses too
     e.on_stop[0](e)
-    assert r.control.result.startswith("skipped") and path.read_bytes() == b"previous"
+    assert r.control.result.startswith("skipped") and path.read_bytes() == previous
 
 
 def test_abandon_before_stop_keeps_previous_file(model, saved, tmp_path):
@@ -144,3 +145,83 @@ def test_abandon_before_stop_keeps_previous_file(model, saved, tmp_path):
     assert r.control.finished.wait(2) and r.control.result == "abandoned"
     assert mine.read_bytes() == path.read_bytes()
     assert [p.name for p in tmp_path.iterdir()] == ["p.bin"]
+
+
+def test_restart_waits_for_the_chunks_the_file_needs(model, saved, monkeypatch):
+    """The host tier pins in the background; the load waits for the chunks it needs, then the
+    restart reuses it as before."""
+    import time
+
+    from hpc_cli.memory.host_slabs import HostSlabStorage
+
+    path, p3, want = saved
+    real = HostSlabStorage._alloc_chunk
+
+    def slow(self, nbytes):
+        time.sleep(0.4)  # longer than the engine waits for the first chunk
+        return real(self, nbytes)
+
+    monkeypatch.setattr(HostSlabStorage, "_alloc_chunk", slow)
+    b = Engine(model, **KW)
+    assert b.cache.index.host.ready_slabs == 0 and b.cache.host.progress().state == "pinning"
+    rb = attach_cache_file(b, path, progress=False, save=False)
+    assert rb.status == "restored" and rb.snapshots >= 1, rb
+    assert b.cache.index.host.ready_slabs == b.cache.host.num_slabs
+    b.check_invariants()
+    b.start()
+    got, fin = gen(b, p3)
+    b.stop()
+    b.check_invariants()
+    assert fin.usage.reuse_tokens > 0 and got == want
+
+
+def test_mismatched_file_is_kept_aside_not_replaced(model, saved, tmp_path):
+    """Another engine's cache (here another prefill signature) is never overwritten: the save
+    moves it to prefix.bin.old-<fingerprint> and writes this engine's file."""
+    from hpc_cli.engine.persistence import file_tag
+
+    path, _, _ = saved
+    mine = tmp_path / "prefix.bin"
+    mine.write_bytes(path.read_bytes())
+    tag = file_tag(mine)
+    e = Engine(model, **{**KW, "prefill_chunk": 64})
+    r = attach_cache_file(e, mine, progress=False)
+    assert r.status == "mismatch"
+    e.start()
+    gen(e, toks(200, 12))
+    e.stop()
+    assert r.control.result == "saved"
+    kept = tmp_path / f"prefix.bin.old-{tag}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prefix.bin", kept.name]
+    assert kept.read_bytes() == path.read_bytes()
+    assert persist.open_cache_file(mine).fingerprint == engine_fingerprint(e)
+    assert len(tag) == 12 and file_tag(mine) != tag
+
+
+def test_abandoned_save_puts_the_kept_file_back(model, saved, tmp_path):
+    path, _, _ = saved
+    mine = tmp_path / "prefix.bin"
+    mine.write_bytes(path.read_bytes())
+    e = Engine(model, **{**KW, "prefill_chunk": 64})
+    r = attach_cache_file(e, mine, progress=False)
+    e.start()
+    r.control.abandon.set()
+    e.stop()
+    assert r.control.result == "abandoned"
+    assert [p.name for p in tmp_path.iterdir()] == ["prefix.bin"] and mine.read_bytes() == path.read_bytes()
+
+
+def test_other_data_is_refused_and_left_alone(model, tmp_path):
+    from hpc_cli.errors import CacheFileError
+
+    path = tmp_path / "prefix.bin"
+    data = random.Random(7).randbytes(100_000)
+    path.write_bytes(data)
+    e = Engine(model, **KW)
+    with pytest.raises(CacheFileError, match="holds other data") as exc:
+        attach_cache_file(e, path, progress=False)
+    assert "--prefix-cache-file" in exc.value.hint
+    assert path.read_bytes() == data and e.on_stop == []
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    assert attach_cache_file(e, empty, progress=False).status == "damaged"  # nothing to keep: replaced
