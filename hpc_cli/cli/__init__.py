@@ -11,6 +11,7 @@ import sys
 import click
 
 from hpc_cli import __version__
+from hpc_cli.cli.groups import HelpGroup
 from hpc_cli.errors import HpcError
 
 
@@ -26,7 +27,7 @@ class HpcClickError(click.ClickException):
         click.echo(self.error.render(), err=True)
 
 
-class HpcGroup(click.Group):
+class HpcGroup(HelpGroup):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)

@@ -11,10 +11,12 @@ from typing import Any
 
 import click
 from rich.table import Table
+from rich.text import Text
 from rich.tree import Tree
 
 from hpc_cli.cache import persist
-from hpc_cli.cli.output import console, echo_json
+from hpc_cli.cli.groups import HelpGroup
+from hpc_cli.cli.output import console, echo_json, print_table, stdout_is_terminal
 from hpc_cli.errors import CacheFileError
 
 MiB = 1 << 20
@@ -66,7 +68,44 @@ def profile_check(cf: persist.CacheFile, profile: str) -> dict[str, Any]:
             "checked_at_load": ["geometry", "kv_global_scales", "prefill_signature", "rope", "checkpoint_files"]}
 
 
-@click.group("cache")
+TREE_LIMIT = 200  # tree nodes drawn; the rest are counted
+
+
+def block_tree(cf: persist.CacheFile, limit: int = TREE_LIMIT) -> Tree:
+    """The file's block tree as a rich tree: a node per block that branches or anchors snapshots,
+    runs of single-child blocks without snapshots folded into the node that ends them."""
+    kids: dict[int, list[int]] = {}
+    for i, b in enumerate(cf.blocks):
+        kids.setdefault(b.parent, []).append(i)
+    anchored: dict[int, list[persist.FileSnapshot]] = {}
+    for snap in cf.snapshots:
+        anchored.setdefault(snap.anchor, []).append(snap)
+
+    def label(i: int, folded: int) -> Text:
+        tags = ", ".join(f"{s.kind.value}@{s.frontier} (hits {s.hits})" for s in anchored.get(i, []))
+        text = f"block {i}" if i >= 0 else "root"
+        if folded:
+            text = f"+{folded} blocks → {text}"
+        return Text(text + (f"  ({tags})" if tags else ""))
+
+    root = Tree(label(-1, 0), highlight=False)
+    drawn = 0
+    stack: list[tuple[int, Tree]] = [(c, root) for c in reversed(kids.get(-1, []))]
+    while stack and drawn < limit:
+        i, parent = stack.pop()
+        folded = 0
+        while len(kids.get(i, [])) == 1 and i not in anchored:
+            i = kids[i][0]
+            folded += 1
+        node = parent.add(label(i, folded))
+        drawn += 1
+        stack += [(c, node) for c in reversed(kids.get(i, []))]
+    if stack:
+        root.add(Text(f"… {len(stack)} more branches"))
+    return root
+
+
+@click.group("cache", cls=HelpGroup)
 def cache_group() -> None:
     """Prefix cache files (--prefix-cache-file)."""
 
@@ -111,7 +150,7 @@ def inspect_command(file: Path, profile: str | None, show_tree: bool, as_json: b
     g = summ["geometry"]
     t.add_row("geometry", f"slab {g['slab_bytes']} B, image {g['image_bytes']} B ({g['image_slabs']} slabs), "
                           f"block {g['block_bytes']} B")
-    con.print(t)
+    print_table(t, con)
     c = Table(title="contents")
     for col in ("what", "count", "bytes"):
         c.add_column(col, justify="left" if col == "what" else "right")
@@ -119,7 +158,7 @@ def inspect_command(file: Path, profile: str | None, show_tree: bool, as_json: b
     for kind, d in sorted(summ["snapshots"]["by_kind"].items()):
         c.add_row(f"snapshots: {kind} ({d['tailed']} with tail)", str(d["count"]), _mib(d["bytes"]))
     c.add_row("all slabs", str(summ["slabs"]), _mib(summ["slab_bytes_total"]))
-    con.print(c)
+    print_table(c, con)
     tr = summ["tree"]
     con.print(f"tree: depth {tr['depth_blocks']} blocks, {tr['roots']} roots, {tr['leaves']} leaves, "
               f"max fan-out {tr['max_fanout']}, {tr['branching_nodes']} branching nodes")
@@ -129,12 +168,9 @@ def inspect_command(file: Path, profile: str | None, show_tree: bool, as_json: b
             v.add_column(col, justify="right")
         for r in summ["top_snapshots"]:
             v.add_row(str(r["index"]), r["kind"], str(r["frontier"]), str(r["hits"]), f"{r['density']:.3e}")
-        con.print(v)
+        print_table(v, con)
     if show_tree:
-        root = Tree("root")
-        for line in summ["tree_lines"]:
-            root.add(line)
-        con.print(root)
+        con.print(block_tree(cf))
     pc = summ.get("profile_check")
     if pc is not None:
         if pc["would_load"]:
@@ -155,7 +191,7 @@ def verify_command(file: Path, as_json: bool) -> None:
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     with Progress("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  transient=True, console=console(), disable=as_json) as bar:
+                  transient=True, console=console(), disable=as_json or not stdout_is_terminal()) as bar:
         task = bar.add_task("verifying", total=total)
         problems = persist.verify_slabs(cf, on_bytes=lambda n: bar.advance(task, n))
     if problems:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from hpc_cli.cli.output import console, echo_json
+from hpc_cli.cli.groups import HelpGroup
+from hpc_cli.cli.output import echo_json, print_table
 from hpc_cli.settings import env_var, load_settings
 
 
-@click.group("config")
+@click.group("config", cls=HelpGroup)
 def config_group() -> None:
     """Profile files: effective values, where they come from, validation."""
 
@@ -39,13 +40,21 @@ def show_command(profile: str | None, sources: bool, as_json: bool) -> None:
         if sources:
             row += [r.sources[key], env_var(key)]
         table.add_row(*row)
-    console().print(table)
+    print_table(table)
 
 
 @config_group.command("validate")
 @click.argument("file")
 def validate_command(file: str) -> None:
-    """Check a profile file (and the environment) without starting anything."""
+    """Check a profile file (and the environment) without starting anything: every bad value,
+    unknown plugin name and missing path, all reported at once."""
+    from hpc_cli.profile_check import ProfileProblems, check_profile
+
+    problems = check_profile(file)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ProfileProblems(problems)
     r = load_settings(file)
     s = r.settings
     click.echo(f"ok: {r.profile_path}: model {s.model.name}, kv {s.kv.profile}, "

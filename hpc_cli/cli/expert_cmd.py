@@ -13,12 +13,13 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from hpc_cli.cli.output import console, echo_json
+from hpc_cli.cli.groups import HelpGroup
+from hpc_cli.cli.output import console, echo_json, print_table
 from hpc_cli.errors import ConfigError
 from hpc_cli.model import expert_profile as ep
 
 
-@click.group("expert")
+@click.group("expert", cls=HelpGroup)
 def expert_group() -> None:
     """MoE expert tier: routing traces, residency profiles, hit rates."""
 
@@ -142,13 +143,13 @@ def score_command(profile: Path, traces: tuple[Path, ...], slots: int | None, fo
                   f"{kf['h_layer']:.4f} [{kf['h_layer_min']:.4f}, {kf['h_layer_max']:.4f}]")
     for name, h in res["policies"].items():
         t.add_row(f"h_expert, admission {name}", f"{h:.4f}")
-    con.print(t)
+    print_table(t, con)
     layers = Table(title="h_expert per layer")
     layers.add_column("layer", justify="right")
     layers.add_column("h_expert", justify="right")
     for i, h in enumerate(res["h_expert_per_layer"]):
         layers.add_row(str(i), f"{h:.4f}")
-    con.print(layers)
+    print_table(layers, con)
 
 
 def inspect_profile(file: Path, as_json: bool, top: int) -> None:
@@ -169,19 +170,19 @@ def inspect_profile(file: Path, as_json: bool, top: int) -> None:
     t.add_row("resident at its slots", str(summ["resident"]))
     t.add_row("routed picks counted", str(summ["routed_total"]))
     t.add_row("h_expert in sample", f"{summ['h_expert_in_sample']:.4f}")
-    con.print(t)
+    print_table(t, con)
     pl = Table(title="per-layer residency")
     for col in ("layer", "resident", "routed", "h_expert in sample"):
         pl.add_column(col, justify="right")
     for r in summ["per_layer"]:
         pl.add_row(str(r["layer"]), str(r["resident"]), str(r["routed"]), f"{r['h_expert_in_sample']:.4f}")
-    con.print(pl)
+    print_table(pl, con)
     tp = Table(title=f"top {len(summ['top'])} experts")
     for col in ("rank", "layer", "expert", "count", "share"):
         tp.add_column(col, justify="right")
     for r in summ["top"]:
         tp.add_row(str(r["rank"]), str(r["layer"]), str(r["expert"]), str(r["count"]), f"{r['share']:.4f}")
-    con.print(tp)
+    print_table(tp, con)
 
 
 def register(cli: click.Group) -> None:

@@ -6,14 +6,15 @@ import click
 from rich.table import Table
 
 from hpc_cli import plugins
-from hpc_cli.cli.output import console, echo_json, round_half_up
+from hpc_cli.cli.groups import HelpGroup
+from hpc_cli.cli.output import echo_json, print_table, round_half_up
 from hpc_cli.shapes import PRESETS, HybridShape, preset
 
 KiB = 1024
 MiB = 1024 * 1024
 
 
-@click.group("kv")
+@click.group("kv", cls=HelpGroup)
 def kv_group() -> None:
     """KV storage profiles."""
 
@@ -41,7 +42,7 @@ def profiles_command(head_dim: int, as_json: bool) -> None:
         table.add_row(r["name"], ", ".join(r["aliases"]), str(r["k_bytes"]), str(r["v_bytes"]),
                       str(r["bytes_per_token_head"]),
                       " ".join(f"{p['name']}:{p['bytes']}" for p in r["planes"]), r["plugin"])
-    console().print(table)
+    print_table(table)
 
 
 def kv_table_rows(shape: HybridShape) -> list[dict]:
@@ -83,7 +84,7 @@ def table_command(model: str, as_json: bool) -> None:
     for r in rows:
         table.add_row(r["profile"], f"{r['bytes_per_token_head']} B", f"{r['kib_per_token']} KiB",
                       f"{r['mib_per_page']} MiB", f"{r['mib_per_page_with_mtp']} MiB")
-    console().print(table)
+    print_table(table)
 
 
 def register(cli: click.Group) -> None:

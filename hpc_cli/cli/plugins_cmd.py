@@ -6,7 +6,7 @@ import click
 from rich.table import Table
 
 from hpc_cli import hookspecs, plugins
-from hpc_cli.cli.output import console, echo_json
+from hpc_cli.cli.output import echo_json, print_table
 from hpc_cli.errors import PluginError
 
 HOOKS = sorted(n for n in dir(hookspecs) if n.startswith("hpc_"))
@@ -32,7 +32,7 @@ def plugins_command(as_json: bool, hook: str | None) -> None:
         regs = "; ".join(f"{k}: {', '.join(v)}" for k, v in p["registers"].items())
         name = p["name"] + (" (built-in)" if p["builtin"] else "")
         table.add_row(name, p["version"] or "?", "\n".join(p["hooks"]), regs)
-    console().print(table)
+    print_table(table)
 
 
 def register(cli: click.Group) -> None:

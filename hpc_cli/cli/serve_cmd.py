@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import socket
 from pathlib import Path
 
 import click
+
+from hpc_cli.errors import ConfigError
 
 # flag -> dotted settings key (each also a profile key and an HPC_* variable)
 FLAG_KEYS = {
@@ -34,13 +38,23 @@ def _kv_capacity(value: str | None):
         raise click.BadParameter("auto or a page count") from None
 
 
+def _cache_words(s) -> str:
+    """The banner's cache part: ``cache off`` when nothing is reused (cache.mode off or
+    no_prefix_reuse), else the mode, the host tier and the file."""
+    from hpc_cli import plugins
+
+    if s.cache.no_prefix_reuse or not plugins.cache_mode(s.cache.mode).reuses:
+        return "cache off (no prefix reuse)"
+    return (f"cache {s.cache.mode} (host tier {s.cache.host_cache_mib} MiB"
+            + (f", file {s.cache.prefix_cache_file}" if s.cache.prefix_cache_file else "") + ")")
+
+
 def banner(resolved, url: str) -> str:
     s = resolved.settings
     served = s.server.served_model_name or s.model.name
     lines = [f"hpc-cli serving {s.model.name} as '{served}' at {url}",
-             f"  cache {s.cache.mode} (host tier {s.cache.host_cache_mib} MiB"
-             + (f", file {s.cache.prefix_cache_file}" if s.cache.prefix_cache_file else "") + ")"
-             f" | KV {s.kv.profile} | speculative {s.speculative.backend} | lanes {s.engine.max_concurrency}",
+             f"  {_cache_words(s)} | KV {s.kv.profile} | speculative {s.speculative.backend}"
+             f" | lanes {s.engine.max_concurrency}",
              f"  OpenAI: {url}/v1/chat/completions, {url}/v1/completions | Anthropic: {url}/v1/messages",
              f"  {url}/health, {url}/metrics, {url}/v1/cache/stats"
              + (" | API key required (Authorization: Bearer ...)" if s.server.api_key else "")]
@@ -170,6 +184,41 @@ def _echo_host_end(p, echo) -> None:
         echo(f"warning: host tier stopped at {_gib(p.ready_bytes)} of {_gib(p.total_bytes)}: {p.error}")
 
 
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads (uvicorn listens on it later), so a port
+    in use is one clear error at once instead of after the model load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise _bind_error(where, host, port, exc) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _bind_error(where: str, host: str, port: int, exc: OSError) -> ConfigError:
+    if exc.errno == errno.EADDRINUSE:
+        return ConfigError(f"cannot listen on {where}: port {port} is in use",
+                           hint=f"stop what uses it, or choose another port with --port (e.g. --port {port + 1})")
+    if exc.errno == errno.EACCES:
+        return ConfigError(f"cannot listen on {where}: permission denied",
+                           hint="ports below 1024 need privileges: choose another with --port (e.g. --port 8000)")
+    return ConfigError(f"cannot listen on {where}: {exc.strerror or exc}",
+                       hint="check --host (an address of this machine, e.g. 127.0.0.1 or 0.0.0.0) and --port")
+
+
+def _tui_chrome(banner_text: str, notices):
+    """The server's lines in the live view: where it listens, how to stop it, its notices."""
+    from hpc_cli.tui.app import Chrome
+
+    return Chrome(banner=banner_text.splitlines()[:1], notices=notices,
+                  keys="keys: Ctrl+C twice within 5 s stops the server (running requests end as unavailable)")
+
+
 def run_server(resolved, log_level: str = "info") -> None:
     """Build the engine, serve until an orderly stop, then return."""
     import uvicorn
@@ -180,6 +229,11 @@ def run_server(resolved, log_level: str = "info") -> None:
 
     s = resolved.settings
     _log_to_stderr("warning" if s.server.tui and log_level == "info" else log_level)
+    if s.cache.prefix_cache_file:
+        from hpc_cli.engine.persistence import check_cache_file_path
+
+        check_cache_file_path(s.cache.prefix_cache_file)  # other data there: refuse before the model loads
+    sock = bind_listen_socket(s.server.host, s.server.port)  # before the model: a port in use fails now
     engine = Engine.from_settings(resolved, progress=True)
     echo = lambda msg: click.echo(f"hpc-cli: {msg}", err=True)  # noqa: E731
     report_host_tier(engine.cache.host, echo, follow=not s.server.tui)
@@ -192,8 +246,19 @@ def run_server(resolved, log_level: str = "info") -> None:
     engine.start()
     seconds = engine.warmup(progress=_warmup_progress())
     click.echo(f"hpc-cli: warm-up done in {seconds:.1f} s (every kernel shape compiled; nothing cached)", err=True)
-    controller = StopController(engine, prefix_cache_file=s.cache.prefix_cache_file,
-                                echo=lambda msg: click.echo(f"hpc-cli: {msg}", err=True))
+    notices, tui_shown = None, [False]
+    if s.server.tui:
+        from hpc_cli.tui.app import Notices
+
+        notices = Notices()
+
+    def notify(msg: str) -> None:  # in the view while it shows (the terminal there is its screen)
+        if notices is not None and tui_shown[0]:
+            notices.post(msg)
+        else:
+            click.echo(f"hpc-cli: {msg}", err=True)
+
+    controller = StopController(engine, prefix_cache_file=s.cache.prefix_cache_file, echo=notify)
     if save_control is not None:
         controller.abort_save = save_control.abandon  # one more Ctrl+C abandons the save
     app = create_app(engine, resolved, stop_controller=controller)
@@ -212,18 +277,25 @@ def run_server(resolved, log_level: str = "info") -> None:
     server = Server(config)
     controller.server = server
     host = s.server.host if ":" not in s.server.host else f"[{s.server.host}]"
-    click.echo(banner(resolved, f"http://{host}:{s.server.port}"), err=True)
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    text = banner(resolved, url)
+    click.echo(text, err=True)
     tui = None
     if s.server.tui:
         from hpc_cli.tui.app import start_tui_thread
 
-        tui = start_tui_thread(engine, resolved)  # reads engine.stats() only; never slows the worker
+        tui_shown[0] = True  # reads engine.stats() only; never slows the worker; opens once uvicorn listens
+        tui = start_tui_thread(engine, resolved, chrome=_tui_chrome(text, notices), source=url,
+                               ready=lambda: server.started)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         if tui is not None:
             tui[1].set()
             tui[0].join(timeout=2)
+            tui_shown[0] = False
+            for msg in notices.all():  # what the view showed, kept in the terminal's history
+                click.echo(f"hpc-cli: {msg}", err=True)
         if not controller.stopping:  # the server ended some other way (bind failure): still stop the engine
             controller.request_stop("server exit", wait=True)
         else:

@@ -7,6 +7,7 @@ import os
 import click
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+KEYS = "keys: q quit · Ctrl+C quit"
 
 
 @click.command("top")
@@ -17,10 +18,12 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 @click.option("--refresh-hz", type=click.FloatRange(0.1, 30), default=None,
               help="frames per second (default [tui] refresh_hz)")
 def top_command(url: str | None, api_key: str | None, once: bool, refresh_hz: float | None) -> None:
-    """Watch a server's prefix cache: pools, slots, host slabs, snapshots, restores, reuse."""
+    """Watch a server's prefix cache: pools, slots, host slabs, snapshots, restores, reuse.
+
+    Keys: q (or Ctrl+C) quits."""
     from hpc_cli.errors import UnavailableError
     from hpc_cli.settings import load_settings
-    from hpc_cli.tui.app import run_view
+    from hpc_cli.tui.app import Chrome, run_view
     from hpc_cli.tui.collect import Collector, SourceGone, url_source
 
     if url is None or refresh_hz is None:
@@ -33,7 +36,7 @@ def top_command(url: str | None, api_key: str | None, once: bool, refresh_hz: fl
         url = "http://" + url
     collector = Collector(url_source(url, api_key), source=url)
     try:
-        run_view(collector, refresh_hz=refresh_hz, once=once)
+        run_view(collector, refresh_hz=refresh_hz, once=once, chrome=Chrome(keys=KEYS, quit_keys="qQ"))
     except SourceGone as exc:
         if collector.frames:
             msg = str(exc)

@@ -522,6 +522,7 @@ class Engine:
         timing.passes.append(PrefillPass(t_end - t_start - tapped - (timing.restore_wait - waited), end - start))
         if lane.pos == lane.n_prompt:
             timing.decode_from = t_end
+        lane.prefill_pass_done(t_start, t_end)  # progress lines of a long prefill
 
     def _decode(self, lanes: list[Lane]) -> None:
         if self.spec is not None:  # propose + verify per lane (docs/speculative.md)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hpc_cli.engine.api import GenerationRequest, RequestHandle, Usage
+from hpc_cli.engine.progress import after_prefill_pass
 
 
 @dataclass(eq=False)
@@ -41,6 +42,8 @@ class Lane:
     finish_reason: str | None = None
     error: str | None = None
     stop_text: str | None = None
+    prefill_started_at: float | None = None  # perf_counter at its first prefill pass (progress lines)
+    prefill_logged_at: float | None = None  # perf_counter at its last prefill progress line
 
     @property
     def prefilling(self) -> bool:
@@ -49,6 +52,11 @@ class Lane:
     @property
     def max_tokens(self) -> int:
         return self.request.sampling.max_tokens
+
+    def prefill_pass_done(self, started: float, ended: float) -> None:
+        """A prefill pass of this lane ran from ``started`` to ``ended`` (perf_counter): the
+        progress lines of a long prefill (hpc_cli.engine.progress)."""
+        after_prefill_pass(self, started, ended)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.handle.submitted_at

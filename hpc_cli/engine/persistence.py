@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -200,12 +201,15 @@ def load_cache_file(engine: Any, path: str | Path, *, progress: bool = True) -> 
 def attach_cache_file(engine: Any, path: str | Path, *, progress: bool = True,
                       control: SaveControl | None = None, save: bool = True) -> LoadReport:
     """Load ``path`` (when it matches) before ``engine.start()`` and register the save at the
-    engine's orderly stop. Never raises for a missing, mismatched or damaged file: the report says
-    what happened and the save at shutdown replaces the file."""
+    engine's orderly stop. A file that is not a prefix cache file at all raises CacheFileError
+    (:func:`check_cache_file_path`); for a mismatched, damaged or unrestorable one the report says
+    what happened, and the save keeps that file aside (:func:`aside_path`) before writing its own:
+    a file is never destroyed."""
     if getattr(engine, "_thread", None) is not None:
         raise EngineError("attach_cache_file must run before engine.start()",
                           hint="attach the prefix cache file right after building the engine")
     path = Path(path).expanduser().absolute()
+    check_cache_file_path(path)
     control = control or SaveControl()
     cache = engine.cache
     if not cache.reuse or cache.host.num_slabs == 0:
@@ -223,7 +227,11 @@ def attach_cache_file(engine: Any, path: str | Path, *, progress: bool = True,
     report.control = control
     _log_load(report)
     if save:
-        engine.on_stop.append(functools.partial(_save_hook, path=path, control=control))
+        aside = aside_path(path) if report.status in KEEP_ASIDE and path.stat().st_size > 0 else None
+        if aside is not None:
+            log.warning("prefix cache file %s is not this engine's cache (%s): the save at the orderly stop keeps "
+                        "it as %s and writes a new %s", path, report.status, aside.name, path.name)
+        engine.on_stop.append(functools.partial(_save_hook, path=path, control=control, aside=aside))
     return report
 
 
@@ -236,9 +244,9 @@ def _log_load(r: LoadReport) -> None:
     elif r.status == "partial":
         log.warning("prefix cache partly restored: %s", r.reason)
     elif r.status == "not_restored":
-        log.warning("prefix cache not restored: %s; the save at shutdown replaces the file", r.reason)
+        log.warning("prefix cache not restored: %s; the save at shutdown keeps the file aside", r.reason)
     elif r.status in ("mismatch", "damaged"):
-        log.warning("prefix cache not restored from %s: %s; the save at shutdown replaces the file",
+        log.warning("prefix cache not restored from %s: %s; the save at shutdown keeps the file aside",
                     r.path, r.reason)
         if r.error is not None and r.error.hint:
             log.warning("hint: %s", r.error.hint)
@@ -266,7 +274,8 @@ def save_engine_cache(engine: Any, path: str | Path, *, control: SaveControl | N
     return size
 
 
-def _save_hook(engine: Any, *, path: Path, control: SaveControl) -> None:
+def _save_hook(engine: Any, *, path: Path, control: SaveControl, aside: Path | None = None) -> None:
+    moved = False
     try:
         if engine.fatal:
             control.result = f"skipped: the engine stopped on an error ({engine.fatal})"
@@ -275,6 +284,10 @@ def _save_hook(engine: Any, *, path: Path, control: SaveControl) -> None:
         if control.abandon.is_set():
             control.result = "abandoned"
             return
+        if aside is not None and path.exists():
+            os.replace(path, aside)
+            moved = True
+            log.warning("prefix cache file %s kept as %s (it is not this engine's cache)", path, aside)
         save_engine_cache(engine, path, control=control)
         control.result = "saved"
     except persist.SaveAbandoned:
@@ -284,4 +297,61 @@ def _save_hook(engine: Any, *, path: Path, control: SaveControl) -> None:
         control.result = f"failed: {exc}"
         log.error("prefix cache save failed (%s); the previous file %s stays", exc, path)
     finally:
+        if moved and control.result != "saved" and not path.exists():
+            os.replace(aside, path)  # nothing new was written: the old file goes back
         control.finished.set()
+
+
+# ------------------------------------------------------------------ files that are not ours
+#: load outcomes whose file the save keeps aside instead of replacing (another fingerprint or
+#: geometry, a damaged or other-format file, a cache none of which fitted the host tier)
+KEEP_ASIDE = ("mismatch", "damaged", "not_restored")
+
+
+def holds_other_data(path: Path) -> bool:
+    """True when ``path`` is a non-empty file that does not start like a prefix cache file."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(persist.MAGIC))
+    except (FileNotFoundError, IsADirectoryError):
+        return False
+    except OSError:
+        return False  # unreadable: open_cache_file reports it
+    return bool(head) and head != persist.MAGIC
+
+
+def check_cache_file_path(path: str | Path) -> None:
+    """Refuse (CacheFileError) a ``--prefix-cache-file`` that holds other data: the save would
+    replace it. A missing, empty or prefix cache file (any fingerprint) is fine."""
+    path = Path(path).expanduser()
+    if holds_other_data(path):
+        raise CacheFileError(f"--prefix-cache-file {path} holds other data (it is not a prefix cache file); "
+                             "the orderly stop would replace it",
+                             hint="point --prefix-cache-file at a new path (or an hpc-cli prefix cache file), "
+                                  "or move that file away")
+
+
+def file_tag(path: Path) -> str:
+    """A short name for a prefix cache file's fingerprint (12 hex digits of its hash), read from
+    its header without trusting the rest; ``damaged`` when the header cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            magic, version, meta_len = persist._PRE.unpack(f.read(persist._PRE.size))
+            if magic != persist.MAGIC or meta_len > (64 << 20):
+                return "damaged"
+            fp = json.loads(f.read(meta_len))["fingerprint"]
+        digest = hashlib.sha256(json.dumps(fp, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, struct.error):
+        return "damaged"
+    return digest if version == persist.FORMAT_VERSION else f"format{version}-{digest}"
+
+
+def aside_path(path: Path) -> Path:
+    """Where a file the engine cannot use is kept: ``prefix.bin.old-<fingerprint>`` beside it
+    (``.1``, ``.2`` ... when that name is taken)."""
+    base = path.with_name(f"{path.name}.old-{file_tag(path)}")
+    candidate, k = base, 0
+    while candidate.exists():
+        k += 1
+        candidate = base.with_name(f"{base.name}.{k}")
+    return candidate

@@ -11,6 +11,7 @@ weight values.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -107,12 +108,15 @@ def _normal(p: torch.Tensor, mean: float, std: float, gen: torch.Generator) -> N
 
 
 @torch.no_grad()
-def init_seeded(model, seed: int = SEED) -> None:
+def init_seeded(model, seed: int = SEED, advance: Callable[[int], None] | None = None) -> None:
     """Fill every parameter from a seeded generator, scaled so activations stay O(1) and the
-    logits are peaked enough that greedy decoding is not a coin toss between near-ties."""
+    logits are peaked enough that greedy decoding is not a coin toss between near-ties.
+    ``advance(nbytes)`` is called as each parameter is filled (progress)."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
     n_layers = max(1, model.config.num_hidden_layers)
     for name, p in model.named_parameters():
+        if advance is not None:
+            advance(p.numel() * p.element_size())
         leaf = name.rsplit(".", 2)
         if name.endswith("A_log"):
             p.copy_(torch.empty(p.shape, device=p.device).uniform_(1.0, 16.0, generator=gen).log())
@@ -136,14 +140,21 @@ def init_seeded(model, seed: int = SEED) -> None:
             _normal(p, 0.0, std, gen)
 
 
-def build_builtin(name: str, dtype=None, device="cpu", offload_experts: bool = False):
+def build_builtin(name: str, dtype=None, device="cpu", offload_experts: bool = False, progress: bool = False):
     """``offload_experts``: the routed experts are created in host memory and seeded there (see
-    :func:`_normal`), never on ``device``."""
-    from hpc_cli.model.model import HybridModel
+    :func:`_normal`), never on ``device``. Refuses (CapacityError) a model whose weights do not
+    fit the free memory before allocating anything; ``progress`` shows the seeding on stderr."""
+    from hpc_cli import progress as steps
+    from hpc_cli.model.footprint import check_fits
+    from hpc_cli.model.model import HybridModel, _dtype
 
     cfg = builtin_config(name)
-    model = HybridModel(cfg, device=device, dtype=dtype, with_mtp=True, offload_experts=offload_experts)
-    init_seeded(model)
+    dt = _dtype(dtype, torch.device(device))
+    fp = check_fits(name, cfg, dt, device, with_mtp=True, offload_experts=offload_experts)
+    what = f"building {name} ({fp.total_bytes / (1 << 30):.2f} GiB of {str(dt).replace('torch.', '')} weights on {device})"
+    with steps.step(what, fp.total_bytes, unit="bytes", enabled=progress) as advance:
+        model = HybridModel(cfg, device=device, dtype=dtype, with_mtp=True, offload_experts=offload_experts)
+        init_seeded(model, advance=advance)
     model.tokenizer = ByteTokenizer()
     model.eval()
     return model

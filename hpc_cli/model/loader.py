@@ -77,7 +77,9 @@ def _iter_tensors(files: list[Path], stack: ExitStack) -> Iterator[tuple[str, ob
 
 def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool = True,
                     offload_experts: bool = False):
-    from hpc_cli.model.model import HybridModel
+    from hpc_cli import progress as steps
+    from hpc_cli.model.footprint import check_fits
+    from hpc_cli.model.model import HybridModel, _dtype
     from hpc_cli.model.tokenizer import ByteTokenizer, HFTokenizer
 
     path = Path(path)
@@ -87,6 +89,8 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
         entries = list(_iter_tensors(files, stack))
         names = {our_name(k) for k, _, _ in entries}
         has_mtp = any(n and n.startswith("mtp.") for n in names)
+        check_fits(str(path), config, _dtype(dtype, torch.device(device)), device, with_mtp=has_mtp,
+                   offload_experts=offload_experts)  # before allocating anything
         model = HybridModel(config, device=device, dtype=dtype, with_mtp=has_mtp, offload_experts=offload_experts)
         params = dict(model.named_parameters())
         loaded: set[str] = set()
@@ -104,13 +108,8 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
             p.data.copy_(tensor.to(device=p.device, dtype=p.dtype))
             loaded.add(name)
 
-        bar = None
-        if progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            bar = stack.enter_context(Progress(TextColumn("loading {task.description}"), BarColumn(),
-                                               MofNCompleteColumn(), TimeRemainingColumn(), transient=True))
-            task = bar.add_task(path.name, total=len(entries))
+        advance = stack.enter_context(steps.step(f"loading {path} ({len(entries)} tensors)", len(entries),
+                                                 enabled=progress))
         for key, handle, fname in entries:
             name = our_name(key)
             if name is not None:
@@ -124,8 +123,7 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
                         handle.get_tensor(key)
                 elif name in params:
                     put(name, handle.get_tensor(key), f"{key} ({fname})")
-            if bar is not None:
-                bar.advance(task)
+            advance(1)
         for prefix, by_expert in experts.items():
             _fuse_experts(prefix, by_expert, params, put)
         for prefix, seen in host_experts.items():

@@ -142,7 +142,8 @@ class HybridModel(nn.Module):
         if str(name_or_path).startswith("builtin:"):
             from hpc_cli.model.builtin import build_builtin
 
-            return build_builtin(str(name_or_path), dtype=dtype, device=device, offload_experts=offload_experts)
+            return build_builtin(str(name_or_path), dtype=dtype, device=device, offload_experts=offload_experts,
+                                 progress=progress)
         from hpc_cli.model.loader import load_checkpoint
 
         return load_checkpoint(name_or_path, dtype=dtype, device=device, progress=progress,

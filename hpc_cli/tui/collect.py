@@ -159,6 +159,10 @@ class View:
     spark_running: list[float] = field(default_factory=list)
     spark_waiting: list[float] = field(default_factory=list)
     empty: bool = False  # the source answered with no stats yet
+    # what the live loop adds (not from the stats): the server's address line, the keys, a notice
+    banner: list[str] = field(default_factory=list)
+    keys: str | None = None
+    notice: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------

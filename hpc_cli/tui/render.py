@@ -181,7 +181,23 @@ def header(v: View) -> RenderableType:
     lines: list[RenderableType] = [t, t2]
     if v.fatal:
         lines.append(Text(f"engine stopped: {v.fatal}", style="bold red", no_wrap=True, overflow="ellipsis"))
-    return Group(*lines)
+    return Group(*chrome_lines(v), *lines)
+
+
+def chrome_lines(v: View) -> list[Text]:
+    """What the live loop adds above the stats: the server's banner lines, the keys, a notice."""
+    lines = [Text(line, style="bold" if i == 0 else "", no_wrap=True, overflow="ellipsis")
+             for i, line in enumerate(v.banner)]
+    if v.keys:
+        lines.append(Text(v.keys, style="dim", no_wrap=True, overflow="ellipsis"))
+    if v.notice:
+        lines.append(Text(v.notice, style="bold yellow", no_wrap=False, overflow="fold"))
+    return lines
+
+
+def header_height(v: View, width: int) -> int:
+    notice = -(-len(v.notice) // max(1, width)) - 1 if v.notice else 0
+    return 2 + (1 if v.fatal else 0) + len(chrome_lines(v)) + max(0, notice)
 
 
 def pool_panel(v: View, compact: bool = False) -> RenderableType:
@@ -345,7 +361,7 @@ def frame(v: View, width: int = 80, height: int = 24) -> RenderableType:
     pool, slots, host = pool_panel(v, compact), slots_panel(v, compact), host_panel(v, compact)
     trans, reuse = transfers_panel(v, compact), reuse_panel(v, compact)
     reqs = requests_panel(v, compact)
-    head_h = 3 if v.fatal else 2
+    head_h = header_height(v, width)
     panel_h = 5 if compact else 6
     if three:
         grid = [_row(pool, slots, host), _row(trans, reuse, reqs)]

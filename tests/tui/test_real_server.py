@@ -175,7 +175,7 @@ def test_serve_tui_then_stop_then_top_is_one_line(server):
     head = "hpc-cli top builtin:tiny  kv bf16  spec none  cache hybrid"
     assert text.count(head) >= 2, text
     last = text.split(head)[-1]
-    assert "in process" in last and f"total {len(server['usages'])}" in last
+    assert url in last and f"total {len(server['usages'])}" in last  # the view names where it listens
     assert all(len(line) <= 100 for line in text.split("\n"))
 
     r = _top_in_process(url, "--once")

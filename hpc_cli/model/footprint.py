@@ -1,0 +1,108 @@
+"""A model's weight bytes before it is built, against the memory that is free.
+
+The model is constructed on PyTorch's ``meta`` device (shapes only, no memory) to count its
+parameter bytes where they will live: on the device, or in host memory for routed experts with
+``offload_experts``. :func:`check_fits` refuses a model that cannot fit, before any allocation,
+with its size and what would make it fit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hpc_cli.errors import CapacityError
+from hpc_cli.model.config import ModelConfig
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    device_bytes: int  # parameters on the model's device
+    host_bytes: int  # routed experts kept in host memory (offload_experts)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.device_bytes + self.host_bytes
+
+
+def weight_footprint(config: ModelConfig, dtype: torch.dtype, *, with_mtp: bool = True,
+                     offload_experts: bool = False) -> Footprint:
+    from hpc_cli.model.model import HybridModel
+
+    model = HybridModel(config, device="meta", dtype=dtype, with_mtp=with_mtp)
+    device = host = 0
+    for name, p in model.named_parameters():
+        n = p.numel() * p.element_size()
+        routed = offload_experts and config.is_moe and name.startswith("layers.") and ".mlp.experts." in name
+        if routed:
+            host += n
+        else:
+            device += n
+    return Footprint(device, host)
+
+
+def host_available_bytes() -> int:
+    """Memory a new allocation can take without swapping: MemAvailable on Linux, else free pages."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - no way to know: do not refuse
+        return 1 << 62
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return host_available_bytes()
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def fits_hint(name: str, dtype: torch.dtype, config: ModelConfig) -> str:
+    ways = []
+    if dtype == torch.float32:
+        ways.append("--dtype bfloat16 halves it")
+    if name.startswith("builtin:") and config.num_hidden_layers > 4:
+        base = name.partition("@")[0]
+        ways.append(f"fewer layers ({base}@4)")
+    elif not name.startswith("builtin:"):
+        ways.append("a machine with more memory, or --device cuda on a larger GPU")
+    if config.is_moe:
+        ways.append("[experts] offload = true keeps the routed experts in host memory")
+    return "; ".join(ways) if ways else "free some memory or use a larger machine"
+
+
+def check_fits(name: str, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, *,
+               with_mtp: bool = True, offload_experts: bool = False,
+               available: dict[str, int] | None = None) -> Footprint:
+    """Raise :class:`CapacityError` when the weights do not fit the free memory; return the
+    footprint otherwise. ``available`` (``{"device": bytes, "host": bytes}``) overrides the
+    measurement (tests)."""
+    device = torch.device(device)
+    fp = weight_footprint(config, dtype, with_mtp=with_mtp, offload_experts=offload_experts)
+    where = "cuda" if device.type == "cuda" else "cpu"
+    if available is None:
+        available = {"device": available_bytes(device), "host": host_available_bytes()}
+    needs = {"device": fp.device_bytes, "host": fp.host_bytes} if where == "cuda" else \
+        {"host": fp.total_bytes}
+    dt = str(dtype).replace("torch.", "")
+    for pool, need in needs.items():
+        have = available["device" if pool == "device" else "host"]
+        if need > have:
+            memory = f"free memory on {device}" if pool == "device" else "available host memory"
+            raise CapacityError(f"{name} needs {_gib(need)} for its {dt} weights, but only {_gib(have)} of "
+                                f"{memory} is left", hint=fits_hint(name, dtype, config))
+    return fp

@@ -1,0 +1,73 @@
+"""A model's weights are measured before it is built and refused when they do not fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpc_cli.errors import CapacityError
+from hpc_cli.model.builtin import builtin_config
+from hpc_cli.model.footprint import check_fits, weight_footprint
+
+GiB = 1 << 30
+
+
+def test_footprint_counts_every_parameter_byte():
+    from hpc_cli.model.model import HybridModel
+
+    cfg = builtin_config("builtin:tiny")
+    built = HybridModel(cfg, dtype=torch.float32, with_mtp=True)
+    want = sum(p.numel() * p.element_size() for p in built.parameters())
+    fp = weight_footprint(cfg, torch.float32)
+    assert fp.total_bytes == fp.device_bytes == want
+    assert weight_footprint(cfg, torch.bfloat16).total_bytes * 2 == want
+
+
+def test_offloaded_experts_count_as_host_bytes():
+    cfg = builtin_config("builtin:tiny-moe")
+    all_device = weight_footprint(cfg, torch.float32)
+    split = weight_footprint(cfg, torch.float32, offload_experts=True)
+    assert split.total_bytes == all_device.total_bytes and split.host_bytes > split.device_bytes > 0
+
+
+def test_too_big_is_refused_with_size_and_hint():
+    name = "builtin:qwen3.5-27b-shape@4"
+    cfg = builtin_config(name)
+    with pytest.raises(CapacityError) as exc:
+        check_fits(name, cfg, torch.float32, "cpu", available={"device": 0, "host": 8 * GiB})
+    assert exc.value.message.startswith(f"{name} needs 16.7 GiB for its float32 weights, but only 8.0 GiB")
+    assert "--dtype bfloat16" in exc.value.hint
+    big = "builtin:qwen3.5-27b-shape@8"
+    with pytest.raises(CapacityError) as exc:
+        check_fits(big, builtin_config(big), torch.bfloat16, "cpu", available={"device": 0, "host": 8 * GiB})
+    assert "@4" in exc.value.hint and "--dtype" not in exc.value.hint
+    fp = check_fits(name, cfg, torch.bfloat16, "cpu", available={"device": 0, "host": 9 * GiB})
+    assert 8 * GiB < fp.total_bytes < 9 * GiB
+
+
+def test_loading_a_checkpoint_shows_progress(hf_dense, capsys):
+    """Not on a terminal (here): a line when the load starts and one when it ends, on stderr."""
+    from hpc_cli.model.loader import load_checkpoint
+
+    _, path = hf_dense
+    load_checkpoint(path, dtype=torch.float32, progress=True)
+    err = capsys.readouterr().err
+    assert f"hpc-cli: loading {path} (" in err and " tensors) ..." in err and ": done in " in err
+
+
+def test_building_a_builtin_shows_progress(capsys):
+    from hpc_cli.model.builtin import build_builtin
+
+    build_builtin("builtin:tiny", progress=True)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "hpc-cli: building builtin:tiny (0.02 GiB of float32 weights on cpu) ..."
+    assert err[-1].startswith("hpc-cli: building builtin:tiny (0.02 GiB of float32 weights on cpu): done in ")
+
+
+def test_a_checkpoint_too_big_is_refused_before_loading(hf_dense, monkeypatch):
+    from hpc_cli.model import footprint, loader
+
+    _, path = hf_dense
+    monkeypatch.setattr(footprint, "host_available_bytes", lambda: 1024)
+    with pytest.raises(CapacityError, match=f"{path} needs .* GiB for its float32 weights"):
+        loader.load_checkpoint(path, dtype=torch.float32, progress=False)
