@@ -70,12 +70,14 @@ class ServerState:
         raise RequestError(f"The model `{name}` does not exist (this server serves `{self.served_name}`)",
                            status=404, param="model", code="model_not_found")
 
-    def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int | None = None) -> int:
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int | None = None,
+                           prompt_param: str = "messages") -> int:
+        """``prompt_param``: the request field that holds the prompt (``prompt`` on /v1/completions)."""
         limit = self.max_model_len
         if prompt_len >= limit:
             raise RequestError(f"This model's maximum context length is {limit} tokens. However, your prompt "
                                f"has {prompt_len} tokens. Please reduce the length of the prompt.",
-                               param="messages", code="context_length_exceeded")
+                               param=prompt_param, code="context_length_exceeded")
         if requested is None:
             return min(default if default is not None else self.default_max_tokens, limit - prompt_len)
         if prompt_len + requested > limit:

@@ -144,9 +144,21 @@ async def iterate_events(handle: RequestHandle, disconnected: Callable[[], Await
 # Text assembly
 # ---------------------------------------------------------------------------------------------
 
+#: C0 controls but tab and newline, DEL and the C1 controls: a model (the embedded one's random
+#: weights above all) may sample them, and NUL or ESC sequences garble the client's terminal
+CONTROL_CHARS = dict.fromkeys([*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0)])
+
+
+def printable(text: str) -> str:
+    """``text`` without control characters other than newline and tab."""
+    return text.translate(CONTROL_CHARS)
+
+
 class TextAssembler:
-    """Generated ids to text: drops stop token ids, holds back text that may begin a stop
-    string, and cuts the text at the first stop string (which is excluded, as the APIs do)."""
+    """Generated ids to text: drops stop token ids and control characters (:func:`printable`:
+    every text delta of both APIs comes from here), holds back text that may begin a stop
+    string, and cuts the text at the first stop string (which is excluded, as the APIs do).
+    ``token_ends[k]``: the text's length after the k-th pushed token."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_ids: set[int] | frozenset[int] = frozenset()):
         self.decoder = IncrementalDecoder(tokenizer)
@@ -155,6 +167,7 @@ class TextAssembler:
         self.text = ""
         self.emitted = 0
         self.stopped: str | None = None
+        self.token_ends: list[int] = []
 
     def _hold(self) -> int:
         hold = 0
@@ -168,8 +181,24 @@ class TextAssembler:
     def push(self, token_id: int) -> str:
         if self.stopped is not None or token_id in self.skip_ids:
             return ""
-        self.text += self.decoder.push(token_id)
+        self.text += printable(self.decoder.push(token_id))
+        self.token_ends.append(len(self.text))
         return self._release(final=False)
+
+    def tokens_until(self, offset: int) -> int:
+        """How many pushed tokens it took to produce ``text[:offset]``."""
+        for k, end in enumerate(self.token_ends):
+            if end >= offset:
+                return k + 1
+        return len(self.token_ends)
+
+    def reasoning_tokens(self, opens_thinking: bool) -> int:
+        """Tokens spent in the reasoning block (up to and with its ``</think>``; all of them when
+        it never closes); 0 when the prompt opened no reasoning block."""
+        if not opens_thinking:
+            return 0
+        end = self.text.find(ReasoningSplitter.END)
+        return self.tokens_until(end + len(ReasoningSplitter.END)) if end >= 0 else len(self.token_ends)
 
     def _release(self, final: bool) -> str:
         if self.stop:

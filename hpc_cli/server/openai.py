@@ -20,6 +20,7 @@ from hpc_cli.errors import RequestError
 from hpc_cli.server.chat import Marker, prepare_chat
 from hpc_cli.server.common import (ClientDisconnected, ReasoningSplitter, TextAssembler, Unavailable,
                                    iterate_events, openai_error_body, parse_json_body, token_text, validate_model)
+from hpc_cli.server.reqlog import log_request
 from hpc_cli.server.timing import HpcOptions, wants_timing, with_timing
 from hpc_cli.server.tools import ToolParser, ToolStream, tools_enabled
 
@@ -59,7 +60,7 @@ class ChatMessage(_Body):
 
 class _Sampling(_Body):
     model: str
-    max_tokens: StrictInt | None = Field(None, ge=0)
+    max_tokens: StrictInt | None = Field(None, ge=1)  # the OpenAI API (and vLLM) reject 0 with a 400
     temperature: Number | None = Field(None, ge=0, le=2)
     top_p: Number | None = Field(None, ge=0, le=1)
     top_k: StrictInt | None = Field(None, ge=-1)
@@ -84,7 +85,7 @@ class _Sampling(_Body):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
@@ -183,6 +184,7 @@ class _Tracker:
         self.state, self.endpoint, self.last = state, endpoint, None
         state.metrics.add_running(1)
         self.done = False
+        self.started = time.monotonic()
 
     def token(self) -> None:
         now = time.monotonic()
@@ -198,6 +200,7 @@ class _Tracker:
         if usage is not None:
             self.state.metrics.usage(usage)
         self.state.metrics.request_done(self.endpoint, outcome)
+        log_request(self.endpoint, outcome, usage, time.monotonic() - self.started)
 
 
 def _outcome(exc: BaseException) -> str:
@@ -270,7 +273,7 @@ def register(app: FastAPI, state) -> None:
         handles = []
         plan = []
         for pi, (ids, text) in enumerate(prompts):
-            max_tokens = state.resolve_max_tokens(len(ids), body.max_tokens, default=16)
+            max_tokens = state.resolve_max_tokens(len(ids), body.max_tokens, default=16, prompt_param="prompt")
             for j in range(body.n):
                 req = GenerationRequest(prompt_tokens=list(ids),
                                         sampling=_sampling(state, body, max_tokens, body.logprobs, want_prompt_lp,
@@ -385,12 +388,14 @@ async def _chat_full(state, request, handles, body: ChatRequest, prepared, rid, 
     parser = _tool_parser(body)
     choices = []
     usages: list[Usage] = []
+    reasoning_tokens = 0
     try:
         for i, (h, tr) in enumerate(zip(handles, trackers)):
             tokens, asm, fin = await _collect(state, request, h, tr, _stops(body.stop), skip)
             _raise_for_finish(fin)
             tr.finish("ok", fin.usage)
             usages.append(fin.usage)
+            reasoning_tokens += asm.reasoning_tokens(prepared.opens_thinking)
             reasoning, content = _split_reasoning(asm.text, prepared.opens_thinking)
             calls = []
             if parser is not None:
@@ -414,7 +419,7 @@ async def _chat_full(state, request, handles, body: ChatRequest, prepared, rid, 
         raise
     first = usages[0]
     usage = with_timing(openai_usage(first.prompt_tokens or len(prepared.prompt_tokens),
-                                     sum(u.completion_tokens for u in usages), first.reuse_tokens),
+                                     sum(u.completion_tokens for u in usages), first.reuse_tokens, reasoning_tokens),
                         first, wants_timing(state, body.hpc))
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                          "choices": choices, "usage": usage, "system_fingerprint": None})
@@ -502,7 +507,8 @@ async def _chat_stream(state, request, handle, body: ChatRequest, prepared, rid,
                 u = ev.usage
                 if include_usage:
                     yield _sse(dict(base, choices=[], usage=with_timing(openai_usage(
-                        u.prompt_tokens or len(prepared.prompt_tokens), u.completion_tokens, u.reuse_tokens),
+                        u.prompt_tokens or len(prepared.prompt_tokens), u.completion_tokens, u.reuse_tokens,
+                        asm.reasoning_tokens(prepared.opens_thinking)),
                         u, wants_timing(state, body.hpc))))
                 yield "data: [DONE]\n\n"
                 outcome = "ok"
