@@ -62,8 +62,23 @@ class RequestError(HpcError):
         self.code = code
 
 
+class OverloadedError(RequestError):
+    """The server's queue is full (429): retry after ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, hint: str | None = None, *, retry_after_s: int = 1) -> None:
+        super().__init__(message, hint, status=429, code="rate_limit_exceeded")
+        self.retry_after_s = retry_after_s
+
+
 class EngineError(HpcError):
     """The engine failed (a transfer fault, a kernel error) or is stopping."""
+
+
+class EngineFatalError(EngineError):
+    """The engine's worker stopped after an error: ``serve`` exits with status 3 so that a
+    supervisor restarts it."""
+
+    exit_code = 3
 
 
 class UnavailableError(EngineError):

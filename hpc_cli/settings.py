@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from hpc_cli.errors import ConfigError, HpcError
@@ -37,7 +37,6 @@ class ModelSettings(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights and activations; auto = bfloat16 on CUDA, float32 on CPU")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
-    seed: int = Field(0, description="seed of builtin models' weights")
     max_model_len: int | None = Field(None, ge=64, description="context limit; default the model's")
 
 
@@ -52,6 +51,9 @@ class EngineSettings(_Section):
     pending_timeout_ms: int = Field(600_000, ge=1, description="queue timeout of a waiting request")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request names none")
     cuda_graphs: bool = Field(True, description="replay decode and verify passes as CUDA graphs (dense models)")
+    seed: int = Field(0, ge=-(1 << 63), lt=1 << 64,
+                      description="base seed of sampling for requests that name no seed: the k-th request of a "
+                                  "run draws from (seed, k); a request's own seed wins")
 
 
 class KVSettings(_Section):
@@ -80,11 +82,32 @@ class CacheSettings(_Section):
 class ServerSettings(_Section):
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind")
-    api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer KEY'")
+    api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                                                        "on every /v1 route; must not be empty")
     served_model_name: str | None = Field(None, description="the model id clients send; default the model name")
     tui: bool = Field(False, description="show the live cache view in the terminal")
     debug_timing: bool = Field(False, description="add usage.hpc_timing (seconds per request phase) to every "
                                                   "response; a request asks with \"hpc\": {\"timing\": true}")
+    protect_metrics: bool | None = Field(None, description="require the API key on /metrics too; default on when "
+                                                           "api_key is set")
+    max_request_bytes: int = Field(16 << 20, ge=1024, description="largest request body; a larger one gets 413")
+    max_fanout: int = Field(64, ge=1, description="most engine requests one HTTP request may make (n x prompts)")
+    max_queued_requests: int = Field(256, ge=0, description="requests that may wait beyond the engine's lanes; "
+                                                            "past it 429 with Retry-After")
+    header_timeout_s: float = Field(10.0, gt=0, description="seconds a connection may take to send a request's "
+                                                            "headers")
+    body_timeout_s: float = Field(30.0, gt=0, description="seconds a request may take to send its body; "
+                                                          "past it 408")
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection stays open")
+    exit_on_fatal: bool = Field(True, description="exit with status 3 once the engine stopped after an error, "
+                                                  "so that a supervisor restarts the server")
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_empty(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("an empty API key would turn authentication off; leave api_key unset instead")
+        return value
 
 
 class TuiSettings(_Section):
@@ -413,6 +436,11 @@ def _validate_combinations(r: ResolvedSettings, mode) -> None:
         if path.is_dir():
             raise ConfigError(f"cache.prefix_cache_file {path} is a directory",
                               hint="name a file inside it, e.g. " + str(path / "prefix.bin"))
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"cache.prefix_cache_file {path} is not a regular file (a FIFO, device or socket "
+                              "would block or corrupt the load and the save)",
+                              hint="name a regular file, or a path that does not exist yet (the orderly stop "
+                                   "writes it)")
         if not path.parent.is_dir():
             raise ConfigError(f"cache.prefix_cache_file {path}: the directory {path.parent} does not exist",
                               hint="create the directory first, or choose another path")

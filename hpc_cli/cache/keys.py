@@ -13,6 +13,12 @@ xxh3_64 runs with its default seed 0; the chain's starting value is :data:`HASH_
 are packed as little-endian int32 on every machine, so hashes are stable across hosts (the
 persistence file relies on that). A hash only selects a child in the parent's child map:
 tokens and extra are always compared exactly (spec §5.1, §10.5).
+
+A request's ``cache_salt`` (a tenant's secret, docs/security.md) is mixed into the extra key of
+every block of its prompt (:func:`salted_extra`), so it enters the hash chain and the exact
+comparison: prompts with different salts (or one salted, one not) share no block, and so no
+snapshot anchored on one. A salted prompt also never uses or leaves a snapshot anchored at the
+root (a frontier inside the first block), which has no block to carry the salt.
 """
 
 from __future__ import annotations
@@ -90,6 +96,16 @@ def media_key(block: int, items: Sequence[MediaItem]) -> int:
     return h.intdigest() or 1  # 0 is reserved for "no Vision item"
 
 
+def salt_key(salt: str) -> int:
+    """The 64-bit key of a cache salt (never 0)."""
+    return _xxh(b"HPC-SALT" + salt.encode("utf-8", "surrogatepass")) or 1
+
+
+def salted_extra(extra: int, key: int) -> int:
+    """A block's extra key under a salt key: xxh3_64 of both (never 0, so never "no extra")."""
+    return _xxh((extra & _MASK64).to_bytes(8, "little") + key.to_bytes(8, "little")) or 1
+
+
 def media_extras(n_blocks: int, items: Sequence[MediaItem]) -> list[int]:
     """The extra key of every full block of a prompt."""
     if not items:
@@ -135,6 +151,7 @@ class PreparedPrompt:
     extras: list[int] = field(repr=False)
     vision_spans: tuple[tuple[int, int], ...] = ()
     media: tuple[MediaItem, ...] = field(default=())
+    salt: int = 0  # salt_key of the request's cache_salt, 0 when it has none
 
     def tail_tokens(self, begin: int, end: int) -> bytes:
         """Packed tokens ``[begin, end)`` (a snapshot tail)."""
@@ -146,16 +163,21 @@ class PreparedPrompt:
 
 
 def prepare_prompt(tokens: Sequence[int], media: Iterable[MediaItem] = (), *,
-                   hashes: Sequence[int] | None = None, seed: int = HASH_SEED) -> PreparedPrompt:
-    """Pack tokens, split full blocks, compute extras and (unless given) the chained hashes."""
+                   hashes: Sequence[int] | None = None, seed: int = HASH_SEED,
+                   cache_salt: str | None = None) -> PreparedPrompt:
+    """Pack tokens, split full blocks, compute extras (salted by ``cache_salt``) and (unless
+    given) the chained hashes."""
     tb = token_bytes(tokens)
     n = len(tb) // 4
     nb = n // BLOCK_TOKENS
     step = 4 * BLOCK_TOKENS
     items = tuple(sorted(media, key=lambda i: i.begin))
     extras = media_extras(nb, items)
+    salt = salt_key(cache_salt) if cache_salt is not None else 0
+    if salt:
+        extras = [salted_extra(e, salt) for e in extras]
     blocks = [tb[b * step:(b + 1) * step] for b in range(nb)]
-    hs = list(hashes) if hashes is not None else block_hashes(tb, extras if items else None, seed)
+    hs = list(hashes) if hashes is not None else block_hashes(tb, extras if (items or salt) else None, seed)
     if len(hs) != nb:
         raise ValueError(f"expected {nb} block hashes, got {len(hs)}")
-    return PreparedPrompt(tb, n, blocks, hs, extras, tuple((i.begin, i.length) for i in items), items)
+    return PreparedPrompt(tb, n, blocks, hs, extras, tuple((i.begin, i.length) for i in items), items, salt)

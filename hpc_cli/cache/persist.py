@@ -502,6 +502,8 @@ def open_cache_file(path: str | Path) -> CacheFile:
             raise _damaged(path, "header checksum mismatch")
         try:
             meta = json.loads(meta_b)
+            if not isinstance(meta, dict) or not isinstance(meta.get("fingerprint"), dict):  # a crafted header
+                raise TypeError("the fingerprint is missing or not an object")
             geom = meta["geometry"]
             counts = meta["counts"]
             secs = meta["sections"]
@@ -509,7 +511,7 @@ def open_cache_file(path: str | Path) -> CacheFile:
             nb, ns, nslabs, nruns = (int(counts[k]) for k in ("blocks", "snapshots", "slabs", "runs"))
             sec = {k: (int(secs[k][0]), int(secs[k][1]), str(secs[k][2])) for k in ("blocks", "snapshots", "runs", "slabs")}
             isl = -(-ib // sb)
-        except (ValueError, KeyError, TypeError, IndexError, ZeroDivisionError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError, ZeroDivisionError, RecursionError) as exc:
             raise _damaged(path, f"header unreadable ({exc})") from None
         expect = sec["slabs"][0] + nslabs * sb
         if size != expect:

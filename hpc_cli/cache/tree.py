@@ -199,7 +199,8 @@ class BlockTree:
         hashes, blocks, extras = prompt.hashes, prompt.blocks, prompt.extras
         node = self.root
         path: list[BlockNode] = []
-        anchored: list[BlockNode] = [node] if node.snapshots else []
+        # a salted prompt never resumes from the root's snapshots: no block carries its salt there
+        anchored: list[BlockNode] = [node] if node.snapshots and not prompt.salt else []
         append = path.append
         for b in range(limit):
             c = node.children.get(hashes[b])

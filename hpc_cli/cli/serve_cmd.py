@@ -14,7 +14,7 @@ from hpc_cli.errors import ConfigError
 
 # flag -> dotted settings key (each also a profile key and an HPC_* variable)
 FLAG_KEYS = {
-    "model": "model.name", "dtype": "model.dtype", "device": "model.device", "seed": "model.seed",
+    "model": "model.name", "dtype": "model.dtype", "device": "model.device", "seed": "engine.seed",
     "max_model_len": "model.max_model_len",
     "host": "server.host", "port": "server.port", "api_key": "server.api_key",
     "served_model_name": "server.served_model_name", "tui": "server.tui",
@@ -75,7 +75,8 @@ def register(cli: click.Group) -> None:
     @click.option("--dtype", default=None, type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
                   help="[model.dtype]")
     @click.option("--device", default=None, type=click.Choice(["auto", "cpu", "cuda"]), help="[model.device]")
-    @click.option("--seed", default=None, type=int, help="seed of builtin weights [model.seed]")
+    @click.option("--seed", default=None, type=int,
+                  help="base seed of sampling for requests that name no seed [engine.seed]")
     @click.option("--max-model-len", default=None, type=int, help="context limit [model.max_model_len]")
     @click.option("--host", default=None, help="address to bind, default 127.0.0.1 [server.host]")
     @click.option("--port", default=None, type=int, help="port, default 8000 [server.port]")
@@ -225,6 +226,8 @@ def run_server(resolved, log_level: str = "info") -> None:
 
     from hpc_cli.engine.engine import Engine
     from hpc_cli.server.app import create_app
+    from hpc_cli.server.limits import uvicorn_config
+    from hpc_cli.server.startup import check_host_tier, fatal_exit, prepare_cache_file
     from hpc_cli.server.stop import StopController
 
     s = resolved.settings
@@ -237,9 +240,12 @@ def run_server(resolved, log_level: str = "info") -> None:
     engine = Engine.from_settings(resolved, progress=True)
     echo = lambda msg: click.echo(f"hpc-cli: {msg}", err=True)  # noqa: E731
     report_host_tier(engine.cache.host, echo, follow=not s.server.tui)
+    check_host_tier(engine.cache.host)  # none of it: refuse, rather than serve (and save) without it
     save_control = None
     if s.cache.prefix_cache_file:
         from hpc_cli.engine.persistence import attach_cache_file
+
+        prepare_cache_file(s.cache.prefix_cache_file)  # a regular file or absent; killed saves' leftovers go
 
         # Loads a matching file now (host-only entries) and saves at the orderly stop (spec §5.5).
         save_control = attach_cache_file(engine, s.cache.prefix_cache_file, progress=True).control
@@ -258,7 +264,8 @@ def run_server(resolved, log_level: str = "info") -> None:
         else:
             click.echo(f"hpc-cli: {msg}", err=True)
 
-    controller = StopController(engine, prefix_cache_file=s.cache.prefix_cache_file, echo=notify)
+    controller = StopController(engine, prefix_cache_file=s.cache.prefix_cache_file, echo=notify,
+                                exit_on_fatal=s.server.exit_on_fatal)
     if save_control is not None:
         controller.abort_save = save_control.abandon  # one more Ctrl+C abandons the save
     app = create_app(engine, resolved, stop_controller=controller)
@@ -272,8 +279,7 @@ def run_server(resolved, log_level: str = "info") -> None:
 
     if s.server.tui and log_level == "info":
         log_level = "warning"  # keep the log from scrolling over the view
-    config = uvicorn.Config(app, host=s.server.host, port=s.server.port, log_level=log_level,
-                            timeout_graceful_shutdown=5, lifespan="off")
+    config = uvicorn_config(app, s.server, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off")
     server = Server(config)
     controller.server = server
     host = s.server.host if ":" not in s.server.host else f"[{s.server.host}]"
@@ -302,3 +308,5 @@ def run_server(resolved, log_level: str = "info") -> None:
             controller.done.wait(60)
         if controller.error is not None:
             click.echo(f"hpc-cli: orderly stop failed: {controller.error}", err=True)
+    if engine.fatal and s.server.exit_on_fatal:
+        raise fatal_exit(engine.fatal)

@@ -19,6 +19,12 @@ from hpc_cli.errors import RequestError
 
 _ids = itertools.count(1)
 
+#: a temperature below this samples as greedy (0): logits / t would overflow float32 and the
+#: distribution is a one-hot anyway (vLLM draws the same line)
+GREEDY_BELOW = 1e-5
+#: the seeds a torch generator takes: [-2^63, 2^64)
+SEED_MIN, SEED_END = -(1 << 63), 1 << 64
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -35,10 +41,15 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
+        """Check the values; a temperature below :data:`GREEDY_BELOW` becomes 0 (greedy)."""
         if self.max_tokens < 0:
             raise RequestError("max_tokens must be >= 0", param="max_tokens")
         if not (0.0 <= self.temperature <= 100.0):
             raise RequestError("temperature must be between 0 and 100", param="temperature")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
+        if self.seed is not None and not (SEED_MIN <= self.seed < SEED_END):
+            raise RequestError(f"seed must be in [-2^63, 2^64), got {self.seed}", param="seed")
         if not (0.0 < self.top_p <= 1.0):
             raise RequestError("top_p must be in (0, 1]", param="top_p")
         if self.top_k < 0:
@@ -66,6 +77,7 @@ class GenerationRequest:
     message_boundaries: list[int] = field(default_factory=list)  # ladder snapping (spec §7.1 priority 5)
     cache_enabled: bool = True  # False: a disabled request leaves nothing behind (spec §7.7)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    cache_salt: str | None = None  # a tenant's salt: its cache entries are its own (docs/security.md)
 
 
 # The phases of a request, in order; each is a disjoint stretch of its wall time (RequestTiming).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import math
 import queue
 import threading
@@ -53,7 +54,7 @@ class Engine:
                  coalesce: bool = True, pending_timeout_ms: int = 600_000, settings: Any = None,
                  speculative: Any = None, num_draft_tokens: int = 3, drafter: str | None = None,
                  spec_rollback: str = "per_token", cuda_graphs: bool = True,
-                 transfer_copy: str | None = None) -> None:
+                 transfer_copy: str | None = None, seed: int = 0) -> None:
         self.model = model
         model.cuda_graphs = bool(cuda_graphs)  # hpc_cli.model.graphs reads it
         self.settings = settings
@@ -112,6 +113,8 @@ class Engine:
         self.fatal: str | None = None
         self._count = 0
         self.on_stop: list[Callable[["Engine"], None]] = []  # run by the worker after the last request
+        self.on_fatal: list[Callable[["Engine"], None]] = []  # run by the worker once it stopped on an error
+        self.seed = seed  # [engine] seed: the base seed of requests that name none
         self._stats_lock = threading.Lock()
         self._stats_snapshot: dict[str, Any] = {}
         self._serving = False  # lanes or waiting requests (the host tier pins between, not during)
@@ -165,7 +168,7 @@ class Engine:
                   model_name=s.server.served_model_name or s.model.name, settings=resolved,
                   speculative=s.speculative.backend, num_draft_tokens=s.speculative.num_draft_tokens,
                   drafter=s.speculative.drafter, cuda_graphs=s.engine.cuda_graphs,
-                  transfer_copy=s.cache.transfer_copy)
+                  transfer_copy=s.cache.transfer_copy, seed=s.engine.seed)
         kw.update(overrides)
         engine = cls(model, **kw)
         if s.experts.offload or s.experts.trace_file is not None:  # after the KV pools: they set what is free
@@ -217,6 +220,12 @@ class Engine:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not finished (read from any thread; submissions not yet taken
+        by the worker included)."""
+        return self._inbox.qsize() + len(self._waiting) + len(self._lanes)
+
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; its events arrive on the returned handle."""
         if self.fatal:
@@ -236,7 +245,8 @@ class Engine:
         sp = request.sampling
         sp.max_tokens = min(sp.max_tokens, self.max_model_len - n)
         handle = RequestHandle(request, self.cancel)
-        prepared = prepare_prompt(request.prompt_tokens)  # block hashes off the worker (spec §5.1)
+        # block hashes off the worker (spec §5.1), salted per tenant (hpc_cli.cache.keys)
+        prepared = prepare_prompt(request.prompt_tokens, cache_salt=request.cache_salt)
         self._inbox.put(("submit", (handle, prepared)))
         self._wake.set()
         return handle
@@ -368,6 +378,8 @@ class Engine:
                 hook(self)
         except Exception as exc:  # a fatal error: fail everything, release everything, save nothing
             self.fatal = f"{type(exc).__name__}: {exc}" if not isinstance(exc, HpcError) else exc.message
+            log.error("the engine stopped after an error: %s (every request fails from now on; the prefix "
+                      "cache is not saved)", self.fatal, exc_info=exc)
             self._shutdown("error", self.fatal, publish=False)
             try:  # land (or abandon) the transfers still queued so that their pins drop
                 self.cache.drain()
@@ -377,6 +389,12 @@ class Engine:
             self._take_stats()
         finally:
             self._stopping.set()
+            pending = sys.exc_info()[1]  # a BaseException, or the error path itself failed
+            if self.fatal is None and pending is not None:
+                self.fatal = f"the worker stopped: {type(pending).__name__}: {pending}"
+                log.error("the engine stopped after an error: %s", self.fatal)  # never silently
+            if self.fatal is not None:
+                self._run_fatal_hooks()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -390,7 +408,12 @@ class Engine:
                 req = handle.request
                 lane = Lane(req, handle, prepared, self._count, tokens=list(req.prompt_tokens),
                             n_prompt=len(req.prompt_tokens))
-                lane.generator = make_generator(req.sampling, self._count)
+                try:
+                    lane.generator = make_generator(req.sampling, self._count, self.seed)
+                except Exception as exc:  # this request's own parameters: it fails alone
+                    self._fail_lane(lane, exc)
+                    self._emit_finish(lane)
+                    continue
                 if self.tokenizer is not None and req.sampling.stop:
                     from hpc_cli.model.tokenizer import IncrementalDecoder
 
@@ -467,11 +490,14 @@ class Engine:
     def _step(self) -> bool:
         worked = False
         for lane in [l for l in self._lanes if l.finish_reason]:
-            self._finish(lane)
+            self._finish(lane, publish=lane.finish_reason != "error")  # a failed lane leaves nothing
             worked = True
         prefilling = [l for l in self._lanes if l.prefilling]
         if prefilling:
-            self._prefill(prefilling[0])
+            try:
+                self._prefill(prefilling[0])
+            except Exception as exc:  # this request's pass failed: it alone ends (a broken device
+                self._fail_lane(prefilling[0], exc)  # fails the next decode round, which is fatal)
             worked = True
         decoding = [l for l in self._lanes if not l.prefilling and l.next_token is not None and not l.finish_reason]
         if decoding:
@@ -546,7 +572,27 @@ class Engine:
         self.counters["decode_rounds"] += 1
 
     def _sample(self, lane: Lane, logits: torch.Tensor) -> None:
-        self._emit(lane, sample(logits, lane.request.sampling, lane.generator))
+        try:
+            event = sample(logits, lane.request.sampling, lane.generator)
+        except Exception as exc:  # this request's sampling failed: it alone ends
+            self._fail_lane(lane, exc)
+            return
+        self._emit(lane, event)
+
+    def _fail_lane(self, lane: Lane, exc: Exception) -> None:
+        """End ``lane`` with reason "error" at the next step (published: nothing), keep serving."""
+        message = exc.message if isinstance(exc, HpcError) else f"{type(exc).__name__}: {exc}"
+        log.warning("request %s failed: %s", lane.request.request_id, message,
+                    exc_info=None if isinstance(exc, HpcError) else exc)
+        lane.finish_reason, lane.error = "error", f"the request failed in the engine: {message}"
+        lane.next_token = None
+
+    def _run_fatal_hooks(self) -> None:
+        for hook in self.on_fatal:
+            try:
+                hook(self)
+            except Exception:  # a hook's failure must not hide the engine's
+                log.exception("an engine fatal-error hook failed")
 
     def _emit(self, lane: Lane, ev: TokenEvent) -> None:
         """Hand one chosen token to the lane: usage, stop conditions, the event, ``next_token``."""

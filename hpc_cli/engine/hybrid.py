@@ -54,6 +54,8 @@ def _common_prefix(a: Lane, b: Lane) -> int:
     """Tokens the two prompts share: whole blocks by their chained hashes, then token by token
     inside the first block that differs. Only the coalescing decision uses this (a collision
     would cost a wait, never a wrong reuse: the index matches tokens exactly)."""
+    if a.prepared.salt != b.prepared.salt:
+        return 0  # different tenants (docs/security.md): nothing to share, nothing to wait for
     ha, hb = a.prepared.hashes, b.prepared.hashes
     blocks = 0
     for x, y in zip(ha, hb):
@@ -379,11 +381,11 @@ class HybridBinding:
         while BLOCK_TOKENS * (len(seq.nodes) + 1) <= frontier:
             b = len(seq.nodes)
             if b < len(prompt.blocks):
-                tb, h = prompt.blocks[b], prompt.hashes[b]
-            else:
-                tb, h = token_bytes(lane.tokens[BLOCK_TOKENS * b:BLOCK_TOKENS * (b + 1)]), None
+                tb, h, extra = prompt.blocks[b], prompt.hashes[b], prompt.extras[b]
+            else:  # a generated block: its parent chain already carries the prompt's salt
+                tb, h, extra = token_bytes(lane.tokens[BLOCK_TOKENS * b:BLOCK_TOKENS * (b + 1)]), None, 0
             page = lane.pages[b]
-            outcome = self.index.commit_block(seq, tb, (page,), h=h)
+            outcome = self.index.commit_block(seq, tb, (page,), extra=extra, h=h)
             if outcome is not CommitOutcome.DUPLICATE:
                 lane.owned[b] = False
                 self.pool.set_state([page], PageState.CACHED)
@@ -395,6 +397,8 @@ class HybridBinding:
         p = lane.pos
         if seq is None or p == 0:
             return False
+        if p < BLOCK_TOKENS and lane.prepared.salt:
+            return False  # anchored at the root, it would carry no salt (hpc_cli.cache.keys)
         d, tail_len = divmod(p, BLOCK_TOKENS)
         if len(seq.nodes) < d and self.committed_frontier(lane) < p:
             # a speculative backend has not committed the anchoring block yet (MTP whose next

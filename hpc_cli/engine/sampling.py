@@ -7,12 +7,21 @@ import torch
 from hpc_cli.engine.api import SamplingParams, TokenEvent
 
 
-def make_generator(params: SamplingParams, request_index: int) -> torch.Generator | None:
-    """A CPU generator for a seeded request (the same seed gives the same tokens), else None."""
+_MASK64 = (1 << 64) - 1
+
+
+def make_generator(params: SamplingParams, request_index: int, base_seed: int = 0) -> torch.Generator | None:
+    """A CPU generator for a sampled request, else None (greedy). A seeded request draws from its
+    seed (the same seed gives the same tokens); the others from ``(base_seed, request_index)``
+    (``[engine] seed``: a run's k-th request draws the same tokens for the same base seed)."""
     if params.temperature == 0.0:
         return None
     g = torch.Generator(device="cpu")
-    g.manual_seed(params.seed if params.seed is not None else (0x9E3779B97F4A7C15 * request_index) % (2**63))
+    if params.seed is not None:
+        seed = params.seed & _MASK64  # torch's own reading of a negative seed, total over any int
+    else:
+        seed = ((0x9E3779B97F4A7C15 * request_index) + 0xBF58476D1CE4E5B9 * base_seed) % (2**63)
+    g.manual_seed(seed)
     return g
 
 

@@ -104,11 +104,19 @@ class _ChatTemplateMixin:
         import jinja2
 
         try:
-            template = _jinja_env().from_string(self.chat_template)
+            template = self._compiled_template()
             return template.render(messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
                                    **self.special_tokens_map(), **kwargs)
         except jinja2.exceptions.TemplateError as exc:
             raise ModelError(f"chat template failed: {exc}", hint="check the messages or the chat template") from exc
+
+    def _compiled_template(self):
+        """The chat template compiled once (per template text): compiling costs more than a render."""
+        cached = getattr(self, "_template_cache", None)
+        if cached is None or cached[0] != self.chat_template:
+            cached = (self.chat_template, _jinja_env().from_string(self.chat_template))
+            self._template_cache = cached
+        return cached[1]
 
     def special_tokens_map(self) -> dict[str, str]:
         return {}

@@ -10,6 +10,7 @@ tokens up to the last breakpoint beyond what was read; ``input_tokens`` = the re
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -18,15 +19,17 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from starlette.concurrency import run_in_threadpool
 
 from hpc_cli.engine.api import AdmittedEvent, FinishEvent, GenerationRequest, SamplingParams, TokenEvent, Usage
-from hpc_cli.errors import RequestError
+from hpc_cli.errors import EngineError, RequestError
 from hpc_cli.server.chat import Marker, PreparedChat, prepare_chat
 from hpc_cli.server.common import (ClientDisconnected, ReasoningSplitter, TextAssembler, Unavailable,
-                                   anthropic_error_body, iterate_events, parse_json_body, validate_model)
+                                   anthropic_error_body, iterate_events)
 from hpc_cli.server.openai import _Tracker, _outcome
 from hpc_cli.server.timing import HpcOptions, wants_timing, with_timing
 from hpc_cli.server.tools import ToolParser, ToolStream, tools_enabled
+from hpc_cli.server.validate import cache_salt as _cache_salt, read_model
 
 
 class CacheControl(BaseModel):
@@ -79,6 +82,28 @@ class MessagesRequest(BaseModel):
     thinking: Thinking | None = None
     cache_control: CacheControl | None = None
     hpc: HpcOptions | None = None  # this server's options: {"timing": true} adds usage.hpc_timing
+    cache_salt: str | None = None  # the tenant's cache partition (or metadata.cache_salt; docs/security.md)
+
+
+def request_salt(body: MessagesRequest) -> str | None:
+    """The request's cache salt: top-level ``cache_salt`` or ``metadata.cache_salt`` (equal when both)."""
+    top = _cache_salt(body.cache_salt, "cache_salt")
+    meta = _cache_salt((body.metadata or {}).get("cache_salt"), "metadata.cache_salt")
+    if top is not None and meta is not None and top != meta:
+        raise RequestError("cache_salt and metadata.cache_salt differ; send one of them")
+    return top if top is not None else meta
+
+
+def _tool_use(extra: dict[str, Any], where: str) -> dict[str, Any]:
+    """A history ``tool_use`` block as the template's tool call (the API's shape checked)."""
+    name, args, call_id = extra.get("name"), extra.get("input", {}), extra.get("id")
+    if not isinstance(name, str) or not name:
+        raise RequestError(f"{where}.name: Input should be a non-empty string")
+    if not isinstance(args, dict):
+        raise RequestError(f"{where}.input: Input should be an object")
+    if call_id is not None and not isinstance(call_id, str):
+        raise RequestError(f"{where}.id: Input should be a string")
+    return {"type": "function", "id": call_id, "function": {"name": name, "arguments": args}}
 
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
@@ -194,12 +219,13 @@ def convert(body: MessagesRequest) -> tuple[list[dict], list[dict] | None, list[
             elif b.type == "tool_use":
                 if m.role != "assistant":
                     raise RequestError(f"{bw}: tool_use blocks are only allowed in assistant messages")
-                calls.append({"type": "function", "id": extra.get("id"),
-                              "function": {"name": extra.get("name"), "arguments": extra.get("input") or {}}})
+                calls.append(_tool_use(extra, bw))
                 whole_marker |= note(b.cache_control, bw)
             elif b.type == "tool_result":
                 if m.role != "user":
                     raise RequestError(f"{bw}: tool_result blocks are only allowed in user messages")
+                if not isinstance(extra.get("tool_use_id", ""), str):
+                    raise RequestError(f"{bw}.tool_use_id: Input should be a string")
                 messages.append({"role": "tool", "content": _tool_result_text(b, bw),
                                  "tool_call_id": extra.get("tool_use_id")})
                 if note(b.cache_control, bw):
@@ -289,15 +315,17 @@ def register(app: FastAPI, state) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request):
         state.authorize(request)
-        body: MessagesRequest = validate_model(MessagesRequest, parse_json_body(await request.body()))
+        body: MessagesRequest = await read_model(request, MessagesRequest)
+        salt = request_salt(body)
         model = state.check_model(body.model)
         msgs, tools, markers, ttls = convert(body)
         if not msgs:
             raise RequestError("messages: at least one message is required")
         thinking = body.thinking is not None and body.thinking.type != "disabled"
         continue_final = msgs[-1]["role"] == "assistant"
-        prepared = prepare_chat(tok, msgs, tools=tools, markers=markers,
-                                template_kwargs={"enable_thinking": thinking}, continue_final=continue_final)
+        prepared = await run_in_threadpool(prepare_chat, tok, msgs, tools=tools, markers=markers,  # off the loop
+                                           template_kwargs={"enable_thinking": thinking},
+                                           continue_final=continue_final)
         n = len(prepared.prompt_tokens)
         max_tokens = state.resolve_max_tokens(n, body.max_tokens)
         stop = tuple(s for s in (body.stop_sequences or []) if s)
@@ -307,7 +335,7 @@ def register(app: FastAPI, state) -> None:
                                   top_k=body.top_k or 0, stop_token_ids=state.stop_token_ids(), stop=stop)
         req = GenerationRequest(prompt_tokens=list(prepared.prompt_tokens), sampling=sampling,
                                 tap_hints=list(prepared.tap_hints),
-                                message_boundaries=list(prepared.message_boundaries))
+                                message_boundaries=list(prepared.message_boundaries), cache_salt=salt)
         handle = state.submit(req)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         opens = prepared.opens_thinking and thinking
@@ -340,7 +368,7 @@ async def _full(state, request, handle, prepared, ttls, mid, model, stop, thinki
         if fin.reason == "unavailable":
             raise Unavailable(fin.error or "the server is stopping; the request was not completed")
         if fin.reason == "error":
-            raise RuntimeError(fin.error or "the engine failed this request")
+            raise EngineError(fin.error or "the engine failed this request")  # a 500, no traceback
     except BaseException as exc:
         tracker.finish(_outcome(exc))
         raise
@@ -475,7 +503,10 @@ async def _stream(state, request, handle, prepared, ttls, mid, model, stop, thin
                 tracker.finish("ok", u)
                 return
     except ClientDisconnected:
-        outcome = "disconnected"
+        outcome = "cancelled"  # the client went away
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = "cancelled"  # the stream was closed under it: the client went away
+        raise
     finally:
         if handle.finished is None:
             handle.cancel()

@@ -4,9 +4,13 @@ Routes: ``/health``, ``/metrics`` (Prometheus text or OpenMetrics, :mod:`.metric
 ``/v1/cache/stats`` (the engine's stats JSON with the snapshot table, made by its worker on
 request), ``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions`` (OpenAI, :mod:`.openai`) and ``/v1/messages`` (Anthropic,
-:mod:`.anthropic`). Every ``/v1`` route requires
-``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key``) when an API key is set. Errors come
-back in the API's own shape: OpenAI ``{"error": {...}}``, Anthropic ``{"type": "error", ...}``.
+:mod:`.anthropic`). Every ``/v1`` route (and ``/metrics`` with ``[server] protect_metrics``,
+on by default with a key) requires ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` when an
+API key is set. Errors come back in the API's own shape: OpenAI ``{"error": {...}}``, Anthropic
+``{"type": "error", ...}``. The limits on what one client may make the server hold are
+:mod:`.limits`; request bodies are checked by :mod:`.validate`. ``/health`` answers 503 with the
+reason once the engine stopped after an error (and, with ``[server] exit_on_fatal``, the server
+stops; ``serve`` then exits with status 3).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hpc_cli.engine.api import GenerationRequest, RequestHandle
-from hpc_cli.errors import EngineError, HpcError, RequestError, UnavailableError
-from hpc_cli.server.common import Unavailable, error_body, is_anthropic_path
-from hpc_cli.server.metrics import Metrics
+from hpc_cli.errors import EngineError, HpcError, OverloadedError, RequestError, UnavailableError
+from hpc_cli.server.common import ClientDisconnected, Unavailable, error_body, is_anthropic_path
+from hpc_cli.server.limits import AdmissionGate, RequestLimits
+from hpc_cli.server.metrics import Metrics, add_engine_fatal_gauge
+from hpc_cli.server.validate import echo
 
 log = logging.getLogger("hpc_cli.server")
 
@@ -49,25 +55,41 @@ class ServerState:
         self.api_key: str | None = key.get_secret_value() if key is not None else None
         self.default_max_tokens: int = hs.engine.default_max_tokens
         self.cache_enabled: bool = not hs.cache.no_prefix_reuse and hs.cache.mode != "off"
+        protect = hs.server.protect_metrics
+        self.protect_metrics: bool = bool(self.api_key) if protect is None else (protect and bool(self.api_key))
+        lanes = int(getattr(engine, "C", None) or hs.engine.max_concurrency)
+        self.gate = AdmissionGate(lanes, hs.server.max_fanout, hs.server.max_queued_requests,
+                                  lambda: int(getattr(engine, "in_flight", 0)))
+        self.fatal_gauge = add_engine_fatal_gauge(self.metrics, self.engine_fatal)
 
     # --- checks --------------------------------------------------------------------------------
-    def authorize(self, request: Request) -> None:
+    def is_authorized(self, request: Request) -> bool:
+        """No API key set, or one of ``Authorization: Bearer KEY`` and ``x-api-key: KEY`` carries
+        it (both accepted on every protected route; compared in constant time)."""
         if not self.api_key:
-            return
-        given = None
+            return True
+        expected = self.api_key.encode()
+        given = []
         auth = request.headers.get("authorization", "")
         if auth[:7].lower() == "bearer ":
-            given = auth[7:].strip()
-        elif is_anthropic_path(request.url.path):
-            given = request.headers.get("x-api-key")
-        if not given or not hmac.compare_digest(given.encode(), self.api_key.encode()):
-            raise RequestError("invalid or missing API key (send 'Authorization: Bearer KEY')",
+            given.append(auth[7:].strip())
+        given.append(request.headers.get("x-api-key", ""))
+        return any(key and hmac.compare_digest(key.encode(), expected) for key in given)
+
+    def authorize(self, request: Request) -> None:
+        if not self.is_authorized(request):
+            raise RequestError("invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                                status=401, code="invalid_api_key")
+
+    def engine_fatal(self) -> str | None:
+        """Why the engine stopped after an error (None while it works)."""
+        fatal = getattr(self.engine, "fatal", None)
+        return str(fatal) if fatal else None
 
     def check_model(self, name: Any) -> str:
         if name in (self.served_name, self.model_name):
             return self.served_name
-        raise RequestError(f"The model `{name}` does not exist (this server serves `{self.served_name}`)",
+        raise RequestError(f"The model `{echo(name)}` does not exist (this server serves `{self.served_name}`)",
                            status=404, param="model", code="model_not_found")
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int | None = None,
@@ -94,6 +116,10 @@ class ServerState:
     def submit(self, request: GenerationRequest) -> RequestHandle:
         if not self.accepting:
             raise Unavailable()
+        fatal = self.engine_fatal()
+        if fatal:
+            raise Unavailable(f"the engine stopped after an error: {fatal}; the server must be restarted")
+        self.gate.check_room(1)
         request.sampling.validate()
         if not self.cache_enabled:
             request.cache_enabled = False
@@ -111,6 +137,11 @@ def create_app(engine: Any, settings: Any, stop_controller: Any = None) -> FastA
     state = ServerState(engine, settings)
     app.state.hpc = state
     app.state.stop_controller = stop_controller
+    server_settings = state.settings.server
+    app.add_middleware(RequestLimits, max_body_bytes=server_settings.max_request_bytes,
+                       body_timeout_s=server_settings.body_timeout_s)
+    if stop_controller is not None and hasattr(engine, "on_fatal"):
+        engine.on_fatal.append(lambda _engine: stop_controller.engine_failed(state.engine_fatal() or "unknown"))
 
     def shaped(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
                headers: dict | None = None) -> JSONResponse:
@@ -124,6 +155,14 @@ def create_app(engine: Any, settings: Any, stop_controller: Any = None) -> FastA
     @app.exception_handler(Unavailable)
     async def _unavailable(request: Request, exc: Unavailable):
         return shaped(request, 503, exc.message, code="unavailable")
+
+    @app.exception_handler(OverloadedError)
+    async def _overloaded(request: Request, exc: OverloadedError):
+        return shaped(request, 429, exc.message, code=exc.code, headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it: the client closed the connection
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError):
@@ -151,13 +190,23 @@ def create_app(engine: Any, settings: Any, stop_controller: Any = None) -> FastA
         return shaped(request, 500, f"internal error: {type(exc).__name__}: {exc}")
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        fatal = state.engine_fatal()
+        if fatal:
+            return JSONResponse({"status": "error", "reason": f"the engine stopped after an error: {fatal}"},
+                                status_code=503)
         if not state.accepting:
             return JSONResponse({"status": "stopping"}, status_code=503)
-        return {"status": "ok", "model": state.served_name}
+        running = getattr(engine, "running", True)
+        if not running:
+            return JSONResponse({"status": "error", "reason": "the engine is not running"}, status_code=503)
+        # liveness answers anyone; which model is served, only those with the key
+        return {"status": "ok", "model": state.served_name} if state.is_authorized(request) else {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics(request: Request):
+        if state.protect_metrics:
+            state.authorize(request)
         body, content_type = state.metrics.exposition(_engine_stats(state), request.headers.get("accept"))
         return Response(body, media_type=content_type)
 

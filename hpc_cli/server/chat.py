@@ -17,8 +17,14 @@ found by rendering message prefixes of the same conversation:
 
 Character offsets become token positions by tokenizing the prompt in segments split at those
 offsets; when that does not reproduce the one-piece tokenization (a BPE merge across an offset),
-each offset snaps back to the longest agreeing token prefix instead. The prompt is always the
-one-piece tokenization.
+the offsets before the first disagreement keep their positions, the hinted ones (markers, opener,
+system and tools ends) snap back to the longest agreeing token prefix of their own tokenization,
+and the other message boundaries are dropped. The prompt is always the one-piece tokenization.
+
+The cost is linear in the conversation: the template renders a bounded number of message
+prefixes (the first, the last :data:`RECENT_PREFIXES`, and the marked ones; for ChatML templates
+every message start is found in the prompt itself), and the tokenizer re-encodes at most
+:data:`MAX_REENCODES` prefixes. A template that fails on the messages is a 400.
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ from hpc_cli.errors import HpcError, RequestError
 
 CHATML_START = "<|im_start|>"
 SENTINEL = "\ue000\ue001"
+#: the last message prefixes rendered for message ends (besides the first and the marked ones)
+RECENT_PREFIXES = 8
+#: the most prefixes re-encoded when the segmented tokenization disagrees with the prompt's
+MAX_REENCODES = 8
 
 
 @dataclass(slots=True)
@@ -59,8 +69,16 @@ class PreparedChat:
 
 
 def _render(tokenizer, messages: Sequence[dict], tools, add_generation_prompt: bool, kwargs: dict) -> str:
-    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                         tools=tools or None, **kwargs)
+    try:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                             tools=tools or None, **kwargs)
+    except HpcError:
+        raise
+    except Exception as exc:  # the template is code over the request's data: its failure is the request's
+        text = str(exc)
+        raise RequestError(f"the chat template cannot render these messages: {type(exc).__name__}: "
+                           f"{text[:200] + '...' if len(text) > 200 else text}", param="messages",
+                           code="invalid_value") from None
 
 
 def _try_render(tokenizer, messages, tools, add_generation_prompt, kwargs) -> str | None:
@@ -74,7 +92,17 @@ def _common_prefix_len(a: str, b: str) -> int:
     return len(os.path.commonprefix([a, b]))
 
 
-def _positions(tokenizer, text: str, offsets: Sequence[int]) -> tuple[list[int], dict[int, int]]:
+def _agreeing(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _positions(tokenizer, text: str, offsets: Sequence[int], hinted: Sequence[int] = ()
+               ) -> tuple[list[int], dict[int, int]]:
     full = tokenizer.encode(text)
     cuts = sorted({o for o in offsets if 0 < o < len(text)})
     pieces: list[int] = []
@@ -85,16 +113,11 @@ def _positions(tokenizer, text: str, offsets: Sequence[int]) -> tuple[list[int],
         at[c] = len(pieces)
         prev = c
     pieces.extend(tokenizer.encode(text[prev:]))
-    if pieces != full:  # a merge across an offset: snap each back to the longest agreeing prefix
-        at = {}
-        for c in cuts:
-            ids = tokenizer.encode(text[:c])
-            n = 0
-            for a, b in zip(ids, full):
-                if a != b:
-                    break
-                n += 1
-            at[c] = n
+    if pieces != full:  # a merge across an offset (see the module doc)
+        agree = _agreeing(pieces, full)
+        at = {c: p for c, p in at.items() if p <= agree}
+        for c in sorted({c for c in hinted if 0 < c < len(text) and c not in at})[:MAX_REENCODES]:
+            at[c] = _agreeing(tokenizer.encode(text[:c]), full)
     at[len(text)] = len(full)
     at[0] = 0
     return full, at
@@ -123,9 +146,11 @@ def prepare_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | 
         full = _render(tokenizer, messages, tools, add_generation_prompt, kwargs)
     n_msgs = len(messages)
 
-    # message ends from prefix renders
+    # message ends from prefix renders: a bounded number of them (see the module doc)
     ends: dict[int, int] = {}  # message count i -> char offset of the end of messages[:i]
-    for i in range(1, n_msgs + 1):
+    counts = {1, *range(max(1, n_msgs - RECENT_PREFIXES + 1), n_msgs + 1)}
+    counts |= {m.message_index + 1 for m in markers if 0 <= m.message_index < n_msgs}
+    for i in sorted(counts):
         pre = _try_render(tokenizer, messages[:i], tools, False, kwargs)
         if pre and full.startswith(pre):
             ends[i] = len(pre)
@@ -168,7 +193,8 @@ def prepare_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | 
     for c in (opener, system_end, tools_end):
         if c is not None:
             offsets.add(c)
-    tokens, at = _positions(tokenizer, full, sorted(offsets))
+    hinted = [c for c in (opener, system_end, tools_end, *(c for c, _ in marker_chars)) if c is not None]
+    tokens, at = _positions(tokenizer, full, sorted(offsets), hinted)
     n = len(tokens)
 
     def pos(c: int | None) -> int | None:

@@ -5,7 +5,6 @@ assembly (incremental decoding, stop strings, the reasoning split) and request v
 from __future__ import annotations
 
 import asyncio
-import json
 import queue
 import time
 from dataclasses import dataclass, field
@@ -71,15 +70,10 @@ class Unavailable(Exception):
 # ---------------------------------------------------------------------------------------------
 
 def parse_json_body(raw: bytes) -> dict:
-    if not raw.strip():
-        raise RequestError("the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise RequestError("the request body must be a JSON object", code="invalid_json")
-    return data
+    """The body as a JSON object within the server's limits (:mod:`hpc_cli.server.validate`)."""
+    from hpc_cli.server.validate import parse_json_object
+
+    return parse_json_object(raw)
 
 
 def validate_model(model_cls: type[BaseModel], data: dict) -> Any:
@@ -98,12 +92,54 @@ def validate_model(model_cls: type[BaseModel], data: dict) -> Any:
 # Engine events on the event loop
 # ---------------------------------------------------------------------------------------------
 
-async def iterate_events(handle: RequestHandle, disconnected: Callable[[], Awaitable[bool]] | None = None,
+class DisconnectWatch:
+    """Asks ``is_disconnected`` at most every ``every`` seconds, however many handles and events
+    go by: one watch per HTTP request, shared by all the engine requests it fans out to (a
+    fresh timer per handle would never fire when each handle finishes quickly)."""
+
+    SCOPE_KEY = "hpc.disconnect_watch"
+
+    def __init__(self, is_disconnected: Callable[[], Awaitable[bool]], every: float = 0.25) -> None:
+        self._ask = is_disconnected
+        self.every = every
+        self._last = time.monotonic()
+        self.gone = False
+
+    @classmethod
+    def of(cls, disconnected: "Callable[[], Awaitable[bool]] | DisconnectWatch", every: float = 0.25
+           ) -> "DisconnectWatch":
+        """The watch for ``disconnected``: itself, the one of its HTTP request when it is a bound
+        ``Request.is_disconnected`` (kept in the request's scope), else a new one."""
+        if isinstance(disconnected, DisconnectWatch):
+            return disconnected
+        request = getattr(disconnected, "__self__", None)
+        scope = getattr(request, "scope", None)
+        if isinstance(scope, dict):
+            watch = scope.get(cls.SCOPE_KEY)
+            if not isinstance(watch, DisconnectWatch):
+                watch = scope[cls.SCOPE_KEY] = cls(disconnected, every)
+            return watch
+        return cls(disconnected, every)
+
+    async def __call__(self) -> bool:
+        if self.gone:
+            return True
+        now = time.monotonic()
+        if now - self._last < self.every:
+            return False
+        self._last = now
+        self.gone = bool(await self._ask())
+        return self.gone
+
+
+async def iterate_events(handle: RequestHandle,
+                         disconnected: "Callable[[], Awaitable[bool]] | DisconnectWatch | None" = None,
                          poll: float = 0.05, disconnect_every: float = 0.25) -> AsyncIterator[Event]:
     """Yield the handle's events without a thread per request: the engine's ``put`` also wakes
     the loop (with a short poll as a fallback). Stops after the FinishEvent. On a client
-    disconnect (checked every ``disconnect_every`` s) the request is cancelled and
-    :class:`ClientDisconnected` raised; if the consumer stops early the request is cancelled."""
+    disconnect (checked every ``disconnect_every`` s, between events too, on one timer per HTTP
+    request: :class:`DisconnectWatch`) the request is cancelled and :class:`ClientDisconnected`
+    raised; if the consumer stops early the request is cancelled."""
     loop = asyncio.get_running_loop()
     ready = asyncio.Event()
     original_put = handle.put
@@ -116,9 +152,11 @@ async def iterate_events(handle: RequestHandle, disconnected: Callable[[], Await
             pass
 
     handle.put = put  # type: ignore[method-assign]
-    last_check = time.monotonic()
+    watch = DisconnectWatch.of(disconnected, disconnect_every) if disconnected is not None else None
     try:
         while True:
+            if watch is not None and await watch():
+                raise ClientDisconnected()
             ready.clear()
             try:
                 event = handle.get(timeout=0)
@@ -127,10 +165,6 @@ async def iterate_events(handle: RequestHandle, disconnected: Callable[[], Await
                     await asyncio.wait_for(ready.wait(), poll)
                 except (asyncio.TimeoutError, TimeoutError):
                     pass
-                if disconnected is not None and time.monotonic() - last_check >= disconnect_every:
-                    last_check = time.monotonic()
-                    if await disconnected():
-                        raise ClientDisconnected()
                 continue
             yield event
             if isinstance(event, FinishEvent):

@@ -35,7 +35,8 @@ PASS_TOKEN_BUCKETS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 3
 
 # The label values the server uses; anything else is a bug, refused before it becomes a series.
 ENDPOINTS = ("chat", "completions", "messages")
-OUTCOMES = ("ok", "error", "unavailable", "disconnected")
+# "cancelled": the client went away (a disconnect mid-stream or while waiting), not an error
+OUTCOMES = ("ok", "error", "unavailable", "cancelled")
 
 StatsDoc = Mapping[str, object]
 
@@ -208,3 +209,11 @@ def flatten_stats(stats: StatsDoc, prefix: str = "hpc_engine") -> dict[str, floa
     """Numeric leaves of a nested dict as Prometheus names (lists by index); strings, ``None``
     and the row lists in :data:`SKIPPED_KEYS` are left out."""
     return {name: value for name, (_, value) in _leaves(stats, prefix).items()}
+
+
+def add_engine_fatal_gauge(metrics: Metrics, fatal: Callable[[], str | None]) -> Gauge:
+    """``hpc_engine_fatal``: 1 once the engine stopped after an error (``fatal()`` says why), else 0."""
+    gauge = Gauge("hpc_engine_fatal", "1 once the engine stopped after an error (/health says why)",
+                  registry=metrics.registry)
+    gauge.set_function(lambda: 1.0 if fatal() else 0.0)
+    return gauge

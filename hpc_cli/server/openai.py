@@ -6,6 +6,7 @@ request resumed from, fixed at admission; spec §8.3), always present, never nul
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -14,15 +15,18 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from starlette.concurrency import run_in_threadpool
 
 from hpc_cli.engine.api import (AdmittedEvent, FinishEvent, GenerationRequest, SamplingParams, TokenEvent, Usage)
-from hpc_cli.errors import RequestError
+from hpc_cli.errors import EngineError, RequestError
 from hpc_cli.server.chat import Marker, prepare_chat
 from hpc_cli.server.common import (ClientDisconnected, ReasoningSplitter, TextAssembler, Unavailable,
-                                   iterate_events, openai_error_body, parse_json_body, token_text, validate_model)
+                                   iterate_events, openai_error_body, token_text)
 from hpc_cli.server.reqlog import log_request
 from hpc_cli.server.timing import HpcOptions, wants_timing, with_timing
 from hpc_cli.server.tools import ToolParser, ToolStream, tools_enabled
+from hpc_cli.server.validate import JSONValue, parse_json_object, read_model, template_kwargs
+from hpc_cli.server.validate import cache_salt as _cache_salt
 
 Number = float
 
@@ -48,11 +52,24 @@ class ContentPart(_Body):
     cache_control: CacheControl | None = None
 
 
+class FunctionCallIn(_Body):
+    name: str
+    arguments: str | dict[str, JSONValue] = "{}"  # the API sends a JSON object as a string
+
+
+class ToolCallIn(_Body):
+    """An assistant message's tool call in the history (the API's shape)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     cache_control: CacheControl | None = None
@@ -66,7 +83,7 @@ class _Sampling(_Body):
     top_k: StrictInt | None = Field(None, ge=-1)
     n: StrictInt = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=-(1 << 63), le=(1 << 63) - 1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
@@ -74,6 +91,7 @@ class _Sampling(_Body):
     ignore_eos: StrictBool = False
     user: str | None = None
     hpc: HpcOptions | None = None  # this server's options: {"timing": true} adds usage.hpc_timing
+    cache_salt: str | None = None  # extra_body: the tenant's cache partition (docs/security.md)
 
     @field_validator("stop")
     @classmethod
@@ -159,7 +177,7 @@ def _raise_for_finish(fin: FinishEvent) -> None:
     if fin.reason == "unavailable":
         raise Unavailable(fin.error or "the server is stopping; the request was not completed")
     if fin.reason == "error":
-        raise RuntimeError(fin.error or "the engine failed this request")
+        raise EngineError(fin.error or "the engine failed this request")  # a 500, no traceback
 
 
 def _logprob_entry(tokenizer, ev: TokenEvent, top: bool) -> dict:
@@ -204,8 +222,8 @@ class _Tracker:
 
 
 def _outcome(exc: BaseException) -> str:
-    if isinstance(exc, ClientDisconnected):
-        return "disconnected"
+    if isinstance(exc, (ClientDisconnected, asyncio.CancelledError, GeneratorExit)):
+        return "cancelled"  # the client went away
     if isinstance(exc, Unavailable):
         return "unavailable"
     return "error"
@@ -218,18 +236,22 @@ def register(app: FastAPI, state) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         state.authorize(request)
-        body: ChatRequest = validate_model(ChatRequest, parse_json_body(await request.body()))
+        body: ChatRequest = await read_model(request, ChatRequest)
         model = state.check_model(body.model)
         _check_unsupported(body)
+        _cache_salt(body.cache_salt)
         if body.stream and body.n > 1:
             raise RequestError("n > 1 is not supported with stream", param="n")
+        state.gate.check(body.n)
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("top_logprobs requires logprobs: true", param="top_logprobs")
         messages, markers = _chat_messages(body)
-        kwargs = dict(body.chat_template_kwargs or {})
+        kwargs = template_kwargs(body.chat_template_kwargs)
         if body.reasoning_effort in ("none", "minimal") and "enable_thinking" not in kwargs:
             kwargs["enable_thinking"] = False
-        prepared = prepare_chat(tok, messages, tools=body.tools, markers=markers, template_kwargs=kwargs)
+        # linear in the messages, but a long chat still takes a while: off the event loop
+        prepared = await run_in_threadpool(prepare_chat, tok, messages, tools=body.tools, markers=markers,
+                                           template_kwargs=kwargs)
         n = len(prepared.prompt_tokens)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = state.resolve_max_tokens(n, requested)
@@ -239,7 +261,8 @@ def register(app: FastAPI, state) -> None:
             req = GenerationRequest(prompt_tokens=list(prepared.prompt_tokens),
                                     sampling=_sampling(state, body, max_tokens, logprobs, False, seed_offset=i),
                                     tap_hints=list(prepared.tap_hints),
-                                    message_boundaries=list(prepared.message_boundaries))
+                                    message_boundaries=list(prepared.message_boundaries),
+                                    cache_salt=body.cache_salt)
             try:
                 handles.append(state.submit(req))
             except BaseException:
@@ -259,14 +282,16 @@ def register(app: FastAPI, state) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         state.authorize(request)
-        body: CompletionRequest = validate_model(CompletionRequest, parse_json_body(await request.body()))
+        body: CompletionRequest = await read_model(request, CompletionRequest)
         model = state.check_model(body.model)
         _check_unsupported(body)
+        _cache_salt(body.cache_salt)
+        state.gate.check(_prompt_count(body.prompt) * body.n, param="prompt")
         if body.suffix:
             raise RequestError("suffix is not supported", param="suffix", code="unsupported_parameter")
         if body.best_of not in (None, body.n):
             raise RequestError("best_of must equal n (or be unset)", param="best_of")
-        prompts = _completion_prompts(state, body.prompt)
+        prompts = await run_in_threadpool(_completion_prompts, state, body.prompt)
         if body.stream and (len(prompts) > 1 or body.n > 1):
             raise RequestError("stream supports a single prompt with n = 1", param="stream")
         want_prompt_lp = body.echo and body.logprobs is not None
@@ -277,7 +302,8 @@ def register(app: FastAPI, state) -> None:
             for j in range(body.n):
                 req = GenerationRequest(prompt_tokens=list(ids),
                                         sampling=_sampling(state, body, max_tokens, body.logprobs, want_prompt_lp,
-                                                           seed_offset=j))
+                                                           seed_offset=j),
+                                        cache_salt=body.cache_salt)
                 try:
                     handles.append(state.submit(req))
                 except BaseException:
@@ -317,6 +343,25 @@ def _content_text(content) -> tuple[str, list[int]]:
     return "\n".join(texts), ends
 
 
+def _history_call(call: ToolCallIn, where: str) -> dict[str, JSONValue]:
+    """A tool call of the history as the template takes it: ``arguments`` a JSON object."""
+    args = call.function.arguments
+    if isinstance(args, str):
+        try:
+            args = parse_json_object(args.encode("utf-8")) if args.strip() else {}
+        except RequestError as exc:
+            raise RequestError(f"{where}.function.arguments must be a JSON object ({exc.message})",
+                               param=f"{where}.function.arguments", code="invalid_value") from None
+    return {**call.model_dump(), "function": {"name": call.function.name, "arguments": args}}
+
+
+def _prompt_count(prompt: str | list) -> int:
+    """How many prompts a completions ``prompt`` holds (a string or one token list: 1)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
 def _chat_messages(body: ChatRequest) -> tuple[list[dict], list[Marker]]:
     messages: list[dict] = []
     markers: list[Marker] = []
@@ -327,17 +372,8 @@ def _chat_messages(body: ChatRequest) -> tuple[list[dict], list[Marker]]:
         if m.name:
             msg["name"] = m.name
         if m.tool_calls:
-            calls = []
-            for call in m.tool_calls:
-                fn = dict(call.get("function") or {})
-                args = fn.get("arguments")
-                if isinstance(args, str):
-                    try:
-                        fn["arguments"] = json.loads(args) if args.strip() else {}
-                    except json.JSONDecodeError:
-                        pass
-                calls.append({**call, "function": fn})
-            msg["tool_calls"] = calls
+            msg["tool_calls"] = [_history_call(call, f"messages.{i}.tool_calls.{j}")
+                                 for j, call in enumerate(m.tool_calls)]
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
         if m.reasoning_content:
@@ -515,7 +551,10 @@ async def _chat_stream(state, request, handle, body: ChatRequest, prepared, rid,
                 tracker.finish("ok", u)
                 return
     except ClientDisconnected:
-        outcome = "disconnected"
+        outcome = "cancelled"  # the client went away
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = "cancelled"  # the stream was closed under it: the client went away
+        raise
     finally:
         if handle.finished is None:
             handle.cancel()
@@ -678,7 +717,10 @@ async def _completion_stream(state, request, handle, body: CompletionRequest, pr
                 tracker.finish("ok", u)
                 return
     except ClientDisconnected:
-        outcome = "disconnected"
+        outcome = "cancelled"  # the client went away
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = "cancelled"  # the stream was closed under it: the client went away
+        raise
     finally:
         if handle.finished is None:
             handle.cancel()

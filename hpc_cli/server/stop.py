@@ -6,6 +6,11 @@ requests as unavailable at the next unit boundary (their clients get that answer
 else happens), then, when a prefix cache file is configured, the engine's save runs; then the
 HTTP server exits. One more Ctrl+C during the stop asks the save to abort, waits up to 2 s for
 it, and exits at once.
+
+When the engine's worker stops after an error (:meth:`StopController.engine_failed`, called from
+it) the failure is logged, the prefix cache is not saved (the previous file stays: the failed
+engine's cache may hold what the failure poisoned) and, with ``exit_on_fatal``, the same stop
+runs at once; ``serve`` then exits with status 3 so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ FORCE_WAIT_S = 2.0
 class StopController:
     def __init__(self, engine: Any, state: Any = None, server: Any = None, prefix_cache_file: Any = None,
                  engine_stop_timeout: float = 30.0, echo: Callable[[str], None] | None = None,
-                 exit_fn: Callable[[int], None] = os._exit, clock: Callable[[], float] = time.monotonic) -> None:
+                 exit_fn: Callable[[int], None] = os._exit, clock: Callable[[], float] = time.monotonic,
+                 exit_on_fatal: bool = False) -> None:
         self.engine = engine
         self.state = state  # ServerState: its ``accepting`` flag closes admission
         self.server = server  # uvicorn.Server: ``should_exit`` ends it
@@ -36,6 +42,7 @@ class StopController:
         self.engine_stop_timeout = engine_stop_timeout
         self.echo = echo or (lambda msg: log.warning("%s", msg))
         self.exit_fn = exit_fn
+        self.exit_on_fatal = exit_on_fatal
         self.clock = clock
         self.abort_save = threading.Event()
         self.done = threading.Event()
@@ -100,7 +107,11 @@ class StopController:
             stop = getattr(self.engine, "stop", None)
             if stop is not None:
                 stop(timeout=self.engine_stop_timeout)
-            if self.prefix_cache_file and not self.abort_save.is_set():
+            fatal = getattr(self.engine, "fatal", None)
+            if self.prefix_cache_file and fatal:
+                log.warning("prefix cache not saved to %s: the engine stopped after an error (%s); the previous "
+                            "file stays", self.prefix_cache_file, fatal)
+            elif self.prefix_cache_file and not self.abort_save.is_set():
                 self._save()
         except BaseException as exc:  # report, then still let the server exit
             self.error = exc
@@ -121,6 +132,15 @@ class StopController:
             save(self.prefix_cache_file, **kwargs)
         else:
             save(**kwargs)
+
+    def engine_failed(self, reason: str) -> None:
+        """The engine's worker stopped after an error (called from that thread): log it and, with
+        ``exit_on_fatal``, stop the server (see the module doc)."""
+        log.error("the engine failed (%s): /health answers 503 and every request fails; %s", reason,
+                  "the server stops ([server] exit_on_fatal)" if self.exit_on_fatal else
+                  "the server stays up until restarted ([server] exit_on_fatal is off)")
+        if self.exit_on_fatal:
+            self.request_stop("engine error")
 
     def force_exit(self) -> None:
         self.abort_save.set()  # first, so a save still running sees it at its next check
