@@ -101,6 +101,14 @@ class ServerSettings(_Section):
     keep_alive_timeout_s: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection stays open")
     exit_on_fatal: bool = Field(True, description="exit with status 3 once the engine stopped after an error, "
                                                   "so that a supervisor restarts the server")
+    allow_remote_media: bool = Field(False, description="fetch http(s) image URLs in requests (off: images come "
+                                                        "inline as base64 / data: URLs only)")
+    max_image_bytes: int = Field(20 << 20, ge=1024, description="largest image a request may send or the server "
+                                                                "may fetch, in bytes")
+    max_image_pixels: int = Field(40_000_000, ge=1, description="most pixels (width x height) of an image before "
+                                                                "it is resized")
+    max_images_per_request: int = Field(16, ge=0, description="most images one request may hold")
+    media_fetch_timeout_s: float = Field(10.0, gt=0, description="seconds a remote image may take to download")
 
     @field_validator("api_key")
     @classmethod

@@ -498,9 +498,10 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ block commit (§7.6)
     def commit_block(self, seq: SequencePath, tokens: bytes, pages: tuple[int, ...], *,
-                     extra: int = 0, h: int | None = None) -> CommitOutcome:
+                     extra: int = 0, h: int | None = None, media: tuple = ()) -> CommitOutcome:
         """Block ``len(seq.nodes)`` committed in every pool, written in the sequence's ``pages``.
-        The node stays pinned for the sequence."""
+        The node stays pinned for the sequence. ``media``: the Vision items its tokens hold
+        (``extra`` is their key; kept on a new node for the cache file and inspection)."""
         assert not seq.released, f"commit on released sequence {seq.id}"
         self._check_bundle(pages)
         parent = seq.nodes[-1] if seq.nodes else self.tree.root
@@ -524,6 +525,7 @@ class PrefixIndex:
         else:
             outcome = CommitOutcome.INSERTED
             node = self.tree.insert(parent, h, tokens, extra)
+            node.media = tuple(media)
             node.active_refs = 1
             node.device_pages = tuple(pages)
             node.device_state = RESIDENT
@@ -608,7 +610,7 @@ class PrefixIndex:
     # ------------------------------------------------------------------ publication (§7.4, §7.7)
     def publish(self, seq: SequencePath, kind: SnapshotKind, frontier: int, *, slot: int,
                 tail_tokens: bytes = b"", tail_pages: tuple[int, ...] | None = None,
-                write_through: bool = True) -> PublishResult:
+                write_through: bool = True, tail_extra: int = 0) -> PublishResult:
         """Publish the snapshot at ``frontier`` of ``seq`` (its anchor block, and the tail block
         for a frontier inside a block, are committed). A duplicate (anchor, tail) refreshes the
         existing snapshot's recency and gives back the slot and tail pages."""
@@ -623,7 +625,7 @@ class PrefixIndex:
         self._supersede_lineage(seq, kind, frontier)
         freed = Freed()
         for s in anchor.snapshots:
-            if s.tail_tokens == tail_tokens:
+            if s.tail_tokens == tail_tokens and s.tail_extra == tail_extra:
                 self.tick += 1
                 s.last_hit_tick = self.tick
                 if s.superseded:
@@ -636,7 +638,7 @@ class PrefixIndex:
                 self.counters.publish_duplicates += 1
                 return PublishResult(s, True, None, freed)
         self.tick += 1
-        s = Snapshot(self._next_snapshot, anchor, frontier, kind, tail_tokens,
+        s = Snapshot(self._next_snapshot, anchor, frontier, kind, tail_tokens, tail_extra,
                      device_slot=slot, device_state=RESIDENT, published_tick=self.tick,
                      last_hit_tick=self.tick, l_base=self.L)
         self._next_snapshot += 1
@@ -1189,7 +1191,8 @@ class PrefixIndex:
         """Find the nearest snapshot above ``s`` and take over its dependents below ``s``."""
         anc = None
         for t in s.anchor.snapshots:
-            if t is not s and len(t.tail_tokens) < len(s.tail_tokens) and s.tail_tokens.startswith(t.tail_tokens):
+            if t is not s and len(t.tail_tokens) < len(s.tail_tokens) and s.tail_tokens.startswith(t.tail_tokens) \
+                    and t.tail_extra == s.tail_extra:  # as Snapshot.covers
                 if anc is None or t.frontier > anc.frontier:
                     anc = t
         if anc is None:
@@ -1197,7 +1200,8 @@ class PrefixIndex:
             while n is not None and anc is None:
                 if n.snapshots:
                     for t in n.snapshots:
-                        if child.tokens.startswith(t.tail_tokens) and (anc is None or t.frontier > anc.frontier):
+                        if child.tokens.startswith(t.tail_tokens) and not t.tail_extra \
+                                and (anc is None or t.frontier > anc.frontier):
                             anc = t
                 child, n = n, n.parent
         s.ancestor = anc
@@ -1321,7 +1325,7 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ host-only adoption (§5.5)
     def adopt_host_node(self, parent: BlockNode, tokens: bytes, extra: int, slab: int, *,
-                        h: int | None = None) -> BlockNode:
+                        h: int | None = None, media: tuple = ()) -> BlockNode:
         """Rebuild a block from a cache file: a new host-only child of ``parent`` whose bytes are
         already in host slab ``slab`` (taken from :attr:`host` by the loader; it becomes the
         node's). Parents come first; nothing is evicted."""
@@ -1330,6 +1334,7 @@ class PrefixIndex:
             h = lookup_hash(parent.hash, tokens, extra)
         assert self.tree.child(parent, h, tokens, extra) is None, "adopt of an existing block key"
         node = self.tree.insert(parent, h, tokens, extra)
+        node.media = tuple(media)
         self._reown((slab,), SlabUse.NODE, node)
         node.host_slab = slab
         node.host_state = RESIDENT
@@ -1341,16 +1346,17 @@ class PrefixIndex:
 
     def adopt_host_snapshot(self, anchor: BlockNode, frontier: int, kind: SnapshotKind, *,
                             tail_tokens: bytes = b"", hits: int = 0, image_slabs: tuple[int, ...],
-                            tail_slab: int = -1) -> Snapshot:
+                            tail_slab: int = -1, tail_extra: int = 0) -> Snapshot:
         """Rebuild a retained snapshot from a cache file, host-only: its image (and tail) bytes are
         already in ``image_slabs`` (and ``tail_slab``), taken from :attr:`host` by the loader."""
         assert anchor.alive, f"adopt on a deleted anchor {anchor!r}"
         assert frontier == anchor.end + len(tail_tokens) // 4, f"frontier {frontier} vs anchor {anchor!r}"
         assert len(image_slabs) == self.image_slabs, f"an image takes {self.image_slabs} slabs"
         assert (tail_slab >= 0) == bool(tail_tokens), "a tail slab iff the snapshot has a tail"
-        assert all(t.tail_tokens != tail_tokens for t in anchor.snapshots), "adopt of a duplicate snapshot"
+        assert all(t.tail_tokens != tail_tokens or t.tail_extra != tail_extra for t in anchor.snapshots), \
+            "adopt of a duplicate snapshot"
         self.tick += 1
-        s = Snapshot(self._next_snapshot, anchor, frontier, kind, tail_tokens, hits=hits,
+        s = Snapshot(self._next_snapshot, anchor, frontier, kind, tail_tokens, tail_extra, hits=hits,
                      published_tick=self.tick, last_hit_tick=self.tick, l_base=self.L)
         self._next_snapshot += 1
         self._reown(tuple(image_slabs), SlabUse.IMAGE, s)

@@ -151,7 +151,7 @@ def check_invariants(ix: PrefixIndex) -> None:
         assert a.alive and s in a.snapshots, f"{s!r}: anchor {a.id} deleted or does not list it"
         assert s.frontier == BLOCK_TOKENS * (a.depth + 1) + s.tail_len, f"{s!r}: frontier vs anchor and tail"
         assert s.tail_len < BLOCK_TOKENS, f"{s!r}: tail of {s.tail_len} tokens"
-        key = (a.id, s.tail_tokens)
+        key = (a.id, s.tail_tokens, s.tail_extra)
         assert key not in per_anchor, f"{s!r} duplicates {per_anchor.get(key)!r}: one per (anchor, tail) (§5.3)"
         per_anchor[key] = s
         # image

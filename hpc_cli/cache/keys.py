@@ -96,6 +96,27 @@ def media_key(block: int, items: Sequence[MediaItem]) -> int:
     return h.intdigest() or 1  # 0 is reserved for "no Vision item"
 
 
+def tail_media_key(begin: int, end: int, items: Sequence[MediaItem]) -> int:
+    """The media key of a snapshot tail ``[begin, end)`` (a frontier inside a block): 0 when no
+    item overlaps it; otherwise xxh3_64 over the overlapping items, as :func:`media_key` hashes
+    them. Items wholly before the tail are covered by the anchor's blocks already."""
+    h = None
+    for it in sorted(items, key=lambda i: i.begin):
+        if it.begin >= end:
+            break
+        if it.end <= begin:
+            continue
+        if h is None:
+            h = xxhash.xxh3_64(b"HPC-TAIL")
+        h.update(it.content_digest)
+        h.update(it.modality.to_bytes(4, "little"))
+        for g in it.grid:
+            h.update(int(g).to_bytes(8, "little"))
+        h.update(it.begin.to_bytes(8, "little"))
+        h.update(it.length.to_bytes(8, "little"))
+    return 0 if h is None else (h.intdigest() or 1)
+
+
 def salt_key(salt: str) -> int:
     """The 64-bit key of a cache salt (never 0)."""
     return _xxh(b"HPC-SALT" + salt.encode("utf-8", "surrogatepass")) or 1
@@ -160,6 +181,24 @@ class PreparedPrompt:
     def inside_vision(self, frontier: int) -> bool:
         """True when ``frontier`` lies strictly inside a Vision span (not a valid resume point)."""
         return any(b < frontier < b + ln for b, ln in self.vision_spans)
+
+    def tail_extra(self, begin: int, end: int) -> int:
+        """The media key of tokens ``[begin, end)`` as a snapshot tail (:func:`tail_media_key`)."""
+        return tail_media_key(begin, end, self.media) if self.media else 0
+
+    def block_extra(self, b: int) -> int:
+        """The extra key of block ``b``, also past the prompt's full blocks (a block that ends in
+        generated tokens): the prompt's media overlapping it (salted as the prompt's blocks are),
+        or 0 when none does (its parent chain carries the rest)."""
+        if b < len(self.extras):
+            return self.extras[b]
+        key = media_key(b, self.media) if self.media else 0
+        return salted_extra(key, self.salt) if key and self.salt else key
+
+    def block_media(self, b: int) -> tuple[MediaItem, ...]:
+        """The media items whose tokens block ``b`` holds."""
+        lo, hi = b * BLOCK_TOKENS, (b + 1) * BLOCK_TOKENS
+        return tuple(it for it in self.media if it.begin < hi and it.end > lo)
 
 
 def prepare_prompt(tokens: Sequence[int], media: Iterable[MediaItem] = (), *,

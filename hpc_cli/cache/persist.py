@@ -7,7 +7,9 @@ Layout, every integer little-endian::
     blocks      one 276 B record a node, parents first: i32 parent (-1: root), u64 extra,
                 u64 lookup hash, 256 B tokens
     snapshots   i32 anchor (-1: root), u64 frontier, u8 kind, u32 hits, u16 tail length,
-                u32 first file slab, then the tail tokens (4 B each)
+                u32 first file slab, u64 tail media key, then the tail tokens (4 B each)
+    media       one 64 B record per Vision item a block holds: u32 block, 32 B content digest,
+                u32 modality, u32 grid t, h, w, u64 span begin, u32 span length
     runs        u32 first slab, u32 slab count, u64 xxh3_64 of the run's bytes
     slabs       at a 4 KiB boundary: file slab i at slabs_offset + i * slab_bytes
 
@@ -35,20 +37,21 @@ from typing import Any, BinaryIO, Callable, Iterable
 import xxhash
 
 from hpc_cli.cache.cost import GENERIC, CacheCostModel
-from hpc_cli.cache.keys import BLOCK_TOKENS, HASH_SEED, lookup_hash
+from hpc_cli.cache.keys import BLOCK_TOKENS, HASH_SEED, MediaItem, lookup_hash
 from hpc_cli.cache.snapshot import SnapshotKind
 from hpc_cli.cache.tree import RESIDENT
 from hpc_cli.errors import CacheFileError
 
 MAGIC = b"HPCPFX\r\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: snapshot tail media keys and the media table (Vision prompts)
 ALIGN = 4096
 RUN_MAX_BYTES = 64 << 20
 _PRE = struct.Struct("<8sII")
 _U64 = struct.Struct("<Q")
 _BLOCK = struct.Struct("<iQQ")
 BLOCK_RECORD = _BLOCK.size + 4 * BLOCK_TOKENS
-_SNAP = struct.Struct("<iQBIHI")
+_SNAP = struct.Struct("<iQBIHIQ")
+_MEDIA = struct.Struct("<I32sIIIIQI")
 _RUN = struct.Struct("<IIQ")
 KINDS = [SnapshotKind.TAP, SnapshotKind.ENDPOINT, SnapshotKind.OUTPUT_BOUNDARY, SnapshotKind.BOUNDARY]
 _KIND_CODE = {k: i for i, k in enumerate(KINDS)}
@@ -195,6 +198,7 @@ class FileBlock:
     extra: int
     hash: int
     slab: int = -1  # host slab id (export) or -1
+    media: tuple[MediaItem, ...] = ()  # the Vision items whose tokens it holds (extra keys them)
 
 
 @dataclass(slots=True)
@@ -207,6 +211,7 @@ class FileSnapshot:
     first_slab: int = 0  # first file slab
     host_slabs: tuple[int, ...] = ()  # export: host image slabs
     tail_host_slab: int = -1  # export: host tail slab
+    tail_extra: int = 0  # media key of the Vision items in the tail (0: none)
 
     @property
     def has_tail(self) -> bool:
@@ -302,16 +307,25 @@ def export_saveable(index: Any) -> SavePlan:
             chosen[n] = None
     nodes = sorted(chosen, key=lambda n: (n.depth, n.id))  # parents first
     pos = {n: i for i, n in enumerate(nodes)}
-    blocks = [FileBlock(pos[n.parent] if not n.parent.is_root else -1, n.tokens, n.extra, n.hash, n.host_slab)
-              for n in nodes]
+    blocks = [FileBlock(pos[n.parent] if not n.parent.is_root else -1, n.tokens, n.extra, n.hash, n.host_slab,
+                        n.media) for n in nodes]
     out = []
     for s in sorted(snaps, key=lambda s: (s.frontier, s.id)):
         out.append(FileSnapshot(pos[s.anchor] if not s.anchor.is_root else -1, s.frontier, s.kind,
-                                s.tail_tokens, s.hits, 0, tuple(s.host_slabs), s.tail_host_slab))
+                                s.tail_tokens, s.hits, 0, tuple(s.host_slabs), s.tail_host_slab, s.tail_extra))
     return SavePlan(blocks, out)
 
 
 # ------------------------------------------------------------------ writing
+def _media_table(plan: SavePlan) -> bytes:
+    mt = bytearray()
+    for i, b in enumerate(plan.blocks):
+        for it in b.media:
+            t, h, w = (tuple(it.grid) + (1, 1, 1))[:3]
+            mt += _MEDIA.pack(i, it.content_digest, it.modality, t, h, w, it.begin, it.length)
+    return bytes(mt)
+
+
 def _tables(plan: SavePlan, geom: Geometry) -> tuple[bytes, bytes, list[tuple[int, int]]]:
     bt = bytearray()
     for b in plan.blocks:
@@ -325,7 +339,7 @@ def _tables(plan: SavePlan, geom: Geometry) -> tuple[bytes, bytes, list[tuple[in
         s.first_slab = slab
         n = geom.image_slabs + (1 if s.has_tail else 0)
         st += _SNAP.pack(s.anchor, s.frontier, _KIND_CODE[s.kind], min(s.hits, 2**32 - 1),
-                         len(s.tail_tokens) // 4, slab) + s.tail_tokens
+                         len(s.tail_tokens) // 4, slab, s.tail_extra & (2**64 - 1)) + s.tail_tokens
         for k in range(0, n, per_run):
             runs.append((slab + k, min(per_run, n - k)))
         slab += n
@@ -351,6 +365,7 @@ def write_cache_file(f: BinaryIO, fingerprint: dict, geom: Geometry, plan: SaveP
     gives one slab's bytes (a buffer of ``slab_bytes``). ``abandon`` is checked before every slab
     run: once set, :class:`SaveAbandoned` is raised."""
     bt, st, runs = _tables(plan, geom)
+    mt = _media_table(plan)
     order = plan.host_slab_order()
     nslabs = len(order)
     rt_len = _RUN.size * len(runs)
@@ -359,10 +374,11 @@ def write_cache_file(f: BinaryIO, fingerprint: dict, geom: Geometry, plan: SaveP
         head = _PRE.size + meta_len + 8
         o_b = head
         o_s = o_b + len(bt)
-        o_r = o_s + len(st)
+        o_m = o_s + len(st)
+        o_r = o_m + len(mt)
         o_sl = _align(o_r + rt_len)
-        return {"blocks": (o_b, len(bt)), "snapshots": (o_s, len(st)), "runs": (o_r, rt_len),
-                "slabs": (o_sl, nslabs * geom.slab_bytes)}
+        return {"blocks": (o_b, len(bt)), "snapshots": (o_s, len(st)), "media": (o_m, len(mt)),
+                "runs": (o_r, rt_len), "slabs": (o_sl, nslabs * geom.slab_bytes)}
 
     # the meta's length depends on the offsets it holds: iterate to a fixed point
     meta_len = 0
@@ -373,12 +389,13 @@ def write_cache_file(f: BinaryIO, fingerprint: dict, geom: Geometry, plan: SaveP
             break
         meta_len = len(m)
     offs = layout(meta_len)
-    sums = {"blocks": _hex(_xxh(bt)), "snapshots": _hex(_xxh(st)), "runs": "0" * 16}
+    sums = {"blocks": _hex(_xxh(bt)), "snapshots": _hex(_xxh(st)), "media": _hex(_xxh(mt)), "runs": "0" * 16}
     m = _meta(fingerprint, geom, plan, nslabs, len(runs), offs, sums)
     assert len(m) == meta_len
     f.write(_PRE.pack(MAGIC, FORMAT_VERSION, meta_len) + m + b"\0" * 8)
     f.write(bt)
     f.write(st)
+    f.write(mt)
     f.write(b"\0" * rt_len)
     f.write(b"\0" * (offs["slabs"][0] - (offs["runs"][0] + rt_len)))
     sb = geom.slab_bytes
@@ -509,7 +526,8 @@ def open_cache_file(path: str | Path) -> CacheFile:
             secs = meta["sections"]
             sb, ib = int(geom["slab_bytes"]), int(geom["image_bytes"])
             nb, ns, nslabs, nruns = (int(counts[k]) for k in ("blocks", "snapshots", "slabs", "runs"))
-            sec = {k: (int(secs[k][0]), int(secs[k][1]), str(secs[k][2])) for k in ("blocks", "snapshots", "runs", "slabs")}
+            sec = {k: (int(secs[k][0]), int(secs[k][1]), str(secs[k][2]))
+                   for k in ("blocks", "snapshots", "media", "runs", "slabs")}
             isl = -(-ib // sb)
         except (ValueError, KeyError, TypeError, IndexError, ZeroDivisionError, RecursionError) as exc:
             raise _damaged(path, f"header unreadable ({exc})") from None
@@ -518,12 +536,14 @@ def open_cache_file(path: str | Path) -> CacheFile:
             raise _damaged(path, f"size {size} B, its tables say {expect} B (truncated or extended)")
         tabs = {}
         pad_at = sec["runs"][0] + sec["runs"][1]
-        if not (pad_at <= sec["slabs"][0] < pad_at + ALIGN) or sec["blocks"][0] != _PRE.size + meta_len + 8:
+        if not (pad_at <= sec["slabs"][0] < pad_at + ALIGN) or sec["blocks"][0] != _PRE.size + meta_len + 8 \
+                or sec["snapshots"][0] != sum(sec["blocks"][:2]) or sec["media"][0] != sum(sec["snapshots"][:2]) \
+                or sec["runs"][0] != sum(sec["media"][:2]):
             raise _damaged(path, "section offsets malformed")
         f.seek(pad_at)
         if any(_read_exact(f, sec["slabs"][0] - pad_at, path, "padding")):
             raise _damaged(path, "nonzero padding before the slab section")
-        for k in ("blocks", "snapshots", "runs"):
+        for k in ("blocks", "snapshots", "media", "runs"):
             off, ln, want = sec[k]
             f.seek(off)
             data = _read_exact(f, ln, path, f"{k} table")
@@ -553,7 +573,7 @@ def open_cache_file(path: str | Path) -> CacheFile:
     for j in range(ns):
         if o + _SNAP.size > len(st):
             raise bad("snapshot table length")
-        anchor, frontier, kind, hits, tl, first = _SNAP.unpack_from(st, o)
+        anchor, frontier, kind, hits, tl, first, tail_extra = _SNAP.unpack_from(st, o)
         o += _SNAP.size
         tail = st[o:o + 4 * tl]
         o += 4 * tl
@@ -563,9 +583,24 @@ def open_cache_file(path: str | Path) -> CacheFile:
             raise bad(f"snapshot {j}: frontier {frontier} does not match its anchor")
         if first + isl + (1 if tl else 0) > nslabs or first < nb:
             raise bad(f"snapshot {j}: slabs out of range")
-        snaps.append(FileSnapshot(anchor, frontier, KINDS[kind], tail, hits, first))
+        snaps.append(FileSnapshot(anchor, frontier, KINDS[kind], tail, hits, first, tail_extra=tail_extra))
     if o != len(st):
         raise bad("snapshot table length")
+    mt = tabs["media"]
+    if len(mt) % _MEDIA.size:
+        raise bad("media table length")
+    media: dict[int, list[MediaItem]] = {}
+    for k in range(0, len(mt), _MEDIA.size):
+        i, digest, modality, t, h, w, begin, length = _MEDIA.unpack_from(mt, k)
+        if i >= nb or not blocks[i].extra:
+            raise bad(f"media record {k // _MEDIA.size} names block {i}, which has no media key")
+        lo = BLOCK_TOKENS * _depth(blocks, i)
+        hi = lo + BLOCK_TOKENS
+        if not (begin < hi and begin + length > lo):
+            raise bad(f"media record {k // _MEDIA.size}: span [{begin}, {begin + length}) is not in block {i}")
+        media.setdefault(i, []).append(MediaItem(digest, modality, (t, h, w), begin, length))
+    for i, items in media.items():
+        blocks[i].media = tuple(items)
     rt = tabs["runs"]
     if len(rt) != nruns * _RUN.size:
         raise bad("run table length")
@@ -726,7 +761,7 @@ def adopt_plan(index: Any, cf: CacheFile, plan: RestorePlan, mapping: dict[int, 
     for i in plan.blocks:
         b = cf.blocks[i]
         parent = nodes[b.parent] if b.parent >= 0 else root
-        nodes[i] = index.adopt_host_node(parent, b.tokens, b.extra, mapping[i], h=b.hash)
+        nodes[i] = index.adopt_host_node(parent, b.tokens, b.extra, mapping[i], h=b.hash, media=b.media)
     isl = cf.geometry.image_slabs
     for j in plan.snapshots:
         s = cf.snapshots[j]
@@ -734,7 +769,7 @@ def adopt_plan(index: Any, cf: CacheFile, plan: RestorePlan, mapping: dict[int, 
         image = tuple(mapping[s.first_slab + k] for k in range(isl))
         tail = mapping[s.first_slab + isl] if s.has_tail else -1
         index.adopt_host_snapshot(anchor, s.frontier, s.kind, tail_tokens=s.tail_tokens, hits=s.hits,
-                                  image_slabs=image, tail_slab=tail)
+                                  image_slabs=image, tail_slab=tail, tail_extra=s.tail_extra)
     return len(plan.blocks), len(plan.snapshots)
 
 
@@ -768,7 +803,28 @@ def summarize(cf: CacheFile, *, top: int = 10, cost: CacheCostModel = GENERIC) -
         "top_snapshots": [{"index": j, "kind": cf.snapshots[j].kind.value, "frontier": cf.snapshots[j].frontier,
                            "hits": cf.snapshots[j].hits, "density": density(cf, cf.snapshots[j], cost)}
                           for j in ranked],
+        "media": media_summary(cf, top=top),
     }
+
+
+def media_summary(cf: CacheFile, *, top: int = 10) -> dict[str, Any]:
+    """The Vision items the file's blocks hold, by content digest, and the snapshots whose tails
+    carry a media key."""
+    images: dict[bytes, dict[str, Any]] = {}
+    keyed = 0
+    for i, b in enumerate(cf.blocks):
+        keyed += 1 if b.media else 0
+        for it in b.media:
+            d = images.setdefault(it.content_digest, {"digest": it.content_digest.hex(), "modality": it.modality,
+                                                      "grid": list(it.grid), "spans": [], "blocks": []})
+            if [it.begin, it.length] not in d["spans"]:
+                d["spans"].append([it.begin, it.length])
+            d["blocks"].append(i)
+    items = sorted(images.values(), key=lambda d: (-len(d["blocks"]), d["digest"]))
+    return {"blocks": keyed, "images": len(images),
+            "tail_keyed_snapshots": sum(1 for s in cf.snapshots if s.tail_extra),
+            "items": [{**d, "media_keys": sorted({_hex(cf.blocks[i].extra) for i in d["blocks"]})[:top]}
+                      for d in items[:top]]}
 
 
 def fmt_rate(nbytes: int, seconds: float) -> str:
@@ -792,7 +848,8 @@ def iter_tree_lines(cf: CacheFile, limit: int = 200) -> Iterable[str]:
     def label(i: int) -> str:
         sn = anchored.get(i, [])
         tag = ", ".join(f"{s.kind.value}@{s.frontier}(hits {s.hits})" for s in sn)
-        return f"block {i}" + (f"  ({tag})" if tag else "")
+        media = " ".join(f"[image {it.content_digest.hex()[:12]}]" for it in cf.blocks[i].media)
+        return f"block {i}" + (f"  {media}" if media else "") + (f"  ({tag})" if tag else "")
 
     stack = [(i, 0) for i in reversed(kids.get(-1, []))]
     for s in anchored.get(-1, []):

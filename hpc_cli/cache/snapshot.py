@@ -3,7 +3,9 @@
 A snapshot is the state after tokens ``[0, F)``: anchored on the node of the last full block
 below ``F`` (the root when ``F < 64``), with a tail of ``F - 64*(anchor.depth+1)`` tokens
 (0..63) whose KV lives in one private page bundle. Its state image lives in a device snapshot
-slot and/or in host slabs. There is at most one snapshot per (anchor, tail tokens).
+slot and/or in host slabs. A tail holding Vision tokens carries their media key
+(``tail_extra``, :func:`hpc_cli.cache.keys.tail_media_key`): placeholder tokens are equal for
+different images. There is at most one snapshot per (anchor, tail tokens, tail extra).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Snapshot:
     frontier: int
     kind: SnapshotKind
     tail_tokens: bytes = b""  # packed; tail_len tokens
+    tail_extra: int = 0  # media key of the Vision items the tail holds (0: none)
     # Tail KV (tail_len > 0): one private, immutable page bundle
     tail_pages: tuple[int, ...] | None = None
     tail_device_state: Residency = ABSENT
@@ -97,12 +100,14 @@ class Snapshot:
         if self.frontier >= other.frontier:
             return False
         a, b = self.anchor, other.anchor
-        if a is b:
-            return other.tail_tokens.startswith(self.tail_tokens)
+        if a is b:  # equal media keys: the same items (none beyond self's tail in other's)
+            return other.tail_tokens.startswith(self.tail_tokens) and self.tail_extra == other.tail_extra
         if not a.is_ancestor_of(b):
             return False
         if not self.tail_tokens:
             return True
+        if self.tail_extra:
+            return False  # a tail key does not compare with a block's: never assumed to cover
         # the block after a on other's path must start with self's tail
         n = b
         while n.depth > a.depth + 1:

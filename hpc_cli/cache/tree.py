@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Iterator
 
-from hpc_cli.cache.keys import BLOCK_TOKENS, PreparedPrompt
+from hpc_cli.cache.keys import BLOCK_TOKENS, MediaItem, PreparedPrompt
 
 if TYPE_CHECKING:
     from hpc_cli.cache.snapshot import Snapshot
@@ -40,6 +40,7 @@ class BlockNode:
     hash: int
     tokens: bytes
     extra: int = 0
+    media: tuple[MediaItem, ...] = ()  # the Vision items whose tokens it holds (what extra keys)
     children: dict[int, BlockNode] = field(default_factory=dict)
     hash_next: BlockNode | None = None  # next sibling with the same lookup hash
     n_children: int = 0
@@ -224,6 +225,7 @@ class BlockTree:
             last = n - 1
             spans = prompt.vision_spans
             tokens = prompt.tokens
+            media = bool(prompt.media)
             for a in anchored:
                 base = BLOCK_TOKENS * (a.depth + 1)
                 for s in sorted(a.snapshots, key=_by_frontier):
@@ -232,6 +234,8 @@ class BlockTree:
                         continue
                     if s.tail_len and tokens[4 * base:4 * f] != s.tail_tokens:
                         continue
+                    if s.tail_extra != (prompt.tail_extra(base, f) if media and s.tail_len else 0):
+                        continue  # the tail's images differ (placeholder tokens are equal)
                     if spans and any(sb < f < sb + sl for sb, sl in spans):
                         continue  # defensive: taps never land inside a Vision span
                     cands.append(s)

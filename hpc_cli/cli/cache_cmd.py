@@ -84,6 +84,8 @@ def block_tree(cf: persist.CacheFile, limit: int = TREE_LIMIT) -> Tree:
     def label(i: int, folded: int) -> Text:
         tags = ", ".join(f"{s.kind.value}@{s.frontier} (hits {s.hits})" for s in anchored.get(i, []))
         text = f"block {i}" if i >= 0 else "root"
+        if i >= 0 and cf.blocks[i].media:
+            text += "  " + " ".join(f"[image {it.content_digest.hex()[:12]}]" for it in cf.blocks[i].media)
         if folded:
             text = f"+{folded} blocks → {text}"
         return Text(text + (f"  ({tags})" if tags else ""))
@@ -103,6 +105,20 @@ def block_tree(cf: persist.CacheFile, limit: int = TREE_LIMIT) -> Tree:
     if stack:
         root.add(Text(f"… {len(stack)} more branches"))
     return root
+
+
+def _print_media(media: dict[str, Any], con) -> None:
+    """The images the file's blocks hold (docs/vision.md): digest, grid, spans, media keys."""
+    if not media["images"]:
+        return
+    m = Table(title=f"images: {media['images']} in {media['blocks']} blocks, "
+                    f"{media['tail_keyed_snapshots']} snapshot tails keyed")
+    for col in ("sha256", "grid (t, h, w)", "spans [begin, length]", "blocks", "media keys"):
+        m.add_column(col, overflow="fold")
+    for it in media["items"]:
+        m.add_row(it["digest"][:16], "x".join(str(g) for g in it["grid"]), str(it["spans"]),
+                  str(len(it["blocks"])), " ".join(it["media_keys"]))
+    print_table(m, con)
 
 
 @click.group("cache", cls=HelpGroup)
@@ -159,6 +175,7 @@ def inspect_command(file: Path, profile: str | None, show_tree: bool, as_json: b
         c.add_row(f"snapshots: {kind} ({d['tailed']} with tail)", str(d["count"]), _mib(d["bytes"]))
     c.add_row("all slabs", str(summ["slabs"]), _mib(summ["slab_bytes_total"]))
     print_table(c, con)
+    _print_media(summ["media"], con)
     tr = summ["tree"]
     con.print(f"tree: depth {tr['depth_blocks']} blocks, {tr['roots']} roots, {tr['leaves']} leaves, "
               f"max fan-out {tr['max_fanout']}, {tr['branching_nodes']} branching nodes")

@@ -13,9 +13,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from hpc_cli.errors import RequestError
+
+if TYPE_CHECKING:
+    from hpc_cli.engine.media import PromptImage
 
 _ids = itertools.count(1)
 
@@ -78,6 +81,7 @@ class GenerationRequest:
     cache_enabled: bool = True  # False: a disabled request leaves nothing behind (spec §7.7)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     cache_salt: str | None = None  # a tenant's salt: its cache entries are its own (docs/security.md)
+    media: list["PromptImage"] = field(default_factory=list)  # the prompt's images (docs/vision.md)
 
 
 # The phases of a request, in order; each is a disjoint stretch of its wall time (RequestTiming).

@@ -28,6 +28,7 @@ from hpc_cli.engine.api import (AdmittedEvent, FinishEvent, GenerationRequest, P
                                 SamplingParams, TokenEvent, Usage)
 from hpc_cli.engine.hybrid import Blocked, HybridBinding
 from hpc_cli.engine.lane import Lane
+from hpc_cli.engine.media import check_images, decode_offsets, media_items, prefill_media
 from hpc_cli.engine.sampling import make_generator, prompt_logprobs, sample
 from hpc_cli.errors import EngineError, HpcError, RequestError, UnavailableError
 
@@ -245,8 +246,9 @@ class Engine:
         sp = request.sampling
         sp.max_tokens = min(sp.max_tokens, self.max_model_len - n)
         handle = RequestHandle(request, self.cancel)
-        # block hashes off the worker (spec §5.1), salted per tenant (hpc_cli.cache.keys)
-        prepared = prepare_prompt(request.prompt_tokens, cache_salt=request.cache_salt)
+        check_images(self.model, request, speculative=self.spec is not None)
+        # block hashes off the worker (spec §5.1), salted per tenant, keyed by images (hpc_cli.cache.keys)
+        prepared = prepare_prompt(request.prompt_tokens, media_items(request.media), cache_salt=request.cache_salt)
         self._inbox.put(("submit", (handle, prepared)))
         self._wake.set()
         return handle
@@ -522,7 +524,7 @@ class Engine:
         out = self.model.prefill(lane.tokens[start:end], start, lane.pages[:math.ceil(end / 64)],
                                  lane.state_slot, self.storage, self.states,
                                  layer_ready=timing.timed_wait(ready) if ready is not None else None,
-                                 all_logits=want_all, **spec_kw)
+                                 all_logits=want_all, **spec_kw, **prefill_media(self.model, lane, start, end))
         if self.spec is not None:
             self.spec.after_prefill(lane, start, end, out, pre_hidden)
         lane.pos = end
@@ -560,7 +562,7 @@ class Engine:
         positions = [l.pos for l in lanes]
         tables = [l.pages[:math.ceil((l.pos + 1) / 64)] for l in lanes]
         logits = self.model.decode(tokens, positions, tables, [l.state_slot for l in lanes],
-                                   self.storage, self.states)
+                                   self.storage, self.states, **decode_offsets(lanes))
         dt = time.monotonic() - t0
         for i, lane in enumerate(lanes):
             lane.pos += 1

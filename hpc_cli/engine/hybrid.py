@@ -56,6 +56,8 @@ def _common_prefix(a: Lane, b: Lane) -> int:
     would cost a wait, never a wrong reuse: the index matches tokens exactly)."""
     if a.prepared.salt != b.prepared.salt:
         return 0  # different tenants (docs/security.md): nothing to share, nothing to wait for
+    if a.prepared.media or b.prepared.media:
+        return 0  # Vision prompts do not coalesce (spec §12.2): placeholders are equal for any image
     ha, hb = a.prepared.hashes, b.prepared.hashes
     blocks = 0
     for x, y in zip(ha, hb):
@@ -382,10 +384,13 @@ class HybridBinding:
             b = len(seq.nodes)
             if b < len(prompt.blocks):
                 tb, h, extra = prompt.blocks[b], prompt.hashes[b], prompt.extras[b]
-            else:  # a generated block: its parent chain already carries the prompt's salt
-                tb, h, extra = token_bytes(lane.tokens[BLOCK_TOKENS * b:BLOCK_TOKENS * (b + 1)]), None, 0
+            else:  # a generated block: its parent chain already carries the prompt's salt (and
+                # the prompt's images it holds, if it begins inside the prompt, key it)
+                tb, h, extra = (token_bytes(lane.tokens[BLOCK_TOKENS * b:BLOCK_TOKENS * (b + 1)]), None,
+                                prompt.block_extra(b))
             page = lane.pages[b]
-            outcome = self.index.commit_block(seq, tb, (page,), extra=extra, h=h)
+            outcome = self.index.commit_block(seq, tb, (page,), extra=extra, h=h,
+                                              media=prompt.block_media(b) if prompt.media else ())
             if outcome is not CommitOutcome.DUPLICATE:
                 lane.owned[b] = False
                 self.pool.set_state([page], PageState.CACHED)
@@ -399,6 +404,8 @@ class HybridBinding:
             return False
         if p < BLOCK_TOKENS and lane.prepared.salt:
             return False  # anchored at the root, it would carry no salt (hpc_cli.cache.keys)
+        if lane.prepared.inside_vision(p):
+            return False  # never a resume point inside an image (a prefill cancelled there)
         d, tail_len = divmod(p, BLOCK_TOKENS)
         if len(seq.nodes) < d and self.committed_frontier(lane) < p:
             # a speculative backend has not committed the anchoring block yet (MTP whose next
@@ -432,7 +439,9 @@ class HybridBinding:
                 self._copy_page(lane.pages[d], page, tail_len)
                 tail_pages = (page,)
         tail_tokens = token_bytes(lane.tokens[BLOCK_TOKENS * d:p]) if tail_len else b""
-        pr = self.index.publish(seq, kind, p, slot=k, tail_tokens=tail_tokens, tail_pages=tail_pages)
+        tail_extra = lane.prepared.tail_extra(BLOCK_TOKENS * d, p) if tail_len else 0  # its images
+        pr = self.index.publish(seq, kind, p, slot=k, tail_tokens=tail_tokens, tail_pages=tail_pages,
+                                tail_extra=tail_extra)
         self._free_pages(pr.freed.pages)
         self._write(pr.write)
         self.counters["endpoints" if endpoint else "taps"] += 1

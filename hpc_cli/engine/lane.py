@@ -39,6 +39,7 @@ class Lane:
     prompt_top_logprobs: list | None = None
     next_token: int | None = None  # sampled but not yet processed
     backend_frontier: int | None = None  # speculative backend's committed frontier (MTP K/V), None: pos
+    vision: Any = None  # hpc_cli.engine.media.LaneVision of a request with images (at its first pass)
     finish_reason: str | None = None
     error: str | None = None
     stop_text: str | None = None

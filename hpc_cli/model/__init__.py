@@ -33,6 +33,10 @@ Contract:
   Logits are ``[vocab]`` for the last position, ``[T, vocab]`` with ``all_logits``.
 - ``decode`` runs one token per lane at ``positions[b]`` (the token's own position; pages must
   cover it) with the lane's state slot; lanes must use distinct state slots.
+- Images (docs/vision.md): a multimodal checkpoint's ``model.vision`` (VisionTower, None for a
+  text-only model) encodes images; ``prefill(..., media=PrefillMedia)`` takes a pass's mRoPE
+  positions and the image embeddings of its placeholder rows, and ``decode(...,
+  rope_offsets=[delta_b])`` turns each lane's rotary by its position plus its mRoPE delta.
 - A state slot with all zeros is the empty state (a fresh sequence): ``StateSlots.reset(slot)``.
 - Errors a user can cause (bad checkpoint, unknown model_type, missing/mis-shaped tensor) raise
   :class:`hpc_cli.errors.ModelError` naming the thing.

@@ -103,12 +103,14 @@ class ColumnIndex:
 
     @staticmethod
     def pack(tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]], slots: Sequence[int],
-             page: int, W: int) -> torch.Tensor:
-        """The int64 host buffer :meth:`view` reads (one H2D copy)."""
+             page: int, W: int, rope_offsets: Sequence[int] | None = None) -> torch.Tensor:
+        """The int64 host buffer :meth:`view` reads (one H2D copy). ``rope_offsets``: per lane, what
+        its rotary positions add to its token positions (a Vision prompt's mRoPE delta)."""
         B, T = tokens.shape
         t = torch.arange(T, dtype=torch.long)
         st = torch.tensor(list(starts), dtype=torch.long)
         pos = st[:, None] + t[None, :]  # [B, T]
+        rope = pos if rope_offsets is None else pos + torch.tensor(list(rope_offsets), dtype=torch.long)[:, None]
         tab = torch.zeros(B, W, dtype=torch.long)
         for b, bt in enumerate(tables):
             need = (starts[b] + T - 1) // page + 1
@@ -116,7 +118,7 @@ class ColumnIndex:
             tab[b, :min(len(bt), W)] = torch.tensor(list(bt[:W]), dtype=torch.long)
         write = tab.gather(1, pos // page) * page + pos % page  # [B, T]
         rows = torch.arange(B, dtype=torch.long)[:, None] * T + t[None, :]
-        return torch.cat([tokens.reshape(-1).cpu().long(), pos.reshape(-1), torch.tensor(list(slots), dtype=torch.long),
+        return torch.cat([tokens.reshape(-1).cpu().long(), rope.reshape(-1), torch.tensor(list(slots), dtype=torch.long),
                           write.t().reshape(-1), (pos + 1).t().reshape(-1), rows.t().reshape(-1), tab.reshape(-1)])
 
     @classmethod
@@ -128,10 +130,11 @@ class ColumnIndex:
 
     @classmethod
     def build(cls, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
-              slots: Sequence[int], page: int, device: torch.device) -> "ColumnIndex":
+              slots: Sequence[int], page: int, device: torch.device,
+              rope_offsets: Sequence[int] | None = None) -> "ColumnIndex":
         B, T = tokens.shape
         W = table_width(tables, starts, T, page)
-        packed = cls.pack(tokens, starts, tables, slots, page, W)
+        packed = cls.pack(tokens, starts, tables, slots, page, W, rope_offsets)
         if device.type == "cuda":
             packed = packed.pin_memory().to(device, non_blocking=True)
         return cls.view(packed, B, T, W, (list(starts), [list(t) for t in tables]))
@@ -203,14 +206,15 @@ def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, page
 
 def columns_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
                  slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = (),
-                 logits: bool = True) -> ColumnsOut:
+                 logits: bool = True, rope_offsets: Sequence[int] | None = None) -> ColumnsOut:
     """Score ``tokens`` ``[B, T]`` at ``starts[b] + t``. With ``keep_all`` the slots are left
     untouched and the conv windows and recurrent states after every column come back; without it
-    the state after the last column (and the last hidden) is written to each lane's slot."""
+    the state after the last column (and the last hidden) is written to each lane's slot.
+    ``rope_offsets[b]`` is added to lane ``b``'s rotary positions (a Vision prompt's mRoPE delta)."""
     B, T = tokens.shape
     assert len(starts) == len(tables) == len(slots) == B, "one start, block table and state slot per lane"
     assert len(set(slots)) == B, f"lanes share a state slot: {list(slots)}"
-    idx = ColumnIndex.build(tokens, starts, tables, slots, kv.page_tokens, model.device)
+    idx = ColumnIndex.build(tokens, starts, tables, slots, kv.page_tokens, model.device, rope_offsets)
     return columns_core(model, idx, kv, states, keep_all=keep_all, capture=capture, logits=logits)
 
 

@@ -121,14 +121,15 @@ class ColumnGraphs:
                 int(getattr(self.model, "row_block", None) or 0))
 
     def decode(self, tokens: torch.Tensor, positions: Sequence[int], tables: Sequence[Sequence[int]],
-               slots: Sequence[int], kv, states) -> torch.Tensor:
+               slots: Sequence[int], kv, states, rope_offsets: Sequence[int] | None = None) -> torch.Tensor:
         """Logits ``[B, vocab]`` of one decode step (``tokens`` ``[B]`` on the host)."""
-        out = self.run(tokens.view(-1, 1), positions, tables, slots, kv, states, keep_all=False)
+        out = self.run(tokens.view(-1, 1), positions, tables, slots, kv, states, keep_all=False,
+                       rope_offsets=rope_offsets)
         return out.logits[:, 0].clone()
 
     def run(self, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
             slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = (),
-            logits: bool = True) -> ColumnsOut:
+            logits: bool = True, rope_offsets: Sequence[int] | None = None) -> ColumnsOut:
         """The column pass of ``tokens`` ``[B, T]`` (on the host) through a graph. The result's
         tensors are the graph's static outputs: valid until the next run with the same shape
         (decode clones its logits; the speculative round consumes its verify result at once)."""
@@ -136,7 +137,7 @@ class ColumnGraphs:
         B, T = tokens.shape
         page = kv.page_tokens
         W = table_width(tables, starts, T, page)
-        packed = ColumnIndex.pack(tokens, starts, tables, slots, page, W).pin_memory()
+        packed = ColumnIndex.pack(tokens, starts, tables, slots, page, W, rope_offsets).pin_memory()
         capture = tuple(sorted(set(capture)))
         key = self._key(B, T, W, kv, states, keep_all, capture, logits)
         entry = self.graphs.get(key)

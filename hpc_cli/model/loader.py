@@ -1,8 +1,8 @@
 """Load a HF Qwen3.5 checkpoint directory: config.json, safetensors (sharded or not), tokenizer.
 
 Tensor names are accepted in both layouts that exist: ``model.language_model.*`` (the released
-multimodal checkpoints; ``model.visual.*`` is skipped) and ``model.*`` (what
-``Qwen3_5ForCausalLM.save_pretrained`` writes), plus ``lm_head.*`` and ``mtp.*``. MoE experts
+multimodal checkpoints; their ``model.visual.*`` fills the vision tower, hpc_cli.model.vision) and
+``model.*`` (what ``Qwen3_5ForCausalLM.save_pretrained`` writes), plus ``lm_head.*`` and ``mtp.*``. MoE experts
 may be fused (``experts.gate_up_proj`` / ``experts.down_proj``) or per expert
 (``experts.{e}.gate_proj|up_proj|down_proj.weight``); per-expert tensors are fused on load.
 A missing or mis-shaped tensor is a :class:`ModelError` that names it.
@@ -25,6 +25,7 @@ import torch
 
 from hpc_cli.errors import ModelError
 from hpc_cli.model.config import ModelConfig
+from hpc_cli.model.vision import attach_vision, vision_name
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -42,6 +43,11 @@ def our_name(hf_name: str) -> str | None:
     if hf_name.startswith(("visual.", "model.visual.")):
         return None
     return hf_name
+
+
+def _raw_config(path: Path) -> dict:
+    """config.json as read (ModelConfig.from_dir has checked it is a JSON object)."""
+    return json.loads((path / "config.json").read_text())
 
 
 def _shards(path: Path) -> list[Path]:
@@ -92,6 +98,7 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
         check_fits(str(path), config, _dtype(dtype, torch.device(device)), device, with_mtp=has_mtp,
                    offload_experts=offload_experts)  # before allocating anything
         model = HybridModel(config, device=device, dtype=dtype, with_mtp=has_mtp, offload_experts=offload_experts)
+        attach_vision(model, _raw_config(path), path, [k for k, _, _ in entries])  # multimodal checkpoints
         params = dict(model.named_parameters())
         loaded: set[str] = set()
         experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
@@ -112,7 +119,9 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
                                                  enabled=progress))
         for key, handle, fname in entries:
             name = our_name(key)
-            if name is not None:
+            if model.vision is not None and vision_name(key) is not None:
+                put("vision." + vision_name(key), handle.get_tensor(key), f"{key} ({fname})")
+            elif name is not None:
                 m = _EXPERT.match(name)
                 if m and m.group(1) in host_prefixes:
                     e, part = int(m.group(2)), m.group(3)
@@ -151,6 +160,8 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
 def _hf_hint(name: str) -> str:
     if name.startswith(("lm_head.", "mtp.")):
         return name
+    if name.startswith("vision."):
+        return f"model.visual.{name[len('vision.'):]}"
     return f"model.language_model.{name} (or model.{name})"
 
 

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from hpc_cli.kv_profile import KVProfile
     from hpc_cli.memory.kv_pool import PagedKVStorage
     from hpc_cli.memory.state_pool import StateSlots
+    from hpc_cli.model.image_processor import ImageProcessorConfig
+    from hpc_cli.model.vision import MultimodalConfig, PrefillMedia, VisionTower
     from hpc_cli.shapes import HybridShape
 
 
@@ -127,6 +129,11 @@ class HybridModel(nn.Module):
         self.mtp: MTPModule | None = MTPModule(config, **fk) if with_mtp and config.mtp_num_hidden_layers else None
         self.rotary = Rotary(config.rotary_dim, config.rope_theta, device=device)
         self.tokenizer = None  # set by from_name_or_path
+        #: a multimodal checkpoint's vision tower, its config and its image preprocessing (set by
+        #: the loader, hpc_cli.model.vision.attach_vision); None for a text-only model
+        self.vision: "VisionTower | None" = None
+        self.multimodal: "MultimodalConfig | None" = None
+        self.image_processor: "ImageProcessorConfig | None" = None
         # model layer -> index among attention layers (KV pools) / among GDN layers (state slots)
         self.kv_index = {layer: i for i, layer in enumerate(config.attention_layers)}
         self.state_index = {layer: i for i, layer in enumerate(config.gdn_layers)}
@@ -187,7 +194,8 @@ class HybridModel(nn.Module):
     def prefill(self, tokens: torch.Tensor | Sequence[int], start: int, block_table: Sequence[int],
                 state_slot: int, kv: "PagedKVStorage", states: "StateSlots", *,
                 layer_ready: Callable[[int], None] | None = None, all_logits: bool = False,
-                all_hidden: bool = False, capture: Sequence[int] = ()) -> PrefillOut:
+                all_hidden: bool = False, capture: Sequence[int] = (),
+                media: "PrefillMedia | None" = None) -> PrefillOut:
         """One lane's prefill pass of ``tokens`` at positions ``start ..``: K/V written into the
         lane's pages, the GDN states of ``state_slot`` advanced, the last position's logits.
 
@@ -195,7 +203,9 @@ class HybridModel(nn.Module):
         rows leave every state untouched: no K/V write, zero decay and zero write strength in the
         GDN, their outputs dropped), so the kernels meet only ``chunk / prefill_pad`` lengths and
         the warm-up compiles all of them. Attention reads the pages in place (the paged prefill
-        kernel) where the pool allows, else gathers the span (:func:`prefill_attention`)."""
+        kernel) where the pool allows, else gathers the span (:func:`prefill_attention`).
+        ``media`` (a Vision prompt's pass): the tokens' mRoPE positions and the image embeddings
+        that replace their placeholder rows."""
         tokens = self._tokens(tokens)
         t = tokens.shape[0]
         assert t >= 1, "prefill needs at least one token"
@@ -213,9 +223,12 @@ class HybridModel(nn.Module):
         positions = torch.arange(start, end + pad, device=dev)
         real = positions[:t]
         write_slots = pages.index_select(0, real // page) * page + real % page
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        if media is None:
+            cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        else:
+            cos, sin = media.cos_sin(self.rotary, self.multimodal.mrope_section, pad, self.dtype)
         paged = kv.paged_attention_supported(self.config.num_attention_heads)
-        x = self._embed(tokens)
+        x = self._embed(tokens) if media is None else media.apply(self._embed(tokens))
         feats = []
         for i, layer in enumerate(self.layers):
             if layer_ready is not None:
@@ -254,10 +267,13 @@ class HybridModel(nn.Module):
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor | Sequence[int], positions: Sequence[int],
                block_tables: Sequence[Sequence[int]], state_slots: Sequence[int],
-               kv: "PagedKVStorage", states: "StateSlots") -> torch.Tensor:
+               kv: "PagedKVStorage", states: "StateSlots",
+               rope_offsets: Sequence[int] | None = None) -> torch.Tensor:
         """One token for each of ``B`` lanes: logits ``[B, vocab]``. The column pass with one
         column (:mod:`hpc_cli.model.columns`), so the speculative verify pass, which runs the
-        same code with ``k + 1`` columns, computes every column bit-identically to this."""
+        same code with ``k + 1`` columns, computes every column bit-identically to this.
+        ``rope_offsets[b]``: lane ``b``'s rotary position is its position plus this (the mRoPE
+        delta of a Vision prompt; None: all 0)."""
         from hpc_cli.model.columns import columns_pass
 
         if not torch.is_tensor(tokens):
@@ -269,9 +285,10 @@ class HybridModel(nn.Module):
         assert len(set(state_slots)) == bsz, f"decode lanes share a state slot: {list(state_slots)}"
         graphs = self.column_graphs(kv)
         if graphs is not None:
-            return graphs.decode(tokens.cpu(), list(positions), block_tables, list(state_slots), kv, states)
+            return graphs.decode(tokens.cpu(), list(positions), block_tables, list(state_slots), kv, states,
+                                 rope_offsets=rope_offsets)
         out = columns_pass(self, tokens.view(bsz, 1), list(positions), block_tables, list(state_slots), kv, states,
-                           keep_all=False)
+                           keep_all=False, rope_offsets=rope_offsets)
         return out.logits[:, 0]
 
     def column_graphs(self, kv: "PagedKVStorage"):
@@ -290,11 +307,12 @@ class HybridModel(nn.Module):
 
     # -- conveniences for tests and tools ----------------------------------------------------
     @torch.inference_mode()
-    def forward_tokens(self, tokens: torch.Tensor | Sequence[int], kv_profile: "KVProfile | str" = "bf16"
-                       ) -> torch.Tensor:
-        """All-position logits ``[T, vocab]`` of one sequence from scratch, on private scratch pools."""
+    def forward_tokens(self, tokens: torch.Tensor | Sequence[int], kv_profile: "KVProfile | str" = "bf16",
+                       media: "PrefillMedia | None" = None) -> torch.Tensor:
+        """All-position logits ``[T, vocab]`` of one sequence from scratch, on private scratch pools
+        (``media``: a Vision prompt's positions and image embeddings)."""
         tokens = self._tokens(tokens)
         n_pages = max(1, (tokens.shape[0] + 63) // 64)
         kv = self.new_kv_storage(kv_profile, n_pages, name="scratch")
         states = self.new_state_slots(1)
-        return self.prefill(tokens, 0, list(range(n_pages)), 0, kv, states, all_logits=True).logits
+        return self.prefill(tokens, 0, list(range(n_pages)), 0, kv, states, all_logits=True, media=media).logits

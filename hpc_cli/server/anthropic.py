@@ -30,6 +30,8 @@ from hpc_cli.server.openai import _Tracker, _outcome
 from hpc_cli.server.timing import HpcOptions, wants_timing, with_timing
 from hpc_cli.server.tools import ToolParser, ToolStream, tools_enabled
 from hpc_cli.server.validate import cache_salt as _cache_salt, read_model
+from hpc_cli.server.vision_prompt import (IMAGE_PART, anthropic_sources, media_limits, prepare_images,
+                                          require_vision)
 
 
 class CacheControl(BaseModel):
@@ -194,6 +196,8 @@ def convert(body: MessagesRequest) -> tuple[list[dict], list[dict] | None, list[
             raise RequestError(f"{where}: all messages must have non-empty content except for the optional "
                                "final assistant message")
         texts: list[str] = []
+        parts: list[dict[str, str]] = []  # the template's parts when the message has images
+        images = False
         text_markers: list[int] = []  # index into texts
         whole_marker = False
         reasoning: list[str] = []
@@ -208,6 +212,7 @@ def convert(body: MessagesRequest) -> tuple[list[dict], list[dict] | None, list[
                         note(b.cache_control, bw, empty=True)
                     raise RequestError(f"{bw}: text content blocks must be non-empty")
                 texts.append(text)
+                parts.append({"type": "text", "text": text})
                 if note(b.cache_control, bw):
                     text_markers.append(len(texts) - 1)
             elif b.type in ("thinking", "redacted_thinking"):
@@ -230,20 +235,27 @@ def convert(body: MessagesRequest) -> tuple[list[dict], list[dict] | None, list[
                                  "tool_call_id": extra.get("tool_use_id")})
                 if note(b.cache_control, bw):
                     markers.append(Marker(len(messages) - 1, None))
-            elif b.type in ("image", "document", "search_result", "container_upload"):
-                raise RequestError(f"{bw}.type: {b.type!r} content is not supported by this model (text only)")
+            elif b.type == "image":  # docs/vision.md; the sources are read by anthropic_sources
+                if m.role != "user":
+                    raise RequestError(f"{bw}: image blocks are only allowed in user messages")
+                parts.append(dict(IMAGE_PART))
+                images = True
+                whole_marker |= note(b.cache_control, bw)
+            elif b.type in ("document", "search_result", "container_upload"):
+                raise RequestError(f"{bw}.type: {b.type!r} content is not supported (text and image blocks)")
             else:
                 raise RequestError(f"{bw}.type: unknown content block type {b.type!r}")
-        if texts or calls or reasoning or m.role == "assistant":
+        if texts or calls or reasoning or images or m.role == "assistant":
             idx = len(messages)
-            msg: dict[str, Any] = {"role": m.role, "content": "\n".join(texts)}
+            msg: dict[str, Any] = {"role": m.role, "content": parts if images else "\n".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
             if reasoning:
                 msg["reasoning_content"] = "\n".join(reasoning)
             messages.append(msg)
-            for k in text_markers:
-                markers.append(Marker(idx, "\n".join(texts[:k + 1]) if k < len(texts) - 1 or calls else None))
+            for k in text_markers:  # with images, a breakpoint marks the whole message
+                markers.append(Marker(idx, "\n".join(texts[:k + 1])
+                                      if (k < len(texts) - 1 or calls) and not images else None))
             if whole_marker:
                 markers.append(Marker(idx, None))
 
@@ -321,11 +333,14 @@ def register(app: FastAPI, state) -> None:
         msgs, tools, markers, ttls = convert(body)
         if not msgs:
             raise RequestError("messages: at least one message is required")
+        images = anthropic_sources(body, media_limits(state))
+        require_vision(state.engine, len(images), media_limits(state))
         thinking = body.thinking is not None and body.thinking.type != "disabled"
         continue_final = msgs[-1]["role"] == "assistant"
         prepared = await run_in_threadpool(prepare_chat, tok, msgs, tools=tools, markers=markers,  # off the loop
                                            template_kwargs={"enable_thinking": thinking},
                                            continue_final=continue_final)
+        prepared, media = await prepare_images(state, prepared, images)  # docs/vision.md
         n = len(prepared.prompt_tokens)
         max_tokens = state.resolve_max_tokens(n, body.max_tokens)
         stop = tuple(s for s in (body.stop_sequences or []) if s)
@@ -335,7 +350,8 @@ def register(app: FastAPI, state) -> None:
                                   top_k=body.top_k or 0, stop_token_ids=state.stop_token_ids(), stop=stop)
         req = GenerationRequest(prompt_tokens=list(prepared.prompt_tokens), sampling=sampling,
                                 tap_hints=list(prepared.tap_hints),
-                                message_boundaries=list(prepared.message_boundaries), cache_salt=salt)
+                                message_boundaries=list(prepared.message_boundaries), cache_salt=salt,
+                                media=list(media))
         handle = state.submit(req)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         opens = prepared.opens_thinking and thinking

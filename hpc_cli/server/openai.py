@@ -22,11 +22,14 @@ from hpc_cli.errors import EngineError, RequestError
 from hpc_cli.server.chat import Marker, prepare_chat
 from hpc_cli.server.common import (ClientDisconnected, ReasoningSplitter, TextAssembler, Unavailable,
                                    iterate_events, openai_error_body, token_text)
+from hpc_cli.server.media import ImageSource, MediaLimits
 from hpc_cli.server.reqlog import log_request
 from hpc_cli.server.timing import HpcOptions, wants_timing, with_timing
 from hpc_cli.server.tools import ToolParser, ToolStream, tools_enabled
 from hpc_cli.server.validate import JSONValue, parse_json_object, read_model, template_kwargs
 from hpc_cli.server.validate import cache_salt as _cache_salt
+from hpc_cli.server.vision_prompt import (has_openai_images, media_limits, openai_parts, prepare_images,
+                                          require_vision)
 
 Number = float
 
@@ -245,13 +248,15 @@ def register(app: FastAPI, state) -> None:
         state.gate.check(body.n)
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("top_logprobs requires logprobs: true", param="top_logprobs")
-        messages, markers = _chat_messages(body)
+        messages, markers, images = _chat_messages(body, media_limits(state))
+        require_vision(state.engine, len(images), media_limits(state))
         kwargs = template_kwargs(body.chat_template_kwargs)
         if body.reasoning_effort in ("none", "minimal") and "enable_thinking" not in kwargs:
             kwargs["enable_thinking"] = False
         # linear in the messages, but a long chat still takes a while: off the event loop
         prepared = await run_in_threadpool(prepare_chat, tok, messages, tools=body.tools, markers=markers,
                                            template_kwargs=kwargs)
+        prepared, media = await prepare_images(state, prepared, images)  # docs/vision.md
         n = len(prepared.prompt_tokens)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = state.resolve_max_tokens(n, requested)
@@ -262,7 +267,7 @@ def register(app: FastAPI, state) -> None:
                                     sampling=_sampling(state, body, max_tokens, logprobs, False, seed_offset=i),
                                     tap_hints=list(prepared.tap_hints),
                                     message_boundaries=list(prepared.message_boundaries),
-                                    cache_salt=body.cache_salt)
+                                    cache_salt=body.cache_salt, media=list(media))
             try:
                 handles.append(state.submit(req))
             except BaseException:
@@ -334,7 +339,7 @@ def _content_text(content) -> tuple[str, list[int]]:
     texts, ends = [], []
     for i, part in enumerate(content):
         if part.type not in ("text", "input_text", "output_text"):
-            raise RequestError(f"content part type {part.type!r} is not supported (text only)",
+            raise RequestError(f"content part type {part.type!r} is not supported (text and image_url)",
                                param=f"messages.content.{i}.type", code="unsupported_content")
         if part.text is None:
             raise RequestError("a text content part needs 'text'", param=f"messages.content.{i}.text")
@@ -362,13 +367,26 @@ def _prompt_count(prompt: str | list) -> int:
     return len(prompt)
 
 
-def _chat_messages(body: ChatRequest) -> tuple[list[dict], list[Marker]]:
+def _chat_messages(body: ChatRequest, limits: MediaLimits | None = None
+                   ) -> tuple[list[dict], list[Marker], list[ImageSource]]:
+    """Template messages, breakpoint markers, and the images in order (a message with images
+    keeps its parts for the template; a breakpoint on one of its parts marks the whole message)."""
     messages: list[dict] = []
     markers: list[Marker] = []
+    images: list[ImageSource] = []
     for i, m in enumerate(body.messages):
-        text, ends = _content_text(m.content)
+        parts = None
+        if has_openai_images(m.content):
+            if m.role != "user":
+                raise RequestError("images may only be sent in user messages", param=f"messages.{i}.content",
+                                   code="unsupported_content")
+            parts, found = openai_parts(m.content, f"messages.{i}", limits or MediaLimits())
+            images += found
+            text, ends = "", []
+        else:
+            text, ends = _content_text(m.content)
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
-        msg: dict[str, Any] = {"role": role, "content": text}
+        msg: dict[str, Any] = {"role": role, "content": text if parts is None else parts}
         if m.name:
             msg["name"] = m.name
         if m.tool_calls:
@@ -381,14 +399,14 @@ def _chat_messages(body: ChatRequest) -> tuple[list[dict], list[Marker]]:
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
                 if part.cache_control is not None:
-                    markers.append(Marker(i, text[:ends[j]] if j < len(m.content) - 1 else None))
+                    markers.append(Marker(i, text[:ends[j]] if j < len(m.content) - 1 and parts is None else None))
         if m.cache_control is not None:
             markers.append(Marker(i, None))
         messages.append(msg)
     if len(markers) > 4:
         raise RequestError(f"A maximum of 4 cache breakpoints may be given. Found {len(markers)}.",
                            param="messages", code="too_many_cache_breakpoints")
-    return messages, markers
+    return messages, markers, images
 
 
 def _split_reasoning(text: str, active: bool) -> tuple[str | None, str]:
