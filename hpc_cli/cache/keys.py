@@ -189,11 +189,12 @@ class PreparedPrompt:
     def block_extra(self, b: int) -> int:
         """The extra key of block ``b``, also past the prompt's full blocks (a block that ends in
         generated tokens): the prompt's media overlapping it (salted as the prompt's blocks are),
-        or 0 when none does (its parent chain carries the rest)."""
+        or 0 when none does; under a salt every block's key is salted, as the next turn's prompt
+        will key the same tokens."""
         if b < len(self.extras):
             return self.extras[b]
         key = media_key(b, self.media) if self.media else 0
-        return salted_extra(key, self.salt) if key and self.salt else key
+        return salted_extra(key, self.salt) if self.salt else key
 
     def block_media(self, b: int) -> tuple[MediaItem, ...]:
         """The media items whose tokens block ``b`` holds."""

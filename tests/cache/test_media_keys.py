@@ -99,3 +99,13 @@ def test_generated_block_after_an_image_keeps_its_key():
     assert a.block_extra(2) == 0
     salted = prepare_prompt(_prompt(100, [(70, 20, "cat")])[0], a.media, cache_salt="tenant")
     assert salted.block_extra(1) not in (0, a.block_extra(1))
+
+
+def test_generated_block_keys_match_the_next_turns_prompt_under_a_salt():
+    """A block that ends in generated tokens is committed with the key the next turn's prompt gives
+    the same tokens (salted too), so a salted conversation reuses past its first answer."""
+    tokens = [(7 * i) % 250 + 1 for i in range(200)]
+    for salt in (None, "tenant"):
+        turn1 = prepare_prompt(tokens[:100], cache_salt=salt)
+        turn2 = prepare_prompt(tokens, cache_salt=salt)
+        assert [turn1.block_extra(b) for b in range(3)] == turn2.extras[:3], f"salt {salt!r}"
