@@ -119,6 +119,9 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    # 0 only with echo: the prompt scored, nothing generated (legacy completions, as vLLM and the
+    # evaluation harnesses that score prompts use it)
+    max_tokens: StrictInt | None = Field(None, ge=0)
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     suffix: str | None = None
@@ -294,6 +297,9 @@ def register(app: FastAPI, state) -> None:
         state.gate.check(_prompt_count(body.prompt) * body.n, param="prompt")
         if body.suffix:
             raise RequestError("suffix is not supported", param="suffix", code="unsupported_parameter")
+        if body.max_tokens == 0 and not body.echo:
+            raise RequestError("max_tokens: Input should be greater than or equal to 1 (0 only with echo)",
+                               param="max_tokens")
         if body.best_of not in (None, body.n):
             raise RequestError("best_of must equal n (or be unset)", param="best_of")
         prompts = await run_in_threadpool(_completion_prompts, state, body.prompt)
