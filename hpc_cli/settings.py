@@ -70,7 +70,7 @@ class CacheSettings(_Section):
     # extra keys are the option tables of cache modes ([cache.hybrid]); checked in _validate
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
-    mode: str = Field("hybrid", description="cache mode: hybrid or off")
+    mode: str = Field("hybrid", description="cache mode: hybrid, legacy, off or a plugin's (hpc-cli plugins)")
     host_cache_mib: int = Field(8192, ge=0, description="host slab pool size; 0 = device only")
     prefix_cache_file: Path | None = Field(None, description="keep the host tier across restarts (spec §5.5)")
     no_prefix_reuse: bool = Field(False, description="disable the cache entirely")
@@ -357,6 +357,7 @@ def load_settings(profile: str | os.PathLike | None = None, cli: Mapping[str, An
 
 def _resolve(settings: HpcSettings, layers: dict[str, dict], profile_path: Path | None) -> ResolvedSettings:
     from hpc_cli import plugins
+    from hpc_cli.cache_mode import reject_foreign_tables
 
     regs = plugins.registries()
     for key, registry in (("kv.profile", regs.kv_profiles), ("speculative.backend", regs.spec_backends),
@@ -376,14 +377,15 @@ def _resolve(settings: HpcSettings, layers: dict[str, dict], profile_path: Path 
     for name, table in tables.items():
         if name not in regs.cache_modes:
             close = difflib.get_close_matches(name, list(CacheSettings.model_fields) + regs.cache_modes.names(), n=1)
+            owners = [e.name for e in regs.cache_modes if name in e.obj.options_model.model_fields]
             raise ConfigError(f"unknown key cache.{name} ({_describe_origin('cache.' + name, _origin('cache.' + name, layers), profile_path)})",
-                              hint=f"did you mean cache.{close[0]}?" if close else
+                              hint=f"{name} is an option of cache mode {owners[0]!r}: set it in [cache.{owners[0]}] "
+                                   f"with cache.mode = {owners[0]!r}" if owners else
+                              f"did you mean cache.{close[0]}?" if close else
                               f"keys of [cache]: {', '.join(CacheSettings.model_fields)}, or a mode table "
                               f"[cache.<mode>] ({', '.join(regs.cache_modes.names())})")
-        canonical = regs.cache_modes.canonical(name)
-        if canonical != mode.name and table:
-            raise ConfigError(f"[cache.{name}] options are set but cache.mode is {mode.name!r}",
-                              hint=f"remove the [cache.{name}] table or set cache.mode = {canonical!r}")
+        # the tables of other modes are rejected by the selected mode's validate() (the coexistence
+        # rules), and after it by reject_foreign_tables for a mode that does not check them
     raw_options = tables.get(mode.name, {}) or {}
     if not isinstance(raw_options, Mapping):
         raise ConfigError(f"cache.{mode.name} must be a table", hint=f"write [cache.{mode.name}] with keys under it")
@@ -417,6 +419,7 @@ def _resolve(settings: HpcSettings, layers: dict[str, dict], profile_path: Path 
     resolved = ResolvedSettings(settings, sources, effective, profile_path, options, layers)
     _validate_combinations(resolved, mode)
     mode.validate(settings, options)
+    reject_foreign_tables(settings, mode)
     return resolved
 
 
@@ -438,9 +441,9 @@ def _validate_combinations(r: ResolvedSettings, mode) -> None:
         path = Path(c.prefix_cache_file).expanduser()
         path = path if path.is_absolute() else (Path.cwd() / path)
         path = Path(os.path.normpath(path))
-        if not mode.reuses or c.no_prefix_reuse:
-            raise ConfigError(f"cache.prefix_cache_file is set but cache.mode is {c.mode!r}",
-                              hint="prefix cache files need cache.mode = 'hybrid'")
+        if not mode.persistent or c.no_prefix_reuse:
+            raise ConfigError(f"cache.prefix_cache_file is set but cache.mode is {c.mode!r}, which keeps no "
+                              "prefix cache file", hint="prefix cache files need cache.mode = 'hybrid'")
         if path.is_dir():
             raise ConfigError(f"cache.prefix_cache_file {path} is a directory",
                               hint="name a file inside it, e.g. " + str(path / "prefix.bin"))

@@ -22,7 +22,7 @@ def test_builtins_register_everything():
     regs = plugins.registries()
     assert regs.kv_profiles.names() == ["bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"]
     assert regs.spec_backends.names() == ["none", "mtp", "dflash", "dflash2"]
-    assert regs.cache_modes.names() == ["hybrid", "off"]
+    assert regs.cache_modes.names() == ["hybrid", "legacy", "off"]
     assert regs.kv_profiles.entry("int8").plugin == "hpc_plugins.kv_profiles"
 
 
@@ -81,7 +81,7 @@ def test_plugin_info_reports_hooks_and_versions():
     kv = info["hpc_plugins.kv_profiles"]
     assert kv["builtin"] and kv["version"] == hpc_cli.__version__
     assert kv["hooks"] == ["hpc_register_kv_profiles"]
-    assert info["hpc_plugins.cache_modes"]["registers"]["cache_modes"] == ["hybrid", "off"]
+    assert info["hpc_plugins.cache_modes"]["registers"]["cache_modes"] == ["hybrid", "legacy", "off"]
 
 
 def test_unknown_load_plugins_name_is_an_error(monkeypatch):
@@ -129,3 +129,60 @@ def test_load_plugins_excludes_the_example(example_site):
     proc = _cli(["config", "show"], example_site, HPC_LOAD_PLUGINS="", HPC_KV__PROFILE="fp16")
     assert proc.returncode == 2 and "unknown KV profile 'fp16'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def cache_example_site(tmp_path_factory):
+    """examples/hpc-cache-example installed into a private folder, as `pip install` would."""
+    target = tmp_path_factory.mktemp("cache-site")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                           "--no-index", "--target", str(target), str(ROOT / "examples" / "hpc-cache-example")],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"installing the example cache mode failed: {proc.stderr[-2000:]}")
+    return target
+
+
+def test_third_party_cache_mode_appears_after_install(cache_example_site):
+    proc = _cli(["plugins", "--json"], cache_example_site)
+    assert proc.returncode == 0, proc.stderr
+    info = {p["name"]: p for p in json.loads(proc.stdout)}
+    assert info["cache_example"]["registers"] == {"cache_modes": ["system-prompt"]}
+    proc = _cli(["config", "show", "--json"], cache_example_site, HPC_CACHE__MODE="system-prompt")
+    values = json.loads(proc.stdout)["values"]
+    assert values["cache.mode"] == "system-prompt" and values["cache.system-prompt.min_tokens"] == 64
+
+
+def test_third_party_cache_mode_serves_with_cache_mode_flag(cache_example_site, monkeypatch):
+    """`hpc-cli serve --cache-mode system-prompt` selects the installed mode; the engine it
+    builds resumes a second request at the end of the shared system block."""
+    import importlib
+
+    from click.testing import CliRunner
+
+    from hpc_cli.cli import cli, serve_cmd
+    from hpc_cli.engine.api import GenerationRequest, SamplingParams, TapHint
+    from hpc_cli.engine.engine import Engine
+
+    monkeypatch.syspath_prepend(str(cache_example_site))
+    importlib.invalidate_caches()
+    plugins.reset()
+    seen = {}
+
+    def run_server(resolved, log_level="info"):
+        engine = Engine.from_settings(resolved).start()
+        sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        system = list(range(1, 151))
+        try:
+            seen["fins"] = [engine.submit(GenerationRequest(system + [200 + i] * 30, sp, tap_hints=[TapHint(150, 3)]))
+                            .result(60)[1] for i in range(2)]
+        finally:
+            engine.stop()
+        seen["mode"] = engine.cache.mode
+
+    monkeypatch.setattr(serve_cmd, "run_server", run_server)
+    res = CliRunner().invoke(cli, ["serve", "--cache-mode", "system-prompt", "--kv-capacity", "16",
+                                   "--max-concurrency", "1", "--host-cache-mib", "0"])
+    assert res.exit_code == 0, res.output
+    assert seen["mode"] == "system-prompt"
+    assert [f.usage.reuse_tokens for f in seen["fins"]] == [0, 150]

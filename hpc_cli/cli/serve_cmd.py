@@ -93,7 +93,7 @@ def register(cli: click.Group) -> None:
     @click.option("--spec-backend", default=None, help="none, mtp, dflash, dflash2 [speculative.backend]")
     @click.option("--num-draft-tokens", default=None, type=int, help="[speculative.num_draft_tokens]")
     @click.option("--drafter", default=None, help="drafter checkpoint directory [speculative.drafter]")
-    @click.option("--cache-mode", default=None, help="hybrid or off [cache.mode]")
+    @click.option("--cache-mode", default=None, help="hybrid, legacy, off or a plugin's mode [cache.mode]")
     @click.option("--host-cache-mib", default=None, type=int, help="host slab pool MiB [cache.host_cache_mib]")
     @click.option("--prefix-cache-file", default=None, type=click.Path(dir_okay=True, path_type=Path),
                   help="keep the host tier across restarts [cache.prefix_cache_file]")

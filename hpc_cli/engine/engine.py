@@ -23,10 +23,9 @@ import torch
 
 from hpc_cli import plugins
 from hpc_cli.cache.keys import prepare_prompt
-from hpc_cli.cache.taps import TapPlanner
 from hpc_cli.engine.api import (AdmittedEvent, FinishEvent, GenerationRequest, PrefillPass, RequestHandle,
                                 SamplingParams, TokenEvent, Usage)
-from hpc_cli.engine.hybrid import Blocked, HybridBinding
+from hpc_cli.engine.binding import BindingContext, Blocked, CacheBinding, effective_options, mode_options
 from hpc_cli.engine.lane import Lane
 from hpc_cli.engine.media import check_images, decode_offsets, media_items, prefill_media
 from hpc_cli.engine.sampling import make_generator, prompt_logprobs, sample
@@ -52,10 +51,11 @@ class Engine:
                  max_model_len: int | None = None, concurrent_prefill: bool = False,
                  default_max_tokens: int = 256, device_memory_fraction: float = 0.85,
                  transfer_factory: Callable | None = None, model_name: str | None = None,
-                 coalesce: bool = True, pending_timeout_ms: int = 600_000, settings: Any = None,
+                 coalesce: bool | None = None, pending_timeout_ms: int = 600_000, settings: Any = None,
                  speculative: Any = None, num_draft_tokens: int = 3, drafter: str | None = None,
                  spec_rollback: str = "per_token", cuda_graphs: bool = True,
-                 transfer_copy: str | None = None, seed: int = 0) -> None:
+                 transfer_copy: str | None = None, seed: int = 0, cache_mode: Any = None,
+                 cache_options: Any = None) -> None:
         self.model = model
         model.cuda_graphs = bool(cuda_graphs)  # hpc_cli.model.graphs reads it
         self.settings = settings
@@ -68,8 +68,17 @@ class Engine:
         self.concurrent_prefill = concurrent_prefill
         self.default_max_tokens = default_max_tokens
         self.kv_profile = plugins.kv_profile(kv_profile)
-        host = host_cache_mib > 0
-        D = snapshot_slots if snapshot_slots is not None else (self.C + 1 if host else self.C + 2)
+        # the cache mode (docs/cache-modes.md): a name or a CacheMode; reuse=False is mode off. The
+        # hybrid keywords (snapshot_slots ...) are options of [cache.hybrid]; another mode refuses them
+        mode = cache_mode if cache_mode is not None and not isinstance(cache_mode, str) else \
+            plugins.cache_mode(cache_mode or "hybrid")
+        self.cache_mode = mode if reuse else plugins.cache_mode("off")
+        options = mode_options(self.cache_mode, cache_options if reuse else None,
+                               {"device_snapshot_slots": snapshot_slots, "max_new_taps": max_new_taps,
+                                "tap_ladder_tokens": tap_ladder_tokens, "tap_min_gap_tokens": tap_min_gap_tokens,
+                                "coalesce": coalesce})
+        host_bytes = host_cache_mib * MiB if self.cache_mode.reuses else 0
+        mode_slots = self.cache_mode.snapshot_slots(options, lanes=self.C, host=host_bytes > 0)
         # the speculative backend (docs/speculative.md): its drafter, pools and image parts
         backend = plugins.spec_backend(speculative) if isinstance(speculative, str) else speculative
         self.spec = None
@@ -80,7 +89,7 @@ class Engine:
                                     drafter_path=drafter)
         self.spec_backend = backend
         extra_parts = backend.state_extra_parts(model) if self.spec is not None else None
-        self.states = model.new_state_slots(self.C + (D if reuse else 0), extra_parts=extra_parts)
+        self.states = model.new_state_slots(self.C + mode_slots, extra_parts=extra_parts)
         if transfer_copy is not None:  # [cache] transfer_copy: the transfer engine's and the taps' method
             self.states.tap_method = "torch" if transfer_copy == "dma" else None
             if transfer_factory is None:
@@ -91,15 +100,14 @@ class Engine:
                 transfer_factory = functools.partial(TransferEngine, copy_method=transfer_copy)
         pages = kv_pages or self._auto_pages(device_memory_fraction)
         self.storage, self.backend_storage = self._spec_storage(model, pages)
-        planner = TapPlanner(chunk=prefill_chunk, tap_ladder_tokens=tap_ladder_tokens,
-                             tap_min_gap=tap_min_gap_tokens, max_new_taps=max_new_taps, host_tier=host)
-        self.cache = HybridBinding(model, self.storage, self.states, lanes=self.C, snapshot_slots=D,
-                                   backend_storage=self.backend_storage,
-                                   frontier_lag=backend.frontier_lag if self.spec is not None else 0,
-                                   host_bytes=host_cache_mib * MiB, reuse=reuse, planner=planner,
-                                   transfer_factory=transfer_factory,
-                                   coalesce=coalesce and concurrent_prefill,
-                                   coalesce_wait_limit=pending_timeout_ms / 2000.0)
+        from hpc_cli.memory.transfer import TransferEngine
+
+        self.cache: CacheBinding = self.cache_mode.build(BindingContext(
+            model=model, storage=self.storage, states=self.states, lanes=self.C, snapshot_slots=mode_slots,
+            host_bytes=host_bytes, prefill_chunk=prefill_chunk, options=options,
+            transfer_factory=transfer_factory or TransferEngine, backend_storage=self.backend_storage,
+            frontier_lag=backend.frontier_lag if self.spec is not None else 0, speculative=self.spec is not None,
+            concurrent_prefill=concurrent_prefill, pending_timeout_s=pending_timeout_ms / 1000.0))
         if self.spec is not None:
             self.spec.bind(self.storage, self.backend_storage, self.states)
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or cfg.eos_token_id or [])
@@ -157,14 +165,10 @@ class Engine:
         kw = dict(kv_profile=s.kv.profile, max_concurrency=s.engine.max_concurrency,
                   prefill_chunk=s.engine.prefill_chunk, kv_pages=kv_pages,
                   host_cache_mib=s.cache.host_cache_mib if reuse else 0, reuse=reuse,
-                  snapshot_slots=eff.get("cache.hybrid.device_snapshot_slots"),
-                  max_new_taps=eff.get("cache.hybrid.max_new_taps"),
-                  tap_ladder_tokens=eff.get("cache.hybrid.tap_ladder_tokens"),
-                  tap_min_gap_tokens=eff.get("cache.hybrid.tap_min_gap_tokens"),
+                  cache_mode=mode, cache_options=effective_options(mode, eff) if reuse else None,
                   max_model_len=s.model.max_model_len, concurrent_prefill=s.engine.concurrent_prefill,
                   default_max_tokens=s.engine.default_max_tokens,
                   device_memory_fraction=s.engine.device_memory_fraction,
-                  coalesce=bool(eff.get("cache.hybrid.coalesce", True)),
                   pending_timeout_ms=s.engine.pending_timeout_ms,
                   model_name=s.server.served_model_name or s.model.name, settings=resolved,
                   speculative=s.speculative.backend, num_draft_tokens=s.speculative.num_draft_tokens,
@@ -693,11 +697,10 @@ class Engine:
 
     def _settings_meta(self) -> dict[str, Any]:
         """The names a client shows next to the stats (``hpc-cli top``'s header)."""
-        s = getattr(self.settings, "settings", None)
         path = getattr(self.settings, "profile_path", None)
         return {"kv_profile": self.kv_profile.name,
                 "speculative_backend": getattr(self.spec_backend, "name", None) or "none",
-                "cache_mode": getattr(getattr(s, "cache", None), "mode", None),
+                "cache_mode": self.cache_mode.name,
                 "profile_path": str(path) if path is not None else None}
 
     # ------------------------------------------------------------------ tests

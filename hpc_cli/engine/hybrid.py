@@ -5,7 +5,8 @@ The engine calls, in a request's order: :meth:`admit` (quote, stage, restore, ac
 wait: a blocked head is prefetched, a head sharing a prefilling lane's prefix coalesces),
 :meth:`before_pass` / :meth:`after_pass` around every prefill pass (block commit, taps),
 :meth:`commit_blocks` after decode rounds, :meth:`finish` at terminal settlement (endpoint
-snapshot, release, write-through), and :meth:`poll` to land transfers. With ``reuse=False`` (cache mode ``off``) and for disabled requests nothing is
+snapshot, release, write-through), and :meth:`poll` to land transfers (the contract:
+:mod:`hpc_cli.engine.binding`; cache mode ``off`` is :mod:`hpc_cli.engine.off`). With ``reuse=False`` and for disabled requests nothing is
 matched, committed or published: lanes get private pages and a reset state.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from hpc_cli.cache.index import CacheGeometry, CommitOutcome, PrefixIndex, Readiness, StaleQuote
@@ -22,6 +22,7 @@ from hpc_cli.cache.snapshot import SnapshotKind
 from hpc_cli.cache.stats import snapshot_rows
 from hpc_cli.cache.taps import Placement, Tap, TapHint as PlannerHint, TapPlanner, TapSource
 from hpc_cli.engine.api import TapHint
+from hpc_cli.engine.binding import Admission, Blocked, Residency
 from hpc_cli.engine.lane import Lane
 from hpc_cli.errors import EngineError
 from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage
@@ -37,17 +38,6 @@ def planner_hints(hints: list[TapHint], boundaries: list[int]) -> list[PlannerHi
            for h in hints]
     out += [PlannerHint(b, TapSource.MESSAGE) for b in boundaries]
     return out
-
-
-@dataclass(slots=True)
-class Admission:
-    reuse_tokens: int
-    cached_prefix_tokens: int
-    restored_host_bytes: int
-
-
-class Blocked(Exception):
-    """Admission must wait (TemporarilyBlocked): active entitlements hold the pages."""
 
 
 def _common_prefix(a: Lane, b: Lane) -> int:
@@ -73,6 +63,8 @@ def _common_prefix(a: Lane, b: Lane) -> int:
 
 
 class HybridBinding:
+    mode = "hybrid"
+    persistent = True  # the prefix cache file (spec §5.5) loads into and saves from its host tier
     #: how long construction waits for the host tier's first chunk (allocation is lazy on the
     #: CPU, so it is there at once; a pinned 4 GiB chunk takes ~1.5 s on an H200 and joins later)
     FIRST_CHUNK_WAIT_S = 0.1
@@ -564,6 +556,26 @@ class HybridBinding:
                "transfers_pending": self.transfer.pending,
                "inflight": {"restore_bytes": t.restore_bytes, "write_bytes": t.write_bytes},
                **self.counters}
+        out["residency"] = self.residency().as_dict()
         if detailed:
             out["top_snapshots"] = snapshot_rows(self.index, 16)
         return out
+
+    def residency(self) -> Residency:
+        """Bytes held on the device (cached blocks, snapshot images) and the host, and the
+        snapshots alive (running counts)."""
+        doc = self.index.stats()
+        dev, host = doc["device"], doc["host"]
+        return Residency(device_kv_bytes=dev["block_bytes_cached"], device_state_bytes=dev["image_bytes_cached"],
+                         host_bytes=(host["ready_slabs"] - host["free_slabs"]) * host["slab_bytes"],
+                         entries=doc["snapshots"]["total"])
+
+    def leftovers(self) -> dict[str, int]:
+        """What is still held (all zero once the engine stopped): pins, sequences, active and
+        filling pages, restore pins of snapshots, lanes out, transfers in flight."""
+        st, counts = self.index.stats(), self.pool.counts()
+        return {"pinned_nodes": st["nodes"]["pinned"], "sequences": st["sequences"],
+                "filling_nodes": sum(st["nodes"]["filling"].values()), "active_pages": counts["active"],
+                "filling_pages": counts["filling"], "lanes_out": self.C - len(set(self.free_active)),
+                "snapshot_restore_pins": sum(s.restore_pins for s in self.index.snapshots.values()),
+                "transfers_pending": self.transfer.pending}

@@ -26,7 +26,7 @@ from typing import Any
 
 from hpc_cli.cache import persist
 from hpc_cli.cache.host import SlabUse
-from hpc_cli.errors import CacheFileError, EngineError
+from hpc_cli.errors import CacheFileError, ConfigError, EngineError
 
 log = logging.getLogger("hpc_cli.cache.persist")
 MiB = 1 << 20
@@ -212,6 +212,9 @@ def attach_cache_file(engine: Any, path: str | Path, *, progress: bool = True,
     check_cache_file_path(path)
     control = control or SaveControl()
     cache = engine.cache
+    if cache.reuse and not cache.persistent:  # a mode that keeps no prefix cache file (docs/cache-modes.md)
+        raise ConfigError(f"cache mode {cache.mode!r} keeps no prefix cache file",
+                          hint="remove cache.prefix_cache_file, or set cache.mode = 'hybrid'")
     if not cache.reuse or cache.host.num_slabs == 0:
         report = LoadReport(path, "disabled", reason="no host tier (cache.host_cache_mib is 0 or reuse is off)",
                             control=control)

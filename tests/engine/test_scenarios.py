@@ -1,7 +1,10 @@
 """Spec §13.3 scenarios that apply to one device, run on CPU with builtin:tiny.
 
-Every test ends with ``settle``: engine.stop(), check_invariants(), and no pins, sequences,
-active or filling pages left. Equality tests use greedy sampling with ignore_eos.
+Scenarios that apply to several cache modes run in each (``mode``: hybrid and legacy, the
+checkpoint catalog; ``off`` is the reference every equality test compares with). Every test ends
+with ``settle``: engine.stop(), check_invariants(), and nothing left held (the binding's
+``leftovers``: pins, sequences, active or filling pages, lanes, transfers). Equality tests use
+greedy sampling with ignore_eos.
 """
 
 from __future__ import annotations
@@ -40,31 +43,48 @@ def run(engine: Engine, prompt: list[int], max_tokens: int = 8, *, sampling: Sam
     return toks, fin
 
 
-def make(model, **kw) -> Engine:
+#: the modes the shared scenarios run in (off is every equality test's reference)
+MODES = ["hybrid", "legacy"]
+
+
+def make(model, mode: str = "hybrid", **kw) -> Engine:
     kw.setdefault("kv_pages", 64)
     kw.setdefault("prefill_chunk", 128)
     kw.setdefault("max_concurrency", 2)
-    return Engine(model, **kw).start()
+    return Engine(model, cache_mode=mode, **kw).start()
+
+
+def opts(mode: str, *, slots: int | None = None, spacing: int | None = None, anchors: int | None = None) -> dict:
+    """The same intent in each mode's options: state slots for snapshots or checkpoints, and the
+    spacing of the hybrid ladder or of legacy's long anchors (with a minimum gap of 64)."""
+    if mode == "hybrid":
+        return {k: v for k, v in {"snapshot_slots": slots, "tap_ladder_tokens": spacing,
+                                  "tap_min_gap_tokens": 64 if spacing else None,
+                                  "max_new_taps": anchors}.items() if v is not None}
+    options = {"device_state_slots": slots, "long_anchor_spacing": spacing, "max_long_anchors_per_continuation": anchors}
+    return {"cache_options": {k: v for k, v in options.items() if v is not None}}
+
+
+def frontiers(engine: Engine) -> list[int]:
+    """The frontiers a request can resume at: live snapshots (hybrid) or checkpoints (legacy)."""
+    cache = engine.cache
+    if cache.mode == "hybrid":
+        return sorted(s.frontier for s in cache.index.snapshots.values() if s.alive)
+    return sorted(c.frontier for o in cache.catalog.owners.values() for c in o.checkpoints)
 
 
 def settle(engine: Engine, *, fatal_ok: bool = False) -> dict:
-    """Stop the engine, walk the invariants and check nothing is held: no pins, no sequences,
-    no active pages, every lane slot back. Returns the index stats."""
+    """Stop the engine, walk the invariants and check nothing is held (the binding's leftovers:
+    no pins, no sequences, no active or filling pages, every lane slot back, no transfer in
+    flight). Returns the hybrid index's stats, or the binding's stats in other modes."""
     engine.stop()
     engine.check_invariants()
     if not fatal_ok:
         assert engine.fatal is None, engine.fatal
     cache = engine.cache
-    st = cache.index.stats()
-    assert st["nodes"]["pinned"] == 0, st["nodes"]
-    assert st["sequences"] == 0, st
-    assert not st["nodes"]["filling"], st["nodes"]
-    assert cache.pool.counts()["active"] == 0, cache.pool.counts()
-    assert cache.pool.counts()["filling"] == 0, cache.pool.counts()
-    assert len(cache.free_active) == cache.C and len(set(cache.free_active)) == cache.C
-    assert all(s.restore_pins == 0 for s in cache.index.snapshots.values())
-    assert cache.transfer.pending == 0
-    return st
+    held = {k: v for k, v in cache.leftovers().items() if v}
+    assert not held, held
+    return cache.index.stats() if cache.mode == "hybrid" else cache.stats()
 
 
 PROFILES = ["bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"]
@@ -96,8 +116,9 @@ def agreement(a: list[int], b: list[int]) -> int:
 
 
 # ----------------------------------------------------------------------------- resume-equivalence
-@pytest.mark.parametrize("profile", PROFILES)
-def test_resume_equivalence(model, profile):
+# every KV profile in hybrid; legacy keeps its pages in the same pools, so two profiles show it
+@pytest.mark.parametrize("profile,mode", [(p, "hybrid") for p in PROFILES] + [("bf16", "legacy"), ("k8v4", "legacy")])
+def test_resume_equivalence(model, profile, mode):
     from hpc_cli import plugins
 
     try:
@@ -119,7 +140,7 @@ def test_resume_equivalence(model, profile):
     base_diff = lp_diff(r_lp, b_lp)
     base_agree = agreement(r_toks, b_toks)
     # resumed: warm the cache with the shorter prompt, then extend it
-    e = make(model, kv_profile=profile, prefill_chunk=128, kv_pages=32, host_cache_mib=16)
+    e = make(model, mode, kv_profile=profile, prefill_chunk=128, kv_pages=32, host_cache_mib=16)
     run(e, base, 1)
     s_toks, s_lp, fin = first_logprobs(e, full, N)
     assert fin.usage.reuse_tokens >= floor64(len(base) - 1), fin.usage
@@ -131,8 +152,9 @@ def test_resume_equivalence(model, profile):
 
 
 # ----------------------------------------------------------------------------- multi-turn endpoint
-def test_multi_turn_exact_endpoint_reuse(model):
-    e = make(model, host_cache_mib=16)
+@pytest.mark.parametrize("mode", MODES)
+def test_multi_turn_exact_endpoint_reuse(model, mode):
+    e = make(model, mode, host_cache_mib=16)
     ops = {"copy_page": 0, "copy_slot": 0}
     storage, states = e.cache.storage, e.cache.states
     orig_page, orig_slot = storage.copy_page, states.copy_slot
@@ -164,18 +186,25 @@ def test_multi_turn_exact_endpoint_reuse(model):
             assert fin.usage.reuse_tokens == f_end, (turn, fin.usage, f_end)
         f_end = seen["pos"]
         assert f_end == len(prompt) + len(gen) - 1
-        # the endpoint took the active image and the partial page without a copy
-        assert seen["finish_copies"] == {"copy_page": 0, "copy_slot": 0}, seen
-        ends = [s for s in e.cache.index.snapshots.values() if s.kind is SnapshotKind.ENDPOINT
-                and s.frontier == f_end and s.alive]
-        assert len(ends) == 1
-        assert ends[0].tail_pages == (seen["tail_page"],)
-        assert e.cache.snap_phys[ends[0].device_slot] == seen["slot"]
+        assert f_end in frontiers(e)
+        if mode == "hybrid":
+            # the endpoint took the active image and the partial page without a copy
+            assert seen["finish_copies"] == {"copy_page": 0, "copy_slot": 0}, seen
+            ends = [s for s in e.cache.index.snapshots.values() if s.kind is SnapshotKind.ENDPOINT
+                    and s.frontier == f_end and s.alive]
+            assert len(ends) == 1
+            assert ends[0].tail_pages == (seen["tail_page"],)
+            assert e.cache.snap_phys[ends[0].device_slot] == seen["slot"]
+        else:  # the session's continuation moved on: one, its endpoint the deepest checkpoint
+            assert e.cache.stats()["catalog"]["private_continuations"] == 1
         prompt = prompt + gen + tokens(30, seed=10 + turn)
     # the reference: the last prompt from the root gives the same greedy output
     last, _ = run(e, prompt, 20)
     st = settle(e)
-    assert st["counters"]["published"]["endpoint"] >= 3
+    if mode == "hybrid":
+        assert st["counters"]["published"]["endpoint"] >= 3
+    else:
+        assert st["catalog"]["counters"]["published_endpoints"] >= 3
     off = make(model, reuse=False)
     ref, fin = run(off, prompt, 20)
     assert fin.usage.reuse_tokens == 0
@@ -200,21 +229,23 @@ def test_rerendered_history_reuses_opener_tap(model):
 
 
 # ----------------------------------------------------------------------------- deep edit
-def test_deep_edit_reuses_deepest_ladder_tap(model):
-    e = make(model, host_cache_mib=16, tap_ladder_tokens=128, tap_min_gap_tokens=64, max_new_taps=8,
-             kv_pages=64)
+@pytest.mark.parametrize("mode", MODES)
+def test_deep_edit_reuses_deepest_ladder_tap(model, mode):
+    """An edit deep in the prompt resumes at the deepest snapshot (hybrid's ladder taps) or long
+    anchor (legacy) below it."""
+    e = make(model, mode, host_cache_mib=16, kv_pages=64, **opts(mode, spacing=128, anchors=8, slots=8))
     p = tokens(700, seed=6)
     run(e, p, 2)
-    frontiers = sorted(s.frontier for s in e.cache.index.snapshots.values() if s.alive)
-    ladder = [f for f in frontiers if f < len(p) - BLOCK_TOKENS]
-    assert len(ladder) >= 3, frontiers
+    points = frontiers(e)
+    ladder = [f for f in points if f < len(p) - BLOCK_TOKENS]
+    assert len(ladder) >= 3, points
     edit = 400
     edited = list(p)
     edited[edit] = (edited[edit] % 249) + 1
-    expect = max(f for f in frontiers if f <= edit)
+    expect = max(f for f in points if f <= edit)
     assert expect > 0
     out, fin = run(e, edited, 6)
-    assert fin.usage.reuse_tokens == expect, (fin.usage, frontiers)
+    assert fin.usage.reuse_tokens == expect, (fin.usage, points)
     settle(e)
     off = make(model, reuse=False)
     ref, _ = run(off, edited, 6)
@@ -223,15 +254,25 @@ def test_deep_edit_reuses_deepest_ladder_tap(model):
 
 
 # ----------------------------------------------------------------------------- shared preamble
-def test_shared_preamble_stored_once_all_hit(model):
-    e = make(model, host_cache_mib=16, max_concurrency=8, kv_pages=64)
+@pytest.mark.parametrize("mode", MODES)
+def test_shared_preamble_stored_once_all_hit(model, mode):
+    """Hybrid: one request's preamble serves all eight sessions, stored once. Legacy: the first
+    session that shares it with another publishes it as a shared stable prefix (a capture at the
+    divergence), and the other seven resume there."""
+    e = make(model, mode, host_cache_mib=16, max_concurrency=8, kv_pages=64)
     pre = tokens(256, seed=7)
     run(e, pre + [9], 1, tap_hints=[TapHint(256, 3)])
-    base_nodes = e.cache.index.stats()["nodes"]["total"]
-    assert base_nodes == 4
+    if mode == "hybrid":
+        assert e.cache.index.stats()["nodes"]["total"] == 4
     handles = [e.submit(GenerationRequest(pre + tokens(70, seed=100 + i), greedy(4))) for i in range(8)]
     fins = [h.result(timeout=120)[1] for h in handles]
-    assert all(f.usage.reuse_tokens >= 256 for f in fins), [f.usage.reuse_tokens for f in fins]
+    hits = [f.usage.reuse_tokens >= 256 for f in fins]
+    if mode == "legacy":
+        assert sum(hits) == 7 and not hits[0], [f.usage.reuse_tokens for f in fins]
+        st = settle(e)
+        assert st["catalog"]["shared_prefixes"] == 1 and st["catalog"]["counters"]["published_shared"] == 1, st
+        return
+    assert all(hits), [f.usage.reuse_tokens for f in fins]
     st = settle(e)
     # each session's own blocks: floor((256 + 70 + 3) / 64) - 4 = 1; the preamble's 4 once
     assert st["nodes"]["total"] == 4 + 8, st["nodes"]
@@ -246,53 +287,65 @@ def _push_out(e, n_fill: int = 3, seed: int = 50):
         run(e, tokens(300, seed=seed + i), 2)
 
 
-def _host_only_engine(model, **kw):
+def _host_only_engine(model, mode: str = "hybrid", **kw):
     kw.setdefault("kv_pages", 12)
-    kw.setdefault("snapshot_slots", 1)
     kw.setdefault("host_cache_mib", 32)
     kw.setdefault("max_concurrency", 1)
-    return make(model, **kw)
+    return make(model, mode, **opts(mode, slots=1), **kw)
 
 
-def test_host_only_restore_matches_device_resume(model):
+#: output tokens of the first request: a legacy session endpoint is a prefix of the extended
+#: prompt only when no generated token was processed (hybrid resumes at its prompt-tail tap)
+FIRST_GEN = {"hybrid": 2, "legacy": 1}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_host_only_restore_matches_device_resume(model, mode):
     p = tokens(300, seed=8)
     ext = p + tokens(40, seed=9)
-    dev = make(model, host_cache_mib=32, kv_pages=32)
-    run(dev, p, 2)
+    dev = make(model, mode, host_cache_mib=32, kv_pages=32)
+    run(dev, p, FIRST_GEN[mode])
     want, fin_d = run(dev, ext, 16)
     assert fin_d.usage.reuse_tokens > 0 and fin_d.usage.restored_host_bytes == 0
     settle(dev)
 
-    e = _host_only_engine(model)
-    run(e, p, 2)
+    e = _host_only_engine(model, mode)
+    run(e, p, FIRST_GEN[mode])
     _push_out(e)
     got, fin = run(e, ext, 16)
     assert fin.usage.reuse_tokens == fin_d.usage.reuse_tokens, (fin.usage, fin_d.usage)
     assert fin.usage.restored_host_bytes > 0, fin.usage
     assert got == want
     st = settle(e)
-    assert st["counters"]["restores"] >= 1
+    if mode == "hybrid":
+        assert st["counters"]["restores"] >= 1
+    else:
+        assert st["catalog"]["counters"]["demoted"] >= 1 and st["restored_host_bytes"] > 0
 
 
-def test_concurrency_8_identical_prompts(model):
+@pytest.mark.parametrize("mode", MODES)
+def test_concurrency_8_identical_prompts(model, mode):
     p = tokens(300, seed=11)
     ext = p + tokens(30, seed=12)
     ref_e = make(model, reuse=False, kv_pages=16)
     ref, _ = run(ref_e, ext, 8)
     settle(ref_e)
 
-    e = _host_only_engine(model, kv_pages=24, max_concurrency=8, concurrent_prefill=True)
-    run(e, p, 2)
+    e = _host_only_engine(model, mode, kv_pages=24, max_concurrency=8, concurrent_prefill=True)
+    run(e, p, FIRST_GEN[mode])
     # fill the device pool and the one snapshot slot with other entries
     for i in range(6):
         run(e, tokens(300, seed=60 + i), 2)
-    before = e.cache.index.stats()["counters"]["restores"]
     handles = [e.submit(GenerationRequest(list(ext), greedy(8))) for _ in range(8)]
     results = [h.result(timeout=120) for h in handles]
     for toks, fin in results:
         assert fin.reason == "length", fin.error
         assert [t.token_id for t in toks] == ref
     st = settle(e)
+    if mode == "legacy":  # the lanes admitted first restore their own copy of the host checkpoint
+        first = results[0][1].usage  # (the first to finish replaces it: a continuation has one owner)
+        assert first.reuse_tokens == len(p) and first.restored_host_bytes > 0, first
+        return
     restored = [fin.usage.restored_host_bytes for _, fin in results]
     # every request restores the snapshot image into its own lane slot (in place); the
     # host-only blocks are restored once: no double restore of a Filling node
@@ -320,9 +373,12 @@ class _CancelAfter:
         return out
 
 
-def test_cancel_mid_prefill_publishes_taps_and_blocks(model):
-    e = Engine(model, kv_pages=32, prefill_chunk=64, max_concurrency=1, host_cache_mib=16,
-               tap_ladder_tokens=128, tap_min_gap_tokens=64)
+@pytest.mark.parametrize("mode", MODES)
+def test_cancel_mid_prefill_publishes_taps_and_blocks(model, mode):
+    """A request cancelled mid-prefill leaves what it computed: its blocks and taps (hybrid), or
+    a continuation with an endpoint where it stopped (legacy); the rerun resumes there."""
+    e = Engine(model, kv_pages=32, prefill_chunk=64, max_concurrency=1, host_cache_mib=16, cache_mode=mode,
+               **opts(mode, spacing=128, anchors=8 if mode == "legacy" else None))
     proxy = _CancelAfter(model, 5)
     e.model = proxy
     e.start()
@@ -333,13 +389,13 @@ def test_cancel_mid_prefill_publishes_taps_and_blocks(model):
     assert fin.reason == "cancelled" and not toks
     done = fin.usage.prefill_tokens
     assert 0 < done < len(p)
-    st = e.cache.index.stats()
-    assert st["nodes"]["total"] == done // BLOCK_TOKENS
-    frontiers = [s.frontier for s in e.cache.index.snapshots.values() if s.alive]
-    assert frontiers and max(frontiers) <= done
+    if mode == "hybrid":
+        assert e.cache.index.stats()["nodes"]["total"] == done // BLOCK_TOKENS
+    points = frontiers(e)
+    assert points and max(points) <= done
     proxy.handle = None
     out, fin2 = run(e, p, 4)
-    assert fin2.usage.reuse_tokens == max(frontiers), (fin2.usage, frontiers)
+    assert fin2.usage.reuse_tokens == max(points), (fin2.usage, points)
     settle(e)
     off = make(model, reuse=False, kv_pages=16)
     ref, _ = run(off, p, 4)
@@ -348,8 +404,9 @@ def test_cancel_mid_prefill_publishes_taps_and_blocks(model):
 
 
 # ----------------------------------------------------------------------------- pressure
-def test_pressure_with_active_growth(model):
-    e = make(model, host_cache_mib=16, kv_pages=16, max_concurrency=2)
+@pytest.mark.parametrize("mode", MODES)
+def test_pressure_with_active_growth(model, mode):
+    e = make(model, mode, host_cache_mib=16, kv_pages=16, max_concurrency=2)
     for i in range(4):  # fill the pool with cached entries
         run(e, tokens(200, seed=20 + i), 2)
     assert e.cache.pool.counts()["cached"] > 4
@@ -359,7 +416,10 @@ def test_pressure_with_active_growth(model):
     (ta, fa), (tb, fb) = ha.result(timeout=300), hb.result(timeout=300)
     assert fa.reason == fb.reason == "length", (fa.error, fb.error)
     st = settle(e)
-    assert st["counters"]["device_evictions_backed"] + st["counters"]["device_evictions_unbacked"] > 0
+    if mode == "hybrid":
+        assert st["counters"]["device_evictions_backed"] + st["counters"]["device_evictions_unbacked"] > 0
+    else:
+        assert st["catalog"]["counters"]["demoted"] + st["catalog"]["counters"]["evicted"] > 0
     off = make(model, reuse=False, kv_pages=16)
     assert [t.token_id for t in ta] == run(off, pa, 200)[0]
     assert [t.token_id for t in tb] == run(off, pb, 200)[0]
@@ -367,33 +427,40 @@ def test_pressure_with_active_growth(model):
 
 
 # ----------------------------------------------------------------------------- host cache 0
-def test_host_cache_zero_device_only(model):
-    e = make(model, host_cache_mib=0, kv_pages=12, max_concurrency=1)
+@pytest.mark.parametrize("mode", MODES)
+def test_host_cache_zero_device_only(model, mode):
+    e = make(model, mode, host_cache_mib=0, kv_pages=12, max_concurrency=1,
+             **(opts(mode, spacing=128) if mode == "legacy" else {}))
     p = tokens(200, seed=40)
     run(e, p, 4)
     out, fin = run(e, p + tokens(20, seed=41), 4)
     assert fin.usage.reuse_tokens > 0 and fin.usage.restored_host_bytes == 0
-    assert e.cache.index.stats()["host"]["slabs"] == 0
-    _push_out(e, 3, seed=42)  # unbacked evictions delete subtrees
+    assert e.cache.host.num_slabs == 0 and e.cache.residency().host_bytes == 0
+    _push_out(e, 3, seed=42)  # unbacked evictions delete subtrees (legacy: drop whole owners)
     out2, fin2 = run(e, p + tokens(20, seed=41), 4)
     assert out2 == out
     st = settle(e)
+    if mode == "legacy":
+        assert st["catalog"]["counters"]["evicted"] > 0 and st["catalog"]["counters"]["demoted"] == 0
+        return
     assert st["counters"]["device_evictions_unbacked"] > 0
     assert st["counters"]["nodes_deleted"] > 0
 
 
 # ----------------------------------------------------------------------------- disabled / off
-def test_disabled_requests_leave_nothing(model):
-    e = make(model, host_cache_mib=16)
+@pytest.mark.parametrize("mode", MODES)
+def test_disabled_requests_leave_nothing(model, mode):
+    e = make(model, mode, host_cache_mib=16)
     run(e, tokens(150, seed=43), 4)
-    st0 = e.cache.index.stats()
+    held0 = e.cache.residency()
     p = tokens(200, seed=44)
     for _ in range(2):
         _, fin = run(e, p, 4, cache_enabled=False)
         assert fin.usage.reuse_tokens == 0
     st1 = settle(e)
-    assert st1["nodes"]["total"] == st0["nodes"]["total"]
-    assert st1["snapshots"]["total"] == st0["snapshots"]["total"]
+    assert e.cache.residency() == held0
+    if mode == "hybrid":
+        assert st1["nodes"]["total"] == e.cache.index.stats()["nodes"]["total"]
 
 
 def test_cache_mode_off_never_reuses(model):
@@ -411,7 +478,7 @@ def test_cache_mode_off_never_reuses(model):
         outs.append(toks)
     assert outs[0] == outs[1] == outs[2]
     st = settle(e)
-    assert st["nodes"]["total"] == 0 and st["snapshots"]["total"] == 0
+    assert e.cache.mode == "off" and st["residency"]["entries"] == 0 and st["pool"]["cached"] == 0
 
 
 # ----------------------------------------------------------------------------- fault injection

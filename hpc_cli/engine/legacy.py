@@ -1,0 +1,521 @@
+"""The binding of cache mode ``legacy``: the checkpoint catalog (:mod:`hpc_cli.cache.catalog`) on
+the same device pools, state slots, host slabs and transfer engine as the hybrid binding.
+
+- Admission resumes at the deepest owned checkpoint whose owner's path is a prefix of the
+  prompt: below it the owner's full pages are shared (reference-counted), a partial last page is
+  copied, and the checkpoint's state is copied into the lane's slot; a host-resident owner is
+  restored (its blocks into fresh pages, its image into the lane's slot, layer by layer).
+- Capture splits the prefill at each checkpoint frontier (spec §1.3): long anchors at multiples
+  of ``long_anchor_spacing``, and a shared stable prefix where the prompt leaves another
+  session's continuation. The session endpoint is taken at finish: the lane's pages become the
+  new continuation's, which replaces the one it resumed from.
+- Pressure (pages or state slots short): the least recently used owner is demoted to the host
+  (copy before release: the copies are waited for) when ``host_kv_mib`` and ``host_state_slots``
+  have room (older host owners go first), else dropped.
+
+Requests the catalog does not handle (disabled, prompt logprobs, images) are served like cache
+mode ``off``. A drafting speculative backend is rejected (the mode validates that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from hpc_cli.cache.catalog import (CatalogLimits, Checkpoint, CheckpointCatalog, CheckpointKind, Owner, Residency)
+from hpc_cli.cache.keys import BLOCK_TOKENS
+from hpc_cli.engine.binding import Admission, BindingContext, Blocked, Residency as Held, entitlement
+from hpc_cli.errors import ConfigError, EngineError
+from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage, image_slab_count
+from hpc_cli.memory.pools import DeviceKVPool, PageState
+from hpc_cli.memory.transfer import RestoreBatch, RestoreTicket
+
+if TYPE_CHECKING:
+    from hpc_cli.engine.lane import Lane
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class LegacyConfig:
+    """The effective ``[cache.legacy]`` values (spec §14.1 names)."""
+
+    device_state_slots: int
+    host_state_slots: int
+    host_kv_mib: int
+    limits: CatalogLimits
+
+
+@dataclass(eq=False, slots=True)
+class LanePlan:
+    """What the binding knows of one admitted lane."""
+
+    cached: bool  # False: served like cache mode off
+    source: Owner | None = None
+    resumed: int = 0
+    captures: list[tuple[int, CheckpointKind]] = field(default_factory=list)  # ahead, ascending
+    anchors: list[Checkpoint] = field(default_factory=list)  # taken, in device slots
+    ticket: RestoreTicket | None = None
+
+
+class LegacyBinding:
+    mode = "legacy"
+    persistent = False
+    reuse = True
+    FIRST_CHUNK_WAIT_S = 0.1
+
+    def __init__(self, context: BindingContext, config: LegacyConfig) -> None:
+        if context.speculative or context.backend_storage is not None or context.frontier_lag:
+            raise ConfigError("cache mode 'legacy' runs without a speculative backend",
+                              hint="set speculative.backend = 'none', or cache.mode = 'hybrid'")
+        self.context = context
+        self.config = config
+        self.storage = context.storage
+        self.states = context.states
+        self.C = context.lanes
+        assert context.snapshot_slots == config.device_state_slots, "state slots allocated for another count"
+        self.catalog = CheckpointCatalog(config.limits)
+        self.pool = DeviceKVPool(context.storage)
+        self.refs = [0] * self.pool.num_pages  # holders of each page: owners and lanes
+        self.free_active = list(range(self.C - 1, -1, -1))
+        self.free_slots = list(range(self.C + config.device_state_slots - 1, self.C - 1, -1))
+        layout = BundleLayout.for_storage(context.storage)
+        self.image_slabs = image_slab_count(self.states.image_bytes, layout.slab_bytes)
+        self.kv_slabs = (config.host_kv_mib * MiB) // layout.slab_bytes
+        self.host_images = config.host_state_slots if self.kv_slabs else 0
+        total = self.kv_slabs + self.host_images * self.image_slabs
+        self.host = HostSlabStorage(layout.slab_bytes, total, background=True)
+        self.host.wait_ready(self.host.slabs_per_chunk, timeout=self.FIRST_CHUNK_WAIT_S)
+        self._host_ready = 0
+        self.free_slabs: list[int] = []
+        self.kv_slabs_used = 0
+        self.images_used = 0
+        self.transfer = context.make_transfer(self.host)
+        self.jobs: dict[int, tuple[str, Owner | None]] = {}
+        self.plans: dict[Lane, LanePlan] = {}
+        self.zombies: list[Owner] = []  # removed owners whose host copies a restore still reads
+        self.failed: str | None = None
+        self.counters: dict[str, int] = {"taps": 0, "taps_skipped": 0, "endpoints": 0, "blocked": 0,
+                                         "restored_host_bytes": 0, "demoted_bytes": 0, "transfer_failures": 0,
+                                         "prefill_splits": 0}
+        self._grow_host()
+
+    # ------------------------------------------------------------------ pages and slots
+    def _incref(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            self.refs[p] += 1
+
+    def _decref(self, pages: Sequence[int]) -> None:
+        freed = []
+        for p in pages:
+            self.refs[p] -= 1
+            assert self.refs[p] >= 0, f"page {p} released twice"
+            if self.refs[p] == 0:
+                freed.append(p)
+        if freed:
+            self.pool.free(freed)
+
+    def _make_room(self, pages: int, exclude: Sequence[Owner] = ()) -> bool:
+        """Demote or drop least recently used owners until ``pages`` pages are free."""
+        victims = self.catalog.lru(Residency.DEVICE, exclude)
+        while self.pool.num_free < pages:
+            victim = next(victims, None)
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    def _slot(self, exclude: Sequence[Owner] = ()) -> int | None:
+        """A free device state slot, demoting the least recently used owner for one if needed."""
+        if not self.free_slots:
+            victim = next(self.catalog.lru(Residency.DEVICE, exclude), None)
+            if victim is not None:
+                self._evict(victim)
+        return self.free_slots.pop() if self.free_slots else None
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, lane: "Lane", siblings: Sequence["Lane"] = ()) -> Admission:
+        self.poll()
+        if not self.free_active:
+            raise Blocked("no free lane")
+        ent = entitlement(lane.n_prompt, lane.max_tokens)
+        if ent > self.pool.num_pages:
+            raise EngineError(f"the request needs {ent} KV pages ({lane.n_prompt} prompt + {lane.max_tokens} "
+                              f"output tokens), the device pool holds {self.pool.num_pages}",
+                              hint="lower max_tokens or the prompt, or raise engine.kv_capacity")
+        req = lane.request
+        if not req.cache_enabled or req.sampling.prompt_logprobs or lane.prepared.media:
+            return self._admit_plain(lane, ent, LanePlan(cached=False))
+        prompt = tuple(lane.tokens[:lane.n_prompt])
+        salt = lane.prepared.salt
+        m = self.catalog.match(prompt, salt, lane.n_prompt - 1)
+        owner, cp = m.owner, m.checkpoint
+        if owner is not None and owner.residency is Residency.DEVICE:
+            d = cp.frontier // BLOCK_TOKENS
+            if not self._make_room(ent - d, exclude=[owner]):
+                return self._blocked_or_plain(lane, ent, prompt, salt, m.cached_prefix_tokens)
+            plan = self._plan(prompt, salt, lane, owner, cp.frontier)
+            shared = owner.pages[:d]
+            self._incref(shared)
+            own = self.pool.alloc(ent - d, PageState.ACTIVE)
+            self._incref(own)
+            lane.pages, lane.owned = shared + own, [False] * d + [True] * (ent - d)
+            lane.state_slot = self.free_active.pop()
+            self.states.copy_slot(cp.slot, lane.state_slot)
+            if cp.frontier % BLOCK_TOKENS:
+                self.storage.copy_page(owner.pages[d], lane.pages[d], cp.frontier % BLOCK_TOKENS)
+            restored = 0
+        elif owner is not None:  # on the host: restore its blocks and the checkpoint's image
+            if not self._make_room(ent):
+                return self._blocked_or_plain(lane, ent, prompt, salt, m.cached_prefix_tokens)
+            plan = self._plan(prompt, salt, lane, owner, cp.frontier)
+            lane.pages = self.pool.alloc(ent, PageState.ACTIVE)
+            self._incref(lane.pages)
+            lane.owned = [True] * ent
+            lane.state_slot = self.free_active.pop()
+            nb = -(-cp.frontier // BLOCK_TOKENS)
+            ticket = self.transfer.restore(RestoreBatch(blocks=list(zip(lane.pages[:nb], owner.slabs[:nb])),
+                                                        image=(lane.state_slot, list(cp.image_slabs))))
+            ticket.wait_prelude()
+            owner.readers += 1
+            self.jobs[ticket.job_id] = ("restore", owner)
+            plan.ticket = lane.ticket = ticket
+            restored = ticket.nbytes
+            self.counters["restored_host_bytes"] += restored
+            lane.usage.restored_host_bytes = restored
+        else:
+            return self._admit_plain(lane, ent, self._plan(prompt, salt, lane, None, 0), m.cached_prefix_tokens)
+        cp.hits += 1
+        self.catalog.touch(owner)
+        lane.pos = cp.frontier
+        lane.taps = []
+        self.plans[lane] = plan
+        return Admission(cp.frontier, max(cp.frontier, m.cached_prefix_tokens), restored)
+
+    def _plan(self, prompt: tuple[int, ...], salt: int, lane: "Lane", source: Owner | None, resumed: int) -> LanePlan:
+        captures = {p: CheckpointKind.LONG_ANCHOR for p in self.catalog.anchor_positions(lane.n_prompt, resumed)}
+        s = self.catalog.shared_frontier(prompt, salt, lane.n_prompt - 1, resumed, source)
+        if s:
+            captures[s] = CheckpointKind.SHARED_PREFIX
+        return LanePlan(cached=True, source=source, resumed=resumed, captures=sorted(captures.items()))
+
+    def _blocked_or_plain(self, lane: "Lane", ent: int, prompt, salt: int, cached: int) -> Admission:
+        if len(self.free_active) < self.C:
+            self.counters["blocked"] += 1
+            raise Blocked("pages held by active lanes")
+        return self._admit_plain(lane, ent, self._plan(prompt, salt, lane, None, 0), cached)
+
+    def _admit_plain(self, lane: "Lane", ent: int, plan: LanePlan, cached: int = 0) -> Admission:
+        if not self._make_room(ent):
+            self.counters["blocked"] += 1
+            raise Blocked("pages held by active lanes")
+        lane.pages = self.pool.alloc(ent, PageState.ACTIVE)
+        self._incref(lane.pages)
+        lane.owned = [True] * ent
+        lane.state_slot = self.free_active.pop()
+        self.states.reset(lane.state_slot)
+        lane.pos = 0
+        lane.taps = []
+        self.plans[lane] = plan
+        return Admission(0, cached, 0)
+
+    def prefetch(self, lane: "Lane") -> int:
+        return 0
+
+    # ------------------------------------------------------------------ prefill: split at every capture
+    def next_stop(self, lane: "Lane", end: int) -> int:
+        plan = self.plans.get(lane)
+        if plan is not None:
+            for p, _ in plan.captures:
+                if lane.pos < p < end:
+                    self.counters["prefill_splits"] += 1
+                    return p
+        return end
+
+    def before_pass(self, lane: "Lane", end: int) -> None:
+        pass
+
+    def layer_ready(self, lane: "Lane") -> Callable[[int], None] | None:
+        ticket = lane.ticket
+        if ticket is None:
+            return None
+        lane.ticket = None
+        return ticket.wait_layer
+
+    def after_pass(self, lane: "Lane") -> None:
+        plan = self.plans.get(lane)
+        if plan is None or not plan.captures or plan.captures[0][0] > lane.pos:
+            return
+        due = [c for c in plan.captures if c[0] <= lane.pos]
+        plan.captures = plan.captures[len(due):]
+        for p, kind in due:
+            if p != lane.pos:
+                continue
+            slot = self._slot(exclude=[plan.source] if plan.source is not None else [])
+            if slot is None:
+                self.counters["taps_skipped"] += 1
+                continue
+            self.states.copy_slot(lane.state_slot, slot)
+            self.counters["taps"] += 1
+            if kind is CheckpointKind.LONG_ANCHOR:
+                plan.anchors.append(Checkpoint(kind, p, slot=slot))
+                continue
+            pages = lane.pages[:p // BLOCK_TOKENS]
+            self._adopt(lane, pages)
+            self.catalog.new_owner(shared=True, salt=lane.prepared.salt, tokens=lane.tokens[:p],
+                                   checkpoints=[Checkpoint(kind, p, slot=slot)], pages=pages)
+            self._enforce_limits()
+
+    def _adopt(self, lane: "Lane", pages: Sequence[int]) -> None:
+        """An owner takes ``pages`` of the lane: one more holder each; lane-private pages turn Cached."""
+        self._incref(pages)
+        for b, p in enumerate(pages):
+            if lane.owned[b]:
+                lane.owned[b] = False
+                self.pool.set_state([p], PageState.CACHED)
+
+    def commit_blocks(self, lane: "Lane") -> None:
+        pass  # the catalog publishes at capture points and at finish, never per block
+
+    # ------------------------------------------------------------------ finish
+    def finish(self, lane: "Lane", *, publish: bool = True) -> None:
+        if lane.ticket is not None:
+            lane.ticket.wait_all()
+            lane.ticket = None
+        plan = self.plans.pop(lane, None)
+        if plan is not None and plan.cached and publish and self.failed is None and lane.pos > 0:
+            self._publish(lane, plan)
+        elif plan is not None:
+            self._free_slots(c.slot for c in plan.anchors)
+        self._decref(lane.pages)
+        lane.pages, lane.owned = [], []
+        if lane.state_slot >= 0:
+            self.free_active.append(lane.state_slot)
+            lane.state_slot = -1
+
+    def _publish(self, lane: "Lane", plan: LanePlan) -> None:
+        """The lane's new private continuation: its anchors, the anchors it inherits from the
+        continuation it resumed (those on its path) and the session endpoint at ``lane.pos``."""
+        source = plan.source if plan.source is not None and not plan.source.shared else None
+        cps = list(plan.anchors)
+        if source is not None and source.id in self.catalog.owners and source.residency is Residency.DEVICE:
+            inherited = [c for c in source.checkpoints
+                         if c.kind is CheckpointKind.LONG_ANCHOR and c.frontier <= plan.resumed]
+            source.checkpoints = [c for c in source.checkpoints if c not in inherited]
+            cps += inherited
+        f = lane.pos
+        if f > max((c.frontier for c in cps), default=0):
+            slot = self._slot(exclude=[o for o in (source,) if o is not None])
+            if slot is not None:
+                self.states.copy_slot(lane.state_slot, slot)
+                cps.append(Checkpoint(CheckpointKind.SESSION_ENDPOINT, f, slot=slot))
+                self.counters["endpoints"] += 1
+        kept, dropped = self.catalog.trim_anchors(cps)
+        self._free_slots(c.slot for c in dropped)
+        if source is not None and source.id in self.catalog.owners:
+            self._drop(source)
+            self.catalog.counters["replaced"] += 1
+        if not kept:
+            return
+        deepest = kept[-1].frontier
+        pages = lane.pages[:-(-deepest // BLOCK_TOKENS)]
+        self._adopt(lane, pages)
+        self.catalog.new_owner(shared=False, salt=lane.prepared.salt, tokens=lane.tokens[:deepest],
+                               checkpoints=kept, pages=pages)
+        self._enforce_limits()
+
+    def _free_slots(self, slots) -> None:
+        for s in slots:
+            if s is not None:
+                self.free_slots.append(s)
+
+    # ------------------------------------------------------------------ owners leave
+    def _enforce_limits(self) -> None:
+        for owner in self.catalog.over_limit():
+            self._drop(owner)
+
+    def _drop(self, owner: Owner) -> None:
+        """Remove ``owner``: its pages lose a holder, its slots and host copies are freed (host
+        copies a restore still reads once it lands)."""
+        self.catalog.remove(owner)
+        self.catalog.counters["evicted"] += 1
+        self._decref(owner.pages)
+        owner.pages = []
+        self._free_slots(c.slot for c in owner.checkpoints)
+        for c in owner.checkpoints:
+            c.slot = None
+        if owner.readers:
+            self.zombies.append(owner)
+        else:
+            self._free_host(owner)
+
+    def _free_host(self, owner: Owner) -> None:
+        self.free_slabs += owner.slabs
+        self.kv_slabs_used -= len(owner.slabs)
+        owner.slabs = []
+        for c in owner.checkpoints:
+            if c.image_slabs:
+                self.free_slabs += c.image_slabs
+                self.images_used -= 1
+                c.image_slabs = ()
+
+    def _evict(self, owner: Owner) -> None:
+        """Device pressure: demote ``owner`` to the host if it fits there, else drop it."""
+        if not self._host_room(owner.blocks, len(owner.checkpoints), keep=owner):
+            self._drop(owner)
+            return
+        slabs = [self.free_slabs.pop() for _ in range(owner.blocks)]
+        images = [(c, tuple(self.free_slabs.pop() for _ in range(self.image_slabs))) for c in owner.checkpoints]
+        job = self.transfer.write_through(blocks=list(zip(owner.pages, slabs)),
+                                          images=[(c.slot, list(s)) for c, s in images])
+        self.jobs[job.job_id] = ("demote", owner)
+        self.kv_slabs_used += len(slabs)
+        self.images_used += len(images)
+        owner.slabs = slabs
+        for c, s in images:
+            c.image_slabs = s
+        self._land(self.transfer.drain())  # copy before release: the pages and slots are reused next
+        if owner.id not in self.catalog.owners:  # the copy failed (_land dropped it)
+            return
+        self._decref(owner.pages)
+        owner.pages = []
+        self._free_slots(c.slot for c in owner.checkpoints)
+        for c in owner.checkpoints:
+            c.slot = None
+        owner.residency = Residency.HOST
+        self.catalog.counters["demoted"] += 1
+        self.counters["demoted_bytes"] += job.nbytes
+
+    def _host_room(self, blocks: int, images: int, keep: Owner) -> bool:
+        """Make room on the host for ``blocks`` KV slabs and ``images`` images, dropping the
+        least recently used host owners; False when it cannot fit at all."""
+        if blocks > self.kv_slabs or images > self.host_images:
+            return False
+        need_slabs = blocks + images * self.image_slabs
+        older = self.catalog.lru(Residency.HOST, exclude=[keep])
+        while (self.kv_slabs_used + blocks > self.kv_slabs or self.images_used + images > self.host_images
+               or len(self.free_slabs) < need_slabs):
+            victim = next(older, None)
+            if victim is None:
+                return False
+            self._drop(victim)
+        return True
+
+    # ------------------------------------------------------------------ transfers
+    @property
+    def transfers_pending(self) -> int:
+        return self.transfer.pending
+
+    def _grow_host(self) -> None:
+        ready = self.host.ready_slabs
+        if ready > self._host_ready:
+            self.free_slabs += range(ready - 1, self._host_ready - 1, -1)
+            self._host_ready = ready
+
+    def poll(self) -> None:
+        self._grow_host()
+        self._land(self.transfer.poll())
+
+    def drain(self) -> None:
+        self._land(self.transfer.drain())
+
+    def _land(self, completions) -> None:
+        for c in completions:
+            kind, owner = self.jobs.pop(c.job_id)
+            if kind == "restore" and owner is not None:
+                owner.readers -= 1
+                if owner.readers == 0 and owner in self.zombies:
+                    self.zombies.remove(owner)
+                    self._free_host(owner)
+            if not c.ok:
+                self.counters["transfer_failures"] += 1
+                self.failed = f"{kind} transfer {c.job_id} failed: {c.error}"
+                if kind == "demote" and owner is not None and owner.id in self.catalog.owners:
+                    self._drop(owner)
+
+    # ------------------------------------------------------------------ checks and stats
+    def check_invariants(self) -> None:
+        self.catalog.check_invariants()
+        self.pool.check_invariants()
+        refs = [0] * self.pool.num_pages
+        held: set[int] = set()
+        for o in self.catalog.owners.values():
+            for p in o.pages:
+                refs[p] += 1
+                held.add(p)
+        for lane in self.plans:
+            for p in lane.pages:
+                refs[p] += 1
+        assert refs == self.refs, "page holders do not match the reference counts"
+        for p, n in enumerate(refs):  # held by an owner: Cached; by lanes only: Active, or Cached
+            state = self.pool.state(p)  # when the owner that held it left before the lane
+            ok = state is PageState.FREE if n == 0 else (state is PageState.CACHED if p in held
+                                                         else state in (PageState.ACTIVE, PageState.CACHED))
+            assert ok, f"page {p}: {n} holders, state {state.name}"
+        slots = [c.slot for o in self.catalog.owners.values() for c in o.checkpoints if c.slot is not None]
+        slots += [c.slot for plan in self.plans.values() for c in plan.anchors]
+        assert sorted(slots + self.free_slots) == list(range(self.C, self.C + self.config.device_state_slots)), \
+            "device state slots lost or doubled"
+        slabs = [s for o in [*self.catalog.owners.values(), *self.zombies] for s in
+                 [*o.slabs, *(x for c in o.checkpoints for x in c.image_slabs)]]
+        assert sorted(slabs + self.free_slabs) == list(range(self._host_ready)), "host slabs lost or doubled"
+        assert self.kv_slabs_used <= self.kv_slabs and self.images_used <= self.host_images
+
+    def leftovers(self) -> dict[str, int]:
+        counts = self.pool.counts()
+        return {"active_pages": counts["active"], "filling_pages": counts["filling"], "lanes": len(self.plans),
+                "lanes_out": self.C - len(self.free_active), "readers": sum(o.readers for o in self.catalog.owners.values()),
+                "zombies": len(self.zombies), "transfers_pending": self.transfer.pending}
+
+    def residency(self) -> Held:
+        used_slots = self.config.device_state_slots - len(self.free_slots)
+        host_used = self._host_ready - len(self.free_slabs)
+        entries = sum(len(o.checkpoints) for o in self.catalog.owners.values())
+        return Held(device_kv_bytes=self.pool.num_cached * self.storage.page_bytes,
+                    device_state_bytes=used_slots * self.states.image_bytes,
+                    host_bytes=host_used * self.host.slab_bytes, entries=entries)
+
+    def stats(self, *, detailed: bool = False) -> dict[str, Any]:
+        out = {"mode": self.mode, "catalog": self.catalog.counts(), "pool": self.pool.counts(),
+               "pages": self.pool.num_pages, "page_bytes": self.storage.page_bytes,
+               "image_bytes": self.states.image_bytes, "lanes_free": len(self.free_active),
+               "device_state_slots": self.config.device_state_slots,
+               "device_state_slots_used": self.config.device_state_slots - len(self.free_slots),
+               "host_slabs": self.host.num_slabs, "slab_bytes": self.host.slab_bytes,
+               "host_kv_slabs": self.kv_slabs, "host_kv_slabs_used": self.kv_slabs_used,
+               "host_state_slots": self.host_images, "host_state_slots_used": self.images_used,
+               "host_tier": self.host.progress().as_dict(), "transfers_pending": self.transfer.pending,
+               "residency": self.residency().as_dict(), **self.counters}
+        if detailed:  # the checkpoints of the 16 most recently used owners, as the snapshot table's rows
+            out["top_snapshots"] = [{"id": o.id, "frontier": c.frontier, "kind": c.kind.value,
+                                     "residency": o.residency.value, "tail": "-", "hits": c.hits, "gdsf": None,
+                                     "superseded": False}
+                                    for o in sorted(self.catalog.owners.values(), key=lambda o: -o.last_used)[:16]
+                                    for c in o.checkpoints]
+        return out
+
+
+def legacy_config(options: Any, *, lanes: int, prefill_chunk: int, host_mib: int) -> LegacyConfig:
+    """Effective values of ``[cache.legacy]`` (unset ones derived, see plugins/cache_modes.py)."""
+    d = legacy_defaults(lanes=lanes, prefill_chunk=prefill_chunk, host_mib=host_mib)
+    v = {k: (getattr(options, k) if getattr(options, k, None) is not None else d[k]) for k in d}
+    return LegacyConfig(device_state_slots=v["device_state_slots"], host_state_slots=v["host_state_slots"],
+                        host_kv_mib=v["host_kv_mib"],
+                        limits=CatalogLimits(v["max_private_continuations"], v["max_shared_prefixes"],
+                                             v["max_long_anchors_per_continuation"], v["long_anchor_spacing"]))
+
+
+def legacy_defaults(*, lanes: int, prefill_chunk: int, host_mib: int) -> dict[str, int]:
+    """The derived defaults: one device state slot per lane and one more (C + 2 without a host
+    tier), the host tier's KV from cache.host_cache_mib with 4 images per lane, 2C private
+    continuations (at least 4), C shared prefixes (at least 2), 2 long anchors per continuation
+    at the hybrid ladder's spacing, max(4096, 2 * prefill_chunk)."""
+    host = host_mib > 0
+    return {"device_state_slots": lanes + 1 if host else lanes + 2,
+            "host_state_slots": 4 * lanes if host else 0,
+            "host_kv_mib": host_mib,
+            "max_private_continuations": max(4, 2 * lanes),
+            "max_shared_prefixes": max(2, lanes),
+            "max_long_anchors_per_continuation": 2,
+            "long_anchor_spacing": max(4096, 2 * prefill_chunk)}
+
