@@ -92,6 +92,8 @@ def check_fits(name: str, config: ModelConfig, dtype: torch.dtype, device: torch
     footprint otherwise. ``available`` (``{"device": bytes, "host": bytes}``) overrides the
     measurement (tests)."""
     device = torch.device(device)
+    if device.type == "meta":  # shapes only: nothing to fit, and nothing is built to count them
+        return Footprint(0, 0)
     fp = weight_footprint(config, dtype, with_mtp=with_mtp, offload_experts=offload_experts)
     where = "cuda" if device.type == "cuda" else "cpu"
     if available is None:
