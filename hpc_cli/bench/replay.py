@@ -132,7 +132,16 @@ class EngineTarget:
         return dict(self.engine.stats().get("cache") or {})
 
     def close(self) -> None:
+        """Stop the engine and let its pools go before the next mode's engine sizes its own."""
+        import gc
+
+        import torch
+
         self.engine.stop()
+        del self.engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -303,18 +303,18 @@ class LegacyBinding:
                          if c.kind is CheckpointKind.LONG_ANCHOR and c.frontier <= plan.resumed]
             source.checkpoints = [c for c in source.checkpoints if c not in inherited]
             cps += inherited
+        if source is not None and source.id in self.catalog.owners:  # first: its slots serve the endpoint
+            self._drop(source)  # (the lane still holds the pages it shares)
+            self.catalog.counters["replaced"] += 1
         f = lane.pos
         if f > max((c.frontier for c in cps), default=0):
-            slot = self._slot(exclude=[o for o in (source,) if o is not None])
+            slot = self._slot()
             if slot is not None:
                 self.states.copy_slot(lane.state_slot, slot)
                 cps.append(Checkpoint(CheckpointKind.SESSION_ENDPOINT, f, slot=slot))
                 self.counters["endpoints"] += 1
         kept, dropped = self.catalog.trim_anchors(cps)
         self._free_slots(c.slot for c in dropped)
-        if source is not None and source.id in self.catalog.owners:
-            self._drop(source)
-            self.catalog.counters["replaced"] += 1
         if not kept:
             return
         deepest = kept[-1].frontier
