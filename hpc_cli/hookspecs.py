@@ -1,4 +1,4 @@
-"""The plugin contract: four hooks, each taking a callback (ARCHITECTURE.md §3).
+"""The plugin contract: five hooks, each taking a callback (ARCHITECTURE.md §3).
 
 Built-in plugins (``hpc_plugins.*``) implement these exactly as third-party packages do.
 docs/plugins.md documents every hook with its exact signature; a test checks the document.
@@ -24,6 +24,11 @@ def hpc_register_spec_backends(register):
 @hookspec
 def hpc_register_cache_modes(register):
     """Register cache modes: call ``register(mode)`` with a ``hpc_cli.cache_mode.CacheMode``."""
+
+
+@hookspec
+def hpc_register_shared_stores(register):
+    """Register shared cache stores: call ``register(kind)`` with a ``hpc_cli.shared_store.SharedStoreKind``."""
 
 
 @hookspec

@@ -23,6 +23,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "hpc_plugins.kv_profiles",
     "hpc_plugins.spec_backends",
     "hpc_plugins.cache_modes",
+    "hpc_plugins.shared_redis",
 )
 
 _pm: pluggy.PluginManager | None = None
@@ -151,6 +152,7 @@ class Registries:
     kv_profiles: Registry
     spec_backends: Registry
     cache_modes: Registry
+    shared_stores: Registry
 
 
 def _fill(pm: pluggy.PluginManager, hook_name: str, registry: Registry) -> None:
@@ -168,10 +170,12 @@ def registries() -> Registries:
             kv_profiles=Registry("KV profile", "kv.profile (HPC_KV__PROFILE)"),
             spec_backends=Registry("speculative backend", "speculative.backend (HPC_SPECULATIVE__BACKEND)"),
             cache_modes=Registry("cache mode", "cache.mode (HPC_CACHE__MODE)"),
+            shared_stores=Registry("shared cache store", "the scheme of cache.shared_cache (HPC_CACHE__SHARED_CACHE)"),
         )
         _fill(pm, "hpc_register_kv_profiles", regs.kv_profiles)
         _fill(pm, "hpc_register_spec_backends", regs.spec_backends)
         _fill(pm, "hpc_register_cache_modes", regs.cache_modes)
+        _fill(pm, "hpc_register_shared_stores", regs.shared_stores)
         _registries = regs
     return _registries
 
@@ -188,6 +192,11 @@ def cache_mode(name: str):
     return registries().cache_modes.get(name)
 
 
+def shared_store(scheme: str):
+    """The shared store kind (``hpc_cli.shared_store.SharedStoreKind``) serving a URL scheme."""
+    return registries().shared_stores.get(scheme)
+
+
 def plugin_info() -> list[dict[str, Any]]:
     """One record per loaded plugin: name, version, the hooks it implements, what it registered."""
     pm = get_plugin_manager()
@@ -201,6 +210,7 @@ def plugin_info() -> list[dict[str, Any]]:
             "kv_profiles": [e.name for e in regs.kv_profiles if e.plugin == name],
             "spec_backends": [e.name for e in regs.spec_backends if e.plugin == name],
             "cache_modes": [e.name for e in regs.cache_modes if e.plugin == name],
+            "shared_stores": [e.name for e in regs.shared_stores if e.plugin == name],
         }
         out.append({"name": name, "version": version, "builtin": name in DEFAULT_PLUGINS,
                     "distribution": "hpc-cli" if name in DEFAULT_PLUGINS else dist,

@@ -77,6 +77,14 @@ class CacheSettings(_Section):
     transfer_copy: Literal["auto", "dma", "kernel"] = Field(
         "auto", description="how restores, write-through and taps move bytes on CUDA: the copy engines "
                             "(dma), the segment copy kernel, or auto (the kernel for jobs of small copies)")
+    shared_cache: str | None = Field(None, description="URL of a shared cache tier below the host tier "
+                                                       "(redis://HOST:PORT/DB), shared by replicas of one model "
+                                                       "and profile (docs/shared-cache.md)")
+    shared_cache_timeout_ms: int = Field(2000, ge=1, le=600_000,
+                                         description="longest wait for one shared-tier call, and for a "
+                                                     "request's lookup before it prefills without it")
+    shared_cache_queue_mib: int = Field(256, ge=1, description="entries copied out for the shared tier and not "
+                                                               "yet stored; past it new ones are not sent")
 
 
 class ServerSettings(_Section):
@@ -460,6 +468,31 @@ def _validate_combinations(r: ResolvedSettings, mode) -> None:
                               hint="set cache.host_cache_mib (the file holds host-tier content)")
         c.prefix_cache_file = path
         r.effective["cache.prefix_cache_file"] = path
+    if c.shared_cache is not None:
+        _validate_shared_cache(r, c, mode)
+
+
+def _validate_shared_cache(r: ResolvedSettings, c: CacheSettings, mode) -> None:
+    from urllib.parse import urlsplit
+
+    from hpc_cli import plugins
+
+    if mode.name != "hybrid" or c.no_prefix_reuse:
+        raise ConfigError(f"cache.shared_cache is set but cache.mode is {c.mode!r}",
+                          hint="the shared tier shares the hybrid mode's blocks and snapshots: cache.mode = 'hybrid'")
+    if c.host_cache_mib == 0:
+        raise ConfigError("cache.shared_cache needs a host tier, but cache.host_cache_mib is 0",
+                          hint="set cache.host_cache_mib (hits from the shared tier restore through it)")
+    scheme = urlsplit(c.shared_cache).scheme
+    stores = plugins.registries().shared_stores
+    if scheme not in stores:
+        known = ", ".join(f"{e.name}:// ({e.plugin})" for e in stores)
+        raise ConfigError(f"cache.shared_cache: no shared store serves "
+                          f"{scheme + ':// URLs' if scheme else 'a value without a scheme'}; registered: {known}",
+                          hint="write redis://HOST:PORT/DB, e.g. redis://127.0.0.1:6379/0")
+    u = urlsplit(c.shared_cache)
+    if u.password:  # shown by `config show`: never the password
+        r.effective["cache.shared_cache"] = c.shared_cache.replace(f":{u.password}@", ":***@", 1)
 
 
 def _validate_experts(e: ExpertsSettings) -> None:

@@ -1324,6 +1324,22 @@ class PrefixIndex:
         self.epoch += 1
 
     # ------------------------------------------------------------------ host-only adoption (§5.5)
+    def reserve_host_slabs(self, k: int, keep: Iterable[BlockNode] = ()) -> tuple[list[int] | None, Freed]:
+        """Take ``k`` host slabs for entries about to be adopted (:meth:`adopt_host_node`,
+        :meth:`adopt_host_snapshot`; the shared tier's fetches), making room by host eviction
+        (§9.3) while the nodes of ``keep`` (the path they go under) are pinned. Returns the slabs,
+        or None when the tier cannot make room, and what the eviction freed."""
+        freed = Freed()
+        keep = list(keep)
+        for node in keep:
+            self._node_pins(node, +1)
+        try:
+            slabs = self._host_alloc(k, SlabUse.NODE, "adopting", freed)
+        finally:
+            for node in keep:
+                self._node_pins(node, -1)
+        return slabs, freed
+
     def adopt_host_node(self, parent: BlockNode, tokens: bytes, extra: int, slab: int, *,
                         h: int | None = None, media: tuple = ()) -> BlockNode:
         """Rebuild a block from a cache file: a new host-only child of ``parent`` whose bytes are

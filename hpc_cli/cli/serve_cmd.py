@@ -26,6 +26,7 @@ FLAG_KEYS = {
     "drafter": "speculative.drafter",
     "cache_mode": "cache.mode", "host_cache_mib": "cache.host_cache_mib",
     "prefix_cache_file": "cache.prefix_cache_file", "no_prefix_reuse": "cache.no_prefix_reuse",
+    "shared_cache": "cache.shared_cache",
 }
 
 
@@ -99,6 +100,8 @@ def register(cli: click.Group) -> None:
                   help="keep the host tier across restarts [cache.prefix_cache_file]")
     @click.option("--no-prefix-reuse", default=None, is_flag=True, flag_value=True,
                   help="disable the cache [cache.no_prefix_reuse]")
+    @click.option("--shared-cache", default=None, metavar="URL",
+                  help="shared cache tier for replicas, e.g. redis://127.0.0.1:6379/0 [cache.shared_cache]")
     @click.option("--log-level", default="info", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
                   show_default=True, help="uvicorn log level")
     def serve_command(profile, log_level, **flags) -> None:
@@ -249,6 +252,12 @@ def run_server(resolved, log_level: str = "info") -> None:
 
         # Loads a matching file now (host-only entries) and saves at the orderly stop (spec §5.5).
         save_control = attach_cache_file(engine, s.cache.prefix_cache_file, progress=True).control
+    if s.cache.shared_cache:
+        from hpc_cli.engine.shared import attach_shared_cache
+
+        tier = attach_shared_cache(engine, s.cache.shared_cache, timeout_ms=s.cache.shared_cache_timeout_ms,
+                                   queue_mib=s.cache.shared_cache_queue_mib)
+        echo(tier.describe())
     engine.start()
     seconds = engine.warmup(progress=_warmup_progress())
     click.echo(f"hpc-cli: warm-up done in {seconds:.1f} s (every kernel shape compiled; nothing cached)", err=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_cli.cache.index import CacheGeometry, CommitOutcome, PrefixIndex, Readiness, StaleQuote
 from hpc_cli.cache.keys import BLOCK_TOKENS, token_bytes
@@ -29,6 +29,9 @@ from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage
 from hpc_cli.memory.pools import DeviceKVPool, PageState
 from hpc_cli.memory.transfer import RestoreBatch as CopyBatch
 from hpc_cli.memory.transfer import TransferEngine
+
+if TYPE_CHECKING:
+    from hpc_cli.engine.shared import SharedTier
 
 _HINT_SOURCE = {1: TapSource.EXPLICIT, 2: TapSource.OPENER, 3: TapSource.STRUCTURAL}
 
@@ -113,6 +116,7 @@ class HybridBinding:
         self.counters = {"restored_host_bytes": 0, "taps": 0, "taps_skipped": 0, "endpoints": 0,
                          "transfer_failures": 0, "blocked": 0, "coalesce_waits": 0,
                          "prefetched_blocks": 0, "prefetched_bytes": 0}
+        self.shared: "SharedTier | None" = None  # the shared tier (L3), hpc_cli.engine.shared
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -146,6 +150,8 @@ class HybridBinding:
                                                                           lane.request.message_boundaries),
                                           vision_spans=lane.prepared.vision_spans)
             return adm
+        if self.shared is not None:  # L3: look up what the device and host tiers lack (may wait)
+            self.shared.before_admit(lane)
         for _ in range(3):
             q = self.index.quote(lane.prepared, entitlement_pages=ent, free_pages=self.pool.num_free,
                                  total_pages=self.pool.num_pages)
@@ -253,6 +259,8 @@ class HybridBinding:
         blocks least recently used first (never a last copy, never the head's own path). The
         blocks land as ordinary cached blocks; admission then restores only the rest. Retried for
         the same head only while the last attempt copied blocks or the spare room grew."""
+        if self.shared is not None:
+            self.shared.start_lookup(lane)  # the shared tier's lookup runs while the head waits
         if not (self.reuse and lane.request.cache_enabled and self.host.num_slabs) or self._prefetch is not None:
             return 0
         room = self.pool.num_free + len(self.index.lru_backed)
@@ -460,6 +468,8 @@ class HybridBinding:
             rel = self.index.release(seq, write_through=self.failed is None)
             self._write(rel.write)
             lane.seq = None
+            if self.shared is not None:  # land what already finished now: the shared tier then has
+                self.poll()  # the turn's entries before its answer reaches the client
         self._free_pages([(p,) for p, own in zip(lane.pages, lane.owned) if own])
         lane.pages, lane.owned = [], []
         if lane.state_slot >= 0:
@@ -516,6 +526,8 @@ class HybridBinding:
                     self.pool.land([batch.snapshot.tail_pages[0]])
             else:
                 self.index.land_write(batch)
+                if self.shared is not None:
+                    self.shared.written(batch)  # write-behind to the shared tier, once per key
 
     def _abandon(self, kind: str, batch) -> None:
         """A failed transfer: land it so its pins drop, then drop the copies it was making."""
@@ -556,6 +568,8 @@ class HybridBinding:
                "transfers_pending": self.transfer.pending,
                "inflight": {"restore_bytes": t.restore_bytes, "write_bytes": t.write_bytes},
                **self.counters}
+        if self.shared is not None:
+            out["shared"] = self.shared.stats()
         out["residency"] = self.residency().as_dict()
         if detailed:
             out["top_snapshots"] = snapshot_rows(self.index, 16)

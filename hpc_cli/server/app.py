@@ -223,6 +223,13 @@ def create_app(engine: Any, settings: Any, stop_controller: Any = None) -> FastA
             "id": state.served_name, "object": "model", "created": int(state.started), "owned_by": "hpc-cli",
             "root": state.model_name, "max_model_len": state.max_model_len}]}
 
+    @app.get("/get_server_info")
+    async def server_info(request: Request):
+        # SGLang's route: sglang-router learns a worker's model from it (hpc-cli cluster up)
+        state.authorize(request)
+        return {"served_model_name": state.served_name, "is_generation": True,
+                "max_context_length": state.max_model_len}
+
     openai.register(app, state)
     anthropic.register(app, state)
     return app
