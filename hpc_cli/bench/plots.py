@@ -62,7 +62,12 @@ def plot_ttft(runs: Sequence[ModeRun], path: Path, title: str) -> str:
             continue
         ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
         ax.step(ttft, ys, where="post", linewidth=1.5, label=run.mode, color=_colour(run.mode, k))
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("time to first token (ms, log scale)")
     ax.set_ylabel("share of requests")
     ax.set_ylim(0, 1.02)
