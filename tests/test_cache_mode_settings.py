@@ -60,5 +60,6 @@ def test_shared_tier_is_refused_outside_hybrid():
 
     if "shared_cache" not in CacheSettings.model_fields:
         pytest.skip("no shared cache tier in this build")
-    with pytest.raises(ConfigError, match="cache.shared_cache does not apply to cache mode 'legacy'"):
+    with pytest.raises(ConfigError, match=r"cache.shared_cache (does not apply to|is set but) cache.mode is 'legacy'|"
+                                          r"cache.shared_cache does not apply to cache mode 'legacy'"):
         load_settings(None, {"cache.mode": "legacy", "cache.shared_cache": "redis://127.0.0.1:6379/0"}, environ={})
