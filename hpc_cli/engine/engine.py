@@ -285,7 +285,6 @@ class Engine:
         n = min(tokens or self.chunk, self.max_model_len - decode - 1)
         vocab = self.model.config.vocab_size
         prompt = [(17 * i + 3) % max(2, vocab - 1) + 1 for i in range(max(1, n))]
-        t0 = time.monotonic()
         req = GenerationRequest(prompt, SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True),
                                 cache_enabled=False, request_id="warmup")
         self.submit(req).result(timeout=600)
@@ -293,7 +292,6 @@ class Engine:
             self.counters.clear()
             self.ttft.clear()
             self.itl.clear()
-        self._wake.set()  # the idle worker publishes the cleared stats before it sleeps again
         self._wake.set()  # the idle worker publishes the cleared stats before it sleeps again
         self.compile_counts.mark_warm()
         return time.monotonic() - t0
