@@ -1,4 +1,4 @@
-"""Run under TRITON_INTERPRET=1 (CPU) by test_paged_prefill.py, or on CUDA as is: the paged prefill
+"""Run under TRITON_INTERPRET=1 (CPU) by test_paged_attention.py, or on CUDA as is: the paged prefill
 attention kernel against gather + causal SDPA over the same pages (fp32 reference), for every
 built-in KV profile, GQA with a head group that is not a power of two, passes that start at 0, in a
 page and on a page boundary, and padded rows. Prints the worst relative error per profile and exits
