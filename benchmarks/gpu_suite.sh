@@ -24,7 +24,7 @@ step() {  # step NAME SECONDS COMMAND...
     tail -n 3 "$OUT/$name.log"
 }
 
-for f in tests/kv/test_gpu.py tests/model/test_paged_attention.py \
+for f in tests/kv/test_gpu.py tests/model/test_paged_attention.py tests/model/test_prefill_graphs_gpu.py \
          tests/memory/test_transfer_gpu.py \
          tests/engine/test_engine_gpu.py tests/engine/test_cache_modes_gpu.py tests/spec/test_bf16_gpu.py tests/experts/test_gpu.py \
          tests/experts/test_placement.py; do

@@ -103,6 +103,7 @@ class RequestRecord:
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+    timing: dict | None = None  # the server's usage.hpc_timing (seconds per phase, prefill passes)
 
     @property
     def reuse(self) -> float:
@@ -131,7 +132,7 @@ def one_request(client: "openai.OpenAI", opts: ReplayOptions, messages: Messages
         stream = client.chat.completions.create(
             model=opts.model, messages=messages, max_tokens=opts.max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, timeout=opts.request_timeout_s,
-            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}, "hpc": {"timing": True}})
         with stream:
             for chunk in stream:
                 now = time.perf_counter() - t0
@@ -141,6 +142,8 @@ def one_request(client: "openai.OpenAI", opts: ReplayOptions, messages: Messages
                     rec.completion_tokens = u.completion_tokens
                     details = u.prompt_tokens_details
                     rec.cached_tokens = (details.cached_tokens or 0) if details is not None else 0
+                    timing = getattr(u, "hpc_timing", None) or (u.model_extra or {}).get("hpc_timing")
+                    rec.timing = timing if isinstance(timing, dict) else None
                 for choice in chunk.choices:
                     text, carries = _delta_text(choice.delta)
                     if carries:
@@ -436,6 +439,9 @@ class RunSummary:
     output_tok_s: float | None  # completion tokens / wall time
     wall_s: float
     compilations: Compilations | None
+    #: the server's own phase seconds (usage.hpc_timing), median over requests; "passes": prefill
+    #: passes per request; None where the server reports none
+    phases_p50: dict[str, float] | None
     turns: list[TurnRow]
 
 
@@ -454,6 +460,18 @@ def _rows(records: Sequence[RequestRecord]) -> list[TurnRow]:
 
 def _p50(values: Sequence[float], digits: int = 5) -> float | None:
     return round(percentile(values, 0.5), digits) if values else None
+
+
+PHASES = ("admission", "restore_wait", "prefill", "tap", "decode", "finish")
+
+
+def _phases(records: Sequence[RequestRecord]) -> dict[str, float] | None:
+    timed = [r.timing for r in records if r.timing]
+    if not timed:
+        return None
+    out = {p: _p50([float(t.get(p) or 0.0) for t in timed]) for p in PHASES}
+    out["passes"] = _p50([float(len(t.get("prefill_passes") or ())) for t in timed], 1)
+    return out
 
 
 def summarize(run: RunResult, sessions: int) -> RunSummary:
@@ -481,7 +499,8 @@ def summarize(run: RunResult, sessions: int) -> RunSummary:
         ttft_edit_turns_s=Dist.of(_ttfts(recs, lambda r: r.edited)),
         itl_p50_s=_p50(gaps), tpot_p50_s=tpot50, decode_tok_s_p50=round(1.0 / tpot50, 2) if tpot50 else None,
         output_tok_s=round(completion / run.wall_s, 2) if run.wall_s > 0 else None,
-        wall_s=round(run.wall_s, 3), compilations=_compilations(run), turns=_rows(run.records))
+        wall_s=round(run.wall_s, 3), compilations=_compilations(run), phases_p50=_phases(recs),
+        turns=_rows(run.records))
 
 
 @dataclass(frozen=True)
@@ -546,7 +565,8 @@ def _ms(x: float | None) -> str:
 def table(summaries: Summaries, servers: dict[str, ServerInfo]) -> str:
     """The short human table (stderr)."""
     lines = [f"{'mode':<8} {'conc':>4} {'reuse':>6} {'prefill':>8} {'p50 ms':>7} {'p95 ms':>7} {'max ms':>7} "
-             f"{'>=80% p50':>9} {'first p50':>9} {'itl ms':>6} {'tok/s':>7} {'wall s':>7} {'comp':>5}"]
+             f"{'>=80% p50':>9} {'first p50':>9} {'itl ms':>6} {'tok/s':>7} {'wall s':>7} {'comp':>5} "
+             f"{'passes':>6} {'pf ms':>6}"]
     for mode, by_c in summaries.items():
         for c, s in by_c.items():
             t = s.ttft_s
@@ -557,7 +577,9 @@ def table(summaries: Summaries, servers: dict[str, ServerInfo]) -> str:
                 f"{_ms(_stat(t, 'p95')):>7} {_ms(_stat(t, 'max')):>7} {_ms(_stat(s.ttft_reuse80_s, 'p50')):>9} "
                 f"{_ms(_stat(s.ttft_first_turn_s, 'p50')):>9} {_ms(s.itl_p50_s):>6} "
                 f"{'-' if s.output_tok_s is None else s.output_tok_s:>7} {s.wall_s:>7} "
-                f"{'-' if during is None else during:>5}")
+                f"{'-' if during is None else during:>5} "
+                f"{'-' if s.phases_p50 is None else s.phases_p50['passes']:>6} "
+                f"{'-' if s.phases_p50 is None else _ms(s.phases_p50['prefill']):>6}")
     for mode, info in servers.items():
         if info.startup_s is not None:
             lines.append(f"server {mode}: startup {info.startup_s:.1f} s"

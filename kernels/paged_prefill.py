@@ -30,12 +30,15 @@ CONFIG = {"block_m": 64, "num_warps": 4, "num_stages": 2}
 
 @triton.jit(do_not_specialize=["start", "T", "n_rows"])
 def _prefill_kernel(q_ptr, o_ptr, table_ptr, start, T, n_rows,  # T: valid tokens (rows past it: padding)
-                    kd_ptr, ks_ptr, vd_ptr, vs_ptr, gs_k, gs_v, qk_scale,
+                    kd_ptr, ks_ptr, vd_ptr, vs_ptr, gs_k, gs_v, qk_scale, meta_ptr,
                     H_KV: tl.constexpr, REP: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
                     KIND_K: tl.constexpr, GROUP_K: tl.constexpr, KIND_V: tl.constexpr, GROUP_V: tl.constexpr,
-                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HW_FP8: tl.constexpr):
+                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HW_FP8: tl.constexpr, META: tl.constexpr):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
+    if META:  # start and valid rows read from the device (a CUDA graph's pass: no host values baked in)
+        start = tl.load(meta_ptr).to(tl.int32)
+        T = tl.load(meta_ptr + 1).to(tl.int32)
     H: tl.constexpr = H_KV * REP
     r = pid * M + tl.arange(0, M)  # flat (token, rep) rows
     rmask = r < n_rows
@@ -82,19 +85,21 @@ def _prefill_kernel(q_ptr, o_ptr, table_ptr, start, T, n_rows,  # T: valid token
 
 def paged_prefill_attention(q: torch.Tensor, fmt_k, k_planes, gs_k: float, fmt_v, v_planes, gs_v: float,
                             table: torch.Tensor, start: int, scale: float, valid: int | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, meta: torch.Tensor | None = None) -> torch.Tensor:
     """``q`` ``[T, H, D]`` at positions ``start .. start + T - 1`` of one lane; ``table`` ``[P]``
     the lane's page ids (int64, covering position ``start + valid - 1``); ``k_planes``/``v_planes``:
     one side's planes ``[pages, 64, H_kv, bytes]`` of one layer. Returns ``[T, H, D]`` in ``q``'s
     dtype: query ``t`` attends to keys ``[0, start + t]``; rows past ``valid`` (padding, default
-    none) read as row ``valid - 1``."""
+    none) read as row ``valid - 1``. ``meta`` (int64 ``[2]`` on the device): ``start`` and ``valid``
+    are read from it by the kernel instead (the host values are then not checked), so a CUDA graph
+    of the pass serves every start and valid length."""
     T_all, H, D = q.shape
     T = T_all if valid is None else int(valid)
-    assert 1 <= T <= T_all, f"valid rows {T} outside [1, {T_all}]"
+    assert meta is not None or 1 <= T <= T_all, f"valid rows {T} outside [1, {T_all}]"
     h_kv = k_planes[0].shape[-2]
     rep = H // h_kv
     assert H == rep * h_kv, f"{H} query heads do not group over {h_kv} KV heads"
-    assert table.dim() == 1 and table.shape[0] * PAGE >= start + T, \
+    assert table.dim() == 1 and (meta is not None or table.shape[0] * PAGE >= start + T), \
         f"table of {table.shape[0]} pages does not cover position {start + T - 1}"
     q = q.contiguous()
     if out is None:
@@ -105,9 +110,9 @@ def paged_prefill_attention(q: torch.Tensor, fmt_k, k_planes, gs_k: float, fmt_v
     n_rows = T_all * rep
     _prefill_kernel[(triton.cdiv(n_rows, m), h_kv)](
         q, out, table, int(start), T, n_rows, kd, ks if ks is not None else kd, vd, vs if vs is not None else vd,
-        float(gs_k), float(gs_v), float(scale) * 1.4426950408889634,
+        float(gs_k), float(gs_v), float(scale) * 1.4426950408889634, meta if meta is not None else table,
         H_KV=h_kv, REP=rep, M=m, D=D, KIND_K=KIND_IDS[fmt_k.kind], GROUP_K=max(fmt_k.group, 1),
         KIND_V=KIND_IDS[fmt_v.kind], GROUP_V=max(fmt_v.group, 1), BLOCK_N=PAGE,
-        IEEE=q.dtype == torch.float32, HW_FP8=hw_fp8(q.device),
+        IEEE=q.dtype == torch.float32, HW_FP8=hw_fp8(q.device), META=meta is not None,
         num_warps=int(CONFIG["num_warps"]), num_stages=int(CONFIG["num_stages"]))
     return out

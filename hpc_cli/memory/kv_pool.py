@@ -133,11 +133,11 @@ class PagedKVStorage:
             self._formats["v"], [planes[i] for i in self._side_idx["v"]], gs[1], tables, seqlens, scale)
 
     def prefill_attention(self, layer: int, q: torch.Tensor, table: torch.Tensor, start: int,
-                          scale: float, valid: int | None = None) -> torch.Tensor:
+                          scale: float, valid: int | None = None, meta: torch.Tensor | None = None) -> torch.Tensor:
         """A prefill pass's queries (``q`` ``[T, H, D]`` at positions ``start ..``) over one lane's
         pages (``table`` ``[P]``), causal, read from the planes in place (the pass's own K/V must
-        be written first). Rows past ``valid`` (padding) read as the last valid row. Where
-        :meth:`paged_attention_supported`."""
+        be written first). Rows past ``valid`` (padding) read as the last valid row. ``meta``: start
+        and valid as a device tensor (a CUDA graph's pass). Where :meth:`paged_attention_supported`."""
         from hpc_kernels import paged_prefill
 
         planes = self.planes[layer]
@@ -145,7 +145,7 @@ class PagedKVStorage:
         return paged_prefill.paged_prefill_attention(
             q, self._formats["k"], [planes[i] for i in self._side_idx["k"]], gs[0],
             self._formats["v"], [planes[i] for i in self._side_idx["v"]], gs[1], table, start, scale,
-            valid=valid)
+            valid=valid, meta=meta)
 
     def set_global_scale(self, layer: int, side: str, value: float) -> None:
         """Set a layer side's NVFP4 global scale; only before that layer holds data, since the

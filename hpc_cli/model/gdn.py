@@ -211,24 +211,42 @@ class GatedDeltaNet(nn.Module):
         y = self.norm(core.reshape(-1, self.d_v), z.reshape(-1, self.d_v))
         return self.out_proj(y.reshape(*lead, self.value_dim))
 
-    def prefill(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, valid: int | None = None):
+    def prefill(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, valid: int | None = None,
+                rows: "ValidRows | None" = None):
         """One lane's run of ``T`` tokens. ``x`` ``[T, hidden]``; ``conv_state`` ``[conv_dim, kernel-1]``;
         ``rec_state`` ``[H_v, d_k, d_v]``. Returns the output and the new conv and recurrent states.
         ``valid``: rows past it are padding (zero decay and zero write strength, so the recurrent
-        state passes them unchanged; the conv state is the window ending at the last valid row)."""
+        state passes them unchanged; the conv state is the window ending at the last valid row).
+        ``rows``: the same, given on the device (a CUDA graph's pass: no host value in the shapes)."""
         t = x.shape[0]
-        n = t if valid is None else int(valid)
         mixed, z, b, a = self._project(x)
         w = self.conv1d.weight
         window = torch.cat([conv_state.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)  # [C, k-1+T]
         conv = F.conv1d(window.unsqueeze(0).to(w.dtype), w, groups=self.conv_dim)[0]  # [C, T]
         mixed = F.silu(conv).to(mixed.dtype).transpose(0, 1)
-        new_conv = window[:, n:n + self.kernel - 1]
         q, k, v, g, beta = self._heads(mixed, b, a, (1, t))
         g, beta = g.view(1, t, -1), beta.view(1, t, -1)
-        if n < t:
-            g, beta = g.clone(), beta.clone()
-            g[:, n:] = 0.0
-            beta[:, n:] = 0.0
+        if rows is not None:
+            new_conv = window.index_select(1, rows.conv_index)
+            keep = rows.mask.view(1, t, 1)
+            g, beta = torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
+        else:
+            n = t if valid is None else int(valid)
+            new_conv = window[:, n:n + self.kernel - 1]
+            if n < t:
+                g, beta = g.clone(), beta.clone()
+                g[:, n:] = 0.0
+                beta[:, n:] = 0.0
         core, state = gated_delta_prefill(q, k, v, g, beta, rec_state.unsqueeze(0), self.use_fla)
         return self._finish(core[0], z), new_conv, state[0]
+
+
+class ValidRows:
+    """The valid rows of a padded pass as device tensors: ``mask`` ``[T]`` (True = a real token) and
+    ``conv_index`` ``[kernel-1]`` (the window columns that become the new conv state)."""
+
+    __slots__ = ("mask", "conv_index")
+
+    def __init__(self, mask: torch.Tensor, conv_index: torch.Tensor) -> None:
+        self.mask = mask
+        self.conv_index = conv_index

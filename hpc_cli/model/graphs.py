@@ -69,6 +69,15 @@ def _out_bytes(out: ColumnsOut) -> int:
     return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
+def pool_serials(kv, states) -> tuple[int, int]:
+    """Serial numbers of the KV pool and the state slots a graph writes: graphs hold raw addresses
+    of their storage, and an object id can be reused after its pool is freed."""
+    for obj in (kv, states):
+        if getattr(obj, "_graph_serial", None) is None:
+            obj._graph_serial = next(_SERIALS)
+    return (kv._graph_serial, states._graph_serial)
+
+
 class ColumnGraphs:
     """The graphs of one model's column passes (decode steps and speculative verify passes)."""
 
@@ -103,10 +112,7 @@ class ColumnGraphs:
         """Graphs hold raw addresses of one KV pool's and one state pool's storage: when the model
         is used with other pools (a new engine), the old graphs are dropped, never replayed (an
         object id can be reused after its pool is freed, so pools get a serial number here)."""
-        for obj in (kv, states):
-            if getattr(obj, "_graph_serial", None) is None:
-                obj._graph_serial = next(_SERIALS)
-        bound = (kv._graph_serial, states._graph_serial)
+        bound = pool_serials(kv, states)
         if bound != self.bound:
             self.graphs.clear()
             self.seen.clear()

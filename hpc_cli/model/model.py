@@ -123,6 +123,8 @@ class HybridModel(nn.Module):
         self.cuda_graphs = True
         #: those graphs (hpc_cli.model.graphs), made at the first pass that uses them
         self._graphs = None
+        #: the prefill passes' graphs (hpc_cli.model.prefill_graphs), likewise
+        self._prefill_graphs = None
         self.lm_head = Linear(config.hidden_size, config.vocab_size, **fk)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -206,10 +208,19 @@ class HybridModel(nn.Module):
         kernel) where the pool allows, else gathers the span (:func:`prefill_attention`).
         ``media`` (a Vision prompt's pass): the tokens' mRoPE positions and the image embeddings
         that replace their placeholder rows."""
+        assert start >= 0, f"prefill start must be >= 0, got {start}"
+        if media is None and not (all_logits or all_hidden or capture):
+            graphs = self.prefill_graphs(kv)
+            if graphs is not None:
+                if layer_ready is not None:  # a graph runs every layer at once: the restore lands first
+                    for i in range(len(self.layers)):
+                        layer_ready(i)
+                out = graphs.run(tokens if torch.is_tensor(tokens) else list(tokens), start, block_table,
+                                 state_slot, kv, states)
+                return PrefillOut(logits=out.logits, hidden_last=out.hidden_last)
         tokens = self._tokens(tokens)
         t = tokens.shape[0]
         assert t >= 1, "prefill needs at least one token"
-        assert start >= 0, f"prefill start must be >= 0, got {start}"
         end = start + t
         page = kv.page_tokens
         n_pages = (end + page - 1) // page
@@ -304,6 +315,21 @@ class HybridModel(nn.Module):
         if self._graphs is None:
             self._graphs = ColumnGraphs(self)
         return None if self._graphs.disabled else self._graphs
+
+    def prefill_graphs(self, kv: "PagedKVStorage"):
+        """The CUDA graphs of this model's plain prefill passes over ``kv``
+        (:mod:`hpc_cli.model.prefill_graphs`), or None where the column graphs are not used either,
+        or a capture failed."""
+        if self.device.type != "cuda" or int(self.prefill_pad) <= 1:
+            return None
+        from hpc_cli.model.graphs import ColumnGraphs
+        from hpc_cli.model.prefill_graphs import PrefillGraphs
+
+        if not ColumnGraphs.wanted(self, kv):
+            return None
+        if self._prefill_graphs is None:
+            self._prefill_graphs = PrefillGraphs(self)
+        return None if self._prefill_graphs.disabled else self._prefill_graphs
 
     # -- conveniences for tests and tools ----------------------------------------------------
     @torch.inference_mode()

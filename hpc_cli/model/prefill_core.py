@@ -1,0 +1,160 @@
+"""The prefill pass over device indices only, so that it can be captured in a CUDA graph.
+
+:meth:`hpc_cli.model.model.HybridModel.prefill` takes host values (the start position, the valid
+row count, the state slot, the block table) and bakes them into its shapes and kernel arguments;
+launched op by op from Python, a pass of a few hundred tokens then costs more host time than
+device time (hundreds of launches, fla's Python wrappers). :func:`prefill_core` computes the same
+pass from one packed int64 index (:class:`PrefillIndex`) that a single host-to-device copy fills:
+
+* the ``L`` rows (the pass padded to a multiple of 64) have their tokens, positions and KV write
+  slots in the index (padding rows write nowhere: slot ``-1``);
+* the paged prefill kernel reads ``start`` and the valid row count from the index
+  (``kernels/paged_prefill.py``, ``meta``), and the page table is a fixed-width row of it;
+* the GDN layers take their padding mask and the new conv window's columns from it
+  (:class:`hpc_cli.model.gdn.ValidRows`), and read and write the lane's state slot by index;
+* the last valid row's hidden and logits are picked by index.
+
+So the shapes depend on ``L`` and the table width only, and one graph per ``(L, width)`` serves
+every pass (:mod:`hpc_cli.model.prefill_graphs`). The values are those of ``HybridModel.prefill``
+with the same padding: the same kernels on the same shapes, the padding rows masked the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from hpc_cli.model.gdn import ValidRows
+
+if TYPE_CHECKING:
+    from hpc_cli.memory.kv_pool import PagedKVStorage
+    from hpc_cli.memory.state_pool import StateSlots
+    from hpc_cli.model.model import HybridModel
+
+#: the narrowest page table a pass's index carries: a power of two >= the pages the pass reads, so
+#: one graph per length serves every context up to 512 pages (32k tokens)
+MIN_TABLE_WIDTH = 512
+
+
+def table_width(n_pages: int) -> int:
+    return max(MIN_TABLE_WIDTH, 1 << max(0, n_pages - 1).bit_length())
+
+
+@dataclass
+class PrefillIndex:
+    """Every index a prefill pass reads, in one int64 buffer ``packed`` (one host-to-device copy).
+
+    ``tokens``/``positions``/``write`` ``[L]`` (``write``: the KV slot of each row, ``-1`` for a
+    padding row), ``pages`` ``[W]`` the lane's page table (padded with page 0, never read past the
+    pass's last position), ``meta`` ``[2]`` (start, valid rows) for the paged prefill kernel,
+    ``slot`` ``[1]`` the lane's state slot, ``last`` ``[1]`` the last valid row, ``conv_index``
+    ``[kernel-1]`` the window columns of the new conv state. ``host``: (start, valid) for the
+    paths that read host values (the gather + SDPA attention)."""
+
+    L: int
+    W: int
+    packed: torch.Tensor
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    write: torch.Tensor
+    pages: torch.Tensor
+    meta: torch.Tensor
+    slot: torch.Tensor
+    last: torch.Tensor
+    conv_index: torch.Tensor
+    host: tuple[int, int] | None = None
+
+    @staticmethod
+    def pack(tokens: Sequence[int] | torch.Tensor, start: int, block_table: Sequence[int], state_slot: int,
+             L: int, W: int, page: int, conv_taps: int) -> torch.Tensor:
+        """The host buffer :meth:`view` reads; ``tokens`` are the pass's valid tokens (``<= L``)."""
+        tok = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
+        n = tok.shape[0]
+        assert 1 <= n <= L, f"a pass of {n} tokens does not fit {L} rows"
+        n_pages = (start + n + page - 1) // page
+        assert len(block_table) >= n_pages, \
+            f"block table has {len(block_table)} pages, positions [0, {start + n}) need {n_pages}"
+        assert n_pages <= W, f"{n_pages} pages do not fit a table of {W}"
+        rows = torch.arange(L, dtype=torch.long)
+        pos = start + rows
+        pages = torch.zeros(W, dtype=torch.long)
+        pages[:n_pages] = torch.as_tensor(list(block_table[:n_pages]), dtype=torch.long)
+        write = pages.gather(0, (pos // page).clamp(max=W - 1)) * page + pos % page
+        write[n:] = -1
+        padded = torch.zeros(L, dtype=torch.long)
+        padded[:n] = tok
+        tail = torch.tensor([start, n, state_slot, n - 1], dtype=torch.long)
+        conv = n + torch.arange(conv_taps, dtype=torch.long)
+        return torch.cat([padded, pos, write, pages, tail, conv])
+
+    @classmethod
+    def view(cls, packed: torch.Tensor, L: int, W: int, host: tuple[int, int] | None = None) -> "PrefillIndex":
+        k1 = packed.shape[0] - (3 * L + W + 4)
+        tokens, positions, write, pages, tail, conv = torch.split(packed, [L, L, L, W, 4, k1])
+        return cls(L, W, packed, tokens, positions, write, pages, tail[0:2], tail[2:3], tail[3:4], conv, host)
+
+    @classmethod
+    def build(cls, model: "HybridModel", tokens, start: int, block_table: Sequence[int], state_slot: int,
+              L: int, page: int) -> "PrefillIndex":
+        n = len(tokens)
+        W = table_width((start + n + page - 1) // page)
+        packed = cls.pack(tokens, start, block_table, state_slot, L, W, page, model.config.linear_conv_kernel_dim - 1)
+        if model.device.type == "cuda":
+            packed = packed.pin_memory().to(model.device, non_blocking=True)
+        return cls.view(packed.to(model.device), L, W, host=(start, n))
+
+
+@dataclass
+class PrefillCoreOut:
+    logits: torch.Tensor  # [vocab] of the last valid row
+    hidden_last: torch.Tensor  # [hidden] after the final norm
+
+
+def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
+                 states: "StateSlots") -> PrefillCoreOut:
+    """One lane's prefill pass of ``idx.L`` rows (the valid ones first) from device indices only.
+    Reads the pages through the paged prefill kernel where the pool allows (else gathers them with
+    the host values in ``idx.host``); writes K/V, the lane's GDN states and its hidden."""
+    from hpc_cli.model.attention import prefill_attention
+
+    L = idx.L
+    dev = model.device
+    mask = torch.arange(L, device=dev) < idx.meta[1]
+    rows = ValidRows(mask, idx.conv_index)
+    cos, sin = model.rotary.cos_sin(idx.positions, model.dtype)
+    paged = kv.paged_attention_supported(model.config.num_attention_heads)
+    x = model._embed(idx.tokens)
+    slot = idx.slot
+    for i, layer in enumerate(model.layers):
+        h = layer.input_layernorm(x)
+        if layer.kind == "linear_attention":
+            g = model.state_index[i]
+            conv, rec = states.conv[g], states.recurrent[g]
+            out, new_conv, new_rec = layer.linear_attn.prefill(h, conv.index_select(0, slot)[0],
+                                                               rec.index_select(0, slot)[0], rows=rows)
+            conv.index_copy_(0, slot, new_conv.unsqueeze(0).to(conv.dtype))
+            rec.index_copy_(0, slot, new_rec.unsqueeze(0).to(rec.dtype))
+        else:
+            a = model.kv_index[i]
+            attn = layer.self_attn
+            q, gate, k, v = attn.qkv(h, cos, sin)
+            if paged:
+                kv.write(a, idx.write, k, v)  # padding rows have slot -1: written nowhere
+                o = kv.prefill_attention(a, q, idx.pages, 0, attn.scale, valid=L, meta=idx.meta)
+            else:
+                assert idx.host is not None, "the gather attention path needs the pass's host values"
+                start, n = idx.host
+                kv.write(a, idx.write[:n], k[:n], v[:n])
+                pages = idx.pages[:-(-(start + n) // kv.page_tokens)]
+                o = prefill_attention(attn, q[:n], kv, a, pages, start)
+                if n < L:
+                    o = torch.cat([o, o.new_zeros(L - n, *o.shape[1:])])
+            out = attn.finish(o, gate)
+        x = x + out
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    x = model.norm(x.index_select(0, idx.last))
+    states.hidden.index_copy_(0, slot, x.to(states.hidden.dtype))
+    logits = model.lm_head(x)
+    return PrefillCoreOut(logits=logits[0], hidden_last=x[0])

@@ -1,0 +1,120 @@
+"""CUDA graphs of prefill passes: one launch for a whole pass.
+
+A prefill pass of a few hundred tokens through the 27B widths is about 9 ms of device work but,
+launched op by op from Python, about 15 ms of host time (some 600 launches, fla's wrappers and
+autotuner lookups for each GDN layer): a cached turn, which prefills only its new tokens, paid
+mostly launch overhead. :func:`hpc_cli.model.prefill_core.prefill_core` computes a pass from
+device indices only, so its kernels can be captured once per shape and replayed:
+
+* The key is ``(L, W)``: the pass's padded length (a multiple of ``HybridModel.prefill_pad``) and
+  its page table width (:func:`hpc_cli.model.prefill_core.table_width`, 512 pages and up), plus
+  the pools the graph writes. The warm-up (:mod:`hpc_cli.engine.warmup`) runs every length twice:
+  the first pass of a key runs eagerly (kernels compile and tune there), the second captures the
+  graph and replays it. Capture runs no kernel, so nothing is written twice.
+* A replay copies the pass's packed index into the graph's static buffer (one host-to-device
+  copy) and launches the graph; its logits and hidden are cloned out, so the static outputs are
+  free for the next replay.
+* Graphs bake in the KV pool's and the state slots' storage (and NVFP4 global scales): a model
+  used with other pools drops its graphs, as its decode graphs do (:mod:`hpc_cli.model.graphs`).
+* Used where the column graphs are (dense models on CUDA, a pool the paged kernel reads, ``[engine]
+  cuda_graphs``), for plain passes: a pass that wants every position's logits or hidden, captured
+  layer features (speculative backends) or image embeddings runs eagerly. A failed capture turns
+  prefill graphs off for the model with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from hpc_cli.model.prefill_core import PrefillCoreOut, PrefillIndex, prefill_core, table_width
+
+if TYPE_CHECKING:
+    from hpc_cli.memory.kv_pool import PagedKVStorage
+    from hpc_cli.memory.state_pool import StateSlots
+    from hpc_cli.model.model import HybridModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PrefillGraph:
+    graph: torch.cuda.CUDAGraph
+    index: PrefillIndex
+    out: PrefillCoreOut
+
+
+class PrefillGraphs:
+    """The prefill graphs of one model (intermediates share one memory pool)."""
+
+    def __init__(self, model: "HybridModel") -> None:
+        self.model = model
+        self.graphs: dict[tuple, _PrefillGraph] = {}
+        self.seen: set[tuple] = set()
+        self.bound: tuple | None = None
+        self.pool = None
+        self.disabled: str | None = None
+        self.replays = 0
+        self.captures = 0
+        self.eager = 0
+
+    def _key(self, L: int, W: int, kv: "PagedKVStorage", states: "StateSlots") -> tuple:
+        from hpc_cli.model.graphs import pool_serials
+
+        bound = pool_serials(kv, states)
+        if bound != self.bound:  # other pools: the old graphs write storage that is not ours
+            self.graphs.clear()
+            self.seen.clear()
+            self.bound = bound
+        scales = tuple(kv.global_scales.flatten().tolist()) if kv.profile.uses_global_scale else ()
+        return (L, W, bound, scales)
+
+    def run(self, tokens: Sequence[int] | torch.Tensor, start: int, block_table: Sequence[int], state_slot: int,
+            kv: "PagedKVStorage", states: "StateSlots") -> PrefillCoreOut:
+        """One lane's pass of ``tokens`` at ``start ..``, padded to a multiple of the model's
+        ``prefill_pad``; through a graph from the second pass of its shape on."""
+        model = self.model
+        page = kv.page_tokens
+        n = len(tokens)
+        pad = max(1, int(model.prefill_pad))
+        L = -(-n // pad) * pad
+        W = table_width((start + n + page - 1) // page)
+        k1 = model.config.linear_conv_kernel_dim - 1
+        packed = PrefillIndex.pack(tokens, start, block_table, state_slot, L, W, page, k1).pin_memory()
+        key = self._key(L, W, kv, states)
+        entry = self.graphs.get(key)
+        if entry is None and key in self.seen and self.disabled is None:
+            entry = self._capture(key, packed, L, W, kv, states)
+        if entry is None:  # the first pass of this shape (warm-up), or graphs unavailable
+            self.seen.add(key)
+            self.eager += 1
+            idx = PrefillIndex.view(packed.to(model.device, non_blocking=True), L, W, host=(start, n))
+            return prefill_core(model, idx, kv, states)
+        entry.index.packed.copy_(packed, non_blocking=True)
+        entry.graph.replay()
+        self.replays += 1
+        return PrefillCoreOut(entry.out.logits.clone(), entry.out.hidden_last.clone())
+
+    def _capture(self, key: tuple, packed: torch.Tensor, L: int, W: int, kv: "PagedKVStorage",
+                 states: "StateSlots") -> _PrefillGraph | None:
+        model = self.model
+        idx = PrefillIndex.view(packed.to(model.device), L, W)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.synchronize()
+            # thread_local: CUDA calls of the server's other threads never invalidate a capture
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = prefill_core(model, idx, kv, states)
+        except Exception as exc:  # a kernel or library that cannot be captured: prefill eagerly
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture of a prefill pass failed, prefilling without graphs: %s", self.disabled)
+            return None
+        self.captures += 1
+        entry = _PrefillGraph(graph, idx, out)
+        self.graphs[key] = entry
+        return entry

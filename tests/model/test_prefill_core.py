@@ -1,0 +1,74 @@
+"""The prefill pass over device indices (what a CUDA graph replays) against HybridModel.prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpc_cli.model import HybridModel
+from hpc_cli.model.prefill_core import PrefillIndex, prefill_core, table_width
+
+N = 200
+TABLE = [5, 2, 7, 0, 3, 6, 1, 4]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 272, (N,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+def _run(model, tokens, cuts, indexed: bool, profile: str):
+    kv, states = model.new_kv_storage(profile, 8), model.new_state_slots(3)
+    bounds = [0, *cuts, N]
+    logits = []
+    model.prefill_pad = 64
+    try:
+        for a, b in zip(bounds, bounds[1:]):
+            if indexed:
+                L = -(-(b - a) // 64) * 64
+                idx = PrefillIndex.build(model, tokens[a:b], a, TABLE, 2, L, kv.page_tokens)
+                logits.append(prefill_core(model, idx, kv, states).logits)
+            else:
+                logits.append(model.prefill(tokens[a:b], a, TABLE, 2, kv, states).logits)
+    finally:
+        model.prefill_pad = 1
+    return logits, kv, states
+
+
+@pytest.mark.parametrize("profile", ["bf16", "int8-g64"])
+@pytest.mark.parametrize("cuts", [[], [1], [37, 101], [64, 128]], ids=lambda c: "-".join(map(str, c)) or "one")
+def test_indexed_pass_is_bit_identical(tiny, tokens, cuts, profile):
+    """The same logits, K/V pages, GDN states and hidden, bit for bit, and nothing written past
+    the prompt (padding rows have KV slot -1)."""
+    ref_logits, ref_kv, ref_states = _run(tiny, tokens, cuts, False, profile)
+    logits, kv, states = _run(tiny, tokens, cuts, True, profile)
+    for a, b in zip(logits, ref_logits):
+        assert torch.equal(a, b), "logits differ"
+    for g in range(len(states.recurrent)):
+        assert torch.equal(states.recurrent[g][2], ref_states.recurrent[g][2]), f"GDN layer {g} state"
+        assert torch.equal(states.conv[g][2], ref_states.conv[g][2]), f"GDN layer {g} conv window"
+        assert not states.recurrent[g][:2].any(), "another slot was written"
+    assert torch.equal(states.hidden[2], ref_states.hidden[2])
+    for layer in range(len(kv.planes)):
+        for p, q in zip(kv.planes[layer], ref_kv.planes[layer]):
+            assert torch.equal(p, q), f"attention layer {layer}: pages differ"
+
+
+def test_index_layout():
+    """Padding rows write nowhere, the table is padded to a fixed width, meta holds start and valid."""
+    packed = PrefillIndex.pack([9, 8, 7], 130, [4, 1, 6], 5, 64, table_width(3), 64, 3)
+    idx = PrefillIndex.view(packed, 64, table_width(3))
+    assert idx.W == 512 and idx.pages[:3].tolist() == [4, 1, 6] and not idx.pages[3:].any()
+    assert idx.tokens[:3].tolist() == [9, 8, 7] and not idx.tokens[3:].any()
+    assert idx.positions[:3].tolist() == [130, 131, 132]
+    assert idx.write[:3].tolist() == [6 * 64 + 2, 6 * 64 + 3, 6 * 64 + 4]
+    assert (idx.write[3:] == -1).all()
+    assert idx.meta.tolist() == [130, 3] and idx.slot.tolist() == [5] and idx.last.tolist() == [2]
+    assert idx.conv_index.tolist() == [3, 4, 5]
+    with pytest.raises(AssertionError, match="need 3"):
+        PrefillIndex.pack([1] * 3, 130, [4, 1], 0, 64, 512, 64, 3)
