@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hpc_cli.errors import ModelError
 
@@ -166,6 +168,82 @@ class ByteTokenizer(_ChatTemplateMixin):
         return self.special_tokens.get(token)
 
 
+class SegmentCache:
+    """Tokenizations of a prompt's messages, kept by their text, so a conversation's next turn
+    tokenizes only what it added.
+
+    A tokenizer splits its added tokens out of the text before anything else (normalisation,
+    pre-tokenisation, BPE), so the text between two of them is tokenized on its own: a prompt
+    cut right before each ChatML message start (``<|im_start|>``, an added token) tokenizes as
+    the concatenation of its pieces. Pieces are kept in an LRU bounded by their characters; a
+    multi-turn chat re-sends its history, whose pieces hit. Used only where the start marker is
+    an added token that strips nothing around it and a sample conversation tokenizes the same
+    whole and in pieces (:meth:`for_tokenizer`)."""
+
+    MARKER = "<|im_start|>"
+    MAX_CHARS = 16 << 20  # characters of text kept
+    MIN_CHARS = 32  # shorter pieces are tokenized every time
+
+    def __init__(self, encode: Callable[[str], tuple[list[int], list[tuple[int, int]]]]) -> None:
+        self._encode = encode
+        self._pieces: "OrderedDict[str, tuple[list[int], list[tuple[int, int]]]]" = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @classmethod
+    def for_tokenizer(cls, tok, added: dict) -> "SegmentCache | None":
+        marker = next((t for t in added.values() if t.content == cls.MARKER), None)
+        if marker is None or marker.lstrip or marker.rstrip or getattr(marker, "single_word", False):
+            return None
+
+        def encode(text: str) -> tuple[list[int], list[tuple[int, int]]]:
+            enc = tok.encode(text, add_special_tokens=False)
+            return enc.ids, enc.offsets
+
+        cache = cls(encode)
+        sample = ("<|im_start|>system\nBe brief.  \n<|im_end|>\n<|im_start|>user\n héllo,\n\n world\t"
+                  "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nhi<|im_end|>\n<|im_start|>user\n"
+                  "x<|im_start|>y \n<|im_start|>assistant\n")
+        if cache.encode(sample, keep=False) != encode(sample):
+            return None
+        return cache
+
+    def encode(self, text: str, keep: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+        ids: list[int] = []
+        spans: list[tuple[int, int]] = []
+        cut = 0
+        while cut < len(text):
+            nxt = text.find(self.MARKER, cut + 1)
+            end = len(text) if nxt < 0 else nxt
+            piece_ids, piece_spans = self._piece(text[cut:end], keep)
+            ids.extend(piece_ids)
+            spans.extend((a + cut, b + cut) for a, b in piece_spans)
+            cut = end
+        return ids, spans
+
+    def _piece(self, piece: str, keep: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        if len(piece) < self.MIN_CHARS or not keep:
+            return self._encode(piece)
+        with self._lock:
+            found = self._pieces.get(piece)
+            if found is not None:
+                self._pieces.move_to_end(piece)
+                self.hits += 1
+                return found
+        found = self._encode(piece)
+        with self._lock:
+            self.misses += 1
+            if piece not in self._pieces and len(piece) <= self.MAX_CHARS // 4:
+                self._pieces[piece] = found
+                self._chars += len(piece)
+                while self._chars > self.MAX_CHARS:
+                    old, _ = self._pieces.popitem(last=False)
+                    self._chars -= len(old)
+        return found
+
+
 class HFTokenizer(_ChatTemplateMixin):
     """``tokenizer.json`` through the ``tokenizers`` package, the chat template through jinja2."""
 
@@ -210,7 +288,9 @@ class HFTokenizer(_ChatTemplateMixin):
             if tid is not None and tid not in eos:
                 eos.append(tid)
         self._eos = eos
-        self.special_tokens = {tok.content: i for i, tok in self._tok.get_added_tokens_decoder().items()}
+        added = self._tok.get_added_tokens_decoder()
+        self.special_tokens = {tok.content: i for i, tok in added.items()}
+        self._segments = SegmentCache.for_tokenizer(self._tok, added)
 
     @property
     def vocab_size(self) -> int:
@@ -221,7 +301,14 @@ class HFTokenizer(_ChatTemplateMixin):
         return list(self._eos)
 
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self.encode_offsets(text)[0]
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` and each token's ``(start, end)`` character span in it."""
+        if self._segments is not None:
+            return self._segments.encode(text)
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

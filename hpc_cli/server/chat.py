@@ -15,8 +15,10 @@ found by rendering message prefixes of the same conversation:
   a breakpoint on a whole message is its end. Protocol-automatic markers (Anthropic's top-level
   ``cache_control``) are structural hints flagged ``automatic``.
 
-Character offsets become token positions by tokenizing the prompt in segments split at those
-offsets; when that does not reproduce the one-piece tokenization (a BPE merge across an offset),
+Character offsets become token positions through the tokenizer's character spans where it has
+them (one tokenization: an offset where a token starts is that token's position; an offset inside a
+token keeps, when hinted, the tokens that end before it, and is dropped otherwise). Without spans
+the prompt is tokenized in segments split at those offsets; when that does not reproduce the one-piece tokenization (a BPE merge across an offset),
 the offsets before the first disagreement keep their positions, the hinted ones (markers, opener,
 system and tools ends) snap back to the longest agreeing token prefix of their own tokenization,
 and the other message boundaries are dropped. The prompt is always the one-piece tokenization.
@@ -29,6 +31,8 @@ every message start is found in the prompt itself), and the tokenizer re-encodes
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -101,8 +105,31 @@ def _agreeing(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _positions_by_spans(tokenizer, text: str, offsets: Sequence[int], hinted: Sequence[int]
+                        ) -> tuple[list[int], dict[int, int]]:
+    """One tokenization with each token's character span: an offset where a token starts (and
+    every earlier token has ended) is that token's position; an offset inside a token keeps, when
+    hinted, the tokens that end before it, else it is dropped."""
+    full, spans = tokenizer.encode_offsets(text)
+    starts = [a for a, _ in spans]
+    ends = list(itertools.accumulate((b for _, b in spans), max))  # running max: spans may overlap
+    hinted_set = set(hinted)
+    at: dict[int, int] = {}
+    for c in sorted({o for o in offsets if 0 < o < len(text)}):
+        i = bisect.bisect_left(starts, c)  # the first token starting at or after c
+        if i < len(starts) and starts[i] == c and (i == 0 or ends[i - 1] <= c):
+            at[c] = i
+        elif c in hinted_set:
+            at[c] = bisect.bisect_right(ends, c)  # the tokens that end by c
+    at[len(text)] = len(full)
+    at[0] = 0
+    return full, at
+
+
 def _positions(tokenizer, text: str, offsets: Sequence[int], hinted: Sequence[int] = ()
                ) -> tuple[list[int], dict[int, int]]:
+    if hasattr(tokenizer, "encode_offsets"):
+        return _positions_by_spans(tokenizer, text, offsets, hinted)
     full = tokenizer.encode(text)
     cuts = sorted({o for o in offsets if 0 < o < len(text)})
     pieces: list[int] = []

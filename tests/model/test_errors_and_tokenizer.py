@@ -128,3 +128,46 @@ def test_hf_tokenizer_and_template_files(tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "hello"}]) == "<|im_start|>user hello<|im_end|>"
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}!")
     assert HFTokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
+
+
+def _bpe_dir(tmp_path, marker_opts=None):
+    """A byte-level BPE trained on a little text, ChatML specials added (as Qwen's tokenizers)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator(["the quick brown fox jumps over the lazy dog\n\n" * 20, "héllo wörld, 123 (x)"], trainer)
+    t.add_special_tokens([AddedToken("<|im_start|>", **(marker_opts or {})), "<|im_end|>"])
+    t.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path
+
+
+def test_hf_tokenizer_segments_equal_whole_encoding(tmp_path):
+    """A prompt tokenized in pieces cut at each message start (pieces kept by their text) gives the
+    ids and character spans of the one-piece tokenization; a repeated history hits the kept pieces."""
+    import random
+
+    tok = HFTokenizer(_bpe_dir(tmp_path))
+    assert tok._segments is not None, "ChatML start marker not used to cut prompts"
+    rng = random.Random(3)
+    words = ["the", "quick", " brown", "fox\n\n", "  ", "héllo", "wörld,", "<|im_start|>", "<|im_end|>", "\n",
+             "123", "(x)", "\t", "dog"]
+    for _ in range(300):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(0, 120)))
+        whole = tok._tok.encode(text, add_special_tokens=False)
+        assert tok.encode_offsets(text) == (whole.ids, whole.offsets), repr(text)
+    history = "<|im_start|>system\n" + "the quick brown fox " * 30 + "<|im_end|>\n"
+    tok.encode(history + "<|im_start|>user\nhello<|im_end|>\n")
+    hits = tok._segments.hits
+    tok.encode(history + "<|im_start|>user\nhello<|im_end|>\n<|im_start|>user\nmore dogs please<|im_end|>\n")
+    assert tok._segments.hits >= hits + 2, "the repeated history was tokenized again"
+
+
+def test_hf_tokenizer_no_segments_when_marker_strips(tmp_path):
+    """A start marker that strips whitespace around it changes its neighbours' tokens: no pieces."""
+    tok = HFTokenizer(_bpe_dir(tmp_path, {"lstrip": True}))
+    assert tok._segments is None
+    assert tok.encode("a  <|im_start|>b") == tok._tok.encode("a  <|im_start|>b", add_special_tokens=False).ids
