@@ -7,18 +7,24 @@ Candidates, in priority order:
 3. structural boundaries (end of tools, end of the leading System/Developer block) -- exact,
    published as Boundary; protocol-automatic markers are planned here too but published as
    ordinary taps
-4. the prompt tail n-1 -- flexible
+4. the prompt tail at floor64(n - 1) -- exact (block aligned: the snapshot anchors on committed
+   blocks and owns no tail page), unless an exact tap of 1-3 already lies at or past it
 5. the geometric ladder n - G*2^k, snapped back to a message boundary within tap_min_gap --
    flexible
 
 Rules: taps lie in (base, n-1]; a candidate strictly inside a Vision span moves to the span
-start; semantic boundaries (2 and 3) closer than 64 tokens form one cluster that keeps its
-earliest position (and Boundary publication if any member had it); a non-explicit candidate is
-dropped when an accepted tap, an existing snapshot on the path or the base lies at most 64
-tokens before it; ladder candidates keep tap_min_gap on both sides instead; at most
-max_new_taps are kept, in priority order. Flexible taps never split a chunk, so their targets
-are block aligned (the snapshot anchors on committed blocks and owns no tail page); exact taps
-keep their position. The plan is a function of its inputs (deterministic).
+start; a candidate at the base, at an existing snapshot on the path or at an accepted tap's
+position is dropped; ladder candidates keep tap_min_gap on both sides; at most max_new_taps are
+kept, in priority order. Flexible taps never split a chunk, so their targets are block aligned;
+exact taps keep their position. The plan is a function of its inputs (deterministic).
+
+An exact tap costs a prefill split, which the spec's first design avoided by clustering semantic
+boundaries within 64 tokens of each other to the earliest and dropping any tap within 64 tokens
+past the base or an existing snapshot. Those rules left a conversation's reuse stuck every other
+turn when its new messages were short (the next opener fell within 64 tokens of the last), and a
+repeated prompt shorter than one chunk reused nothing (its flexible tail tap fell on its only
+chunk's start, the base). A split now costs a short pass (on CUDA one graph replay, elsewhere its
+tokens' own work), so every opener and boundary is tapped and the tail is tapped exactly.
 """
 
 from __future__ import annotations
@@ -117,36 +123,29 @@ class TapPlanner:
             return p if base < p <= last else None
 
         cands: list[Tap] = []
-        targets: dict[Tap, int] = {}  # a flexible tap's unaligned target, for the proximity rule
         # 1. explicit markers
         for h in hints:
             if h.source is TapSource.EXPLICIT:
                 p = fix(h.position, False)
                 if p is not None:
                     cands.append(Tap(p, Placement.EXACT, TapSource.EXPLICIT, True))
-        # 2-3. semantic boundaries, clustered within 64 tokens
+        # 2-3. semantic boundaries, each its own exact tap
         sem = [h for h in hints if h.source in _SEMANTIC
                and not (resumed_from_endpoint and h.source is TapSource.OPENER)]
-        cluster: list[TapHint] = []
-        for h in sem + [None]:  # type: ignore[list-item]
-            if h is not None and (not cluster or h.position - cluster[-1].position < BLOCK_TOKENS):
-                cluster.append(h)
-                continue
-            if cluster:
-                src = min(c.source for c in cluster)
-                if src is TapSource.AUTOMATIC:
-                    src = TapSource.STRUCTURAL if any(c.source is TapSource.STRUCTURAL for c in cluster) else src
-                boundary = any(c.source is TapSource.STRUCTURAL for c in cluster)
-                p = fix(cluster[0].position, False)
-                if p is not None:
-                    cands.append(Tap(p, Placement.EXACT, src, boundary))
-            cluster = [h] if h is not None else []
-        # 4. the prompt tail
-        p = fix(last, True)
-        if p is not None:
-            t = Tap(p, Placement.FLEXIBLE, TapSource.PROMPT_TAIL, False)
-            cands.append(t)
-            targets[t] = last
+        by_position: dict[int, list[TapHint]] = {}
+        for h in sem:
+            p = fix(h.position, False)
+            if p is not None:
+                by_position.setdefault(p, []).append(h)
+        for p, group in sorted(by_position.items()):
+            src = min(h.source for h in group)
+            if src is TapSource.AUTOMATIC and any(h.source is TapSource.STRUCTURAL for h in group):
+                src = TapSource.STRUCTURAL
+            cands.append(Tap(p, Placement.EXACT, src, any(h.source is TapSource.STRUCTURAL for h in group)))
+        # 4. the prompt tail, exact at a block boundary, where no exact tap covers it
+        p = fix(last - last % BLOCK_TOKENS, False)
+        if p is not None and not any(t.position >= p for t in cands):
+            cands.append(Tap(p, Placement.EXACT, TapSource.PROMPT_TAIL, False))
         # 5. the ladder, snapped back to a message boundary within the minimum gap
         messages = [h.position for h in hints if h.source is TapSource.MESSAGE]
         G, gap = self.ladder, self.min_gap
@@ -169,15 +168,10 @@ class TapPlanner:
                 break
             p = t.position
             others = [x.position for x in taken] + marks
-            if t.source is TapSource.EXPLICIT:
-                if p in others:
-                    continue
-            elif t.source is TapSource.LADDER:
+            if t.source is TapSource.LADDER:
                 if any(abs(p - x) < gap for x in others + [base]):
                     continue
-            elif any(0 <= q - x <= BLOCK_TOKENS for q in {p, targets.get(t, p)} for x in others + [base]):
-                continue
-            if any(x.position == p for x in taken):
+            elif p in others:
                 continue
             taken.append(t)
         return sorted(taken, key=lambda t: t.position)

@@ -34,6 +34,24 @@ def test_taps_in_range_outside_vision_and_flexible_taps_block_aligned(case):
         assert not any(b < t.position < b + ln for b, ln in spans)
         if t.placement is Placement.FLEXIBLE:
             assert t.position % 64 == 0
+        if t.source is TapSource.PROMPT_TAIL:
+            assert t.placement is Placement.EXACT
+
+
+@settings(max_examples=max(50, settings.default.max_examples // 3))
+@given(prompts())
+def test_every_semantic_hint_is_tapped_within_the_budget(case):
+    """No clustering and no proximity rule: each opener and boundary past the base that is not
+    already a snapshot on the path is an exact tap, when the budget leaves room for it."""
+    planner, n, base, hints, existing, spans, ep = case
+    bigger = TapPlanner(chunk=planner.chunk, host_tier=planner.host_tier, max_new_taps=1000)
+    taps = bigger.plan(n, base, hints, existing, [], resumed_from_endpoint=ep)
+    exact = {t.position for t in taps if t.placement is Placement.EXACT}
+    for h in hints:
+        if h.source in (TapSource.OPENER, TapSource.STRUCTURAL, TapSource.AUTOMATIC) and base < h.position <= n - 1:
+            if ep and h.source is TapSource.OPENER:
+                continue
+            assert h.position in exact or h.position in existing, f"hint {h} not tapped"
 
 
 @settings(max_examples=max(50, settings.default.max_examples // 3))
@@ -44,9 +62,9 @@ def test_taps_deduplicated_against_the_path(case):
     pos = [t.position for t in taps]
     assert len(pos) == len(set(pos))
     for t in taps:
-        assert t.position not in existing
-        if t.source is not TapSource.EXPLICIT:
-            assert not any(0 <= t.position - x <= 64 for x in existing + [base])
+        assert t.position not in existing and t.position != base
+        if t.source is TapSource.LADDER:
+            assert not any(abs(t.position - x) < planner.min_gap for x in existing + [base])
 
 
 @settings(max_examples=max(50, settings.default.max_examples // 3))
@@ -89,11 +107,28 @@ def test_tap_plan_is_deterministic(case):
     assert a == b
 
 
-def test_semantic_boundaries_within_64_tokens_cluster_to_the_earliest():
+def test_semantic_boundaries_close_together_are_each_tapped():
     p = TapPlanner(chunk=2048)
     taps = p.plan(5000, 0, [TapHint(1000, TapSource.STRUCTURAL), TapHint(1040, TapSource.OPENER)])
     exact = [t for t in taps if t.placement is Placement.EXACT]
-    assert [(t.position, t.boundary) for t in exact] == [(1000, True)]
+    assert [(t.position, t.boundary) for t in exact] == [(1000, True), (1040, False), (4992, False)]
+
+
+def test_an_opener_just_past_the_base_is_tapped():
+    """A short new message: the opener 40 tokens past the restored snapshot is still tapped, so the
+    next turn reuses up to it (the old 64-token rule left reuse stuck every other turn)."""
+    p = TapPlanner(chunk=2048)
+    taps = p.plan(740, 700, [TapHint(737, TapSource.OPENER)], existing=[700])
+    assert [(t.position, t.placement) for t in taps] == [(737, Placement.EXACT)]
+
+
+def test_a_short_prompt_is_tapped_at_its_last_block():
+    """A /v1/completions prompt shorter than one chunk: an exact tail tap at floor64(n - 1), so the
+    same prompt sent again reuses all but its last block."""
+    p = TapPlanner(chunk=2048)
+    assert [(t.position, t.placement, t.source) for t in p.plan(300, 0)] == \
+        [(256, Placement.EXACT, TapSource.PROMPT_TAIL)]
+    assert p.plan(60, 0) == []  # nothing to keep before the first block
 
 
 def test_opener_absorbs_the_prompt_tail_and_endpoint_resume_drops_the_opener():

@@ -128,7 +128,7 @@ def test_no_tap_or_resume_inside_a_span(model):
 def test_next_turn_resumes_at_the_endpoint_with_the_image(model):
     toks, images, hints = prompt(model, [_text(80, 5), _image(model, 5), _text(30, 6)])
     e = Engine(model, **KW).start()
-    out1, _ = run(e, toks, images, hints, n=40)  # >= 64 tokens past the deepest tap: an endpoint
+    out1, _ = run(e, toks, images, hints, n=70)  # >= 64 tokens past the deepest tap (the opener): an endpoint
     turn2 = toks + out1 + _text(20, 7)
     out2, u = run(e, turn2, images, n=6)
     settle(e)

@@ -157,8 +157,11 @@ def test_worker_exception_without_exit_reports_503(serve_with, tmp_path):
 def test_failed_transfer_exits_3(serve_with):
     srv = serve_with("transfer")
     assert srv.up(), srv.stderr()[-3000:]
-    first = _complete(srv.url)  # its release writes its blocks through to the host tier: that copy fails
-    assert first.status_code == 200, first.text
+    # its first host write (the tail tap's snapshot during the prefill, or the blocks at release)
+    # fails: the request in flight then ends with the engine's error, or completes first
+    first = _complete(srv.url)
+    assert first.status_code == 200 or (first.status_code == 500 and "injected transfer fault" in first.text), \
+        first.text
     deadline = time.monotonic() + 30
     while srv.proc.poll() is None and time.monotonic() < deadline:
         try:
