@@ -268,82 +268,93 @@ def _is_companion(key: str, layout: Layout) -> bool:
     return key.endswith(_COMPANIONS[layout])
 
 
+class _Stored:
+    """The checkpoint's tensors by name: shape and dtype from the file header, data on demand."""
+
+    def __init__(self, raw: list[tuple[str, TensorFile, str]]) -> None:
+        self.where = {key: (handle, fname) for key, handle, fname in raw}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    def meta(self, key: str) -> tuple[tuple[int, ...], str]:
+        sl = self.where[key][0].get_slice(key)
+        return tuple(sl.get_shape()), sl.get_dtype()
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self.where[key][0].get_tensor(key)
+
+    def label(self, key: str) -> str:
+        return f"{key} ({self.where[key][1]})"
+
+
 def resolve_entries(scheme: QuantScheme, raw: list[tuple[str, TensorFile, str]],
                     dtype: torch.dtype) -> list[TensorEntry]:
     """The checkpoint's tensors (``(key, open file, file name)``) as the model reads them: scale
     tensors folded into the weights they scale, every quantized weight checked against its scales
     before anything is read. Raises :class:`ModelError` naming the tensor at fault."""
-    where = {key: (handle, fname) for key, handle, fname in raw}
-
-    def meta(key: str) -> tuple[tuple[int, ...], str]:
-        sl = where[key][0].get_slice(key)
-        return tuple(sl.get_shape()), sl.get_dtype()
-
-    def tensor(key: str) -> torch.Tensor:
-        return where[key][0].get_tensor(key)
-
-    def label(key: str) -> str:
-        return f"{key} ({where[key][1]})"
-
+    stored = _Stored(raw)
     out: list[TensorEntry] = []
-    for key, handle, fname in raw:
+    for key, _, _ in raw:
         if _is_companion(key, scheme.layout):
             continue
-        shape, dt = meta(key)
-        entry = None
-        if scheme.layout is Layout.FP8_SCALE_INV and key + "_scale_inv" in where:
-            entry = _fp8_entry(key, shape, dt, scheme, meta, tensor, label, dtype)
+        shape, dt = stored.meta(key)
+        if scheme.layout is Layout.FP8_SCALE_INV and key + "_scale_inv" in stored:
+            out.append(_fp8_entry(key, shape, dt, scheme, stored, dtype))
         elif scheme.layout is Layout.COMPRESSED_TENSORS and key.endswith(".weight_packed"):
             base = key[:-len("_packed")]
-            entry = _nvfp4_entry(base, key, base + "_scale", base + "_global_scale", True, shape, dt, scheme,
-                                 where, meta, tensor, label, dtype)
+            out.append(_nvfp4_entry(base, key, base + "_scale", base + "_global_scale", True, shape, dt, scheme,
+                                    stored, dtype))
         elif scheme.layout is Layout.MODELOPT and dt == "U8" and key.endswith(".weight"):
-            entry = _nvfp4_entry(key, key, key + "_scale", key + "_scale_2", False, shape, dt, scheme,
-                                 where, meta, tensor, label, dtype)
+            out.append(_nvfp4_entry(key, key, key + "_scale", key + "_scale_2", False, shape, dt, scheme,
+                                    stored, dtype))
         elif dt.startswith("F8") or (dt == "U8" and scheme.layout is not Layout.PLAIN):
             what = f"stored as {dt}" if dt != "U8" else "packed (uint8)"
             need = {Layout.PLAIN: "config.json has no quantization_config",
                     Layout.FP8_SCALE_INV: f"{key}_scale_inv is missing",
                     Layout.COMPRESSED_TENSORS: f"it is not a {key}_packed tensor with its scales",
                     Layout.MODELOPT: f"{key}_scale is missing"}[scheme.layout]
-            raise ModelError(f"tensor {label(key)} is {what} but {need}",
+            raise ModelError(f"tensor {stored.label(key)} is {what} but {need}",
                              hint=_MISMATCH_HINT if scheme.quantized else
                              "add the checkpoint's quantization_config to config.json, or use its bf16 release")
-        if entry is None:
-            entry = TensorEntry(key, label(key), lambda k=key, h=handle: h.get_tensor(k))
-        out.append(entry)
+        else:
+            out.append(TensorEntry(key, stored.label(key), lambda k=key: stored.tensor(k)))
     return out
 
 
-def _fp8_entry(key, shape, dt, scheme: QuantScheme, meta, tensor, label, dtype) -> TensorEntry:
+def _fp8_entry(key: str, shape: tuple[int, ...], dt: str, scheme: QuantScheme, stored: _Stored,
+               dtype: torch.dtype) -> TensorEntry:
     scale_key = key + "_scale_inv"
     if dt != "F8_E4M3":
-        raise ModelError(f"tensor {label(key)} is stored as {dt}; fp8 fmt e4m3 needs F8_E4M3 (float8_e4m3fn)",
-                         hint=_MISMATCH_HINT)
+        raise ModelError(f"tensor {stored.label(key)} is stored as {dt}; fp8 fmt e4m3 needs F8_E4M3 "
+                         "(float8_e4m3fn)", hint=_MISMATCH_HINT)
     if len(shape) < 2:
-        raise ModelError(f"tensor {label(key)} has shape {shape}; a quantized weight has at least 2 dims",
+        raise ModelError(f"tensor {stored.label(key)} has shape {shape}; a quantized weight has at least 2 dims",
                          hint=_MISMATCH_HINT)
-    sshape, sdt = meta(scale_key)
+    sshape, _ = stored.meta(scale_key)
     if scheme.block is None:
         if math.prod(sshape) != 1:
-            raise ModelError(f"tensor {label(scale_key)} has shape {sshape}; without weight_block_size the fp8 "
-                             f"weight {key} takes one scale", hint=_MISMATCH_HINT)
+            raise ModelError(f"tensor {stored.label(scale_key)} has shape {sshape}; without weight_block_size the "
+                             f"fp8 weight {key} takes one scale", hint=_MISMATCH_HINT)
     else:
         b0, b1 = scheme.block
         want = shape[:-2] + (-(-shape[-2] // b0), -(-shape[-1] // b1))
         if sshape != want:
-            raise ModelError(f"tensor {label(scale_key)} has shape {sshape}; the fp8 weight {key} of shape {shape} "
-                             f"needs {want} for {b0}x{b1} blocks", hint=_MISMATCH_HINT)
+            raise ModelError(f"tensor {stored.label(scale_key)} has shape {sshape}; the fp8 weight {key} of shape "
+                             f"{shape} needs {want} for {b0}x{b1} blocks", hint=_MISMATCH_HINT)
     block = scheme.block
-    return TensorEntry(key, label(key), lambda: dequantize_fp8(tensor(key), tensor(scale_key), block, dtype), True)
+    return TensorEntry(key, stored.label(key),
+                       lambda: dequantize_fp8(stored.tensor(key), stored.tensor(scale_key), block, dtype), True)
 
 
-def _nvfp4_entry(name, key, scale_key, global_key, reciprocal: bool, shape, dt, scheme: QuantScheme, where,
-                 meta, tensor, label, dtype) -> TensorEntry:
+def _nvfp4_entry(name: str, key: str, scale_key: str, global_key: str, reciprocal: bool, shape: tuple[int, ...],
+                 dt: str, scheme: QuantScheme, stored: _Stored, dtype: torch.dtype) -> TensorEntry:
+    """``reciprocal``: the global scale divides (compressed-tensors) rather than multiplies (modelopt)."""
+    label = stored.label
     if dt != "U8":
         raise ModelError(f"tensor {label(key)} is stored as {dt}; packed nvfp4 is uint8", hint=_MISMATCH_HINT)
     for k in (scale_key, global_key):
-        if k not in where:
+        if k not in stored:
             raise ModelError(f"tensor {k} is missing: the nvfp4 weight {label(key)} needs it", hint=_MISMATCH_HINT)
     if len(shape) < 2:
         raise ModelError(f"tensor {label(key)} has shape {shape}; a quantized weight has at least 2 dims",
@@ -353,22 +364,22 @@ def _nvfp4_entry(name, key, scale_key, global_key, reciprocal: bool, shape, dt, 
         raise ModelError(f"tensor {label(key)} holds {2 * shape[-1]} inputs per row, not a multiple of the "
                          f"group size {g}", hint=_MISMATCH_HINT)
     want = shape[:-1] + (2 * shape[-1] // g,)
-    sshape, sdt = meta(scale_key)
+    sshape, sdt = stored.meta(scale_key)
     if sshape != want:
         raise ModelError(f"tensor {label(scale_key)} has shape {sshape}; the nvfp4 weight {key} of shape {shape} "
                          f"needs {want} (one scale per {g} inputs)", hint=_MISMATCH_HINT)
     if sdt != "F8_E4M3":
         raise ModelError(f"tensor {label(scale_key)} is stored as {sdt}; nvfp4 group scales are F8_E4M3",
                          hint=_MISMATCH_HINT)
-    gshape, _ = meta(global_key)
+    gshape, _ = stored.meta(global_key)
     if math.prod(gshape) != 1:
         raise ModelError(f"tensor {label(global_key)} has shape {gshape}; the nvfp4 weight {key} takes one global "
                          "scale", hint=_MISMATCH_HINT)
 
     def read() -> torch.Tensor:
-        glob = tensor(global_key).to(torch.float32).reshape(())
+        glob = stored.tensor(global_key).to(torch.float32).reshape(())
         factor = 1.0 / glob if reciprocal else glob
-        return dequantize_nvfp4(tensor(key), tensor(scale_key), factor, g, dtype)
+        return dequantize_nvfp4(stored.tensor(key), stored.tensor(scale_key), factor, g, dtype)
 
     return TensorEntry(name, label(key), read, True)
 

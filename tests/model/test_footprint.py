@@ -87,7 +87,8 @@ def test_a_quantized_checkpoint_counts_its_dequantised_weights(hf_dense, tmp_pat
 
     _, path = hf_dense
     out = tmp_path / "fp8"
-    assert CliRunner().invoke(cli, ["quantize", str(path), str(out), "--format", "fp8", "--block-size", "32"]).exit_code == 0
+    res = CliRunner().invoke(cli, ["quantize", str(path), str(out), "--format", "fp8", "--block-size", "32"])
+    assert res.exit_code == 0, res.output
     fp8 = checkpoint_weights(out, torch.float32)
     plain = checkpoint_weights(path, torch.float32)
     on_disk = sum(t.numel() * t.element_size() for t in load_file(str(out / "model.safetensors")).values())

@@ -25,7 +25,8 @@ TOKENS = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(3
 # and fused). A wrong scale, block or layout gives errors of order 1.
 FP8_LOGIT_BOUND = 4e-2
 LINEAR = re.compile(r"(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|mlp\.(shared_expert\.)?"
-                    r"(gate|up|down)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$|mlp\.experts\.(gate_up|down)_proj$")
+                    r"(gate|up|down)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$"
+                    r"|mlp\.experts\.(gate_up|down)_proj$")
 
 
 def _logits(path: Path) -> torch.Tensor:
@@ -190,7 +191,8 @@ def test_missing_scale_names_the_weight(hf_dense, tmp_path):
     name = "model.layers.1.self_attn.o_proj.weight"
     path = _damaged(_fp8(hf_dense, tmp_path), tmp_path / "noscale", drop=name + "_scale_inv")
     msg = _load_error(path).message
-    assert msg.startswith(f"tensor {name} (model.safetensors) is stored as F8_E4M3") and f"{name}_scale_inv is missing" in msg
+    assert msg.startswith(f"tensor {name} (model.safetensors) is stored as F8_E4M3")
+    assert f"{name}_scale_inv is missing" in msg
 
 
 def test_misshaped_scale_names_the_scale(hf_dense, tmp_path):
@@ -205,3 +207,16 @@ def test_fp8_weights_without_quantization_config_are_refused(hf_dense, tmp_path)
     path = _damaged(_fp8(hf_dense, tmp_path), tmp_path / "nocfg", config=lambda c: c.pop("quantization_config"))
     err = _load_error(path)
     assert "is stored as F8_E4M3 but config.json has no quantization_config" in err.message
+
+
+def test_fp8_experts_offloaded_to_host_read_as_on_the_device(hf_moe, tmp_path):
+    """Per-expert FP8 tensors are dequantised into the host expert arrays as they are read."""
+    _, path = hf_moe
+    fp8 = write_fp8_checkpoint(path, tmp_path / "fp8", 32)
+    on_device = HybridModel.from_name_or_path(str(fp8), dtype=torch.float32, progress=False)
+    offloaded = HybridModel.from_name_or_path(str(fp8), dtype=torch.float32, progress=False, offload_experts=True)
+    a = dict(on_device.named_parameters())["layers.0.mlp.experts.down_proj"]
+    b = dict(offloaded.named_parameters())["layers.0.mlp.experts.down_proj"]
+    assert torch.equal(a.cpu(), b.cpu())
+    err = rel_err(offloaded.forward_tokens(TOKENS, kv_profile=F32), on_device.forward_tokens(TOKENS, kv_profile=F32))
+    assert err < 1e-5, f"offloaded fp8 experts give logits {err:.2e} away"
