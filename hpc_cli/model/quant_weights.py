@@ -7,7 +7,8 @@ Two formats are read, named by ``quantization_config`` in ``config.json``:
   float8_e4m3fn with a float32 ``X.weight_scale_inv`` of shape ``[ceil(out/b0), ceil(in/b1)]``
   for ``weight_block_size: [b0, b1]`` (one scalar without blocks); fused expert tensors
   ``experts.gate_up_proj`` carry ``experts.gate_up_proj_scale_inv`` with a leading expert dim.
-  The weight is ``fp8 value * scale_inv`` of its block.
+  The weight is ``fp8 value * scale_inv`` of its block; scales may be float32, bf16, fp16 or
+  UE8M0 (float8_e8m0fnu, ``scale_fmt: "ue8m0"``).
 * **NVFP4**: e2m1 values packed two per uint8 (the even element in the low nibble), one
   float8_e4m3fn scale per group of 16 along the input dim and one float32 global scale, in
   either layout that exists: compressed-tensors (``quant_method: "compressed-tensors"``,
@@ -45,6 +46,7 @@ _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # round to nearest betwe
 NVFP4_GROUP = 16
 CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
 
+_FP8_SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")  # F8_E8M0: UE8M0 (power-of-two) scales
 _MISMATCH_HINT = "the checkpoint is damaged, or its quantization_config does not match its tensors"
 
 
@@ -331,7 +333,10 @@ def _fp8_entry(key: str, shape: tuple[int, ...], dt: str, scheme: QuantScheme, s
     if len(shape) < 2:
         raise ModelError(f"tensor {stored.label(key)} has shape {shape}; a quantized weight has at least 2 dims",
                          hint=_MISMATCH_HINT)
-    sshape, _ = stored.meta(scale_key)
+    sshape, sdt = stored.meta(scale_key)
+    if sdt not in _FP8_SCALE_DTYPES:
+        raise ModelError(f"tensor {stored.label(scale_key)} is stored as {sdt}; fp8 scales are "
+                         f"{', '.join(_FP8_SCALE_DTYPES)}", hint=_MISMATCH_HINT)
     if scheme.block is None:
         if math.prod(sshape) != 1:
             raise ModelError(f"tensor {stored.label(scale_key)} has shape {sshape}; without weight_block_size the "

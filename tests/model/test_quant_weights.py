@@ -21,8 +21,8 @@ from .helpers import F32, rel_err
 
 TOKENS = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(3))
 # e4m3 keeps 3 mantissa bits: each weight moves by up to 1/16 of itself, ~2-3 % RMS; through the
-# whole tiny model the logits move by 2.3-2.4e-2 (measured: dense blocks 32 and 48, MoE per-expert
-# and fused). A wrong scale, block or layout gives errors of order 1.
+# whole tiny model the logits move by 2.3-2.4e-2 (measured: dense blocks 32 and 48, UE8M0 scales,
+# MoE per-expert and fused). A wrong scale, block or layout gives errors of order 1.
 FP8_LOGIT_BOUND = 4e-2
 LINEAR = re.compile(r"(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|mlp\.(shared_expert\.)?"
                     r"(gate|up|down)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$"
@@ -52,8 +52,9 @@ def _write(dst: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
     return dst
 
 
-def _fp8_blockwise(w: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """FineGrainedFP8's layout, one block at a time: scale_inv = amax / 448, weight = w / scale_inv."""
+def _fp8_blockwise(w: torch.Tensor, b: int, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """FineGrainedFP8's layout, one block at a time: scale_inv = amax / 448 (rounded up to a power
+    of two for UE8M0 scales), weight = w / scale_inv."""
     rows, cols = w.shape[-2:]
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
     s = torch.empty(w.shape[:-2] + (math.ceil(rows / b), math.ceil(cols / b)), dtype=torch.float32)
@@ -61,17 +62,18 @@ def _fp8_blockwise(w: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]
         for j in range(s.shape[-1]):
             blk = w[..., i * b:(i + 1) * b, j * b:(j + 1) * b].float()
             amax = blk.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=1e-12)
-            s[..., i, j] = (amax / FP8_MAX)[..., 0, 0]
-            q[..., i * b:(i + 1) * b, j * b:(j + 1) * b] = (blk / (amax / FP8_MAX)).to(torch.float8_e4m3fn)
-    return q, s
+            scale = 2.0 ** torch.ceil(torch.log2(amax / FP8_MAX)) if ue8m0 else amax / FP8_MAX
+            s[..., i, j] = scale[..., 0, 0]
+            q[..., i * b:(i + 1) * b, j * b:(j + 1) * b] = (blk / scale).to(torch.float8_e4m3fn)
+    return q, (s.to(torch.float8_e8m0fnu) if ue8m0 else s)
 
 
-def write_fp8_checkpoint(src: Path, dst: Path, block: int, **qc_extra) -> Path:
+def write_fp8_checkpoint(src: Path, dst: Path, block: int, ue8m0: bool = False, **qc_extra) -> Path:
     """``src`` in the layout transformers' FineGrainedFP8 and Qwen's -FP8 releases use."""
     tensors, kept = {}, []
     for k, v in _tensors(src).items():
         if LINEAR.search(k):
-            tensors[k], tensors[k + "_scale_inv"] = _fp8_blockwise(v, block)
+            tensors[k], tensors[k + "_scale_inv"] = _fp8_blockwise(v, block, ue8m0)
         else:
             tensors[k] = v
             if v.dim() >= 2:
@@ -91,6 +93,14 @@ def test_fp8_checkpoint_logits_within_fp8_error(hf_dense, tmp_path, block):
     assert stored["model.embed_tokens.weight"].dtype == torch.float32
     err = rel_err(_logits(fp8), _logits(path))
     assert 1e-4 < err <= FP8_LOGIT_BOUND, f"fp8 (block {block}) logits differ from the fp32 model's by {err:.2e}"
+
+
+def test_fp8_checkpoint_with_ue8m0_scales(hf_dense, tmp_path):
+    _, path = hf_dense
+    fp8 = write_fp8_checkpoint(path, tmp_path / "fp8", 32, ue8m0=True, scale_fmt="ue8m0")
+    assert _tensors(fp8)["model.layers.1.self_attn.q_proj.weight_scale_inv"].dtype == torch.float8_e8m0fnu
+    err = rel_err(_logits(fp8), _logits(path))
+    assert 1e-4 < err <= FP8_LOGIT_BOUND, f"fp8 with UE8M0 scales: logits differ by {err:.2e}"
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -201,6 +211,12 @@ def test_misshaped_scale_names_the_scale(hf_dense, tmp_path):
     path = _damaged(src, tmp_path / "shape", replace={name + "_scale_inv": torch.ones(2, 2)})
     msg = _load_error(path).message
     assert f"tensor {name}_scale_inv (model.safetensors) has shape (2, 2)" in msg and "needs (2, 3)" in msg
+
+
+def test_integer_scale_is_refused(hf_dense, tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight_scale_inv"  # [96, 64] in blocks of 32: [3, 2]
+    path = _damaged(_fp8(hf_dense, tmp_path), tmp_path / "int", replace={name: torch.ones(3, 2, dtype=torch.int32)})
+    assert _load_error(path).message.startswith(f"tensor {name} (model.safetensors) is stored as I32; fp8 scales")
 
 
 def test_fp8_weights_without_quantization_config_are_refused(hf_dense, tmp_path):
