@@ -134,3 +134,19 @@ def test_transformers_reads_the_fp8_output(hf_dense, tmp_path):
         theirs = hf(TOKENS[None]).logits[0]
     ours = _logits(tmp_path / "fp8")
     assert (torch.linalg.norm(ours - theirs) / torch.linalg.norm(theirs)).item() < 1e-5
+
+
+def test_sharded_checkpoint_keeps_its_shards_and_index(hf_dense, tmp_path):
+    _, path = hf_dense
+    src = rewrite_checkpoint(path, tmp_path / "sharded", language_model=True, shards=3)
+    res = quantize(src, tmp_path / "fp8", "fp8")
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "fp8"
+    assert sorted(f.name for f in out.glob("*.safetensors")) == sorted(f.name for f in src.glob("*.safetensors"))
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.language_model.layers.1.self_attn.q_proj.weight"
+    assert weight_map[name + "_scale_inv"] == weight_map[name]  # a scale lives in its weight's shard
+    assert set(weight_map) == set(_tensors(out))
+    ref = _logits(path)
+    err = (torch.linalg.norm(_logits(out) - ref) / torch.linalg.norm(ref)).item()
+    assert 1e-4 < err <= FP8_LOGIT_BOUND, f"sharded fp8 logits differ by {err:.2e}"
