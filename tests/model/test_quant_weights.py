@@ -186,6 +186,16 @@ def test_unknown_quant_method_is_refused(hf_dense, tmp_path):
     assert "quant_method 'awq' is not supported" in err.message and "'fp8'" in err.hint
 
 
+@pytest.mark.parametrize("qc,message", [
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized"},
+     "compressed-tensors format ['pack-quantized'] is not supported"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "modelopt quant_algo 'FP8' is not supported"),
+])
+def test_other_compressed_tensors_and_modelopt_formats_are_refused(hf_dense, tmp_path, qc, message):
+    path = _damaged(_fp8(hf_dense, tmp_path), tmp_path / "other", config=lambda c: c.update(quantization_config=qc))
+    assert message in _load_error(path).message
+
+
 def test_unsupported_fp8_fmt_is_refused(hf_dense, tmp_path):
     path = _damaged(_fp8(hf_dense, tmp_path), tmp_path / "e5m2",
                     config=lambda c: c["quantization_config"].update(fmt="e5m2"))
