@@ -46,7 +46,7 @@ def _register_builtin_commands() -> None:
 
     for module in (plugins_cmd, kv_cmd, config_cmd):
         module.register(cli)
-    for name in ("serve_cmd", "cache_cmd", "top_cmd", "expert_cmd", "cluster_cmd", "bench_cmd"):
+    for name in ("serve_cmd", "cache_cmd", "top_cmd", "expert_cmd", "cluster_cmd", "bench_cmd", "quantize_cmd"):
         try:
             module = __import__(f"hpc_cli.cli.{name}", fromlist=["register"])
         except ModuleNotFoundError as exc:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 from rich.table import Table
 
 from hpc_cli import plugins
 from hpc_cli.cli.groups import HelpGroup
 from hpc_cli.cli.output import echo_json, print_table, round_half_up
+from hpc_cli.errors import ConfigError, HpcError
 from hpc_cli.shapes import PRESETS, HybridShape, preset
 
 KiB = 1024
 MiB = 1024 * 1024
+GiB = 1024 * MiB
 
 
 @click.group("kv", cls=HelpGroup)
@@ -46,13 +50,17 @@ def profiles_command(head_dim: int, as_json: bool) -> None:
 
 
 def kv_table_rows(shape: HybridShape) -> list[dict]:
-    """Spec §3.1's table for one model: bytes per token per head, per token, per 64-token page."""
+    """Spec §3.1's table for one model: bytes per token per head, per token, per 64-token page
+    (profiles that cannot store the model's head_dim are left out)."""
     mtp = plugins.spec_backend("mtp")
     heads = shape.num_kv_heads * shape.num_attention_layers
     mtp_heads = shape.num_kv_heads * (shape.num_attention_layers + mtp.extra_main_kv_layers)
     rows = []
     for entry in plugins.registries().kv_profiles:
-        b = entry.obj.layout(shape.head_dim).bytes_per_token_head
+        try:
+            b = entry.obj.layout(shape.head_dim).bytes_per_token_head
+        except HpcError:
+            continue  # a profile that cannot store this head_dim (e.g. groups of 64 for head_dim 32)
         rows.append({
             "profile": entry.name,
             "bytes_per_token_head": b,
@@ -66,16 +74,41 @@ def kv_table_rows(shape: HybridShape) -> list[dict]:
 
 
 @kv_group.command("table")
-@click.option("--model", "model", type=click.Choice(sorted(PRESETS)), default="qwen3.5-27b",
-              show_default=True, help="model shape")
+@click.option("--model", "model", default="qwen3.5-27b", show_default=True,
+              help=f"a model shape ({', '.join(sorted(PRESETS))}) or a checkpoint directory (its config.json; "
+                   "its weights' format and bytes are shown too)")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
+              show_default=True, help="with a checkpoint directory: the dtype its weights are held in once loaded")
 @click.option("--json", "as_json", is_flag=True)
-def table_command(model: str, as_json: bool) -> None:
-    """Bytes per token and per 64-token page for a model shape (spec §3.1)."""
-    shape = preset(model)
+def table_command(model: str, dtype: str, as_json: bool) -> None:
+    """Bytes per token and per 64-token page for a model shape (spec §3.1).
+
+    With a checkpoint directory, also its weights: their format on disk, the bytes stored, and the
+    bytes they hold once loaded. Quantized weights (FP8, NVFP4) are dequantised to the model dtype
+    on load, so they hold as much memory as the bf16 model's."""
+    weights = None
+    if Path(model).is_dir():
+        import torch
+
+        from hpc_cli.model.config import ModelConfig
+        from hpc_cli.model.footprint import checkpoint_weights
+
+        shape = ModelConfig.from_dir(model).shape()
+        weights = checkpoint_weights(model, getattr(torch, dtype))
+    elif model in PRESETS:
+        shape = preset(model)
+    else:
+        raise ConfigError(f"--model {model!r} is neither a model shape nor a checkpoint directory",
+                          hint=f"choose one of: {', '.join(sorted(PRESETS))}, or a directory with config.json")
     rows = kv_table_rows(shape)
     if as_json:
-        echo_json({"model": model, "attention_layers": shape.num_attention_layers,
-                   "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "rows": rows})
+        data = {"model": model, "attention_layers": shape.num_attention_layers,
+                "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "rows": rows}
+        if weights is not None:
+            data["weights"] = {"format": weights.format, "description": weights.description,
+                               "stored_bytes": weights.stored_bytes, "resident_bytes": weights.resident_bytes,
+                               "resident_dtype": weights.dtype, "dequantized_on_load": weights.dequantized_on_load}
+        echo_json(data)
         return
     table = Table(title=f"{model}: {shape.num_attention_layers} full-attention layers x "
                         f"{shape.num_kv_heads} KV heads, head_dim {shape.head_dim}")
@@ -85,6 +118,14 @@ def table_command(model: str, as_json: bool) -> None:
         table.add_row(r["profile"], f"{r['bytes_per_token_head']} B", f"{r['kib_per_token']} KiB",
                       f"{r['mib_per_page']} MiB", f"{r['mib_per_page_with_mtp']} MiB")
     print_table(table)
+    if weights is not None:
+        click.echo(f"weights on disk: {weights.description}, {_size(weights.stored_bytes)}; held after "
+                   f"loading: {_size(weights.resident_bytes)} {weights.dtype}"
+                   + (" (dequantised on load)" if weights.dequantized_on_load else ""))
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.2f} MiB"
 
 
 def register(cli: click.Group) -> None:

@@ -4,11 +4,17 @@ The model is constructed on PyTorch's ``meta`` device (shapes only, no memory) t
 parameter bytes where they will live: on the device, or in host memory for routed experts with
 ``offload_experts``. :func:`check_fits` refuses a model that cannot fit, before any allocation,
 with its size and what would make it fit.
+
+A quantized checkpoint (FP8, NVFP4) is dequantised on load, so its resident weights are counted
+at the model dtype, like the bf16 model's; :func:`checkpoint_weights` puts that beside the bytes
+the checkpoint stores (``hpc-cli kv table --model DIR``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +50,47 @@ def weight_footprint(config: ModelConfig, dtype: torch.dtype, *, with_mtp: bool 
         else:
             device += n
     return Footprint(device, host)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointWeights:
+    """A checkpoint directory's weights: as stored, and as held once loaded."""
+
+    format: str  # "unquantized", "fp8", "nvfp4"
+    description: str  # e.g. "fp8 e4m3, 128x128 blocks"
+    stored_bytes: int  # tensor bytes in its safetensors files (scales included)
+    resident_bytes: int  # the language model's parameters (and MTP's) at ``dtype`` after loading
+    dtype: str
+    dequantized_on_load: bool
+
+
+def safetensors_bytes(files: list[Path]) -> tuple[int, list[str]]:
+    """Tensor bytes and tensor names of safetensors files, from their headers (nothing is read)."""
+    total, names = 0, []
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, info in header.items():
+            if name != "__metadata__":
+                start, end = info["data_offsets"]
+                total += end - start
+                names.append(name)
+    return total, names
+
+
+def checkpoint_weights(path: str | Path, dtype: torch.dtype) -> CheckpointWeights:
+    from hpc_cli.model.loader import _raw_config, _shards, our_name
+    from hpc_cli.model.quant_weights import scheme_from_config
+
+    path = Path(path)
+    config = ModelConfig.from_dir(path)
+    scheme = scheme_from_config(_raw_config(path), str(path))
+    stored, names = safetensors_bytes(_shards(path))
+    with_mtp = any((our_name(n) or "").startswith("mtp.") for n in names)
+    resident = weight_footprint(config, dtype, with_mtp=with_mtp).total_bytes
+    return CheckpointWeights(scheme.format.value, scheme.describe(), stored, resident,
+                             str(dtype).replace("torch.", ""), scheme.quantized)
 
 
 def host_available_bytes() -> int:

@@ -7,6 +7,10 @@ may be fused (``experts.gate_up_proj`` / ``experts.down_proj``) or per expert
 (``experts.{e}.gate_proj|up_proj|down_proj.weight``); per-expert tensors are fused on load.
 A missing or mis-shaped tensor is a :class:`ModelError` that names it.
 
+Quantized checkpoints (block FP8 as Qwen's ``-FP8`` releases and transformers write them, NVFP4
+as compressed-tensors and modelopt write it; ``quantization_config`` in config.json says which)
+are dequantised into the model dtype as they are read (``hpc_cli.model.quant_weights``).
+
 With ``offload_experts`` the routed experts' parameters are host arrays (see
 ``hpc_cli.model.moe``): fused expert tensors are copied into them and per-expert tensors are
 written into their expert's rows as they are read, so the experts never pass through the device
@@ -25,6 +29,7 @@ import torch
 
 from hpc_cli.errors import ModelError
 from hpc_cli.model.config import ModelConfig
+from hpc_cli.model.quant_weights import TensorFile, resolve_entries, scheme_from_config
 from hpc_cli.model.vision import attach_vision, vision_name
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -69,7 +74,7 @@ def _shards(path: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path], stack: ExitStack) -> Iterator[tuple[str, object, str]]:
+def _iter_tensors(files: list[Path], stack: ExitStack) -> Iterator[tuple[str, TensorFile, str]]:
     from safetensors import safe_open
 
     for f in files:
@@ -90,15 +95,18 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
 
     path = Path(path)
     config = ModelConfig.from_dir(path)
+    scheme = scheme_from_config(_raw_config(path), str(path))
     files = _shards(path)
+    model_dtype = _dtype(dtype, torch.device(device))
     with ExitStack() as stack:
-        entries = list(_iter_tensors(files, stack))
-        names = {our_name(k) for k, _, _ in entries}
+        # quantized weights are checked against their scales here and dequantised as they are read
+        entries = resolve_entries(scheme, list(_iter_tensors(files, stack)), model_dtype)
+        names = {our_name(e.name) for e in entries}
         has_mtp = any(n and n.startswith("mtp.") for n in names)
-        check_fits(str(path), config, _dtype(dtype, torch.device(device)), device, with_mtp=has_mtp,
+        check_fits(str(path), config, model_dtype, device, with_mtp=has_mtp,
                    offload_experts=offload_experts)  # before allocating anything
         model = HybridModel(config, device=device, dtype=dtype, with_mtp=has_mtp, offload_experts=offload_experts)
-        attach_vision(model, _raw_config(path), path, [k for k, _, _ in entries])  # multimodal checkpoints
+        attach_vision(model, _raw_config(path), path, [e.name for e in entries])  # multimodal checkpoints
         params = dict(model.named_parameters())
         loaded: set[str] = set()
         experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
@@ -117,21 +125,21 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
 
         advance = stack.enter_context(steps.step(f"loading {path} ({len(entries)} tensors)", len(entries),
                                                  enabled=progress))
-        for key, handle, fname in entries:
+        for entry in entries:
+            key = entry.name
             name = our_name(key)
             if model.vision is not None and vision_name(key) is not None:
-                put("vision." + vision_name(key), handle.get_tensor(key), f"{key} ({fname})")
+                put("vision." + vision_name(key), entry.read(), entry.source)
             elif name is not None:
                 m = _EXPERT.match(name)
                 if m and m.group(1) in host_prefixes:
                     e, part = int(m.group(2)), m.group(3)
-                    if _put_host_expert(m.group(1), e, part, handle.get_tensor(key), params):
+                    if _put_host_expert(m.group(1), e, part, entry.read(), params):
                         host_experts.setdefault(m.group(1), set()).add((e, part))
                 elif m and m.group(1) + ".gate_up_proj" in params:
-                    experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = \
-                        handle.get_tensor(key)
+                    experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = entry.read()
                 elif name in params:
-                    put(name, handle.get_tensor(key), f"{key} ({fname})")
+                    put(name, entry.read(), entry.source)
             advance(1)
         for prefix, by_expert in experts.items():
             _fuse_experts(prefix, by_expert, params, put)

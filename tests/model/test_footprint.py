@@ -71,3 +71,37 @@ def test_a_checkpoint_too_big_is_refused_before_loading(hf_dense, monkeypatch):
     monkeypatch.setattr(footprint, "host_available_bytes", lambda: 1024)
     with pytest.raises(CapacityError, match=f"{path} needs .* GiB for its float32 weights"):
         loader.load_checkpoint(path, dtype=torch.float32, progress=False)
+
+
+def test_a_quantized_checkpoint_counts_its_dequantised_weights(hf_dense, tmp_path):
+    """Stored bytes are the file's tensors; resident bytes are what the loaded model holds (weights
+    are dequantised on load), the same as the unquantized checkpoint's."""
+    import json
+
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from hpc_cli.cli import cli
+    from hpc_cli.model import HybridModel
+    from hpc_cli.model.footprint import checkpoint_weights
+
+    _, path = hf_dense
+    out = tmp_path / "fp8"
+    res = CliRunner().invoke(cli, ["quantize", str(path), str(out), "--format", "fp8", "--block-size", "32"])
+    assert res.exit_code == 0, res.output
+    fp8 = checkpoint_weights(out, torch.float32)
+    plain = checkpoint_weights(path, torch.float32)
+    on_disk = sum(t.numel() * t.element_size() for t in load_file(str(out / "model.safetensors")).values())
+    model = HybridModel.from_name_or_path(str(out), dtype=torch.float32, progress=False)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert (fp8.format, fp8.stored_bytes, fp8.resident_bytes, fp8.dequantized_on_load) == ("fp8", on_disk, held, True)
+    assert fp8.resident_bytes == plain.resident_bytes and fp8.stored_bytes < plain.stored_bytes
+    assert (plain.format, plain.dequantized_on_load) == ("unquantized", False)
+
+    res = CliRunner().invoke(cli, ["kv", "table", "--model", str(out), "--dtype", "float32", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["weights"] == {
+        "format": "fp8", "description": "fp8 e4m3, 32x32 blocks", "stored_bytes": on_disk, "resident_bytes": held,
+        "resident_dtype": "float32", "dequantized_on_load": True}
+    text = CliRunner().invoke(cli, ["kv", "table", "--model", str(out)]).output
+    assert "weights on disk: fp8 e4m3, 32x32 blocks" in text and "(dequantised on load)" in text
