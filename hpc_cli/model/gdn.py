@@ -16,6 +16,7 @@ dtype and the final state in fp32. ``q``/``k`` heads serve ``H_v / H_k`` consecu
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,12 @@ def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     ``k k^T``) run once per key head and are shared by the value heads it serves; the triangular
     system of each chunk is inverted once (a solve against the identity: 64 right-hand sides
     instead of two solves of ``d_k`` and ``d_v``) and applied by matrix products."""
+    out, state, _ = _chunk_states(q, k, v, g, beta, initial_state, chunk, ())
+    return out, state
+
+
+def _chunk_states(q, k, v, g, beta, initial_state, chunk: int, keep: Sequence[int]):
+    """:func:`chunk_rule`, also returning the state after each chunk count in ``keep``."""
     out_dtype = v.dtype
     b, t, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
@@ -87,13 +94,55 @@ def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     total = ecg[..., -1][..., None, None]
     state = (torch.zeros(b, hv, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
              else initial_state.float().clone())
+    kept: dict[int, torch.Tensor] = {0: state} if 0 in keep else {}
     out = torch.empty(b, hv, n, chunk, dv, dtype=torch.float32, device=q.device)
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state
         out[:, :, i] = qd[:, :, i] @ state + attn[:, :, i] @ v_new
         state = state * total[:, :, i] + kd[:, :, i].transpose(-1, -2) @ v_new
+        if i + 1 in keep:
+            kept[i + 1] = state
     out = out.permute(0, 2, 3, 1, 4).reshape(b, n * chunk, hv, dv)[:, :t]
-    return out.to(out_dtype), state
+    return out.to(out_dtype), state, [kept[c] for c in keep]
+
+
+def tapped_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                initial_state: torch.Tensor | None, taps: Sequence[int], chunk: int = 64
+                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:func:`chunk_rule` that also returns the fp32 state after each of ``taps`` (offsets in
+    ``(0, T)``, sorted, distinct), with no second call (spec §7.2-7.3, the zero-split tap).
+
+    The chunk grid restarts at every tap: each run between taps is padded at its end to a multiple
+    of ``chunk`` with identity rows (``q = k = v = 0``, ``g = 0``, ``beta = 0``: decay 1 and no
+    write, so the state passes them bit for bit) and the runs go through one call, whose state
+    after the chunk that ends a run is the tap. So a tap equals the final state of this function
+    on the rows up to it with the same earlier taps, bit for bit, and every output equals a pass
+    split at the taps (a new grid at each); with no taps, or taps at multiples of ``chunk``, no
+    row is added and the call is :func:`chunk_rule`'s. Returns the output, the final state and
+    the tap states ``[B, H_v, d_k, d_v]``."""
+    t = k.shape[1]
+    taps = list(taps)
+    assert all(0 < p < t for p in taps) and taps == sorted(set(taps)), f"taps {taps} not sorted inside (0, {t})"
+    if not taps:
+        out, state = chunk_rule(q, k, v, g, beta, initial_state, chunk)
+        return out, state, []
+    bounds = [0, *taps, t]
+    starts, keep, at = [], [], 0  # each run's first padded row; the chunk count at each tap
+    for a, b_ in zip(bounds, bounds[1:]):
+        starts.append(at)
+        at += -(-(b_ - a) // chunk) * chunk
+        keep.append(at // chunk)
+    rows = torch.cat([torch.arange(s, s + (b_ - a), device=k.device)
+                      for s, a, b_ in zip(starts, bounds, bounds[1:])])  # real row -> padded row
+
+    def spread(x: torch.Tensor) -> torch.Tensor:
+        y = x.new_zeros(x.shape[0], at, *x.shape[2:])
+        y[:, rows] = x
+        return y
+
+    out, state, kept = _chunk_states(spread(q), spread(k), spread(v), spread(g), spread(beta), initial_state,
+                                     chunk, keep[:-1])
+    return out[:, rows], state, kept
 
 
 def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -153,6 +202,13 @@ def gated_delta_prefill(q, k, v, g, beta, initial_state, use_fla: bool | None = 
     return _fla_rule(0, q, k, v, g, beta, initial_state)
 
 
+def taps_in_pass(device: torch.device) -> bool:
+    """Whether a prefill pass on ``device`` takes its taps without a split: the torch chunk rule
+    (:func:`tapped_rule`) does on the CPU; on CUDA the fla kernels do not yet return the fp32
+    state at a tap, so CUDA passes still split at exact taps."""
+    return torch.device(device).type == "cpu"
+
+
 def gated_delta_decode(q, k, v, g, beta, initial_state, use_fla: bool | None = None):
     """One token per lane (``T == 1``): fla's fused recurrent kernel on CUDA when present, else torch."""
     if use_fla is False or not q.is_cuda or _fla() is None:
@@ -210,6 +266,26 @@ class GatedDeltaNet(nn.Module):
         lead = core.shape[:-2]
         y = self.norm(core.reshape(-1, self.d_v), z.reshape(-1, self.d_v))
         return self.out_proj(y.reshape(*lead, self.value_dim))
+
+    def prefill_tapped(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
+                       taps: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     list[tuple[torch.Tensor, torch.Tensor]]]:
+        """:meth:`prefill` of ``T`` real tokens that also returns, for each tap offset ``p`` in
+        ``(0, T)``, the conv window and the fp32 recurrent state after the pass's first ``p``
+        tokens (spec §7.3: the pre-conv columns ``[p - 3, p)``, from the previous conv state where
+        ``p < 3``; the state through :func:`tapped_rule`, no second pass)."""
+        t = x.shape[0]
+        mixed, z, b, a = self._project(x)
+        w = self.conv1d.weight
+        window = torch.cat([conv_state.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)  # [C, k-1+T]
+        conv = F.conv1d(window.unsqueeze(0).to(w.dtype), w, groups=self.conv_dim)[0]
+        mixed = F.silu(conv).to(mixed.dtype).transpose(0, 1)
+        q, k, v, g, beta = self._heads(mixed, b, a, (1, t))
+        core, state, states = tapped_rule(q, k, v, g.view(1, t, -1), beta.view(1, t, -1), rec_state.unsqueeze(0),
+                                          list(taps))
+        k1 = self.kernel - 1
+        tapped = [(window[:, p:p + k1].clone(), st[0]) for p, st in zip(taps, states)]
+        return self._finish(core[0], z), window[:, t:t + k1], state[0], tapped
 
     def prefill(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, valid: int | None = None,
                 rows: "ValidRows | None" = None):
