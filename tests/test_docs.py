@@ -174,7 +174,12 @@ def test_readme_serving_examples(tmp_path):
             proc.kill()
             proc.wait(10)
     r = _run(_command("hpc-cli cache inspect"), subs)
-    assert r.returncode == 0 and re.search(r"^[│ ]   [├└]── block ", r.stdout, re.M), r.stdout + r.stderr
+    # a tree: the root line, then branches drawn with box characters down to the kept snapshots
+    # (its shape depends on which snapshots the conversations kept: each turn's tap supersedes
+    # the last, spec §9.3)
+    assert r.returncode == 0 and re.search(r"^root ", r.stdout, re.M) and \
+        re.search(r"^[│ ]*[├└]── (\+\d+ blocks → )?block \d+ .*(tap|boundary|endpoint)@\d+", r.stdout, re.M), \
+        r.stdout + r.stderr
     r = _run(_command("hpc-cli cache verify"), subs)
     assert r.returncode == 0 and r.stdout.startswith("ok: "), r.stderr
 

@@ -50,7 +50,7 @@ class HostSlabPool:
     """Slab ids ``0 .. num_slabs-1``; ``alloc`` and ``free`` are O(1) per slab."""
 
     __slots__ = ("slab_bytes", "image_bytes", "num_slabs", "slabs_per_chunk", "ready_slabs", "_free", "_use",
-                 "_owner", "_by_use")
+                 "_owner", "_by_use", "_gen")
 
     def __init__(self, host_bytes: int, slab_bytes: int, image_bytes: int, *,
                  chunk_bytes: int = CHUNK_BYTES, ready_slabs: int | None = None) -> None:
@@ -78,6 +78,9 @@ class HostSlabPool:
         self._use = bytearray(self.num_slabs)  # SlabUse per slab (FREE for slabs not ready yet)
         self._owner: list[Any] = [None] * self.num_slabs
         self._by_use = [0] * len(SlabUse)  # ready slabs per use, kept by alloc/free/set_use
+        #: per slab, how many times it was freed: a reader off the worker thread that sees the
+        #: same generation before and after copying a slab copied bytes no new owner wrote
+        self._gen = [0] * self.num_slabs
         self.grow(self.num_slabs if ready_slabs is None else ready_slabs)
 
     # -- geometry ---------------------------------------------------------------------------
@@ -173,6 +176,7 @@ class HostSlabPool:
             assert was != SlabUse.FREE, f"slab {s} freed twice"
             u[s] = SlabUse.FREE
             o[s] = None
+            self._gen[s] += 1
             free.append(s)
             by_use[was] -= 1
         by_use[SlabUse.FREE] += len(slabs)
@@ -183,6 +187,10 @@ class HostSlabPool:
         self._use[slab] = use
         self._by_use[was] -= 1
         self._by_use[use] += 1
+
+    def generation(self, slab: int) -> int:
+        """How many times ``slab`` was freed (its content is another owner's once this changes)."""
+        return self._gen[slab]
 
     def use_of(self, slab: int) -> SlabUse:
         return SlabUse(self._use[slab])

@@ -12,9 +12,10 @@ retained at the end, and what goes under pressure. The calls, in a request's ord
     admit(lane, siblings)      pages, a state slot and a resume point for the FIFO head, or Blocked
     prefetch(lane)             the head stays blocked: start what makes its admission cheaper
     next_stop(lane, end)       where the next prefill pass must end (an exact capture point)
+    pass_taps(lane, end)       positions inside the pass whose state images the pass returns
     before_pass(lane, end)     before a prefill pass
     layer_ready(lane)          a per-layer wait for the lane's first pass (restores in flight), or None
-    after_pass(lane)           after it: commit and capture what the pass reached
+    after_pass(lane, tapped)   after it: commit and capture what the pass reached (and its images)
     commit_blocks(lane)        after decode rounds (and speculative verify passes)
     finish(lane, publish=...)  terminal settlement: keep (publish) or drop what the lane built
     poll() / drain()           land finished transfers / all of them (at the stop)
@@ -41,6 +42,7 @@ from hpc_cli.cache.keys import BLOCK_TOKENS
 from hpc_cli.errors import ConfigError
 
 if TYPE_CHECKING:
+    from hpc_cli.model.model import TapImage
     from hpc_cli.cache_mode import CacheMode
     from hpc_cli.engine.lane import Lane
     from hpc_cli.memory.host_slabs import HostSlabStorage
@@ -138,11 +140,13 @@ class CacheBinding(Protocol):
 
     def next_stop(self, lane: "Lane", end: int) -> int: ...
 
+    def pass_taps(self, lane: "Lane", end: int) -> Sequence[int]: ...
+
     def before_pass(self, lane: "Lane", end: int) -> None: ...
 
     def layer_ready(self, lane: "Lane") -> Callable[[int], None] | None: ...
 
-    def after_pass(self, lane: "Lane") -> None: ...
+    def after_pass(self, lane: "Lane", tapped: Sequence["TapImage"] = ()) -> None: ...
 
     def commit_blocks(self, lane: "Lane") -> None: ...
 

@@ -523,10 +523,12 @@ class Engine:
         spec_kw = self.spec.prefill_kwargs() if self.spec is not None else {}
         pre_hidden = self.spec.pre_hidden(lane) if self.spec is not None else None
         ready = self.cache.layer_ready(lane)
+        in_pass = self.cache.pass_taps(lane, end)  # exact taps the pass takes itself (no split)
         out = self.model.prefill(lane.tokens[start:end], start, lane.pages[:math.ceil(end / 64)],
                                  lane.state_slot, self.storage, self.states,
                                  layer_ready=timing.timed_wait(ready) if ready is not None else None,
-                                 all_logits=want_all, **spec_kw, **prefill_media(self.model, lane, start, end))
+                                 all_logits=want_all, **spec_kw, **prefill_media(self.model, lane, start, end),
+                                 **({"taps": in_pass} if in_pass else {}))
         if self.spec is not None:
             self.spec.after_prefill(lane, start, end, out, pre_hidden)
         lane.pos = end
@@ -541,7 +543,10 @@ class Engine:
             lane.prompt_top_logprobs += tops
             logits = logits[-1]
         taps, t = self.cache.counters.get("taps", 0), time.perf_counter()
-        self.cache.after_pass(lane)
+        if in_pass:
+            self.cache.after_pass(lane, out.taps)
+        else:
+            self.cache.after_pass(lane)
         tapped += timing.add_taps(time.perf_counter() - t, self.cache.counters.get("taps", 0) - taps)
         if lane.pos == lane.n_prompt and not lane.finish_reason:
             if sp.max_tokens == 0:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from hpc_cli.cache.index import CacheGeometry, CommitOutcome, PrefixIndex, Readiness, StaleQuote
 from hpc_cli.cache.keys import BLOCK_TOKENS, token_bytes
@@ -31,6 +31,7 @@ from hpc_cli.memory.transfer import RestoreBatch as CopyBatch
 from hpc_cli.memory.transfer import TransferEngine
 
 if TYPE_CHECKING:
+    from hpc_cli.model.model import TapImage
     from hpc_cli.engine.shared import SharedTier
 
 _HINT_SOURCE = {1: TapSource.EXPLICIT, 2: TapSource.OPENER, 3: TapSource.STRUCTURAL}
@@ -75,8 +76,18 @@ class HybridBinding:
     def __init__(self, model: Any, storage: Any, states: Any, *, lanes: int, snapshot_slots: int,
                  host_bytes: int, reuse: bool, planner: TapPlanner, transfer_factory=None,
                  coalesce: bool = False, coalesce_wait_limit: float = 300.0,
-                 backend_storage: Any = None, frontier_lag: int = 0) -> None:
+                 backend_storage: Any = None, frontier_lag: int = 0, in_pass_taps: bool | None = None) -> None:
         self.model = model
+        #: exact taps are taken inside the prefill pass (no split) where the model can (the CPU's
+        #: chunk rule, hpc_cli.model.gdn.taps_in_pass) and no backend state would be missing from
+        #: the image (no speculative backend: its parts are not tapped in the pass)
+        if in_pass_taps is None:
+            from hpc_cli.model.gdn import taps_in_pass
+
+            device = getattr(model, "device", None)
+            in_pass_taps = (device is not None and taps_in_pass(device) and backend_storage is None
+                            and frontier_lag == 0 and not getattr(states, "extra", None))
+        self.in_pass_taps = bool(in_pass_taps)
         self.storage = storage
         # a speculative backend's own pool (DFlash: same page ids as the main pool) and how far its
         # committed frontier may trail the text frontier (MTP: 1; lane.backend_frontier is exact)
@@ -322,11 +333,21 @@ class HybridBinding:
         return ticket.wait_layer
 
     def next_stop(self, lane: Lane, end: int) -> int:
-        """Where the next prefill pass must end: at ``end`` or before an exact tap inside it."""
+        """Where the next prefill pass must end: at ``end`` or before an exact tap inside it
+        (no split where the pass takes its exact taps itself, :meth:`pass_taps`)."""
+        if self.in_pass_taps:
+            return end
         for t in lane.taps:
             if t.placement is Placement.EXACT and lane.pos < t.position < end:
                 return t.position
         return end
+
+    def pass_taps(self, lane: Lane, end: int) -> list[int]:
+        """The exact taps strictly inside the pass ``[lane.pos, end)`` that it takes itself (the
+        model returns their images; :meth:`after_pass` snapshots them)."""
+        if not self.in_pass_taps:
+            return []
+        return [t.position for t in lane.taps if t.placement is Placement.EXACT and lane.pos < t.position < end]
 
     def before_pass(self, lane: Lane, end: int) -> None:
         """Flexible taps inside the prompt's final chunk are taken at that chunk's start (§7.1)."""
@@ -339,15 +360,23 @@ class HybridBinding:
         if lane.pos > self._deepest(lane):
             self.take_snapshot(lane, SnapshotKind.TAP)
 
-    def after_pass(self, lane: Lane) -> None:
-        """Commit every block the lane completed, then take the taps the pass reached: an exact
-        tap ends its pass (spec §7.1 splits there); flexible taps are taken at the chunk end."""
+    def after_pass(self, lane: Lane, tapped: Sequence[TapImage] = ()) -> None:
+        """Commit every block the lane completed, then take the taps the pass reached: the images
+        the pass took inside it (``tapped``, in order), then a tap at its end (an exact tap ends
+        its pass where the pass does not take it itself, spec §7.1; flexible taps are taken at
+        the chunk end)."""
         self.commit_blocks(lane)
+        boundary = {t.position: t.boundary for t in lane.taps}
+        for image in tapped:
+            if image.position > self._deepest(lane):
+                kind = SnapshotKind.BOUNDARY if boundary.get(image.position) else SnapshotKind.TAP
+                self.take_snapshot(lane, kind, image=image)
         due = [t for t in lane.taps if t.position <= lane.pos]
         if not due:
             return
         lane.taps = [t for t in lane.taps if t.position > lane.pos]
-        if lane.pos >= lane.n_prompt or lane.pos <= self._deepest(lane):
+        due = [t for t in due if t.position == lane.pos or t.placement is Placement.FLEXIBLE]  # the rest: in the pass
+        if not due or lane.pos >= lane.n_prompt or lane.pos <= self._deepest(lane):
             return
         kind = SnapshotKind.BOUNDARY if any(t.boundary for t in due) else SnapshotKind.TAP
         self.take_snapshot(lane, kind)
@@ -395,11 +424,13 @@ class HybridBinding:
                 lane.owned[b] = False
                 self.pool.set_state([page], PageState.CACHED)
 
-    def take_snapshot(self, lane: Lane, kind: SnapshotKind, *, endpoint: bool = False) -> bool:
+    def take_snapshot(self, lane: Lane, kind: SnapshotKind, *, endpoint: bool = False,
+                      image: TapImage | None = None) -> bool:
         """Snapshot the lane's state at ``lane.pos`` (a tap: a copy; an endpoint: the active
-        image itself and the partial last page as the tail, spec §7.4, §7.7)."""
+        image itself and the partial last page as the tail, spec §7.4, §7.7), or the ``image`` a
+        prefill pass took inside it at ``image.position`` (the zero-split tap, spec §7.3)."""
         seq = lane.seq
-        p = lane.pos
+        p = lane.pos if image is None else image.position
         if seq is None or p == 0:
             return False
         if p < BLOCK_TOKENS and lane.prepared.salt:
@@ -429,7 +460,10 @@ class HybridBinding:
                 lane.owned[d] = False
                 self.pool.set_state(tail_pages, PageState.CACHED)
         else:
-            self.states.copy_slot(lane.state_slot, self.snap_phys[k])
+            if image is None:
+                self.states.copy_slot(lane.state_slot, self.snap_phys[k])
+            else:
+                self.states.write_image(self.snap_phys[k], image.conv, image.recurrent, image.hidden)
             if tail_len:
                 page = self._alloc_cache_page()
                 if page is None:

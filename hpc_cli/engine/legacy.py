@@ -31,6 +31,7 @@ from hpc_cli.memory.pools import DeviceKVPool, PageState
 from hpc_cli.memory.transfer import RestoreBatch, RestoreTicket
 
 if TYPE_CHECKING:
+    from hpc_cli.model.model import TapImage
     from hpc_cli.engine.lane import Lane
 
 MiB = 1 << 20
@@ -232,6 +233,9 @@ class LegacyBinding:
                     return p
         return end
 
+    def pass_taps(self, lane: "Lane", end: int) -> list[int]:
+        return []  # the checkpoint catalog splits at every capture (spec §0: the baseline)
+
     def before_pass(self, lane: "Lane", end: int) -> None:
         pass
 
@@ -242,7 +246,7 @@ class LegacyBinding:
         lane.ticket = None
         return ticket.wait_layer
 
-    def after_pass(self, lane: "Lane") -> None:
+    def after_pass(self, lane: "Lane", tapped: Sequence["TapImage"] = ()) -> None:
         plan = self.plans.get(lane)
         if plan is None or not plan.captures or plan.captures[0][0] > lane.pos:
             return

@@ -15,6 +15,7 @@ from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage
 from hpc_cli.memory.pools import DeviceKVPool, PageState
 
 if TYPE_CHECKING:
+    from hpc_cli.model.model import TapImage
     from hpc_cli.engine.lane import Lane
 
 
@@ -71,13 +72,16 @@ class OffBinding:
     def next_stop(self, lane: "Lane", end: int) -> int:
         return end
 
+    def pass_taps(self, lane: "Lane", end: int) -> list[int]:
+        return []
+
     def before_pass(self, lane: "Lane", end: int) -> None:
         pass
 
     def layer_ready(self, lane: "Lane") -> Callable[[int], None] | None:
         return None
 
-    def after_pass(self, lane: "Lane") -> None:
+    def after_pass(self, lane: "Lane", tapped: Sequence["TapImage"] = ()) -> None:
         pass
 
     def commit_blocks(self, lane: "Lane") -> None:

@@ -4,9 +4,10 @@ admission (docs/shared-cache.md; keys and records in :mod:`hpc_cli.cache.shared`
     tier = attach_shared_cache(engine, "redis://127.0.0.1:6379/0")   # before engine.start()
 
 Writes: every block and snapshot whose write-through to the host tier lands
-(:meth:`SharedTier.written`, called by the binding's ``poll``) is copied out of its host slabs
-once (by key) on the worker and handed to a writer thread through a queue bounded in bytes; the
-thread encodes, checksums and stores it (``SET NX``; a snapshot also joins its anchor's set), so
+(:meth:`SharedTier.written`, called by the binding's ``poll``) is handed once (by key) to a writer
+thread through a queue bounded in bytes, as the host slabs that hold it and their generations;
+the thread copies the bytes out of the slabs (dropping the entry if a slab was freed meanwhile:
+its bytes may be another owner's), encodes, checksums and stores it (``SET NX``; a snapshot also joins its anchor's set), so
 other replicas can use it at once. A full queue or a store that is down drops the entry (the
 host tier still has it).
 
@@ -24,6 +25,7 @@ the tier stops asking for a while (0.5 s, doubling to 10 s) and logs one warning
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -119,11 +121,23 @@ class _Defer(Exception):
     """A lookup on the worker found more bytes to read than SYNC_FETCH_BYTES: hand it over."""
 
 
+@dataclass(frozen=True, slots=True)
+class _SlabRead:
+    """Bytes of one host slab that an entry's value takes, read on the writer thread: valid only
+    while the slab's generation (times freed) is still ``generation``."""
+
+    slab: int
+    generation: int
+    nbytes: int
+    part: str  # "payload" (a block), "image" or "tail" (a snapshot)
+
+
 @dataclass(slots=True)
 class _Write:
     key: StoreKey
-    entry: BlockEntry | SnapshotEntry
+    entry: BlockEntry | SnapshotEntry  # its payload, image and tail read from ``reads`` when stored
     nbytes: int
+    reads: tuple[_SlabRead, ...] = ()
 
 
 @dataclass(slots=True)
@@ -432,10 +446,12 @@ class SharedTier:
 
     # ------------------------------------------------------------------ writes (worker side)
     def written(self, batch: "WriteBatch") -> None:
-        """A write-through to the host tier landed: queue what it wrote for the store, once."""
+        """A write-through to the host tier landed: queue what it wrote for the store, once. The
+        worker only notes which slabs hold each value and their generations; the writer thread
+        copies them out (:meth:`_read`)."""
         if self._closed:
             return
-        host = self.cache.host
+        pool = self.cache.index.host
         for bt in batch.blocks:
             node = bt.node
             if not node.alive or node.host_state != RESIDENT or node.host_slab != bt.slab or getattr(node, "media", ()):
@@ -443,9 +459,9 @@ class SharedTier:
             key = rec.block_key(self.ns, node.hash)
             if not self._first(key):
                 continue
-            payload = bytes(host.slab_view(bt.slab).numpy()[:self.block_bytes])
-            entry = BlockEntry(node.hash, node.parent.hash, node.extra, node.tokens, self._digest(node), payload)
-            self._enqueue(key, entry, len(payload))
+            entry = BlockEntry(node.hash, node.parent.hash, node.extra, node.tokens, self._digest(node), b"")
+            reads = (_SlabRead(bt.slab, pool.generation(bt.slab), self.block_bytes, "payload"),)
+            self._enqueue(key, entry, self.block_bytes, reads)
         for st in batch.snapshots:
             s = st.snapshot
             if not self._shareable(s):
@@ -453,15 +469,32 @@ class SharedTier:
             key = rec.snapshot_key(self.ns, s.anchor.hash, s.frontier, rec.tail_digest(s.tail_tokens))
             if not self._first(key):
                 continue
-            image = bytearray(self.image_bytes)
             sb = self.slab_bytes
-            for i, slab in enumerate(s.host_slabs):
-                piece = host.slab_view(slab).numpy()[:min(sb, self.image_bytes - i * sb)]
-                image[i * sb:i * sb + len(piece)] = piece.data
-            tail = bytes(host.slab_view(s.tail_host_slab).numpy()[:self.block_bytes]) if s.tail_tokens else b""
+            reads = [_SlabRead(slab, pool.generation(slab), min(sb, self.image_bytes - i * sb), "image")
+                     for i, slab in enumerate(s.host_slabs)]
+            if s.tail_tokens:
+                reads.append(_SlabRead(s.tail_host_slab, pool.generation(s.tail_host_slab), self.block_bytes, "tail"))
             entry = SnapshotEntry(s.anchor.hash, self._digest(s.anchor), s.frontier, s.kind, s.hits,
-                                  s.tail_tokens, image, tail)
-            self._enqueue(key, entry, len(image) + len(tail))
+                                  s.tail_tokens, b"", b"")
+            self._enqueue(key, entry, self.image_bytes + (self.block_bytes if s.tail_tokens else 0), tuple(reads))
+
+    def _read(self, w: _Write) -> BlockEntry | SnapshotEntry | None:
+        """The entry with its bytes copied out of the host slabs (on the writer thread), or None
+        when a slab was freed meanwhile (its bytes may be another owner's: never stored)."""
+        if not w.reads:
+            return w.entry
+        pool, host = self.cache.index.host, self.cache.host
+        parts: dict[str, list[bytes]] = {"payload": [], "image": [], "tail": []}
+        for r in w.reads:
+            if pool.generation(r.slab) != r.generation:
+                return None
+            parts[r.part].append(bytes(host.slab_view(r.slab).numpy()[:r.nbytes]))
+        if any(pool.generation(r.slab) != r.generation for r in w.reads):
+            return None
+        e = w.entry
+        if isinstance(e, BlockEntry):
+            return dataclasses.replace(e, payload=b"".join(parts["payload"]))
+        return dataclasses.replace(e, image=b"".join(parts["image"]), tail=b"".join(parts["tail"]))
 
     def _shareable(self, s: Snapshot) -> bool:
         return (s.alive and s.host_state == RESIDENT and not s.anchor.is_root
@@ -482,7 +515,8 @@ class SharedTier:
     def _forget(self, key: StoreKey) -> None:
         self._seen.pop(key, None)
 
-    def _enqueue(self, key: StoreKey, entry: BlockEntry | SnapshotEntry, nbytes: int) -> None:
+    def _enqueue(self, key: StoreKey, entry: BlockEntry | SnapshotEntry, nbytes: int,
+                 reads: tuple[_SlabRead, ...] = ()) -> None:
         if not self.health.available():
             self._count("writes_dropped_down")
             self._forget(key)
@@ -498,7 +532,7 @@ class SharedTier:
         if full:
             self._forget(key)
             return
-        self._writes.put(_Write(key, entry, nbytes))
+        self._writes.put(_Write(key, entry, nbytes, reads))
 
     def _digest(self, node: BlockNode) -> PathDigest:
         """The node's path digest, memoized per node (parents are written before children, so
@@ -551,16 +585,21 @@ class SharedTier:
             return
         # blocks first, then snapshots, then the anchor sets that make the snapshots findable
         group.sort(key=lambda w: isinstance(w.entry, SnapshotEntry))
-        items: list[tuple[StoreKey, bytes]] = []
+        read: list[tuple[StoreKey, BlockEntry | SnapshotEntry]] = []
         for w in group:
-            e = w.entry
-            items.append((w.key, rec.encode_block(self.ns, e) if isinstance(e, BlockEntry)
+            e = self._read(w)
+            if e is None:
+                self._count("writes_dropped_recycled")
+            else:
+                read.append((w.key, e))
+        items: list[tuple[StoreKey, bytes]] = []
+        for key, e in read:
+            items.append((key, rec.encode_block(self.ns, e) if isinstance(e, BlockEntry)
                           else rec.encode_snapshot(self.ns, e)))
         try:
             wrote = self.store.put(items)
             anchors: dict[StoreKey, list[bytes]] = {}
-            for w in group:
-                e = w.entry
+            for _, e in read:
                 if isinstance(e, SnapshotEntry):
                     anchors.setdefault(rec.anchor_key(self.ns, e.anchor_hash), []).append(
                         rec.anchor_member(e.frontier, e.tail_key))

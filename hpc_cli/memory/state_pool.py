@@ -85,6 +85,20 @@ class StateSlots:
         for t in self.extra.values():
             t[slot].zero_()
 
+    def write_image(self, slot: int, conv: Sequence[torch.Tensor], recurrent: Sequence[torch.Tensor],
+                    hidden: torch.Tensor) -> None:
+        """Write a state image taken inside a prefill pass (``hpc_cli.model.model.TapImage``'s
+        parts) into ``slot``; backend parts are zeroed (a pass with backend parts takes no such
+        taps)."""
+        assert len(conv) == len(recurrent) == self.num_gdn_layers, \
+            f"an image of {len(conv)} GDN layers for a pool of {self.num_gdn_layers}"
+        for g, (c, r) in enumerate(zip(conv, recurrent)):
+            self.conv[g][slot].copy_(c)
+            self.recurrent[g][slot].copy_(r)
+        self.hidden[slot].copy_(hidden)
+        for t in self.extra.values():
+            t[slot].zero_()
+
     def copy_slot(self, src: int, dst: int, method: str | None = None) -> None:
         """Copy one whole image (a tap, or a resume from a snapshot slot) on the current stream.
 

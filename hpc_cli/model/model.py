@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -36,6 +36,20 @@ class PrefillOut:
     hidden: torch.Tensor | None = None
     #: ``[T, len(capture) * hidden]``: the residual stream after each captured layer (DFlash features)
     features: torch.Tensor | None = None
+    #: the state images at the pass's ``taps``, in order
+    taps: list["TapImage"] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TapImage:
+    """The state image after position ``position`` of a prefill pass, taken inside the pass (the
+    zero-split tap, spec §7.3): per GDN layer the conv window and the fp32 recurrent state, and
+    the hidden after the final norm at ``position - 1``."""
+
+    position: int
+    conv: list[torch.Tensor]
+    recurrent: list[torch.Tensor]
+    hidden: torch.Tensor
 
 
 class DecoderLayer(nn.Module):
@@ -197,7 +211,7 @@ class HybridModel(nn.Module):
                 state_slot: int, kv: "PagedKVStorage", states: "StateSlots", *,
                 layer_ready: Callable[[int], None] | None = None, all_logits: bool = False,
                 all_hidden: bool = False, capture: Sequence[int] = (),
-                media: "PrefillMedia | None" = None) -> PrefillOut:
+                media: "PrefillMedia | None" = None, taps: Sequence[int] = ()) -> PrefillOut:
         """One lane's prefill pass of ``tokens`` at positions ``start ..``: K/V written into the
         lane's pages, the GDN states of ``state_slot`` advanced, the last position's logits.
 
@@ -207,9 +221,11 @@ class HybridModel(nn.Module):
         the warm-up compiles all of them. Attention reads the pages in place (the paged prefill
         kernel) where the pool allows, else gathers the span (:func:`prefill_attention`).
         ``media`` (a Vision prompt's pass): the tokens' mRoPE positions and the image embeddings
-        that replace their placeholder rows."""
+        that replace their placeholder rows. ``taps``: positions inside the pass (``start < p <
+        start + T``) whose state images come back in ``PrefillOut.taps``, taken in the pass
+        (:func:`hpc_cli.model.gdn.tapped_rule`; where :func:`hpc_cli.model.gdn.taps_in_pass`)."""
         assert start >= 0, f"prefill start must be >= 0, got {start}"
-        if media is None and not (all_logits or all_hidden or capture):
+        if media is None and not (all_logits or all_hidden or capture or taps):
             graphs = self.prefill_graphs(kv)
             if graphs is not None:
                 if layer_ready is not None:  # a graph runs every layer at once: the restore lands first
@@ -241,6 +257,10 @@ class HybridModel(nn.Module):
         paged = kv.paged_attention_supported(self.config.num_attention_heads)
         x = self._embed(tokens) if media is None else media.apply(self._embed(tokens))
         feats = []
+        offsets = [int(p) - start for p in taps]
+        assert all(0 < o < t for o in offsets), f"taps {list(taps)} not inside the pass ({start}, {end})"
+        tap_conv: list[list[torch.Tensor]] = [[] for _ in offsets]
+        tap_rec: list[list[torch.Tensor]] = [[] for _ in offsets]
         for i, layer in enumerate(self.layers):
             if layer_ready is not None:
                 layer_ready(i)
@@ -248,7 +268,15 @@ class HybridModel(nn.Module):
             if layer.kind == "linear_attention":
                 g = self.state_index[i]
                 conv, rec = states.conv[g], states.recurrent[g]
-                out, new_conv, new_rec = layer.linear_attn.prefill(h, conv[state_slot], rec[state_slot], valid=t)
+                if offsets:
+                    out, new_conv, new_rec, tapped = layer.linear_attn.prefill_tapped(
+                        h[:t], conv[state_slot], rec[state_slot], offsets)
+                    out = F.pad(out, (0, 0, 0, pad)) if pad else out
+                    for j, (c, r) in enumerate(tapped):
+                        tap_conv[j].append(c)
+                        tap_rec[j].append(r)
+                else:
+                    out, new_conv, new_rec = layer.linear_attn.prefill(h, conv[state_slot], rec[state_slot], valid=t)
                 conv[state_slot].copy_(new_conv)
                 rec[state_slot].copy_(new_rec)
             else:
@@ -267,13 +295,17 @@ class HybridModel(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if capture and i in capture:
                 feats.append(x[:t])
+        images = []
+        if offsets:
+            tap_hidden = self.norm(x[torch.tensor([o - 1 for o in offsets], device=dev)])
+            images = [TapImage(start + o, tap_conv[j], tap_rec[j], tap_hidden[j]) for j, o in enumerate(offsets)]
         x = x[:t] if (all_logits or all_hidden) else x[t - 1:t]
         x = self.norm(x)
         states.hidden[state_slot].copy_(x[-1])
         logits = self.lm_head(x if all_logits else x[-1:])
         return PrefillOut(logits=logits if all_logits else logits[0], hidden_last=x[-1],
                           hidden=x if all_hidden else None,
-                          features=torch.cat(feats, dim=-1) if feats else None)
+                          features=torch.cat(feats, dim=-1) if feats else None, taps=images)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor | Sequence[int], positions: Sequence[int],

@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+from hpc_cli.cache.host import SlabUse
+from hpc_cli.cache.shared import ROOT_PATH
 from hpc_cli.engine import shared as shared_mod
 from hpc_cli.engine.api import GenerationRequest, SamplingParams
 from hpc_cli.engine.engine import Engine
@@ -174,3 +176,30 @@ def test_entries_are_written_once_by_key(model, redis_server):
     r = _redis_values(redis_server)
     stored = sum(1 for _ in r.scan_iter(f"{ns}:[bs]:*"))
     assert stored == sa["writes_stored"] + sb["writes_stored"]
+
+
+def test_a_slab_freed_before_the_writer_reads_it_is_never_stored(model, redis_server):
+    """The writer thread copies a value out of its host slabs; a slab freed (and so possibly
+    refilled by another owner) after the worker queued the value makes the value a drop, not a
+    store of someone else's bytes."""
+    e = make(model, redis_server.url)
+    try:
+        tier = e.cache.shared
+        pool, host = e.cache.index.host, e.cache.host
+
+        def probe():
+            (slab,) = pool.alloc(1, SlabUse.NODE, owner="test")
+            host.slab_view(slab).numpy()[:16] = 7
+            read = shared_mod._SlabRead(slab, pool.generation(slab), 16, "payload")
+            entry = shared_mod.BlockEntry(1, 0, 0, b"\0" * 256, ROOT_PATH, b"")
+            w = shared_mod._Write(("k",), entry, 16, (read,))
+            kept = tier._read(w)
+            pool.free([slab])  # the slab changes hands: a later read of the queued value must drop it
+            return kept, tier._read(w)
+
+        kept, dropped = e.call(probe)
+        assert kept is not None and bytes(kept.payload) == b"\x07" * 16
+        assert dropped is None
+    finally:
+        e.stop()
+    e.check_invariants()
