@@ -37,13 +37,14 @@ import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
 from hpc_cli.model.columns import ColumnIndex, ColumnsOut, columns_core, table_width
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: graphs kept per model (each holds its static buffers; intermediates share one memory pool)
 MAX_GRAPHS = 128
@@ -67,6 +68,18 @@ class _Graph:
 def _out_bytes(out: ColumnsOut) -> int:
     parts = [out.logits, out.hidden, out.features, *(out.windows or ()), *(out.states or ())]
     return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def capture_graph(pool, fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``fn``'s kernels captured into a new CUDA graph whose intermediates live in ``pool``
+    (``torch.cuda.graph_pool_handle()``), and what ``fn`` returned (the graph's static outputs).
+    Raises what the capture raised. thread_local: CUDA calls of the server's other threads never
+    invalidate a capture."""
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
 
 
 def pool_serials(kv, states) -> tuple[int, int]:
@@ -167,12 +180,9 @@ class ColumnGraphs:
         idx = ColumnIndex.view(static, B, T, W)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
         try:
-            torch.cuda.synchronize()
-            # thread_local: CUDA calls of the server's other threads never invalidate a capture
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = columns_core(model, idx, kv, states, keep_all=keep_all, capture=capture, logits=logits)
+            graph, out = capture_graph(self.pool, lambda: columns_core(model, idx, kv, states, keep_all=keep_all,
+                                                                        capture=capture, logits=logits))
         except Exception as exc:  # a kernel or library that cannot be captured: decode eagerly
             self.disabled = f"{type(exc).__name__}: {exc}"
             log.warning("CUDA graph capture failed, decoding without graphs: %s", self.disabled)

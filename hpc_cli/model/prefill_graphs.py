@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from hpc_cli.model.graphs import capture_graph, pool_serials
 from hpc_cli.model.prefill_core import PrefillCoreOut, PrefillIndex, prefill_core, table_width
 
 if TYPE_CHECKING:
@@ -62,7 +63,6 @@ class PrefillGraphs:
         self.eager = 0
 
     def _key(self, L: int, W: int, kv: "PagedKVStorage", states: "StateSlots") -> tuple:
-        from hpc_cli.model.graphs import pool_serials
 
         bound = pool_serials(kv, states)
         if bound != self.bound:  # other pools: the old graphs write storage that is not ours
@@ -104,12 +104,8 @@ class PrefillGraphs:
         idx = PrefillIndex.view(packed.to(model.device), L, W)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
         try:
-            torch.cuda.synchronize()
-            # thread_local: CUDA calls of the server's other threads never invalidate a capture
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = prefill_core(model, idx, kv, states)
+            graph, out = capture_graph(self.pool, lambda: prefill_core(model, idx, kv, states))
         except Exception as exc:  # a kernel or library that cannot be captured: prefill eagerly
             self.disabled = f"{type(exc).__name__}: {exc}"
             log.warning("CUDA graph capture of a prefill pass failed, prefilling without graphs: %s", self.disabled)
