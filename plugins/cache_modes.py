@@ -73,7 +73,9 @@ class HybridMode(CacheMode):
                              frontier_lag=context.frontier_lag, host_bytes=context.host_bytes, reuse=True,
                              planner=planner, transfer_factory=context.transfer_factory,
                              coalesce=o.coalesce and context.concurrent_prefill,
-                             coalesce_wait_limit=context.pending_timeout_s / 2.0)
+                             coalesce_wait_limit=context.pending_timeout_s / 2.0,
+                             # a speculative backend's state is not tapped inside a pass: split there
+                             in_pass_taps=False if context.speculative else None)
 
 
 class LegacyOptions(BaseModel):
