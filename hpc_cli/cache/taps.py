@@ -138,10 +138,11 @@ class TapPlanner:
             if p is not None:
                 by_position.setdefault(p, []).append(h)
         for p, group in sorted(by_position.items()):
+            structural = any(h.source is TapSource.STRUCTURAL for h in group)  # published as Boundary
             src = min(h.source for h in group)
-            if src is TapSource.AUTOMATIC and any(h.source is TapSource.STRUCTURAL for h in group):
+            if src is TapSource.AUTOMATIC and structural:
                 src = TapSource.STRUCTURAL
-            cands.append(Tap(p, Placement.EXACT, src, any(h.source is TapSource.STRUCTURAL for h in group)))
+            cands.append(Tap(p, Placement.EXACT, src, structural))
         # 4. the prompt tail, exact at a block boundary, where no exact tap covers it
         p = fix(last - last % BLOCK_TOKENS, False)
         if p is not None and not any(t.position >= p for t in cands):

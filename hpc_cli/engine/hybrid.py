@@ -76,18 +76,12 @@ class HybridBinding:
     def __init__(self, model: Any, storage: Any, states: Any, *, lanes: int, snapshot_slots: int,
                  host_bytes: int, reuse: bool, planner: TapPlanner, transfer_factory=None,
                  coalesce: bool = False, coalesce_wait_limit: float = 300.0,
-                 backend_storage: Any = None, frontier_lag: int = 0, in_pass_taps: bool | None = None) -> None:
+                 backend_storage: Any = None, frontier_lag: int = 0, in_pass_taps: bool = False) -> None:
         self.model = model
-        #: exact taps are taken inside the prefill pass (no split) where the model can (the CPU's
-        #: chunk rule, hpc_cli.model.gdn.taps_in_pass) and no backend state would be missing from
-        #: the image (no speculative backend: its parts are not tapped in the pass)
-        if in_pass_taps is None:
-            from hpc_cli.model.gdn import taps_in_pass
-
-            device = getattr(model, "device", None)
-            in_pass_taps = (device is not None and taps_in_pass(device) and backend_storage is None
-                            and frontier_lag == 0 and not getattr(states, "extra", None))
-        self.in_pass_taps = bool(in_pass_taps)
+        #: exact taps are taken inside the prefill pass (:meth:`pass_taps`, no split) rather than
+        #: by ending the pass there (the mode sets it where the model can, with no speculative
+        #: backend, whose state parts a pass does not tap)
+        self.in_pass_taps = in_pass_taps
         self.storage = storage
         # a speculative backend's own pool (DFlash: same page ids as the main pool) and how far its
         # committed frontier may trail the text frontier (MTP: 1; lane.backend_frontier is exact)
@@ -366,11 +360,12 @@ class HybridBinding:
         its pass where the pass does not take it itself, spec §7.1; flexible taps are taken at
         the chunk end)."""
         self.commit_blocks(lane)
-        boundary = {t.position: t.boundary for t in lane.taps}
-        for image in tapped:
-            if image.position > self._deepest(lane):
-                kind = SnapshotKind.BOUNDARY if boundary.get(image.position) else SnapshotKind.TAP
-                self.take_snapshot(lane, kind, image=image)
+        if tapped:
+            boundary = {t.position for t in lane.taps if t.boundary}
+            for image in tapped:
+                if image.position > self._deepest(lane):
+                    kind = SnapshotKind.BOUNDARY if image.position in boundary else SnapshotKind.TAP
+                    self.take_snapshot(lane, kind, image=image)
         due = [t for t in lane.taps if t.position <= lane.pos]
         if not due:
             return

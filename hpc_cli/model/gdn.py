@@ -94,13 +94,14 @@ def _chunk_states(q, k, v, g, beta, initial_state, chunk: int, keep: Sequence[in
     total = ecg[..., -1][..., None, None]
     state = (torch.zeros(b, hv, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
              else initial_state.float().clone())
-    kept: dict[int, torch.Tensor] = {0: state} if 0 in keep else {}
+    wanted = set(keep)
+    kept: dict[int, torch.Tensor] = {0: state} if 0 in wanted else {}
     out = torch.empty(b, hv, n, chunk, dv, dtype=torch.float32, device=q.device)
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state
         out[:, :, i] = qd[:, :, i] @ state + attn[:, :, i] @ v_new
         state = state * total[:, :, i] + kd[:, :, i].transpose(-1, -2) @ v_new
-        if i + 1 in keep:
+        if i + 1 in wanted:
             kept[i + 1] = state
     out = out.permute(0, 2, 3, 1, 4).reshape(b, n * chunk, hv, dv)[:, :t]
     return out.to(out_dtype), state, [kept[c] for c in keep]
@@ -267,6 +268,18 @@ class GatedDeltaNet(nn.Module):
         y = self.norm(core.reshape(-1, self.d_v), z.reshape(-1, self.d_v))
         return self.out_proj(y.reshape(*lead, self.value_dim))
 
+    def _mix(self, x: torch.Tensor, conv_state: torch.Tensor):
+        """The projections, the conv window ``[C, k-1+T]`` (the previous conv state, then this
+        run's pre-conv columns) and the gated delta rule's inputs of a run of ``T`` tokens."""
+        t = x.shape[0]
+        mixed, z, b, a = self._project(x)
+        w = self.conv1d.weight
+        window = torch.cat([conv_state.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)  # [C, k-1+T]
+        conv = F.conv1d(window.unsqueeze(0).to(w.dtype), w, groups=self.conv_dim)[0]  # [C, T]
+        mixed = F.silu(conv).to(mixed.dtype).transpose(0, 1)
+        q, k, v, g, beta = self._heads(mixed, b, a, (1, t))
+        return window, z, q, k, v, g.view(1, t, -1), beta.view(1, t, -1)
+
     def prefill_tapped(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
                        taps: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                      list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -275,14 +288,8 @@ class GatedDeltaNet(nn.Module):
         tokens (spec §7.3: the pre-conv columns ``[p - 3, p)``, from the previous conv state where
         ``p < 3``; the state through :func:`tapped_rule`, no second pass)."""
         t = x.shape[0]
-        mixed, z, b, a = self._project(x)
-        w = self.conv1d.weight
-        window = torch.cat([conv_state.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)  # [C, k-1+T]
-        conv = F.conv1d(window.unsqueeze(0).to(w.dtype), w, groups=self.conv_dim)[0]
-        mixed = F.silu(conv).to(mixed.dtype).transpose(0, 1)
-        q, k, v, g, beta = self._heads(mixed, b, a, (1, t))
-        core, state, states = tapped_rule(q, k, v, g.view(1, t, -1), beta.view(1, t, -1), rec_state.unsqueeze(0),
-                                          list(taps))
+        window, z, q, k, v, g, beta = self._mix(x, conv_state)
+        core, state, states = tapped_rule(q, k, v, g, beta, rec_state.unsqueeze(0), taps)
         k1 = self.kernel - 1
         tapped = [(window[:, p:p + k1].clone(), st[0]) for p, st in zip(taps, states)]
         return self._finish(core[0], z), window[:, t:t + k1], state[0], tapped
@@ -295,13 +302,7 @@ class GatedDeltaNet(nn.Module):
         state passes them unchanged; the conv state is the window ending at the last valid row).
         ``rows``: the same, given on the device (a CUDA graph's pass: no host value in the shapes)."""
         t = x.shape[0]
-        mixed, z, b, a = self._project(x)
-        w = self.conv1d.weight
-        window = torch.cat([conv_state.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)  # [C, k-1+T]
-        conv = F.conv1d(window.unsqueeze(0).to(w.dtype), w, groups=self.conv_dim)[0]  # [C, T]
-        mixed = F.silu(conv).to(mixed.dtype).transpose(0, 1)
-        q, k, v, g, beta = self._heads(mixed, b, a, (1, t))
-        g, beta = g.view(1, t, -1), beta.view(1, t, -1)
+        window, z, q, k, v, g, beta = self._mix(x, conv_state)
         if rows is not None:
             new_conv = window.index_select(1, rows.conv_index)
             keep = rows.mask.view(1, t, 1)

@@ -151,6 +151,27 @@ class ByteTokenizer(_ChatTemplateMixin):
                 ids.extend(part.encode("utf-8"))
         return ids
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` and each token's ``(start, end)`` character span in it (every byte
+        of a character spans that character)."""
+        ids: list[int] = []
+        spans: list[tuple[int, int]] = []
+        at = 0
+        for part in self._split.split(text):
+            if part in self.special_tokens:
+                ids.append(self.special_tokens[part])
+                spans.append((at, at + len(part)))
+            elif part.isascii():
+                ids.extend(part.encode("ascii"))
+                spans.extend(zip(range(at, at + len(part)), range(at + 1, at + len(part) + 1)))
+            else:
+                for i, ch in enumerate(part, at):
+                    b = ch.encode("utf-8")
+                    ids.extend(b)
+                    spans.extend([(i, i + 1)] * len(b))
+            at += len(part)
+        return ids, spans
+
     def decode_bytes(self, ids: Sequence[int], skip_special: bool = False) -> bytes:
         out = bytearray()
         for i in ids:

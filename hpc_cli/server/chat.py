@@ -15,18 +15,16 @@ found by rendering message prefixes of the same conversation:
   a breakpoint on a whole message is its end. Protocol-automatic markers (Anthropic's top-level
   ``cache_control``) are structural hints flagged ``automatic``.
 
-Character offsets become token positions through the tokenizer's character spans where it has
-them (one tokenization: an offset where a token starts is that token's position; an offset inside a
-token keeps, when hinted, the tokens that end before it, and is dropped otherwise). Without spans
-the prompt is tokenized in segments split at those offsets; when that does not reproduce the one-piece tokenization (a BPE merge across an offset),
-the offsets before the first disagreement keep their positions, the hinted ones (markers, opener,
-system and tools ends) snap back to the longest agreeing token prefix of their own tokenization,
-and the other message boundaries are dropped. The prompt is always the one-piece tokenization.
+Character offsets become token positions through the tokenizer's character spans
+(``encode_offsets``) of the one tokenization of the prompt: an offset where a token starts (and
+every earlier token has ended) is that token's position; an offset inside a token (a BPE merge
+across it) snaps back, when hinted (markers, opener, system and tools ends), to the tokens that
+end before it, and is dropped otherwise (other message boundaries).
 
 The cost is linear in the conversation: the template renders a bounded number of message
 prefixes (the first, the last :data:`RECENT_PREFIXES`, and the marked ones; for ChatML templates
-every message start is found in the prompt itself), and the tokenizer re-encodes at most
-:data:`MAX_REENCODES` prefixes. A template that fails on the messages is a 400.
+every message start is found in the prompt itself), and the prompt is tokenized once. A template
+that fails on the messages is a 400.
 """
 
 from __future__ import annotations
@@ -44,8 +42,6 @@ CHATML_START = "<|im_start|>"
 SENTINEL = "\ue000\ue001"
 #: the last message prefixes rendered for message ends (besides the first and the marked ones)
 RECENT_PREFIXES = 8
-#: the most prefixes re-encoded when the segmented tokenization disagrees with the prompt's
-MAX_REENCODES = 8
 
 
 @dataclass(slots=True)
@@ -96,17 +92,8 @@ def _common_prefix_len(a: str, b: str) -> int:
     return len(os.path.commonprefix([a, b]))
 
 
-def _agreeing(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _positions_by_spans(tokenizer, text: str, offsets: Sequence[int], hinted: Sequence[int]
-                        ) -> tuple[list[int], dict[int, int]]:
+def _positions(tokenizer, text: str, offsets: Sequence[int], hinted: Sequence[int] = ()
+               ) -> tuple[list[int], dict[int, int]]:
     """One tokenization with each token's character span: an offset where a token starts (and
     every earlier token has ended) is that token's position; an offset inside a token keeps, when
     hinted, the tokens that end before it, else it is dropped."""
@@ -121,30 +108,6 @@ def _positions_by_spans(tokenizer, text: str, offsets: Sequence[int], hinted: Se
             at[c] = i
         elif c in hinted_set:
             at[c] = bisect.bisect_right(ends, c)  # the tokens that end by c
-    at[len(text)] = len(full)
-    at[0] = 0
-    return full, at
-
-
-def _positions(tokenizer, text: str, offsets: Sequence[int], hinted: Sequence[int] = ()
-               ) -> tuple[list[int], dict[int, int]]:
-    if hasattr(tokenizer, "encode_offsets"):
-        return _positions_by_spans(tokenizer, text, offsets, hinted)
-    full = tokenizer.encode(text)
-    cuts = sorted({o for o in offsets if 0 < o < len(text)})
-    pieces: list[int] = []
-    at: dict[int, int] = {}
-    prev = 0
-    for c in cuts:
-        pieces.extend(tokenizer.encode(text[prev:c]))
-        at[c] = len(pieces)
-        prev = c
-    pieces.extend(tokenizer.encode(text[prev:]))
-    if pieces != full:  # a merge across an offset (see the module doc)
-        agree = _agreeing(pieces, full)
-        at = {c: p for c, p in at.items() if p <= agree}
-        for c in sorted({c for c in hinted if 0 < c < len(text) and c not in at})[:MAX_REENCODES]:
-            at[c] = _agreeing(tokenizer.encode(text[:c]), full)
     at[len(text)] = len(full)
     at[0] = 0
     return full, at

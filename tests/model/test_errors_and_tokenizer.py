@@ -171,3 +171,13 @@ def test_hf_tokenizer_no_segments_when_marker_strips(tmp_path):
     tok = HFTokenizer(_bpe_dir(tmp_path, {"lstrip": True}))
     assert tok._segments is None
     assert tok.encode("a  <|im_start|>b") == tok._tok.encode("a  <|im_start|>b", add_special_tokens=False).ids
+
+
+def test_byte_tokenizer_spans():
+    """encode_offsets: the ids of encode, each byte spanning its character, a special its text."""
+    tok = ByteTokenizer()
+    text = "aé<|im_start|>b\u20ac\n"
+    ids, spans = tok.encode_offsets(text)
+    assert ids == tok.encode(text)
+    assert spans == [(0, 1), (1, 2), (1, 2), (2, 14), (14, 15), (15, 16), (15, 16), (15, 16), (16, 17)]
+    assert all(text[a:b] for a, b in spans)
