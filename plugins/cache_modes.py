@@ -63,7 +63,7 @@ class HybridMode(CacheMode):
     def build(self, context):
         from hpc_cli.cache.taps import TapPlanner
         from hpc_cli.engine.hybrid import HybridBinding
-        from hpc_cli.model.gdn import taps_in_pass
+        from hpc_cli.model.gdn_taps import tap_capacity
 
         o: HybridOptions = context.options
         planner = TapPlanner(chunk=context.prefill_chunk, tap_ladder_tokens=o.tap_ladder_tokens,
@@ -76,7 +76,7 @@ class HybridMode(CacheMode):
                              coalesce=o.coalesce and context.concurrent_prefill,
                              coalesce_wait_limit=context.pending_timeout_s / 2.0,
                              # a speculative backend's state is not tapped inside a pass: split there
-                             in_pass_taps=taps_in_pass(context.model.device) and not context.speculative)
+                             in_pass_taps=0 if context.speculative else tap_capacity(context.model.device))
 
 
 class LegacyOptions(BaseModel):

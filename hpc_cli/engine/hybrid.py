@@ -76,11 +76,11 @@ class HybridBinding:
     def __init__(self, model: Any, storage: Any, states: Any, *, lanes: int, snapshot_slots: int,
                  host_bytes: int, reuse: bool, planner: TapPlanner, transfer_factory=None,
                  coalesce: bool = False, coalesce_wait_limit: float = 300.0,
-                 backend_storage: Any = None, frontier_lag: int = 0, in_pass_taps: bool = False) -> None:
+                 backend_storage: Any = None, frontier_lag: int = 0, in_pass_taps: int = 0) -> None:
         self.model = model
-        #: exact taps are taken inside the prefill pass (:meth:`pass_taps`, no split) rather than
-        #: by ending the pass there (the mode sets it where the model can, with no speculative
-        #: backend, whose state parts a pass does not tap)
+        #: how many exact taps a prefill pass takes itself (:meth:`pass_taps`, no split) before one
+        #: ends the pass there (the mode sets the model's capacity, 0 with a speculative backend,
+        #: whose state parts a pass does not tap)
         self.in_pass_taps = in_pass_taps
         self.storage = storage
         # a speculative backend's own pool (DFlash: same page ids as the main pool) and how far its
@@ -326,22 +326,19 @@ class HybridBinding:
         lane.ticket = None
         return ticket.wait_layer
 
+    def _inside(self, lane: Lane, end: int) -> list[int]:
+        return [t.position for t in lane.taps if t.placement is Placement.EXACT and lane.pos < t.position < end]
+
     def next_stop(self, lane: Lane, end: int) -> int:
-        """Where the next prefill pass must end: at ``end`` or before an exact tap inside it
-        (no split where the pass takes its exact taps itself, :meth:`pass_taps`)."""
-        if self.in_pass_taps:
-            return end
-        for t in lane.taps:
-            if t.placement is Placement.EXACT and lane.pos < t.position < end:
-                return t.position
-        return end
+        """Where the next prefill pass must end: at ``end``, or at the first exact tap inside it
+        that the pass does not take itself (it takes up to ``in_pass_taps``, :meth:`pass_taps`)."""
+        inside = self._inside(lane, end)
+        return inside[self.in_pass_taps] if len(inside) > self.in_pass_taps else end
 
     def pass_taps(self, lane: Lane, end: int) -> list[int]:
         """The exact taps strictly inside the pass ``[lane.pos, end)`` that it takes itself (the
         model returns their images; :meth:`after_pass` snapshots them)."""
-        if not self.in_pass_taps:
-            return []
-        return [t.position for t in lane.taps if t.placement is Placement.EXACT and lane.pos < t.position < end]
+        return self._inside(lane, end)[:self.in_pass_taps]
 
     def before_pass(self, lane: Lane, end: int) -> None:
         """Flexible taps inside the prompt's final chunk are taken at that chunk's start (§7.1)."""

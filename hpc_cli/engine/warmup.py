@@ -7,7 +7,8 @@ On CUDA a prefill pass is padded to a multiple of ``model.prefill_pad`` tokens
 table width ``W`` (a power of two >= 8, :func:`hpc_cli.model.columns.table_width`), so decode
 meets ``C * log2(max W / 4)`` shapes. :func:`plan` lists them all and :func:`run_shapes` runs
 each once, twice where CUDA graphs are used (decode, and prefill passes: the first pass of a graph
-key runs eagerly, the second captures).
+key runs eagerly, the second captures); where the cache mode has passes take their exact taps
+themselves, each prefill length also runs with taps (the graph with tap slots).
 The passes write only free pages and the lanes' own state slots, which are reset afterwards;
 run it on the engine's worker thread before the first request, while the device pool holds no
 cached block. On the CPU nothing is compiled and the plan is empty.
@@ -86,13 +87,17 @@ def run_shapes(engine: "Engine", shapes: WarmupPlan,
     done = 0
     slot = 0
     t0 = time.perf_counter()
-    graphs = model.prefill_graphs(kv) is not None
+    graphs = model.prefill_graphs(kv)
+    # a pass that takes exact taps itself runs a graph with tap slots: warm those too
+    slots = min(graphs.tap_slots, getattr(engine.cache, "in_pass_taps", 0)) if graphs is not None else 0
     for n in shapes.prefill_lengths:
         tokens = [(7 * i + 3) % max(2, vocab - 1) + 1 for i in range(n)]
         table = [i % num_pages for i in range(-(-n // 64))]
-        for _ in range(2 if graphs else 1):  # eager, then the capture of its graph
-            states.reset(slot)
-            model.prefill(tokens, 0, table, slot, kv, states)
+        taps = sorted({max(1, n * (j + 1) // (slots + 1)) for j in range(slots)} - {n}) if n > 1 else []
+        for tapped in ([], taps) if taps else ([],):
+            for _ in range(2 if graphs is not None else 1):  # eager, then the capture of its graph
+                states.reset(slot)
+                model.prefill(tokens, 0, table, slot, kv, states, taps=tapped)
         if done == 0:
             torch.cuda.synchronize(model.device)
             report.first_prefill_s = time.perf_counter() - t0

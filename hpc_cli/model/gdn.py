@@ -46,11 +46,11 @@ def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     ``k k^T``) run once per key head and are shared by the value heads it serves; the triangular
     system of each chunk is inverted once (a solve against the identity: 64 right-hand sides
     instead of two solves of ``d_k`` and ``d_v``) and applied by matrix products."""
-    out, state, _ = _chunk_states(q, k, v, g, beta, initial_state, chunk, ())
+    out, state, _ = chunk_states(q, k, v, g, beta, initial_state, chunk, ())
     return out, state
 
 
-def _chunk_states(q, k, v, g, beta, initial_state, chunk: int, keep: Sequence[int]):
+def chunk_states(q, k, v, g, beta, initial_state, chunk: int, keep: Sequence[int]):
     """:func:`chunk_rule`, also returning the state after each chunk count in ``keep``."""
     out_dtype = v.dtype
     b, t, hk, dk = k.shape
@@ -107,45 +107,6 @@ def _chunk_states(q, k, v, g, beta, initial_state, chunk: int, keep: Sequence[in
     return out.to(out_dtype), state, [kept[c] for c in keep]
 
 
-def tapped_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                initial_state: torch.Tensor | None, taps: Sequence[int], chunk: int = 64
-                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """:func:`chunk_rule` that also returns the fp32 state after each of ``taps`` (offsets in
-    ``(0, T)``, sorted, distinct), with no second call (spec §7.2-7.3, the zero-split tap).
-
-    The chunk grid restarts at every tap: each run between taps is padded at its end to a multiple
-    of ``chunk`` with identity rows (``q = k = v = 0``, ``g = 0``, ``beta = 0``: decay 1 and no
-    write, so the state passes them bit for bit) and the runs go through one call, whose state
-    after the chunk that ends a run is the tap. So a tap equals the final state of this function
-    on the rows up to it with the same earlier taps, bit for bit, and every output equals a pass
-    split at the taps (a new grid at each); with no taps, or taps at multiples of ``chunk``, no
-    row is added and the call is :func:`chunk_rule`'s. Returns the output, the final state and
-    the tap states ``[B, H_v, d_k, d_v]``."""
-    t = k.shape[1]
-    taps = list(taps)
-    assert all(0 < p < t for p in taps) and taps == sorted(set(taps)), f"taps {taps} not sorted inside (0, {t})"
-    if not taps:
-        out, state = chunk_rule(q, k, v, g, beta, initial_state, chunk)
-        return out, state, []
-    bounds = [0, *taps, t]
-    starts, keep, at = [], [], 0  # each run's first padded row; the chunk count at each tap
-    for a, b_ in zip(bounds, bounds[1:]):
-        starts.append(at)
-        at += -(-(b_ - a) // chunk) * chunk
-        keep.append(at // chunk)
-    rows = torch.cat([torch.arange(s, s + (b_ - a), device=k.device)
-                      for s, a, b_ in zip(starts, bounds, bounds[1:])])  # real row -> padded row
-
-    def spread(x: torch.Tensor) -> torch.Tensor:
-        y = x.new_zeros(x.shape[0], at, *x.shape[2:])
-        y[:, rows] = x
-        return y
-
-    out, state, kept = _chunk_states(spread(q), spread(k), spread(v), spread(g), spread(beta), initial_state,
-                                     chunk, keep[:-1])
-    return out[:, rows], state, kept
-
-
 def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     out_dtype = v.dtype
@@ -167,6 +128,9 @@ def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 @functools.lru_cache(maxsize=1)
 def _fla():
     """fla's gated delta rule kernels, or None when fla is not importable."""
+    from hpc_cli.model.fla_configs import pin
+
+    pin()  # the shipped launch configurations of this GPU, before fla reads its settings
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except Exception:  # fla is optional; any import failure falls back to torch
@@ -178,7 +142,7 @@ def fla_available() -> bool:
     return _fla() is not None
 
 
-def _fla_inputs(q, k, v):
+def fla_inputs(q, k, v):
     n_k, n_v = k.shape[2], v.shape[2]
     if n_k != n_v:  # older fla releases need equal head counts; repeating is cheap next to the kernel
         q = q.repeat_interleave(n_v // n_k, dim=2)
@@ -189,7 +153,7 @@ def _fla_inputs(q, k, v):
 def _fla_rule(which: int, q, k, v, g, beta, initial_state):
     """fla's chunk (0) or fused recurrent (1) kernel, called by keyword only: the signatures
     differ between releases (fused_recurrent has gk/gv before beta)."""
-    qq, kk, vv = _fla_inputs(q, k, v)
+    qq, kk, vv = fla_inputs(q, k, v)
     out, state = _fla()[which](q=qq, k=kk, v=vv, g=g.float(), beta=beta.to(vv.dtype),
                                initial_state=initial_state.float().contiguous(), output_final_state=True,
                                use_qk_l2norm_in_kernel=True)
@@ -201,13 +165,6 @@ def gated_delta_prefill(q, k, v, g, beta, initial_state, use_fla: bool | None = 
     if use_fla is False or not q.is_cuda or _fla() is None:
         return chunk_rule(q, k, v, g, beta, initial_state)
     return _fla_rule(0, q, k, v, g, beta, initial_state)
-
-
-def taps_in_pass(device: torch.device) -> bool:
-    """Whether a prefill pass on ``device`` takes its taps without a split: the torch chunk rule
-    (:func:`tapped_rule`) does on the CPU; on CUDA the fla kernels do not yet return the fp32
-    state at a tap, so CUDA passes still split at exact taps."""
-    return torch.device(device).type == "cpu"
 
 
 def gated_delta_decode(q, k, v, g, beta, initial_state, use_fla: bool | None = None):
@@ -286,10 +243,12 @@ class GatedDeltaNet(nn.Module):
         """:meth:`prefill` of ``T`` real tokens that also returns, for each tap offset ``p`` in
         ``(0, T)``, the conv window and the fp32 recurrent state after the pass's first ``p``
         tokens (spec §7.3: the pre-conv columns ``[p - 3, p)``, from the previous conv state where
-        ``p < 3``; the state through :func:`tapped_rule`, no second pass)."""
+        ``p < 3``; the state through :func:`hpc_cli.model.gdn_taps.tapped_rule`, no second pass)."""
         t = x.shape[0]
         window, z, q, k, v, g, beta = self._mix(x, conv_state)
-        core, state, states = tapped_rule(q, k, v, g, beta, rec_state.unsqueeze(0), taps)
+        from hpc_cli.model.gdn_taps import tapped_rule
+
+        core, state, states = tapped_rule(q, k, v, g, beta, rec_state.unsqueeze(0), taps, use_fla=self.use_fla)
         k1 = self.kernel - 1
         tapped = [(window[:, p:p + k1].clone(), st[0]) for p, st in zip(taps, states)]
         return self._finish(core[0], z), window[:, t:t + k1], state[0], tapped
@@ -316,6 +275,45 @@ class GatedDeltaNet(nn.Module):
                 beta[:, n:] = 0.0
         core, state = gated_delta_prefill(q, k, v, g, beta, rec_state.unsqueeze(0), self.use_fla)
         return self._finish(core[0], z), new_conv, state[0]
+
+
+    def prefill_spread(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, rows: "ValidRows",
+                       spread: "SpreadRows", tap_states: torch.Tensor, tap_conv: torch.Tensor):
+        """:meth:`prefill` with ``rows`` on the device, also taking the taps of ``spread`` (the
+        graph form of :meth:`prefill_tapped`, no host value read): the state after each run goes
+        to ``tap_states`` ``[slots + 1, H_v, d_k, d_v]`` (the taps, then the pass's final state),
+        each tap's conv window to ``tap_conv`` ``[slots, conv_dim, kernel-1]``. Returns the output,
+        the new conv window and the final state (a view of ``tap_states``)."""
+        from hpc_cli.model.gdn_taps import spread_states
+
+        t = x.shape[0]
+        window, z, q, k, v, g, beta = self._mix(x, conv_state)
+        keep = rows.mask.view(1, t, 1)
+        g, beta = torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
+
+        def put(y: torch.Tensor) -> torch.Tensor:  # the pass's rows at their spread rows, identity rows between
+            out = y.new_zeros(1, spread.size, *y.shape[2:])
+            return out.index_copy_(1, spread.rows, y)
+
+        core = spread_states(put(q), put(k), put(v), put(g), put(beta), rec_state.unsqueeze(0), spread.bounds,
+                             tap_states, self.use_fla)
+        core = core.index_select(1, spread.rows)
+        tap_conv.copy_(window[:, spread.conv_cols].permute(1, 0, 2))
+        return self._finish(core[0], z), window.index_select(1, rows.conv_index), tap_states[-1]
+
+
+class SpreadRows:
+    """A pass's spread layout on the device (:class:`hpc_cli.model.gdn_taps.SpreadLayout`):
+    ``rows`` ``[L]`` each row's spread row, ``bounds`` ``[slots + 2]`` the runs' bounds,
+    ``conv_cols`` ``[slots, kernel-1]`` each tap's conv window columns, ``size`` the spread length."""
+
+    __slots__ = ("rows", "bounds", "conv_cols", "size")
+
+    def __init__(self, rows: torch.Tensor, bounds: torch.Tensor, conv_cols: torch.Tensor, size: int) -> None:
+        self.rows = rows
+        self.bounds = bounds
+        self.conv_cols = conv_cols
+        self.size = size
 
 
 class ValidRows:

@@ -223,17 +223,18 @@ class HybridModel(nn.Module):
         ``media`` (a Vision prompt's pass): the tokens' mRoPE positions and the image embeddings
         that replace their placeholder rows. ``taps``: positions inside the pass (``start < p <
         start + T``) whose state images come back in ``PrefillOut.taps``, taken in the pass
-        (:func:`hpc_cli.model.gdn.tapped_rule`; where :func:`hpc_cli.model.gdn.taps_in_pass`)."""
+        (:mod:`hpc_cli.model.gdn_taps`; as many as :func:`hpc_cli.model.gdn_taps.tap_capacity`
+        allows: a graph's images are views of its tap buffers, valid until the next pass)."""
         assert start >= 0, f"prefill start must be >= 0, got {start}"
-        if media is None and not (all_logits or all_hidden or capture or taps):
+        if media is None and not (all_logits or all_hidden or capture):
             graphs = self.prefill_graphs(kv)
-            if graphs is not None:
+            if graphs is not None and len(taps) <= graphs.tap_slots:
                 if layer_ready is not None:  # a graph runs every layer at once: the restore lands first
                     for i in range(len(self.layers)):
                         layer_ready(i)
                 out = graphs.run(tokens if torch.is_tensor(tokens) else list(tokens), start, block_table,
-                                 state_slot, kv, states)
-                return PrefillOut(logits=out.logits, hidden_last=out.hidden_last)
+                                 state_slot, kv, states, taps=[int(p) - start for p in taps])
+                return PrefillOut(logits=out.logits, hidden_last=out.hidden_last, taps=out.taps)
         tokens = self._tokens(tokens)
         t = tokens.shape[0]
         assert t >= 1, "prefill needs at least one token"

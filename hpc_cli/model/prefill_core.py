@@ -21,17 +21,18 @@ with the same padding: the same kernels on the same shapes, the padding rows mas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from hpc_cli.model.gdn import ValidRows
+from hpc_cli.model.gdn import SpreadRows, ValidRows
+from hpc_cli.model.gdn_taps import CHUNK, spread_layout
 
 if TYPE_CHECKING:
     from hpc_cli.memory.kv_pool import PagedKVStorage
     from hpc_cli.memory.state_pool import StateSlots
-    from hpc_cli.model.model import HybridModel
+    from hpc_cli.model.model import HybridModel, TapImage
 
 #: the narrowest page table a pass's index carries: a power of two >= the pages the pass reads, so
 #: one graph per length serves every context up to 512 pages (32k tokens)
@@ -51,7 +52,12 @@ class PrefillIndex:
     pass's last position), ``meta`` ``[2]`` (start, valid rows) for the paged prefill kernel,
     ``slot`` ``[1]`` the lane's state slot, ``last`` ``[1]`` the last valid row, ``conv_index``
     ``[kernel-1]`` the window columns of the new conv state. ``host``: (start, valid) for the
-    paths that read host values (the gather + SDPA attention)."""
+    paths that read host values (the gather + SDPA attention).
+
+    A pass with room for ``slots`` taps (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) also
+    carries ``spread`` ``[L]`` (each row's spread row), ``bounds`` ``[slots + 2]`` (the runs'
+    bounds), ``tap_pos`` ``[slots]`` (each tap's offset in the pass) and ``tap_last`` ``[slots]``
+    (the row before it, whose hidden the tap keeps); a slot not used holds offset 0."""
 
     L: int
     W: int
@@ -65,11 +71,17 @@ class PrefillIndex:
     last: torch.Tensor
     conv_index: torch.Tensor
     host: tuple[int, int] | None = None
+    slots: int = 0
+    spread: torch.Tensor | None = None
+    bounds: torch.Tensor | None = None
+    tap_pos: torch.Tensor | None = None
+    tap_last: torch.Tensor | None = None
 
     @staticmethod
     def pack(tokens: Sequence[int] | torch.Tensor, start: int, block_table: Sequence[int], state_slot: int,
-             L: int, W: int, page: int, conv_taps: int) -> torch.Tensor:
-        """The host buffer :meth:`view` reads; ``tokens`` are the pass's valid tokens (``<= L``)."""
+             L: int, W: int, page: int, conv_taps: int, taps: Sequence[int] = (), slots: int = 0) -> torch.Tensor:
+        """The host buffer :meth:`view` reads; ``tokens`` are the pass's valid tokens (``<= L``),
+        ``taps`` offsets inside the pass (at most ``slots``)."""
         tok = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
         n = tok.shape[0]
         assert 1 <= n <= L, f"a pass of {n} tokens does not fit {L} rows"
@@ -87,42 +99,87 @@ class PrefillIndex:
         padded[:n] = tok
         tail = torch.tensor([start, n, state_slot, n - 1], dtype=torch.long)
         conv = n + torch.arange(conv_taps, dtype=torch.long)
-        return torch.cat([padded, pos, write, pages, tail, conv])
+        parts = [padded, pos, write, pages, tail, conv]
+        if slots:
+            layout = spread_layout(n, taps, L, slots)
+            offsets = [*taps, *([0] * (slots - len(taps)))]
+            parts += [torch.tensor(layout.rows, dtype=torch.long), torch.tensor(layout.bounds, dtype=torch.long),
+                      torch.tensor(offsets, dtype=torch.long), torch.tensor([max(0, o - 1) for o in offsets])]
+        else:
+            assert not taps, "a pass with taps needs tap slots"
+        return torch.cat(parts)
 
     @classmethod
-    def view(cls, packed: torch.Tensor, L: int, W: int, host: tuple[int, int] | None = None) -> "PrefillIndex":
-        k1 = packed.shape[0] - (3 * L + W + 4)
-        tokens, positions, write, pages, tail, conv = torch.split(packed, [L, L, L, W, 4, k1])
-        return cls(L, W, packed, tokens, positions, write, pages, tail[0:2], tail[2:3], tail[3:4], conv, host)
+    def view(cls, packed: torch.Tensor, L: int, W: int, host: tuple[int, int] | None = None,
+             slots: int = 0) -> "PrefillIndex":
+        extra = L + 3 * slots + 2 if slots else 0
+        k1 = packed.shape[0] - (3 * L + W + 4) - extra
+        tokens, positions, write, pages, tail, conv, rest = torch.split(packed, [L, L, L, W, 4, k1, extra])
+        idx = cls(L, W, packed, tokens, positions, write, pages, tail[0:2], tail[2:3], tail[3:4], conv, host)
+        if slots:
+            idx.slots = slots
+            idx.spread, idx.bounds, idx.tap_pos, idx.tap_last = torch.split(rest, [L, slots + 2, slots, slots])
+        return idx
 
     @classmethod
     def build(cls, model: "HybridModel", tokens, start: int, block_table: Sequence[int], state_slot: int,
-              L: int, page: int) -> "PrefillIndex":
+              L: int, page: int, taps: Sequence[int] = (), slots: int = 0) -> "PrefillIndex":
         n = len(tokens)
         W = table_width((start + n + page - 1) // page)
-        packed = cls.pack(tokens, start, block_table, state_slot, L, W, page, model.config.linear_conv_kernel_dim - 1)
+        packed = cls.pack(tokens, start, block_table, state_slot, L, W, page, model.config.linear_conv_kernel_dim - 1,
+                          taps, slots)
         if model.device.type == "cuda":
             packed = packed.pin_memory().to(model.device, non_blocking=True)
-        return cls.view(packed.to(model.device), L, W, host=(start, n))
+        return cls.view(packed.to(model.device), L, W, host=(start, n), slots=slots)
 
 
 @dataclass
 class PrefillCoreOut:
     logits: torch.Tensor  # [vocab] of the last valid row
     hidden_last: torch.Tensor  # [hidden] after the final norm
+    taps: "list[TapImage]" = field(default_factory=list)  # the state images taken inside the pass
+
+
+class TapBuffers:
+    """Where a pass with tap slots leaves its images: per GDN layer the state after each run
+    (``[slots + 1, H_v, d_k, d_v]`` fp32, the last is the pass's final state) and each tap's conv
+    window (``[slots, conv_dim, kernel-1]``), and each tap's hidden (``[slots, hidden]``). One set
+    per model, shared by its graphs: a pass's images are views of it, read (copied into snapshot
+    slots) before the next pass runs."""
+
+    def __init__(self, model: "HybridModel", slots: int) -> None:
+        gdn = [layer.linear_attn for layer in model.layers if layer.kind == "linear_attention"]
+        dev = model.device
+        self.slots = slots
+        self.recurrent = [torch.zeros(slots + 1, m.n_v, m.d_k, m.d_v, dtype=torch.float32, device=dev) for m in gdn]
+        self.conv = [torch.zeros(slots, m.conv_dim, m.kernel - 1, dtype=model.dtype, device=dev) for m in gdn]
+        self.hidden = torch.zeros(slots, model.config.hidden_size, dtype=model.dtype, device=dev)
+
+    def images(self, start: int, offsets: Sequence[int]) -> "list[TapImage]":
+        """The images of the taps at ``offsets`` (in slot order) of a pass that began at ``start``."""
+        from hpc_cli.model.model import TapImage
+
+        return [TapImage(start + o, [c[j] for c in self.conv], [r[j] for r in self.recurrent], self.hidden[j])
+                for j, o in enumerate(offsets)]
 
 
 def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
-                 states: "StateSlots") -> PrefillCoreOut:
+                 states: "StateSlots", taps: TapBuffers | None = None) -> PrefillCoreOut:
     """One lane's prefill pass of ``idx.L`` rows (the valid ones first) from device indices only.
     Reads the pages through the paged prefill kernel where the pool allows (else gathers them with
-    the host values in ``idx.host``); writes K/V, the lane's GDN states and its hidden."""
+    the host values in ``idx.host``); writes K/V, the lane's GDN states and its hidden. With tap
+    slots (``idx.slots``) the GDN layers take the pass's taps into ``taps`` (no split)."""
     from hpc_cli.model.attention import prefill_attention
 
     L = idx.L
     dev = model.device
     mask = torch.arange(L, device=dev) < idx.meta[1]
     rows = ValidRows(mask, idx.conv_index)
+    spread = None
+    if idx.slots:
+        assert taps is not None and taps.slots == idx.slots, "a pass with tap slots needs its tap buffers"
+        cols = idx.tap_pos.view(-1, 1) + torch.arange(idx.conv_index.shape[0], device=dev)
+        spread = SpreadRows(idx.spread, idx.bounds, cols, L + CHUNK * idx.slots)
     cos, sin = model.rotary.cos_sin(idx.positions, model.dtype)
     paged = kv.paged_attention_supported(model.config.num_attention_heads)
     x = model._embed(idx.tokens)
@@ -132,8 +189,13 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
         if layer.kind == "linear_attention":
             g = model.state_index[i]
             conv, rec = states.conv[g], states.recurrent[g]
-            out, new_conv, new_rec = layer.linear_attn.prefill(h, conv.index_select(0, slot)[0],
-                                                               rec.index_select(0, slot)[0], rows=rows)
+            if spread is None:
+                out, new_conv, new_rec = layer.linear_attn.prefill(h, conv.index_select(0, slot)[0],
+                                                                   rec.index_select(0, slot)[0], rows=rows)
+            else:
+                out, new_conv, new_rec = layer.linear_attn.prefill_spread(
+                    h, conv.index_select(0, slot)[0], rec.index_select(0, slot)[0], rows, spread,
+                    taps.recurrent[g], taps.conv[g])
             conv.index_copy_(0, slot, new_conv.unsqueeze(0).to(conv.dtype))
             rec.index_copy_(0, slot, new_rec.unsqueeze(0).to(rec.dtype))
         else:
@@ -154,6 +216,8 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
             out = attn.finish(o, gate)
         x = x + out
         x = x + layer.mlp(layer.post_attention_layernorm(x))
+    if spread is not None:
+        taps.hidden.copy_(model.norm(x.index_select(0, idx.tap_last)))
     x = model.norm(x.index_select(0, idx.last))
     states.hidden.index_copy_(0, slot, x.to(states.hidden.dtype))
     logits = model.lm_head(x)

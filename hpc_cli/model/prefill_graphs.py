@@ -16,6 +16,10 @@ device indices only, so its kernels can be captured once per shape and replayed:
   free for the next replay.
 * Graphs bake in the KV pool's and the state slots' storage (and NVFP4 global scales): a model
   used with other pools drops its graphs, as its decode graphs do (:mod:`hpc_cli.model.graphs`).
+* A pass with exact taps inside it (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) runs a
+  graph of the same length with room for :data:`~hpc_cli.model.gdn_taps.TAP_SLOTS` taps (key
+  ``slots``): its GDN layers spread their rows and leave the tap images in the model's
+  :class:`~hpc_cli.model.prefill_core.TapBuffers`, which the caller copies out before the next pass.
 * Used where the column graphs are (dense models on CUDA, a pool the paged kernel reads, ``[engine]
   cuda_graphs``), for plain passes: a pass that wants every position's logits or hidden, captured
   layer features (speculative backends) or image embeddings runs eagerly. A failed capture turns
@@ -31,7 +35,8 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from hpc_cli.model.graphs import capture_graph, pool_serials
-from hpc_cli.model.prefill_core import PrefillCoreOut, PrefillIndex, prefill_core, table_width
+from hpc_cli.model.gdn_taps import TAP_SLOTS, fla_spread_supported
+from hpc_cli.model.prefill_core import PrefillCoreOut, PrefillIndex, TapBuffers, prefill_core, table_width
 
 if TYPE_CHECKING:
     from hpc_cli.memory.kv_pool import PagedKVStorage
@@ -61,8 +66,11 @@ class PrefillGraphs:
         self.replays = 0
         self.captures = 0
         self.eager = 0
+        #: taps a pass takes itself (0 where fla's kernels are missing: the pass splits at each)
+        self.tap_slots = TAP_SLOTS if fla_spread_supported() else 0
+        self.tap_buffers: TapBuffers | None = None
 
-    def _key(self, L: int, W: int, kv: "PagedKVStorage", states: "StateSlots") -> tuple:
+    def _key(self, L: int, W: int, slots: int, kv: "PagedKVStorage", states: "StateSlots") -> tuple:
 
         bound = pool_serials(kv, states)
         if bound != self.bound:  # other pools: the old graphs write storage that is not ours
@@ -70,12 +78,14 @@ class PrefillGraphs:
             self.seen.clear()
             self.bound = bound
         scales = tuple(kv.global_scales.flatten().tolist()) if kv.profile.uses_global_scale else ()
-        return (L, W, bound, scales)
+        return (L, W, slots, bound, scales)
 
     def run(self, tokens: Sequence[int] | torch.Tensor, start: int, block_table: Sequence[int], state_slot: int,
-            kv: "PagedKVStorage", states: "StateSlots") -> PrefillCoreOut:
+            kv: "PagedKVStorage", states: "StateSlots", taps: Sequence[int] = ()) -> PrefillCoreOut:
         """One lane's pass of ``tokens`` at ``start ..``, padded to a multiple of the model's
-        ``prefill_pad``; through a graph from the second pass of its shape on."""
+        ``prefill_pad``; through a graph from the second pass of its shape on. ``taps``: offsets
+        inside the pass (at most :attr:`tap_slots`) whose images come back in ``taps`` (views of
+        the tap buffers, valid until the next pass)."""
         model = self.model
         page = kv.page_tokens
         n = len(tokens)
@@ -83,29 +93,39 @@ class PrefillGraphs:
         L = -(-n // pad) * pad
         W = table_width((start + n + page - 1) // page)
         k1 = model.config.linear_conv_kernel_dim - 1
-        packed = PrefillIndex.pack(tokens, start, block_table, state_slot, L, W, page, k1).pin_memory()
-        key = self._key(L, W, kv, states)
+        slots = self.tap_slots if taps else 0
+        assert len(taps) <= slots or not taps, f"{len(taps)} taps do not fit {self.tap_slots} tap slots"
+        if slots and self.tap_buffers is None:
+            self.tap_buffers = TapBuffers(model, slots)
+        buffers = self.tap_buffers if slots else None
+        packed = PrefillIndex.pack(tokens, start, block_table, state_slot, L, W, page, k1, taps, slots).pin_memory()
+        key = self._key(L, W, slots, kv, states)
         entry = self.graphs.get(key)
         if entry is None and key in self.seen and self.disabled is None:
-            entry = self._capture(key, packed, L, W, kv, states)
+            entry = self._capture(key, packed, L, W, slots, kv, states)
         if entry is None:  # the first pass of this shape (warm-up), or graphs unavailable
             self.seen.add(key)
             self.eager += 1
-            idx = PrefillIndex.view(packed.to(model.device, non_blocking=True), L, W, host=(start, n))
-            return prefill_core(model, idx, kv, states)
-        entry.index.packed.copy_(packed, non_blocking=True)
-        entry.graph.replay()
-        self.replays += 1
-        return PrefillCoreOut(entry.out.logits.clone(), entry.out.hidden_last.clone())
+            idx = PrefillIndex.view(packed.to(model.device, non_blocking=True), L, W, host=(start, n), slots=slots)
+            out = prefill_core(model, idx, kv, states, buffers)
+        else:
+            entry.index.packed.copy_(packed, non_blocking=True)
+            entry.graph.replay()
+            self.replays += 1
+            out = PrefillCoreOut(entry.out.logits.clone(), entry.out.hidden_last.clone())
+        if buffers is not None:
+            out.taps = buffers.images(start, list(taps))
+        return out
 
-    def _capture(self, key: tuple, packed: torch.Tensor, L: int, W: int, kv: "PagedKVStorage",
+    def _capture(self, key: tuple, packed: torch.Tensor, L: int, W: int, slots: int, kv: "PagedKVStorage",
                  states: "StateSlots") -> _PrefillGraph | None:
         model = self.model
-        idx = PrefillIndex.view(packed.to(model.device), L, W)
+        idx = PrefillIndex.view(packed.to(model.device), L, W, slots=slots)
+        buffers = self.tap_buffers if slots else None
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         try:
-            graph, out = capture_graph(self.pool, lambda: prefill_core(model, idx, kv, states))
+            graph, out = capture_graph(self.pool, lambda: prefill_core(model, idx, kv, states, buffers))
         except Exception as exc:  # a kernel or library that cannot be captured: prefill eagerly
             self.disabled = f"{type(exc).__name__}: {exc}"
             log.warning("CUDA graph capture of a prefill pass failed, prefilling without graphs: %s", self.disabled)

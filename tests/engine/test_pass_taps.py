@@ -9,6 +9,7 @@ import random
 from hpc_cli.cache.snapshot import SnapshotKind
 from hpc_cli.engine.api import GenerationRequest, SamplingParams, TapHint
 from hpc_cli.engine.engine import Engine
+from hpc_cli.model.gdn_taps import UNBOUNDED
 
 
 
@@ -19,7 +20,7 @@ PROMPT = [random.Random(1).randrange(1, 250) for _ in range(300)]
 HINTS = [TapHint(37, 3), TapHint(150, 1), TapHint(291, 2)]  # structural, explicit, opener
 
 
-def _run(model, in_pass: bool):
+def _run(model, in_pass: int):
     e = Engine(model, kv_pages=64, prefill_chunk=256, max_concurrency=1, host_cache_mib=16)
     e.cache.in_pass_taps = in_pass
     e.start()
@@ -39,8 +40,8 @@ def _run(model, in_pass: bool):
 
 
 def test_in_pass_taps_equal_split_taps(model):
-    out_s, fin_s, kinds_s, images_s, again_s, fin2_s = _run(model, in_pass=False)
-    out_p, fin_p, kinds_p, images_p, again_p, fin2_p = _run(model, in_pass=True)
+    out_s, fin_s, kinds_s, images_s, again_s, fin2_s = _run(model, in_pass=0)
+    out_p, fin_p, kinds_p, images_p, again_p, fin2_p = _run(model, in_pass=UNBOUNDED)
     # taps at 37, 150 and 291 were taken in both (the opener covers the tail; each later tap
     # supersedes the lineage's last, spec §9.3); the device keeps the same snapshots either way
     assert kinds_p == kinds_s and {150, 291} <= set(kinds_p), (kinds_p, kinds_s)
@@ -56,3 +57,16 @@ def test_in_pass_taps_equal_split_taps(model):
     # the second prompt shares 200 tokens: it resumes from the explicit tap at 150
     assert fin2_p.usage.reuse_tokens == fin2_s.usage.reuse_tokens == 150
     assert again_p == again_s
+
+
+def test_a_pass_takes_up_to_its_capacity_then_splits(model):
+    """With room for one tap per pass (a graph's slots), the second exact tap inside a pass ends
+    it: [0,150) takes 37 itself, [150,300) takes 291; the answers and snapshots are the same."""
+    out_s, fin_s, kinds_s, images_s, _, _ = _run(model, in_pass=0)
+    out_c, fin_c, kinds_c, images_c, _, _ = _run(model, in_pass=1)
+    assert [p.tokens for p in fin_c.usage.timing.passes] == [150, 150]
+    assert kinds_c == kinds_s and fin_c.usage.timing.taps == 3
+    for p in kinds_c:
+        for a, b in zip(images_c[p], images_s[p]):
+            assert rel_err(a.float(), b.float()) < 1e-5, f"snapshot at {p}"
+    assert out_c == out_s

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpc_cli.model.gdn import chunk_rule, recurrent_rule, tapped_rule
+from hpc_cli.model.gdn import chunk_rule, recurrent_rule
+from hpc_cli.model.gdn_taps import tapped_rule
 
 from .helpers import rel_err
 

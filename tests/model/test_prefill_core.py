@@ -72,3 +72,47 @@ def test_index_layout():
     assert idx.conv_index.tolist() == [3, 4, 5]
     with pytest.raises(AssertionError, match="need 3"):
         PrefillIndex.pack([1] * 3, 130, [4, 1], 0, 64, 512, 64, 3)
+
+
+@pytest.mark.parametrize("taps", [[1], [37, 101], [64, 128, 129, 199]], ids=lambda t: "-".join(map(str, t)))
+def test_indexed_pass_with_tap_slots_equals_the_tapped_pass(tiny, tokens, taps):
+    """A pass with tap slots (the graph form of the zero-split tap: rows spread on the device,
+    unused slots empty runs) gives the eager tapped pass's logits, states and tap images."""
+    from hpc_cli.model.gdn_taps import TAP_SLOTS
+    from hpc_cli.model.prefill_core import TapBuffers
+
+    profile = "bf16"
+    kv, states = tiny.new_kv_storage(profile, 8), tiny.new_state_slots(3)
+    ref = tiny.prefill(tokens, 0, TABLE, 2, kv, states, taps=taps)
+    kv2, states2 = tiny.new_kv_storage(profile, 8), tiny.new_state_slots(3)
+    buffers = TapBuffers(tiny, TAP_SLOTS)
+    idx = PrefillIndex.build(tiny, tokens, 0, TABLE, 2, 256, kv2.page_tokens, taps=taps, slots=TAP_SLOTS)
+    out = prefill_core(tiny, idx, kv2, states2, buffers)
+    images = buffers.images(0, taps)
+    assert torch.equal(out.logits, ref.logits)
+    for g in range(len(states.recurrent)):
+        assert torch.equal(states2.recurrent[g][2], states.recurrent[g][2]), f"GDN layer {g} state"
+        assert torch.equal(states2.conv[g][2], states.conv[g][2]), f"GDN layer {g} conv window"
+    assert [i.position for i in images] == [i.position for i in ref.taps] == taps
+    for a, b in zip(images, ref.taps):
+        assert torch.equal(a.hidden, b.hidden), f"tap {a.position}: hidden"
+        for g, (x, y) in enumerate(zip(a.recurrent, b.recurrent)):
+            assert torch.equal(x, y), f"tap {a.position}: GDN layer {g} state"
+        for g, (x, y) in enumerate(zip(a.conv, b.conv)):
+            assert torch.equal(x, y), f"tap {a.position}: GDN layer {g} conv window"
+
+
+def test_spread_layout():
+    """Each run starts at a chunk boundary; the pass's padding rows follow the last run; unused
+    slots are empty runs at the end."""
+    from hpc_cli.model.gdn_taps import spread_layout
+
+    lay = spread_layout(100, [10, 64, 70], L=128, slots=4)
+    assert lay.starts == [0, 64, 128, 192] and lay.size == 128 + 4 * 64
+    assert lay.rows[:10] == list(range(10)) and lay.rows[10:64] == list(range(64, 118))
+    assert lay.rows[64:70] == list(range(128, 134)) and lay.rows[70:100] == list(range(192, 222))
+    assert lay.rows[100:] == list(range(222, 250))
+    assert lay.bounds == [0, 64, 128, 192, 384, 384] and lay.tap_chunks == [1, 2, 3]
+    assert spread_layout(100, [64]).rows == list(range(100))  # a tap on the grid adds no row
+    with pytest.raises(AssertionError, match="do not fit"):
+        spread_layout(100, [1, 2, 3, 4, 5], L=128, slots=4)

@@ -1,0 +1,168 @@
+"""The zero-split tap on CUDA (spec §13.2 qualification): fla's chunk kernels over spread rows,
+the state recurrence run per run. Each tap equals a truncated call on the same phase bit for bit,
+the output equals the pass split at the taps, phase 0 (no tap) equals fla's own call, and every
+tap is within bf16 rounding of an fp64 token-by-token recurrence. Then whole passes: a prefill
+graph with tap slots equals the eager tapped pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+# the 27B widths: 16 key heads and 48 value heads of 128
+HK, HV, D = 16, 48, 128
+
+
+def _needs_fla():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from hpc_cli.model.gdn_taps import fla_spread_supported
+
+    if not fla_spread_supported():
+        pytest.skip("needs fla's chunk kernels")
+
+
+def _inputs(t: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, t, HK, D, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, t, HK, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn(1, t, HV, D, device="cuda", generator=g).bfloat16()
+    gate = -torch.rand(1, t, HV, device="cuda", generator=g) * 0.2
+    beta = torch.rand(1, t, HV, device="cuda", generator=g).bfloat16()
+    s0 = torch.randn(1, HV, D, D, device="cuda", generator=g) * 0.1
+    return q, k, v, gate, beta, s0
+
+
+def _cut(xs, a, b):
+    return [x[:, a:b] for x in xs[:5]]
+
+
+def _split(xs, taps):
+    """The pass split at ``taps``: fla's own call per run, each from the last one's state."""
+    from hpc_cli.model.gdn import gated_delta_prefill
+
+    t = xs[0].shape[1]
+    outs, states, state = [], [], xs[5]
+    for a, b in zip([0, *taps], [*taps, t]):
+        o, state = gated_delta_prefill(*_cut(xs, a, b), state)
+        outs.append(o)
+        states.append(state)
+    return torch.cat(outs, dim=1), states
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 2048, 4096])
+def test_no_tap_is_flas_own_call(t):
+    """Phase 0: the spread rule with no tap is fla's chunk_gated_delta_rule, bit for bit."""
+    _needs_fla()
+    from hpc_cli.model.gdn import gated_delta_prefill
+    from hpc_cli.model.gdn_taps import fla_spread_rule
+
+    xs = _inputs(t)
+    ref_o, ref_s = gated_delta_prefill(*xs)
+    states = torch.empty(1, HV, D, D, device="cuda")
+    out = fla_spread_rule(*xs[:5], xs[5], torch.tensor([0, t], device="cuda"), states)
+    assert torch.equal(out, ref_o) and torch.equal(states[0], ref_s[0])
+
+
+@pytest.mark.parametrize("t", [65, 2048, 4096])
+def test_taps_equal_truncated_calls_and_split_passes(t):
+    """Taps at several phases: each tap state equals the truncated call's final state, and the
+    output and final state equal the pass split at the taps, bit for bit."""
+    _needs_fla()
+    from hpc_cli.model.gdn_taps import tapped_rule
+
+    xs = _inputs(t, seed=t)
+    taps = sorted({1, 63, 64, t // 3, t // 2 + 17, t - 1} - {0, t})
+    out, final, states = tapped_rule(*xs[:5], xs[5], taps)
+    ref_out, ref_states = _split(xs, taps)
+    assert torch.equal(out, ref_out), "output differs from the split pass"
+    assert torch.equal(final, ref_states[-1]), "final state differs from the split pass"
+    for j, p in enumerate(taps):
+        assert torch.equal(states[j], ref_states[j]), f"tap {p} differs from the split pass"
+        _, trunc, _ = tapped_rule(*_cut(xs, 0, p), xs[5], taps[:j])
+        assert torch.equal(states[j], trunc), f"tap {p} differs from the truncated call"
+
+
+def _fp64_states(xs, t: int) -> dict[int, torch.Tensor]:
+    """The naive recurrence in fp64, token by token: the state after every position."""
+    q, k, v, gate, beta, s0 = (x.double() for x in xs)
+    rep = HV // HK
+    q, k = (x.repeat_interleave(rep, dim=2)[0] for x in (q, k))
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    state, out = s0[0], {}
+    for i in range(t):
+        state = state * gate[0, i].exp()[:, None, None]
+        delta = (v[0, i] - torch.einsum("hkv,hk->hv", state, k[i])) * beta[0, i][:, None]
+        state = state + k[i][:, :, None] * delta[:, None, :]
+        out[i + 1] = state
+    return out
+
+
+def test_every_phase_against_an_fp64_recurrence():
+    """A tap at each phase 0..63 of a chunk: bit-identical to the truncated call, and within
+    bf16 rounding of the fp64 recurrence (the same inputs, token by token)."""
+    _needs_fla()
+    from hpc_cli.model.gdn_taps import tapped_rule
+
+    t = 192
+    xs = _inputs(t, seed=5)
+    ref = _fp64_states(xs, t)
+    worst = 0.0
+    for phase in range(64):
+        p = 64 + phase
+        _, _, states = tapped_rule(*xs[:5], xs[5], [p])
+        _, trunc, _ = tapped_rule(*_cut(xs, 0, p), xs[5], [])
+        assert torch.equal(states[0], trunc), f"phase {phase}: tap differs from the truncated call"
+        err = float((states[0][0].double() - ref[p]).norm() / ref[p].norm())
+        worst = max(worst, err)
+        assert err < 2e-2, f"phase {phase}: relative error {err:.2e} against the fp64 recurrence"
+    print(f"worst relative error against the fp64 recurrence over 64 phases: {worst:.2e}")
+
+
+@pytest.mark.parametrize("taps", [[5], [37, 101], [64, 128, 129, 250]], ids=lambda t: "-".join(map(str, t)))
+def test_graph_pass_with_tap_slots_equals_the_eager_tapped_pass(taps):
+    """A prefill graph with tap slots (first pass eager, then capture, then replay) gives the
+    eager tapped pass's logits, states and tap images, bit for bit, and compiles nothing on replay."""
+    _needs_fla()
+    from hpc_cli.model.compile_watch import watch
+    from hpc_cli.model.model import HybridModel
+
+    model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(1, model.config.vocab_size, (300,), generator=g).tolist()
+    table = list(range(5))
+
+    pools = {False: (model.new_kv_storage("int8-g64", 8), model.new_state_slots(3)),
+             True: (model.new_kv_storage("int8-g64", 8), model.new_state_slots(3))}
+
+    def run(graphs: bool):
+        model.cuda_graphs = graphs
+        kv, states = pools[graphs]
+        states.reset(1)
+        out = model.prefill(tokens[:260], 0, table, 1, kv, states, taps=taps)
+        images = [(i.position, [c.clone() for c in i.conv], [r.clone() for r in i.recurrent], i.hidden.clone())
+                  for i in out.taps]
+        torch.cuda.synchronize()
+        return out.logits.clone(), states, images
+
+    eager = run(False)
+    counts = None
+    for attempt in range(3):  # eager first pass, capture, replay
+        if attempt == 2:
+            counts = watch()
+            before = counts.compilations + counts.autotunes
+        got = run(True)
+        assert torch.equal(got[0], eager[0]), f"attempt {attempt}: logits"
+        for i in range(len(got[1].recurrent)):
+            assert torch.equal(got[1].recurrent[i], eager[1].recurrent[i]), f"attempt {attempt}: GDN layer {i}"
+            assert torch.equal(got[1].conv[i], eager[1].conv[i]), f"attempt {attempt}: conv {i}"
+        assert [i[0] for i in got[2]] == [i[0] for i in eager[2]] == taps
+        for a, b in zip(got[2], eager[2]):
+            assert all(torch.equal(x, y) for x, y in zip(a[1], b[1])), f"tap {a[0]}: conv windows"
+            assert all(torch.equal(x, y) for x, y in zip(a[2], b[2])), f"tap {a[0]}: states"
+            assert torch.equal(a[3], b[3]), f"tap {a[0]}: hidden"
+    graphs = model.prefill_graphs(pools[True][0])
+    assert graphs is not None and graphs.replays >= 1 and graphs.disabled is None
+    assert counts.compilations + counts.autotunes == before, "a replayed tapped pass compiled or tuned a kernel"
