@@ -1,9 +1,10 @@
 """What the engine takes and gives: requests, sampling parameters, output events, usage.
 
-The server (and tests) talk to :class:`hpc_cli.engine.engine.Engine` only through these types:
-``handle = engine.submit(GenerationRequest(...))`` returns a :class:`RequestHandle` whose events
-(:class:`TokenEvent` per generated token, then one :class:`FinishEvent`) arrive from the engine's
-worker thread; ``handle.cancel()`` stops it at the next unit boundary.
+The server (and tests) talk to :class:`hpc_cli.engine.engine.Engine` only through these types
+and the :class:`Engine` protocol: ``handle = engine.submit(GenerationRequest(...))`` returns a
+:class:`RequestHandle` whose events (:class:`TokenEvent` per generated token, then one
+:class:`FinishEvent`) arrive from the engine's worker thread; ``handle.cancel()`` stops it at
+the next unit boundary.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from hpc_cli.errors import RequestError
 
@@ -242,3 +243,28 @@ class RequestHandle:
             elif isinstance(ev, FinishEvent):
                 return tokens, ev
         raise AssertionError("event stream ended without a FinishEvent")
+
+
+class Engine(Protocol):
+    """What the server needs of an engine (:class:`hpc_cli.engine.engine.Engine`; the tests'
+    ``FakeEngine``): a tokenizer, the model's name and context length, ``submit``, ``stop`` and
+    the published ``stats()`` document.
+
+    The server also reads, where an engine has them (``getattr`` with a default, so a small
+    engine may leave them out): ``fatal`` (why the worker stopped after an error, else None),
+    ``running`` (bool), ``in_flight`` (requests submitted and not finished), ``C`` (lanes),
+    ``on_fatal`` (callbacks the worker runs once it stopped on an error), ``detailed_stats()``
+    (``stats()`` made fresh by the worker, with the snapshot table), ``save_prefix_cache(path,
+    abort)`` and ``model`` (its ``vision`` tower, ``image_processor`` and ``multimodal`` config
+    for images).
+    """
+
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+
+    def submit(self, request: GenerationRequest) -> RequestHandle: ...
+
+    def stop(self, timeout: float | None = ...) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...

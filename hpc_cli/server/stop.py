@@ -22,7 +22,10 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from hpc_cli.engine.api import Engine
 
 log = logging.getLogger("hpc_cli.server")
 
@@ -31,7 +34,7 @@ FORCE_WAIT_S = 2.0
 
 
 class StopController:
-    def __init__(self, engine: Any, state: Any = None, server: Any = None, prefix_cache_file: Any = None,
+    def __init__(self, engine: "Engine", state: Any = None, server: Any = None, prefix_cache_file: Any = None,
                  engine_stop_timeout: float = 30.0, echo: Callable[[str], None] | None = None,
                  exit_fn: Callable[[int], None] = os._exit, clock: Callable[[], float] = time.monotonic,
                  exit_on_fatal: bool = False) -> None:

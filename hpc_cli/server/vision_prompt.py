@@ -22,12 +22,11 @@ from hpc_cli.server.chat import PreparedChat
 from hpc_cli.server.media import ImageSource, MediaError, MediaLimits, from_anthropic, from_url, load
 
 if TYPE_CHECKING:
-    from hpc_cli.engine.engine import Engine
+    from hpc_cli.engine.api import Engine
     from hpc_cli.engine.media import PromptImage
     from hpc_cli.model.image_processor import ImageProcessorConfig, ImagePatches
-    from hpc_cli.server.anthropic import MessagesRequest
-    from hpc_cli.server.app import ServerState
-    from hpc_cli.server.openai import ContentPart
+    from hpc_cli.server.schemas import ContentPart, MessagesRequest
+    from hpc_cli.server.state import ServerState
 
 IMAGE_PART: dict[str, str] = {"type": "image"}
 OPENAI_IMAGE_TYPES = ("image_url", "input_image")

@@ -1,6 +1,6 @@
 """FakeEngine: a minimal test double of hpc_cli.engine.engine.Engine for protocol-shape tests.
 
-It speaks the engine contract (hpc_cli.engine.api) without a model: a worker thread emits an
+It speaks the engine contract (hpc_cli.engine.api, the Engine protocol) without a model: a worker thread emits an
 AdmittedEvent, then deterministic tokens ("hello world " repeated, byte tokenizer), then a
 FinishEvent with usage. Its "cache" remembers prompt prefixes at the tap hints it was given and
 reports, as reuse, the longest remembered prefix of a new prompt (capped at n - 1). It is used
@@ -13,12 +13,13 @@ import queue
 import threading
 import time
 
-from hpc_cli.engine.api import (AdmittedEvent, FinishEvent, GenerationRequest, RequestHandle, TokenEvent, Usage)
+from hpc_cli.engine.api import (AdmittedEvent, Engine, FinishEvent, GenerationRequest, RequestHandle, TokenEvent,
+                                Usage)
 from hpc_cli.errors import UnavailableError
 from hpc_cli.model.tokenizer import ByteTokenizer
 
 
-class FakeEngine:
+class FakeEngine(Engine):
     def __init__(self, text: str = "hello world ", token_delay: float = 0.0, max_model_len: int = 4096,
                  eos_after: int | None = None) -> None:
         self.tokenizer = ByteTokenizer()

@@ -613,7 +613,7 @@ def test_case11_health_answers_anyone_without_details(world):
 
 
 def test_case11_protect_metrics_off():
-    from hpc_cli.server.app import ServerState
+    from hpc_cli.server.state import ServerState
     from tests.server.fake_engine import FakeEngine
 
     engine = FakeEngine()

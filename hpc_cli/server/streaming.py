@@ -1,0 +1,158 @@
+"""Engine events to responses, for every generating route of both APIs.
+
+:func:`stream_events` is the one server-sent-events loop: it tracks the request
+(:class:`.tracking.RequestTracker`), assembles the text (stop ids and stop strings,
+:class:`.common.TextAssembler`), cancels the engine request once a stop string ended it, and
+owns the epilogue: an engine failure (``unavailable`` 503, ``error`` 500) becomes one error event
+and ends the stream, a finish counts ``ok``, a client that went away counts ``cancelled``, and
+a request still running when the stream ends is cancelled. What the events look like on the
+wire is the route's :class:`StreamWriter` (:class:`.openai_common.OpenAIStreamWriter` for
+``data:`` chunks ending in ``[DONE]``, :class:`.messages.MessagesStreamWriter` for Anthropic's
+named events).
+
+:func:`collect` is the same for a response sent whole: the generated tokens, the assembled text
+and the finish event; :func:`raise_for_finish` turns a failed finish into the error response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from hpc_cli.engine.api import AdmittedEvent, FinishEvent, RequestHandle, TokenEvent
+from hpc_cli.errors import EngineError
+from hpc_cli.server.common import ClientDisconnected, TextAssembler, Unavailable, iterate_events
+from hpc_cli.server.tracking import RequestTracker
+
+if TYPE_CHECKING:
+    from hpc_cli.server.state import ServerState
+
+#: a failed finish's reason -> the HTTP status and the message when the engine gave none
+FAILURES: dict[str, tuple[int, str]] = {
+    "unavailable": (503, "the server is stopping; the request was not completed"),
+    "error": (500, "the engine failed this request"),
+}
+DONE = "data: [DONE]\n\n"
+
+
+def sse_data(data: Any) -> str:
+    """One unnamed event (OpenAI's chunks)."""
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def sse_event(event: str, data: dict) -> str:
+    """One named event (Anthropic's)."""
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def raise_for_finish(fin: FinishEvent) -> None:
+    """A failed finish as the error the exception handlers answer (503 or 500, no traceback)."""
+    if fin.reason == "unavailable":
+        raise Unavailable(fin.error or FAILURES["unavailable"][1])
+    if fin.reason == "error":
+        raise EngineError(fin.error or FAILURES["error"][1])
+
+
+def settle_reason(fin: FinishEvent, asm: TextAssembler) -> None:
+    """A request the server cancelled because a stop string ended its text finished by ``stop``."""
+    if fin.reason == "cancelled" and asm.stopped is not None:
+        fin.reason = "stop"
+
+
+class StreamWriter:
+    """How one route writes its stream: each method returns the events to send, in order."""
+
+    def opening(self) -> Iterable[str]:
+        """Before any engine event."""
+        return ()
+
+    def admitted(self, ev: AdmittedEvent) -> Iterable[str]:
+        return ()
+
+    def token(self, ev: TokenEvent, piece: str) -> Iterable[str]:
+        """A generated token (not after a stop) and the text it released (may be empty)."""
+        raise NotImplementedError
+
+    def finish(self, fin: FinishEvent, tail: str) -> Iterable[str]:
+        """The request finished (``stop``, ``length`` or ``cancelled``); ``tail``: the text held
+        back until now."""
+        raise NotImplementedError
+
+    def error(self, status: int, message: str, code: str) -> Iterable[str]:
+        """The engine failed the request (``code`` ``unavailable`` or ``error``)."""
+        raise NotImplementedError
+
+
+async def stream_events(state: "ServerState", request: Request, handle: RequestHandle, endpoint: str,
+                        asm: TextAssembler, writer: StreamWriter) -> AsyncIterator[str]:
+    """The stream of one engine request (see the module's docstring)."""
+    tracker = RequestTracker(state, endpoint)
+    outcome = "error"
+    try:
+        for s in writer.opening():
+            yield s
+        async for ev in iterate_events(handle, request.is_disconnected):
+            if isinstance(ev, AdmittedEvent):
+                for s in writer.admitted(ev):
+                    yield s
+            elif isinstance(ev, TokenEvent):
+                tracker.token()
+                if asm.stopped is not None:
+                    continue
+                piece = asm.push(ev.token_id)
+                if asm.stopped is not None:
+                    handle.cancel()  # the engine stops at the same token; this only makes sure
+                for s in writer.token(ev, piece):
+                    yield s
+            elif isinstance(ev, FinishEvent):
+                if ev.reason in FAILURES:
+                    outcome = ev.reason
+                    tracker.finish(outcome, ev.usage)
+                    status, default = FAILURES[ev.reason]
+                    for s in writer.error(status, ev.error or default, ev.reason):
+                        yield s
+                    return
+                tail = asm.finish()
+                settle_reason(ev, asm)
+                for s in writer.finish(ev, tail):
+                    yield s
+                outcome = "ok"
+                tracker.finish("ok", ev.usage)
+                return
+    except ClientDisconnected:
+        outcome = "cancelled"  # the client went away
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = "cancelled"  # the stream was closed under it: the client went away
+        raise
+    finally:
+        if handle.finished is None:
+            handle.cancel()
+        tracker.finish(outcome)
+
+
+async def collect(state: "ServerState", request: Request, handle: RequestHandle, tracker: RequestTracker,
+                  stop: tuple[str, ...], skip: set[int]) -> tuple[list[TokenEvent], TextAssembler, FinishEvent]:
+    """One engine request read to its end: the tokens up to a stop, their text, the finish."""
+    asm = TextAssembler(state.tokenizer, stop, skip)
+    tokens: list[TokenEvent] = []
+    async for ev in iterate_events(handle, request.is_disconnected):
+        if isinstance(ev, TokenEvent):
+            tracker.token()
+            if asm.stopped is None:
+                tokens.append(ev)
+                asm.push(ev.token_id)
+                if asm.stopped is not None:
+                    handle.cancel()  # the engine stops at the same token; this only makes sure
+        elif isinstance(ev, FinishEvent):
+            asm.finish()
+            settle_reason(ev, asm)
+            return tokens, asm, ev
+    raise RuntimeError("event stream ended without a FinishEvent")
