@@ -26,7 +26,8 @@ import torch
 
 from hpc_cli.cache import persist
 from hpc_cli.cache.host import SlabUse
-from hpc_cli.cache.index import CacheGeometry, PrefixIndex
+from hpc_cli.cache.index import PrefixIndex
+from hpc_cli.cache.records import CacheGeometry
 from hpc_cli.cache.keys import BLOCK_TOKENS, HASH_SEED, lookup_hash
 from hpc_cli.cache.snapshot import SnapshotKind
 from hpc_cli.memory.host_slabs import HostSlabStorage

@@ -3,11 +3,11 @@
 
 from hpc_cli.cache.cost import PRESETS, CacheCostModel, preset
 from hpc_cli.cache.host import HostSlabPool, SlabUse, image_slabs
-from hpc_cli.cache.index import (
+from hpc_cli.cache.index import PrefixIndex
+from hpc_cli.cache.records import (
     CacheGeometry,
     CommitOutcome,
     Freed,
-    PrefixIndex,
     PublishResult,
     Quote,
     Readiness,

@@ -12,7 +12,7 @@ the generic defaults.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,9 +38,6 @@ class CacheCostModel:
         if nbytes <= 0:
             return 0.0
         return nbytes / self.h2d_bytes_per_second + self.restore_batch_seconds
-
-    def with_(self, **changes: object) -> "CacheCostModel":
-        return replace(self, **changes)
 
 
 #: Generic defaults (what an uncalibrated artifact uses).

@@ -10,12 +10,13 @@
 
 The index marks a snapshot ``dirty`` when its C or Z may have changed (published, hit,
 superseded, retained again, removed, or a host copy of its exclusive path came or went) and
-recomputes it before H is read; victim selection then scans the snapshot table.
+recomputes it before H is read (:class:`Priority`); victim selection then scans the snapshot
+table (:func:`min_priority`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from hpc_cli.cache.cost import CacheCostModel
 from hpc_cli.cache.keys import BLOCK_TOKENS
@@ -73,3 +74,35 @@ def estimate_priority(L: float, frontier: int, prev_frontier: int, tail: bool,
     own_blocks = max(0, frontier // BLOCK_TOKENS - prev_frontier // BLOCK_TOKENS)
     z = image_bytes + (block_bytes if tail else 0) + own_blocks * block_bytes
     return L + c / z
+
+
+class Priority:
+    """H(s) of the index's snapshots, recomputed only when ``s.dirty``."""
+
+    __slots__ = ("cost", "image_bytes", "block_bytes")
+
+    def __init__(self, cost: CacheCostModel, image_bytes: int, block_bytes: int) -> None:
+        self.cost = cost
+        self.image_bytes = image_bytes
+        self.block_bytes = block_bytes
+
+    def __call__(self, s: Snapshot) -> float:
+        if s.dirty:
+            s.gdsf_c = value_c(s, self.cost, self.image_bytes)
+            s.gdsf_z = size_z(s, self.image_bytes, self.block_bytes)
+            s.gdsf_h = priority(s.l_base, s.hits, s.gdsf_c, s.gdsf_z)
+            s.dirty = False
+        return s.gdsf_h
+
+
+def min_priority(snapshots: Iterable[Snapshot], h: Priority) -> tuple[Snapshot | None, float]:
+    """The retained, unpinned snapshot with a host copy (image or tail) of least H, and its H:
+    the victim of §9.3 step 3."""
+    victim, best = None, 0.0
+    for s in snapshots:
+        if s.superseded or s.restore_pins or (s.host_state == ABSENT and s.tail_host_state == ABSENT):
+            continue
+        v = h(s)
+        if victim is None or v < best:
+            victim, best = s, v
+    return victim, best

@@ -138,10 +138,6 @@ class HostSlabPool:
     def free_slabs(self) -> int:
         return len(self._free)
 
-    @property
-    def used_slabs(self) -> int:
-        return self.ready_slabs - len(self._free)
-
     def slabs_by_use(self) -> dict[str, int]:
         """Ready slabs per use (``free``, ``node``, ``image``, ``tail``), uses with none left out;
         O(1) (counted as slabs are assigned and freed)."""

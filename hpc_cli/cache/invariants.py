@@ -108,7 +108,7 @@ def check_invariants(ix: PrefixIndex) -> None:
         assert n.active_refs == refs[n], f"{n!r}: active_refs {n.active_refs}, sequences hold {refs[n]}"
         assert n.restore_pins == pins[n], f"{n!r}: restore_pins {n.restore_pins}, transfers hold {pins[n]}"
         if n.active_refs:
-            assert n.device_state != ABSENT or n in ix._awaiting_restore, \
+            assert n.device_state != ABSENT or n in ix.residency.awaiting_restore, \
                 f"{n!r}: on an active path without a device copy (§10.3)"
             assert n.parent.is_root or n.parent.active_refs > 0, f"{n!r}: pinned below an unpinned parent"
         # device LRU (§9.1)
@@ -129,11 +129,11 @@ def check_invariants(ix: PrefixIndex) -> None:
         # dead KV (§9.3 step 1)
         dead = (n.host_state == RESIDENT and n.live_snapshots_below == 0 and not n.pinned
                 and (n.device_state != ABSENT or n.n_children == 0))
-        assert (n in ix._dead) == dead, f"{n!r}: dead-KV membership {n in ix._dead}, expected {dead}"
+        assert (n in ix.residency.dead.nodes) == dead, f"{n!r}: dead-KV membership {n in ix.residency.dead.nodes}, expected {dead}"
     assert count == tree.size, f"tree size {tree.size} but {count} nodes reachable"
-    for n in ix._dead:
+    for n in ix.residency.dead.nodes:
         assert n.alive, f"{n!r}: deleted node in the dead-KV set"
-    for n in ix._awaiting_restore:
+    for n in ix.residency.awaiting_restore:
         assert n.alive and n.active_refs > 0 and n.device_state == ABSENT, f"{n!r}: awaiting restore but {n!r}"
 
     # --- snapshots (§5.3, §10.4)
@@ -184,7 +184,7 @@ def check_invariants(ix: PrefixIndex) -> None:
         else:
             assert s.tail_pages is None and s.tail_host_slab < 0 and s.lru_list is None, f"{s!r}: tail parts without tail"
         assert s.restore_pins == pins[s], f"{s!r}: restore_pins {s.restore_pins}, holders {pins[s]}"
-        assert s.superseded == (s in ix._superseded), f"{s!r}: superseded flag vs queue"
+        assert s.superseded == (s in ix.lineage.superseded), f"{s!r}: superseded flag vs queue"
         # counts along the path
         n = a
         while n.parent is not None:
@@ -199,7 +199,7 @@ def check_invariants(ix: PrefixIndex) -> None:
             if t is not s and t.covers(s) and (best is None or t.frontier > best.frontier):
                 best = t
         assert s.ancestor is best, f"{s!r}: ancestor {s.ancestor!r}, nearest above is {best!r}"
-        up = s.ancestor.dependents if s.ancestor is not None else ix._top
+        up = s.ancestor.dependents if s.ancestor is not None else ix.lineage.top
         assert s in up, f"{s!r}: missing from its ancestor's dependents"
         for d in s.dependents:
             assert d.alive and d.ancestor is s, f"{s!r}: dependent {d!r} does not point back"
@@ -210,9 +210,9 @@ def check_invariants(ix: PrefixIndex) -> None:
             h = gdsf.priority(s.l_base, s.hits, c, z)
             assert abs(h - s.gdsf_h) <= 1e-9 * max(1.0, abs(h)), \
                 f"{s!r}: cached H {s.gdsf_h} but C and Z now give {h} (a change did not mark it dirty)"
-    for d in ix._top:
+    for d in ix.lineage.top:
         assert d.alive and d.ancestor is None, f"{d!r}: in the top set with an ancestor"
-    for s in ix._superseded:
+    for s in ix.lineage.superseded:
         assert s.alive and s.superseded, f"{s!r}: in the superseded queue but not superseded"
     for n in all_nodes[1:]:
         assert n.live_snapshots_below == live_calc[n], \
@@ -222,8 +222,8 @@ def check_invariants(ix: PrefixIndex) -> None:
         assert n.retained_xor == xor_calc[n], f"{n!r}: retained_xor out of date"
 
     # --- device snapshot slots (§9.2)
-    free_slots = set(ix._free_slots)
-    assert len(free_slots) == len(ix._free_slots), "a snapshot slot is on the free list twice"
+    free_slots = set(ix.slots.free)
+    assert len(free_slots) == len(ix.slots.free), "a snapshot slot is on the free list twice"
     for i, o in enumerate(ix.slot_owner):
         if o is None:
             assert i in free_slots, f"slot {i}: unowned but not on the free list"

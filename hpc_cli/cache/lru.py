@@ -24,7 +24,7 @@ class _Sentinel:
 
 
 class LruList:
-    """One intrusive list. ``append`` puts an entry at the MRU end; ``pop_head`` takes the LRU one."""
+    """One intrusive list. ``append`` puts an entry at the MRU end; ``head`` is the LRU one."""
 
     __slots__ = ("name", "_s", "_len")
 
@@ -71,12 +71,6 @@ class LruList:
         """The LRU entry, or None."""
         first = self._s.lru_next
         return None if first is self._s else first
-
-    def pop_head(self) -> Any | None:
-        first = self.head()
-        if first is not None:
-            self.remove(first)
-        return first
 
     def __iter__(self) -> Iterator[Any]:
         """From the LRU end to the MRU end. Do not mutate the list while iterating."""

@@ -46,10 +46,8 @@ class Snapshot:
     host_state: Residency = ABSENT
     restore_pins: int = 0
     superseded: bool = False
-    superseded_tick: int = 0
     # Host eviction (GDSF, §9.3)
     hits: int = 0
-    published_tick: int = 0
     last_hit_tick: int = 0
     l_base: float = 0.0  # L when published or last hit
     gdsf_h: float = 0.0
@@ -75,19 +73,6 @@ class Snapshot:
     @property
     def has_tail(self) -> bool:
         return bool(self.tail_tokens)
-
-    @property
-    def image_on_device(self) -> bool:
-        return self.device_state == RESIDENT
-
-    @property
-    def image_on_host(self) -> bool:
-        return self.host_state == RESIDENT
-
-    @property
-    def host_backed(self) -> bool:
-        """Image (and tail, if any) resident on the host: dropping device copies loses nothing."""
-        return self.host_state == RESIDENT and (not self.tail_tokens or self.tail_host_state == RESIDENT)
 
     @property
     def device_complete(self) -> bool:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from hpc_cli.cache.tree import ABSENT, FILLING
 
 if TYPE_CHECKING:
-    from hpc_cli.cache.index import PrefixIndex, RestoreBatch, WriteBatch
+    from hpc_cli.cache.index import PrefixIndex
+    from hpc_cli.cache.records import RestoreBatch, WriteBatch
     from hpc_cli.cache.snapshot import Snapshot
     from hpc_cli.cache.tree import BlockNode
 
@@ -158,16 +159,16 @@ def _document(index: PrefixIndex, t: Tally, slabs_by_use: dict[str, int]) -> dic
         "nodes": {"total": index.tree.size, **nodes, "filling": filling, "pinned": t.nodes_pinned},
         "snapshots": {"total": len(index.snapshots), "by_kind": _nonzero(t.snapshots_by_kind.items()),
                       "by_residency": _nonzero(zip(RESIDENCY, t.snapshots)),
-                      "with_tail": t.snapshots_with_tail, "superseded": len(index._superseded)},
+                      "with_tail": t.snapshots_with_tail, "superseded": len(index.lineage.superseded)},
         "device": {"cached_page_bundles": device_pages, "lru_backed": len(index.lru_backed),
                    "lru_unbacked": len(index.lru_unbacked), "snapshot_slots": slots,
-                   "snapshot_slots_used": slots - len(index._free_slots),
+                   "snapshot_slots_used": slots - len(index.slots.free),
                    "block_bytes_cached": device_pages * index.block_bytes,
                    "image_bytes_cached": (t.snapshots[2] + t.snapshots[3]) * index.image_bytes},
         "host": {"slabs": host.num_slabs, "ready_slabs": host.ready_slabs, "free_slabs": host.free_slabs,
                  "slab_bytes": sb, "slabs_by_use": slabs_by_use,
                  "bytes_by_use": {k: v * sb for k, v in slabs_by_use.items()},
-                 "dead_kv_nodes": len(index._dead)},
+                 "dead_kv_nodes": len(index.residency.dead.nodes)},
         "gdsf_L": index.L,
         "epoch": index.epoch,
         "sequences": len(index.sequences),

@@ -62,7 +62,6 @@ class BlockNode:
     pinned_snaps: int = 0
     self_pin: int = 0
     pin_mass: int = 0
-    last_access: int = 0
     snapshots: list[Snapshot] = field(default_factory=list)  # anchored here
     alive: bool = True
     # device LRU links (lru.LruList)

@@ -16,7 +16,8 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from hpc_cli.cache.index import CacheGeometry, CommitOutcome, PrefixIndex, Readiness, StaleQuote
+from hpc_cli.cache.index import PrefixIndex
+from hpc_cli.cache.records import CacheGeometry, CommitOutcome, Readiness, StaleQuote
 from hpc_cli.cache.keys import BLOCK_TOKENS, token_bytes
 from hpc_cli.cache.snapshot import SnapshotKind
 from hpc_cli.cache.stats import snapshot_rows

@@ -24,7 +24,7 @@ class Lane:
     state_slot: int = -1
     pages: list[int] = field(default_factory=list)  # block table: page of block b
     owned: list[bool] = field(default_factory=list)  # the lane frees page b at finish
-    seq: Any = None  # hpc_cli.cache.index.SequencePath, or None for a disabled/off lane
+    seq: Any = None  # hpc_cli.cache.records.SequencePath, or None for a disabled/off lane
     taps: list[Any] = field(default_factory=list)  # planned taps not yet taken (hpc_cli.cache.taps.Tap)
     ticket: Any = None  # restore ticket until the first prefill pass
     restore_batch: Any = None

@@ -47,7 +47,7 @@ from hpc_cli.errors import ConfigError
 from hpc_cli.shared_store import SharedStore, SharedStoreUnavailable
 
 if TYPE_CHECKING:
-    from hpc_cli.cache.index import WriteBatch
+    from hpc_cli.cache.records import WriteBatch
     from hpc_cli.engine.engine import Engine
     from hpc_cli.engine.hybrid import HybridBinding
     from hpc_cli.engine.lane import Lane

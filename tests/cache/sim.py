@@ -10,7 +10,7 @@ from hpc_cli.cache import (
     BLOCK_TOKENS, CacheCostModel, CacheGeometry, PrefixIndex, Readiness, SnapshotKind,
     prepare_prompt,
 )
-from hpc_cli.cache.index import Freed, RestoreBatch, SequencePath, WriteBatch
+from hpc_cli.cache.records import Freed, RestoreBatch, SequencePath, WriteBatch
 
 BLOCK = BLOCK_TOKENS
 #: prefill cost = tokens (seconds); restores free: C(s) = F_s - F_a exactly

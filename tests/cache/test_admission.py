@@ -4,7 +4,7 @@ import pytest
 
 from hpc_cli.cache import PrefixIndex, Readiness, StaleQuote, prepare_prompt
 from hpc_cli.cache.cost import CacheCostModel
-from hpc_cli.cache.index import backfill_proof
+from hpc_cli.cache.admission import backfill_proof
 
 from .sim import TOKEN_COST, Sim, blocks_of, geometry
 
@@ -25,7 +25,7 @@ def test_candidate_fallback_order_chosen_then_s_dev_then_root():
     # blocks 2..6 and the tail become host-only: s_end needs 5 + 1 restore destinations
     for n in m.path[2:7]:
         sim.free(ix.drop_copy(n, device=True))
-    sim.mem.give_back([ix._drop_device_tail(s_end)])
+    sim.mem.give_back([ix.residency.drop_device_tail(s_end)])
     assert ix.evictable_pages() == 2  # blocks 0 and 1
     F0 = sim.mem.n_free
     q = ix.quote(p, entitlement_pages=F0 + 1, free_pages=F0, total_pages=64)
@@ -39,7 +39,7 @@ def test_candidate_fallback_order_chosen_then_s_dev_then_root():
     q = ix.quote(p, entitlement_pages=F0 + 3, free_pages=F0, total_pages=F0 + 10)
     assert q.readiness is Readiness.TEMPORARILY_BLOCKED
     # without s_dev (its image slot dropped), the fallback after s_end is the root
-    ix._drop_device_image(s_dev)
+    ix.residency.drop_device_image(s_dev)
     q = ix.quote(p, entitlement_pages=F0 + 2, free_pages=F0, total_pages=64)
     assert [c[0] for c in q.candidates] == [None, s_end]
     assert q.ready and q.source is None and q.reuse_tokens == 0 and q.need_pages == F0 + 2

@@ -65,9 +65,9 @@ def test_gdsf_nested_ancestor_and_descendant_hand_computed():
     assert ix.priority(sd) == pytest.approx(256 / (IMG + 4 * BLK))
     ix.check_invariants()
     # removing sd: sa (retained again) then owns blocks 1, 2 exclusively
-    ix._retain(sa)
-    from hpc_cli.cache.index import Freed
-    ix._delete_snapshot(sd, Freed())
+    ix.lineage.retain(sa)
+    from hpc_cli.cache.records import Freed
+    ix.residency.delete_snapshot(sd, Freed())
     assert ix.priority(sa) == pytest.approx(128 / (IMG + 2 * BLK))
     ix.check_invariants()
 
@@ -110,7 +110,7 @@ def test_victim_exclusive_path_is_freed():
     assert not s1.alive and s2.alive
     assert ix.L == pytest.approx(192 / (IMG + BLK))
     # block "3" was s1's exclusive path: now dead KV, and the next allocation takes it first
-    assert b3.alive and b3 in ix._dead
+    assert b3.alive and b3 in ix.residency.dead.nodes
     sim.run(blocks_of(30, 31, 32) + [0])
     assert not b3.alive or b3.host_state.name == "ABSENT"
     ix.check_invariants()

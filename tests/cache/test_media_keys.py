@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import hashlib
 
-from hpc_cli.cache.index import CacheGeometry, PrefixIndex
+from hpc_cli.cache.index import PrefixIndex
+from hpc_cli.cache.records import CacheGeometry
 from hpc_cli.cache.keys import BLOCK_TOKENS, MediaItem, prepare_prompt, tail_media_key, token_bytes
 from hpc_cli.cache.snapshot import SnapshotKind
 

@@ -138,7 +138,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         node = nodes[i % len(nodes)]
         deletes = (not node.has_device or device) and (not node.has_host or host)
-        if deletes and self.ix._subtree_pinned(node):
+        if deletes and self.ix.residency.subtree_pinned(node):
             return
         below = set()
         stack = [node]

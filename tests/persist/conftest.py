@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from hpc_cli.cache.index import CacheGeometry, PrefixIndex
+from hpc_cli.cache.index import PrefixIndex
+from hpc_cli.cache.records import CacheGeometry
 from hpc_cli.cache.keys import BLOCK_TOKENS, prepare_prompt, token_bytes
 from hpc_cli.cache.persist import Geometry
 from hpc_cli.cache.snapshot import SnapshotKind
