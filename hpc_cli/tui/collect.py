@@ -1,5 +1,6 @@
-"""Pure data for the terminal view: the engine's stats dict (in process, or ``/v1/cache/stats``
-over HTTP) into a typed :class:`View`, with a rolling one-minute history for rates and sparklines.
+"""Pure data for the terminal view: the engine's stats document (in process, or
+``/v1/cache/stats`` over HTTP), parsed once into :class:`hpc_cli.tui.stats.EngineStats`, into a
+typed :class:`View`, with a rolling one-minute history for rates and sparklines.
 
 Nothing here touches the terminal. Every field the stats may lack (an older server, a cache mode
 of ``off``) becomes ``None`` or an empty list, and the renderer shows a dash.
@@ -12,7 +13,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from hpc_cli.tui.stats import EngineStats, SnapshotRow, parse_cache
+
 HISTORY_S = 60.0
+NO_CACHE = parse_cache({})  # a server without a prefix cache: every number 0
 
 
 class SourceGone(Exception):
@@ -53,18 +57,6 @@ class HostPool:
     tail: int = 0
     filling: int = 0
     enabled: bool = True
-
-
-@dataclass(slots=True)
-class SnapshotRow:
-    id: int
-    frontier: int
-    kind: str
-    residency: str
-    tail: str
-    hits: int
-    gdsf: float | None
-    superseded: bool
 
 
 @dataclass(slots=True)
@@ -168,24 +160,6 @@ class View:
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
-def _int(d: Any, *keys: str, default: int = 0) -> int:
-    for k in keys:
-        if not isinstance(d, dict):
-            return default
-        d = d.get(k)
-    try:
-        return int(d) if d is not None else default
-    except (TypeError, ValueError):
-        return default
-
-
-def _float(x: Any) -> float | None:
-    try:
-        return None if x is None else float(x)
-    except (TypeError, ValueError):
-        return None
-
-
 def _stem(path: Any) -> str:
     """A profile's name from its path (``/etc/hpc/h200.toml`` -> ``h200``)."""
     name = str(path).replace("\\", "/").rsplit("/", 1)[-1]
@@ -205,110 +179,74 @@ def percentile(values: list[float], q: float) -> float | None:
 # ---------------------------------------------------------------------------------------------
 # Stats dict -> View (one frame, no history)
 # ---------------------------------------------------------------------------------------------
-def build_view(stats: dict, source: str = "") -> View:
-    """One frame from one stats dict; rates and sparklines come from :class:`Collector`."""
+def build_view(stats: dict | EngineStats, source: str = "") -> View:
+    """One frame from one stats document (parsed here when it is a dict); rates and sparklines
+    come from :class:`Collector`."""
     v = View(source=source)
     if not stats:
         v.empty = True
         return v
-    v.model = str(stats.get("model") or "-")
-    meta = stats.get("settings") or {}
-    if not isinstance(meta, dict):
-        meta = {}
-    v.kv_profile = str(stats.get("kv_profile") or meta.get("kv_profile") or "-")
-    spec = stats.get("speculative") if isinstance(stats.get("speculative"), dict) else None
-    v.spec_backend = (meta.get("speculative_backend") or meta.get("spec_backend")
-                      or (spec or {}).get("backend") or stats.get("spec_backend"))
-    v.cache_mode = meta.get("cache_mode") or stats.get("cache_mode")
-    profile = meta.get("profile_path") or meta.get("profile") or stats.get("profile")
-    v.profile = _stem(profile) if profile else None
-    v.uptime_s = float(stats.get("uptime_s") or 0.0)
-    v.max_concurrency = _int(stats, "max_concurrency")
-    req = stats.get("requests") or {}
-    v.running, v.waiting, v.prefilling = _int(req, "running"), _int(req, "waiting"), _int(req, "prefilling")
-    v.fatal = stats.get("fatal")
+    s = stats if isinstance(stats, EngineStats) else EngineStats.parse(stats)
+    v.model = str(s.model or "-")
+    v.kv_profile = str(s.settings.kv_profile or "-")
+    v.spec_backend = s.settings.spec_backend
+    v.cache_mode = s.settings.cache_mode
+    v.profile = _stem(s.settings.profile) if s.settings.profile else None
+    v.uptime_s = s.uptime_s
+    v.max_concurrency = s.max_concurrency
+    v.running, v.waiting, v.prefilling = s.requests.running, s.requests.waiting, s.requests.prefilling
+    v.fatal = s.fatal
 
-    cache = stats.get("cache") or {}
-    v.cache_on = bool(cache)
-    idx = cache.get("index") or {}
-    pc = cache.get("pool") or {}
-    v.pool = PagePool(pages=_int(cache, "pages") or sum(_int(pc, k) for k in ("free", "active", "cached", "filling")),
-                      free=_int(pc, "free"), active=_int(pc, "active"), cached=_int(pc, "cached"),
-                      filling=_int(pc, "filling"), page_bytes=_int(cache, "page_bytes"))
-
-    dev = idx.get("device") or {}
-    snaps = idx.get("snapshots") or {}
-    slots_total = _int(dev, "snapshot_slots")
-    used = _int(dev, "snapshot_slots_used")
-    by_res = snaps.get("by_residency") or {}
-    rows_raw = cache.get("top_snapshots")
+    v.cache_on = s.cache is not None
+    cache = s.cache if s.cache is not None else NO_CACHE
+    p = cache.pool
+    v.pool = PagePool(pages=p.pages, free=p.free, active=p.active, cached=p.cached, filling=p.filling,
+                      page_bytes=p.page_bytes)
+    snaps = cache.snapshots
     # superseded snapshots whose image still sits in a device slot (only known from rows)
-    sup_on_dev = None
-    if isinstance(rows_raw, list):
-        sup_on_dev = sum(1 for r in rows_raw if r.get("superseded") and r.get("residency") in ("device", "both"))
-    on_dev = _int(by_res, "device") + _int(by_res, "both")
-    staging = max(0, used - on_dev)
-    lanes = _int(stats, "max_concurrency")
-    v.slots = SnapshotSlots(slots=slots_total, lanes=lanes,
-                            active=v.running, snapshot=min(on_dev, used), staging=staging,
-                            superseded=sup_on_dev if sup_on_dev is not None else 0,
-                            image_bytes=_int(cache, "image_bytes"))
-
-    host = idx.get("host") or {}
-    use = host.get("slabs_by_use") or {}
-    nslabs = _int(host, "slabs") or _int(cache, "host_slabs")
-    v.host = HostPool(slabs=nslabs, slab_bytes=_int(host, "slab_bytes") or _int(cache, "slab_bytes"),
-                      free=_int(host, "free_slabs") if "free_slabs" in host else _int(use, "free"),
-                      node=_int(use, "node"), image=_int(use, "image"), tail=_int(use, "tail"),
-                      filling=sum(_int(use, k) for k in use if k not in ("free", "node", "image", "tail")),
-                      enabled=nslabs > 0)
-
-    v.snapshots_total = _int(snaps, "total")
-    v.snapshots_by_kind = dict(snaps.get("by_kind") or {})
-    v.snapshots_by_residency = dict(by_res)
-    if isinstance(rows_raw, list):
-        v.snapshot_rows = [SnapshotRow(id=_int(r, "id"), frontier=_int(r, "frontier"), kind=str(r.get("kind", "?")),
-                                       residency=str(r.get("residency", "?")), tail=str(r.get("tail", "-")),
-                                       hits=_int(r, "hits"), gdsf=r.get("gdsf"), superseded=bool(r.get("superseded")))
-                           for r in rows_raw if isinstance(r, dict)]
-    v.nodes_total = _int(idx, "nodes", "total")
-    v.gdsf_L = float(idx.get("gdsf_L") or 0.0)
-
-    ic = idx.get("counters") or {}
-    tr = idx.get("transfers") or {}
-    inflight = cache.get("inflight") or {}
+    sup_on_dev = sum(1 for r in snaps.rows if r.superseded and r.residency in ("device", "both")) \
+        if snaps.rows is not None else 0
+    v.slots = SnapshotSlots(slots=snaps.slots, lanes=s.max_concurrency, active=v.running,
+                            snapshot=min(snaps.on_device, snaps.slots_used),
+                            staging=max(0, snaps.slots_used - snaps.on_device),
+                            superseded=sup_on_dev, image_bytes=snaps.image_bytes)
+    h = cache.host
+    v.host = HostPool(slabs=h.slabs, slab_bytes=h.slab_bytes, free=h.free, node=h.node, image=h.image,
+                      tail=h.tail, filling=h.other, enabled=h.slabs > 0)
+    v.snapshots_total = snaps.total
+    v.snapshots_by_kind = dict(snaps.by_kind)
+    v.snapshots_by_residency = dict(snaps.by_residency)
+    v.snapshot_rows = snaps.rows
+    v.nodes_total = cache.nodes_total
+    v.gdsf_L = cache.gdsf_L
+    t = cache.transfers
     v.transfers = Transfers(
-        restores_inflight=_int(tr, "restores"), writes_inflight=_int(tr, "writes"),
-        restore_bytes_inflight=inflight.get("restore_bytes"), write_bytes_inflight=inflight.get("write_bytes"),
-        pending_jobs=_int(cache, "transfers_pending"), restores_total=_int(ic, "restores"),
-        restored_bytes_total=_int(ic, "restored_bytes") or _int(cache, "restored_host_bytes"),
-        writes_landed_total=_int(ic, "writes_landed"),
-        written_bytes_total=ic.get("written_bytes") if "written_bytes" in ic else None,
-        failures=_int(cache, "transfer_failures"))
+        restores_inflight=t.restores_inflight, writes_inflight=t.writes_inflight,
+        restore_bytes_inflight=t.restore_bytes_inflight, write_bytes_inflight=t.write_bytes_inflight,
+        pending_jobs=t.pending_jobs, restores_total=t.restores_total,
+        restored_bytes_total=t.restored_bytes_total, writes_landed_total=t.writes_landed_total,
+        written_bytes_total=t.written_bytes_total, failures=t.failures)
 
-    c = stats.get("counters") or {}
-    prompt = _int(c, "prompt_tokens")
-    reuse = _int(c, "reuse_tokens")
-    ttft = [float(x) for x in (stats.get("ttft_recent_s") or [])]
-    v.reuse = Reuse(requests=_int(c, "requests"), prompt_tokens=prompt, reuse_tokens=reuse,
-                    prefill_tokens=_int(c, "prefill_tokens"),
-                    saved_tokens=reuse,  # prompt tokens served from the cache, never prefilled
-                    hit_rate=(reuse / prompt) if prompt else None, snapshot_hits=_int(ic, "snapshot_hits"),
+    c = s.counters
+    ttft = list(s.ttft_recent_s)
+    v.reuse = Reuse(requests=c.requests, prompt_tokens=c.prompt_tokens, reuse_tokens=c.reuse_tokens,
+                    prefill_tokens=c.prefill_tokens,
+                    saved_tokens=c.reuse_tokens,  # prompt tokens served from the cache, never prefilled
+                    hit_rate=(c.reuse_tokens / c.prompt_tokens) if c.prompt_tokens else None,
+                    snapshot_hits=cache.snapshot_hits,
                     ttft_p50=percentile(ttft, 0.5), ttft_p95=percentile(ttft, 0.95), ttft_n=len(ttft))
 
-    if spec is not None:
-        v.speculative = Speculative(backend=str(spec.get("backend") or v.spec_backend or "-"), k=_int(spec, "k"),
-                                    rounds=_int(spec, "rounds"), draft_tokens=_int(spec, "draft_tokens"),
-                                    accepted_tokens=_int(spec, "accepted_draft_tokens"),
-                                    acceptance_rate=_float(spec.get("acceptance_rate")),
-                                    mean_acceptance_length=_float(spec.get("mean_acceptance_length")))
-    ex = stats.get("experts")
-    if isinstance(ex, dict):
-        v.experts = Experts(offload=bool(ex.get("offload")), admission=str(ex.get("admission") or "-"),
-                            slots=_int(ex, "slots"), resident=_int(ex, "resident"),
-                            expert_bytes=_int(ex, "expert_bytes"), hit_rate=_float(ex.get("hit_rate")),
-                            tokens=_int(ex, "tokens"), host_bytes=_int(ex, "host_bytes"),
-                            host_bytes_per_token=_float(ex.get("host_bytes_per_token")))
+    sp = s.speculative
+    if sp is not None:
+        v.speculative = Speculative(backend=str(sp.backend or v.spec_backend or "-"), k=sp.k, rounds=sp.rounds,
+                                    draft_tokens=sp.draft_tokens, accepted_tokens=sp.accepted_draft_tokens,
+                                    acceptance_rate=sp.acceptance_rate,
+                                    mean_acceptance_length=sp.mean_acceptance_length)
+    ex = s.experts
+    if ex is not None:
+        v.experts = Experts(offload=ex.offload, admission=str(ex.admission or "-"), slots=ex.slots,
+                            resident=ex.resident, expert_bytes=ex.expert_bytes, hit_rate=ex.hit_rate,
+                            tokens=ex.tokens, host_bytes=ex.host_bytes, host_bytes_per_token=ex.host_bytes_per_token)
     return v
 
 
