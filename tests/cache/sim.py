@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from hpc_cli.cache import (
     BLOCK_TOKENS, CacheCostModel, CacheGeometry, PrefixIndex, Readiness, SnapshotKind,
-    prepare_prompt,
+    prepare_prompt, token_bytes,
 )
 from hpc_cli.cache.records import Freed, RestoreBatch, SequencePath, WriteBatch
 
@@ -54,6 +54,23 @@ def blocks_of(*chunks: int) -> list[int]:
     for c in chunks:
         out += range(c * 1000, c * 1000 + BLOCK)
     return out
+
+
+def publish_tap(ix: PrefixIndex, sim: Sim, toks: list[int], frontier: int, seq=None):
+    """Commit ``toks``' blocks up to ``frontier`` on ``seq`` (a new sequence when None) and
+    publish a tap there. Returns the sequence, the PublishResult and the SlotGrant (None, None
+    when no slot was granted)."""
+    seq = seq or ix.begin_sequence()
+    while len(seq.nodes) < frontier // 64:
+        b = len(seq.nodes)
+        ix.commit_block(seq, token_bytes(toks[64 * b:64 * b + 64]), sim.mem.alloc())
+    g = ix.acquire_snapshot_slot(seq, SnapshotKind.TAP, frontier)
+    if g is None:
+        return seq, None, None
+    sim.free(g.freed)
+    pr = ix.publish(seq, SnapshotKind.TAP, frontier, slot=g.slot)
+    sim.free(pr.freed)
+    return seq, pr, g
 
 
 @dataclass

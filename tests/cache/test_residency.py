@@ -1,4 +1,4 @@
-"""§13.1 Liveness and Device LRU."""
+"""§13.1 Liveness and the device LRU (spec §9.1, §9.4; hpc_cli/cache/residency.py)."""
 
 from hpc_cli.cache import PrefixIndex, prepare_prompt
 from hpc_cli.cache.tree import ABSENT
