@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from hpc_cli.tui.stats import EngineStats, SnapshotRow, parse_cache
+from hpc_cli.tui.stats import (EngineStats, ExpertStats, HostStats, PoolStats, SnapshotRow, SpecStats, TransferStats,
+                               parse_cache)
 
 HISTORY_S = 60.0
 NO_CACHE = parse_cache({})  # a server without a prefix cache: every number 0
@@ -27,13 +28,14 @@ class SourceGone(Exception):
 # The view model
 # ---------------------------------------------------------------------------------------------
 @dataclass(slots=True)
-class PagePool:
-    pages: int = 0
-    free: int = 0
-    active: int = 0
-    cached: int = 0
-    filling: int = 0
-    page_bytes: int = 0
+class Transfers(TransferStats):
+    """The document's transfer numbers and the rates :class:`Collector` computes from the last
+    few seconds of documents."""
+
+    restore_gbps: float | None = None
+    write_gbps: float | None = None
+    restores_per_s: float | None = None
+    writes_per_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -45,36 +47,6 @@ class SnapshotSlots:
     staging: int = 0
     superseded: int = 0
     image_bytes: int = 0
-
-
-@dataclass(slots=True)
-class HostPool:
-    slabs: int = 0
-    slab_bytes: int = 0
-    free: int = 0
-    node: int = 0  # KV block bundles
-    image: int = 0
-    tail: int = 0
-    filling: int = 0
-    enabled: bool = True
-
-
-@dataclass(slots=True)
-class Transfers:
-    restores_inflight: int = 0
-    writes_inflight: int = 0
-    restore_bytes_inflight: int | None = None
-    write_bytes_inflight: int | None = None
-    pending_jobs: int = 0
-    restores_total: int = 0
-    restored_bytes_total: int = 0
-    writes_landed_total: int = 0
-    written_bytes_total: int | None = None
-    restore_gbps: float | None = None  # over the last few seconds
-    write_gbps: float | None = None
-    restores_per_s: float | None = None
-    writes_per_s: float | None = None
-    failures: int = 0
 
 
 @dataclass(slots=True)
@@ -92,30 +64,6 @@ class Reuse:
 
 
 @dataclass(slots=True)
-class Speculative:
-    backend: str = "-"
-    k: int = 0
-    rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    acceptance_rate: float | None = None  # accepted draft tokens / draft tokens
-    mean_acceptance_length: float | None = None  # tokens committed per lane round
-
-
-@dataclass(slots=True)
-class Experts:
-    offload: bool = False
-    admission: str = "-"
-    slots: int = 0
-    resident: int = 0
-    expert_bytes: int = 0
-    hit_rate: float | None = None
-    tokens: int = 0
-    host_bytes: int = 0
-    host_bytes_per_token: float | None = None
-
-
-@dataclass(slots=True)
 class View:
     source: str = ""
     model: str = "-"
@@ -130,9 +78,9 @@ class View:
     prefilling: int = 0
     fatal: str | None = None
     cache_on: bool = True
-    pool: PagePool = field(default_factory=PagePool)
+    pool: PoolStats = field(default_factory=PoolStats)
     slots: SnapshotSlots = field(default_factory=SnapshotSlots)
-    host: HostPool = field(default_factory=HostPool)
+    host: HostStats = field(default_factory=HostStats)
     snapshots_total: int = 0
     snapshots_by_kind: dict[str, int] = field(default_factory=dict)
     snapshots_by_residency: dict[str, int] = field(default_factory=dict)
@@ -141,8 +89,8 @@ class View:
     gdsf_L: float = 0.0
     transfers: Transfers = field(default_factory=Transfers)
     reuse: Reuse = field(default_factory=Reuse)
-    speculative: Speculative | None = None  # None: no drafting backend (the default view)
-    experts: Experts | None = None  # None: no MoE expert tier
+    speculative: SpecStats | None = None  # None: no drafting backend (the default view)
+    experts: ExpertStats | None = None  # None: no MoE expert tier
     # one-minute series (oldest first), one point per sample
     spark_hit_rate: list[float] = field(default_factory=list)
     spark_reuse_tps: list[float] = field(default_factory=list)
@@ -199,9 +147,7 @@ def build_view(stats: dict | EngineStats, source: str = "") -> View:
 
     v.cache_on = s.cache is not None
     cache = s.cache if s.cache is not None else NO_CACHE
-    p = cache.pool
-    v.pool = PagePool(pages=p.pages, free=p.free, active=p.active, cached=p.cached, filling=p.filling,
-                      page_bytes=p.page_bytes)
+    v.pool = cache.pool
     snaps = cache.snapshots
     # superseded snapshots whose image still sits in a device slot (only known from rows)
     sup_on_dev = sum(1 for r in snaps.rows if r.superseded and r.residency in ("device", "both")) \
@@ -210,22 +156,14 @@ def build_view(stats: dict | EngineStats, source: str = "") -> View:
                             snapshot=min(snaps.on_device, snaps.slots_used),
                             staging=max(0, snaps.slots_used - snaps.on_device),
                             superseded=sup_on_dev, image_bytes=snaps.image_bytes)
-    h = cache.host
-    v.host = HostPool(slabs=h.slabs, slab_bytes=h.slab_bytes, free=h.free, node=h.node, image=h.image,
-                      tail=h.tail, filling=h.other, enabled=h.slabs > 0)
+    v.host = cache.host
     v.snapshots_total = snaps.total
     v.snapshots_by_kind = dict(snaps.by_kind)
     v.snapshots_by_residency = dict(snaps.by_residency)
     v.snapshot_rows = snaps.rows
     v.nodes_total = cache.nodes_total
     v.gdsf_L = cache.gdsf_L
-    t = cache.transfers
-    v.transfers = Transfers(
-        restores_inflight=t.restores_inflight, writes_inflight=t.writes_inflight,
-        restore_bytes_inflight=t.restore_bytes_inflight, write_bytes_inflight=t.write_bytes_inflight,
-        pending_jobs=t.pending_jobs, restores_total=t.restores_total,
-        restored_bytes_total=t.restored_bytes_total, writes_landed_total=t.writes_landed_total,
-        written_bytes_total=t.written_bytes_total, failures=t.failures)
+    v.transfers = Transfers(**asdict(cache.transfers))
 
     c = s.counters
     ttft = list(s.ttft_recent_s)
@@ -236,17 +174,8 @@ def build_view(stats: dict | EngineStats, source: str = "") -> View:
                     snapshot_hits=cache.snapshot_hits,
                     ttft_p50=percentile(ttft, 0.5), ttft_p95=percentile(ttft, 0.95), ttft_n=len(ttft))
 
-    sp = s.speculative
-    if sp is not None:
-        v.speculative = Speculative(backend=str(sp.backend or v.spec_backend or "-"), k=sp.k, rounds=sp.rounds,
-                                    draft_tokens=sp.draft_tokens, accepted_tokens=sp.accepted_draft_tokens,
-                                    acceptance_rate=sp.acceptance_rate,
-                                    mean_acceptance_length=sp.mean_acceptance_length)
-    ex = s.experts
-    if ex is not None:
-        v.experts = Experts(offload=ex.offload, admission=str(ex.admission or "-"), slots=ex.slots,
-                            resident=ex.resident, expert_bytes=ex.expert_bytes, hit_rate=ex.hit_rate,
-                            tokens=ex.tokens, host_bytes=ex.host_bytes, host_bytes_per_token=ex.host_bytes_per_token)
+    v.speculative = s.speculative
+    v.experts = s.experts
     return v
 
 

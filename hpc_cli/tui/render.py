@@ -321,7 +321,7 @@ def extras_lines(v: View) -> list[RenderableType]:
         t.append(f"{s.backend} k{s.k}")
         t.append("  accept ", style="dim")
         t.append(fmt_pct(s.acceptance_rate), style="bold")
-        t.append(f" ({fmt_count(s.accepted_tokens)}/{fmt_count(s.draft_tokens)})")
+        t.append(f" ({fmt_count(s.accepted_draft_tokens)}/{fmt_count(s.draft_tokens)})")
         t.append("  mean length ", style="dim")
         t.append(DASH if s.mean_acceptance_length is None else f"{s.mean_acceptance_length:.2f}", style="bold")
         t.append("  rounds ", style="dim")

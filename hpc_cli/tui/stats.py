@@ -77,7 +77,8 @@ class PoolStats:
 
 @dataclass(frozen=True, slots=True)
 class HostStats:
-    """The host tier's slabs by use; ``other``: slabs in any other use (filling)."""
+    """The host tier's slabs by use (KV block bundles, snapshot images, tails); ``filling``:
+    slabs in any other use."""
 
     slabs: int = 0
     slab_bytes: int = 0
@@ -85,7 +86,11 @@ class HostStats:
     node: int = 0
     image: int = 0
     tail: int = 0
-    other: int = 0
+    filling: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.slabs > 0
 
 
 @dataclass(slots=True)
@@ -114,7 +119,7 @@ class SnapshotStats:
     rows: list[SnapshotRow] | None = None  # None: the document carries no per-snapshot rows
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TransferStats:
     restores_inflight: int = 0
     writes_inflight: int = 0
@@ -141,7 +146,7 @@ class CacheStats:
 
 @dataclass(frozen=True, slots=True)
 class SpecStats:
-    backend: str | None = None
+    backend: str = "-"  # the section's, else the settings' name
     k: int = 0
     rounds: int = 0
     draft_tokens: int = 0
@@ -153,7 +158,7 @@ class SpecStats:
 @dataclass(frozen=True, slots=True)
 class ExpertStats:
     offload: bool = False
-    admission: str | None = None
+    admission: str = "-"
     slots: int = 0
     resident: int = 0
     expert_bytes: int = 0
@@ -204,12 +209,12 @@ class EngineStats:
                             reuse_tokens=_int(c, "reuse_tokens"), prefill_tokens=_int(c, "prefill_tokens")),
             ttft_recent_s=tuple(float(x) for x in (stats.get("ttft_recent_s") or [])),
             speculative=None if spec is None else SpecStats(
-                backend=spec.get("backend"), k=_int(spec, "k"), rounds=_int(spec, "rounds"),
+                backend=str(spec.get("backend") or settings.spec_backend or "-"), k=_int(spec, "k"), rounds=_int(spec, "rounds"),
                 draft_tokens=_int(spec, "draft_tokens"), accepted_draft_tokens=_int(spec, "accepted_draft_tokens"),
                 acceptance_rate=_float(spec.get("acceptance_rate")),
                 mean_acceptance_length=_float(spec.get("mean_acceptance_length"))),
             experts=None if not isinstance(ex, dict) else ExpertStats(
-                offload=bool(ex.get("offload")), admission=ex.get("admission"), slots=_int(ex, "slots"),
+                offload=bool(ex.get("offload")), admission=str(ex.get("admission") or "-"), slots=_int(ex, "slots"),
                 resident=_int(ex, "resident"), expert_bytes=_int(ex, "expert_bytes"),
                 hit_rate=_float(ex.get("hit_rate")), tokens=_int(ex, "tokens"), host_bytes=_int(ex, "host_bytes"),
                 host_bytes_per_token=_float(ex.get("host_bytes_per_token"))))
@@ -229,7 +234,7 @@ def parse_cache(cache: dict) -> CacheStats:
                            slab_bytes=_int(host, "slab_bytes") or _int(cache, "slab_bytes"),
                            free=_int(host, "free_slabs") if "free_slabs" in host else _int(use, "free"),
                            node=_int(use, "node"), image=_int(use, "image"), tail=_int(use, "tail"),
-                           other=sum(_int(use, k) for k in use if k not in HOST_USES))
+                           filling=sum(_int(use, k) for k in use if k not in HOST_USES))
 
     dev = idx.get("device") or {}
     snaps = idx.get("snapshots") or {}

@@ -34,7 +34,7 @@ def test_fallback_keys_are_read_in_one_place():
     assert EngineStats.parse({"speculative": {"backend": "mtp"}}).settings.spec_backend == "mtp"
     host = {"index": {"host": {"slabs": 4, "slabs_by_use": {"free": 3, "node": 1, "odd": 2}}}}
     h = EngineStats.parse({"cache": host}).cache.host
-    assert (h.free, h.node, h.other) == (3, 1, 2)
+    assert (h.free, h.node, h.filling, h.enabled) == (3, 1, 2, True)
     host["index"]["host"]["free_slabs"] = 1
     assert EngineStats.parse({"cache": host}).cache.host.free == 1
     pages = EngineStats.parse({"cache": {"pool": {"free": 2, "active": 3}}}).cache.pool.pages
