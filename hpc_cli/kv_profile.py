@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # torch is imported lazily so `hpc-cli plugins` stays fast
     import torch
 
 SIDES = ("k", "v")
+#: tokens per KV page: one cache block, ``hpc_cli.cache.keys.BLOCK_TOKENS`` (the cache imports
+#: nothing of ours but errors, so the memory layer keeps its own name; tests/cache/test_keys.py)
 PAGE_TOKENS = 64
 
 

@@ -16,6 +16,7 @@ from rich.table import Table
 from hpc_cli.cli.groups import HelpGroup
 from hpc_cli.cli.output import console, echo_json, print_table
 from hpc_cli.errors import ConfigError
+from hpc_cli.kv_profile import PAGE_TOKENS
 from hpc_cli.model import expert_profile as ep
 
 
@@ -79,7 +80,7 @@ def record_command(prompts: Path, out: Path, model_name: str, decode_tokens: int
 
 
 def _run_prompt(model, ids: list[int], decode_tokens: int) -> None:
-    page = 64
+    page = PAGE_TOKENS
     n_pages = (len(ids) + decode_tokens + page - 1) // page + 1
     kv = model.new_kv_storage("bf16", n_pages, name="scratch")
     states = model.new_state_slots(1)

@@ -11,6 +11,7 @@ from hpc_cli import plugins
 from hpc_cli.cli.groups import HelpGroup
 from hpc_cli.cli.output import echo_json, print_table, round_half_up
 from hpc_cli.errors import ConfigError, HpcError
+from hpc_cli.kv_profile import PAGE_TOKENS
 from hpc_cli.shapes import PRESETS, HybridShape, preset
 
 KiB = 1024
@@ -66,9 +67,9 @@ def kv_table_rows(shape: HybridShape) -> list[dict]:
             "bytes_per_token_head": b,
             "bytes_per_token": b * heads,
             "kib_per_token": round_half_up(b * heads / KiB, 1),
-            "bytes_per_page": b * heads * 64,
-            "mib_per_page": round_half_up(b * heads * 64 / MiB, 2),
-            "mib_per_page_with_mtp": round_half_up(b * mtp_heads * 64 / MiB, 2),
+            "bytes_per_page": b * heads * PAGE_TOKENS,
+            "mib_per_page": round_half_up(b * heads * PAGE_TOKENS / MiB, 2),
+            "mib_per_page_with_mtp": round_half_up(b * mtp_heads * PAGE_TOKENS / MiB, 2),
         })
     return rows
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from hpc_cli import plugins
-from hpc_cli.cache.keys import prepare_prompt
+from hpc_cli.cache.keys import BLOCK_TOKENS, prepare_prompt
 from hpc_cli.engine.api import (AdmittedEvent, FinishEvent, GenerationRequest, PrefillPass, RequestHandle,
                                 SamplingParams, TokenEvent, Usage)
 from hpc_cli.engine.binding import BindingContext, Blocked, CacheBinding, effective_options, mode_options
@@ -203,7 +203,7 @@ class Engine:
     def _auto_pages(self, fraction: float) -> int:
         """Device pages: on CUDA what free memory allows, elsewhere every lane's full context
         plus as much again for the cache (at least max(L, C), spec §5.4)."""
-        per_seq = math.ceil(self.max_model_len / 64)
+        per_seq = math.ceil(self.max_model_len / BLOCK_TOKENS)
         probe = self.model.new_kv_storage(self.kv_profile, 1)
         page_bytes = probe.page_bytes
         del probe
@@ -524,7 +524,7 @@ class Engine:
         pre_hidden = self.spec.pre_hidden(lane) if self.spec is not None else None
         ready = self.cache.layer_ready(lane)
         in_pass = self.cache.pass_taps(lane, end)  # exact taps the pass takes itself (no split)
-        out = self.model.prefill(lane.tokens[start:end], start, lane.pages[:math.ceil(end / 64)],
+        out = self.model.prefill(lane.tokens[start:end], start, lane.pages[:math.ceil(end / BLOCK_TOKENS)],
                                  lane.state_slot, self.storage, self.states,
                                  layer_ready=timing.timed_wait(ready) if ready is not None else None,
                                  all_logits=want_all, **spec_kw, **prefill_media(self.model, lane, start, end),
@@ -567,7 +567,7 @@ class Engine:
         t0 = time.monotonic()
         tokens = [l.next_token for l in lanes]
         positions = [l.pos for l in lanes]
-        tables = [l.pages[:math.ceil((l.pos + 1) / 64)] for l in lanes]
+        tables = [l.pages[:math.ceil((l.pos + 1) / BLOCK_TOKENS)] for l in lanes]
         logits = self.model.decode(tokens, positions, tables, [l.state_slot for l in lanes],
                                    self.storage, self.states, **decode_offsets(lanes))
         dt = time.monotonic() - t0

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpc_cli.kv_profile import PAGE_TOKENS
 from hpc_cli.model.attention import GatedAttention, prefill_attention
 from hpc_cli.model.config import ModelConfig
 from hpc_cli.model.gdn import GatedDeltaNet
@@ -371,7 +372,7 @@ class HybridModel(nn.Module):
         """All-position logits ``[T, vocab]`` of one sequence from scratch, on private scratch pools
         (``media``: a Vision prompt's positions and image embeddings)."""
         tokens = self._tokens(tokens)
-        n_pages = max(1, (tokens.shape[0] + 63) // 64)
+        n_pages = max(1, -(-tokens.shape[0] // PAGE_TOKENS))
         kv = self.new_kv_storage(kv_profile, n_pages, name="scratch")
         states = self.new_state_slots(1)
         return self.prefill(tokens, 0, list(range(n_pages)), 0, kv, states, all_logits=True, media=media).logits

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from hpc_cli.kv_profile import PAGE_TOKENS
 from hpc_cli.speculative.ops import paged_attention
 
 
@@ -87,7 +88,7 @@ class MTPDrafter:
         hid = torch.stack(rows)[None]
         toks = torch.tensor(lane.tokens[f + 1:limit + 1], dtype=torch.long, device=dev)[None]
         pos = torch.arange(f, limit, device=dev)[None]
-        self._run(toks, hid, pos, [lane.pages[:math.ceil(limit / 64)]])
+        self._run(toks, hid, pos, [lane.pages[:math.ceil(limit / PAGE_TOKENS)]])
         lane.backend_frontier = limit
 
     # ------------------------------------------------------------------ drafting

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from hpc_cli.engine.sampling import event_for, target_probs
+from hpc_cli.kv_profile import PAGE_TOKENS
 from hpc_cli.speculative.ops import Snapshot, commit_states, verify_pass
 
 ROLLBACKS = ("per_token", "recompute")
@@ -95,7 +96,7 @@ class SpecRuntime:
         T = k + 1
         tokens = torch.tensor([[l.next_token] + list(d) for l, d in zip(lanes, drafts)], dtype=torch.long)
         starts = [l.pos for l in lanes]
-        tables = [l.pages[:math.ceil((l.pos + T) / 64)] for l in lanes]
+        tables = [l.pages[:math.ceil((l.pos + T) / PAGE_TOKENS)] for l in lanes]
         slots = [l.state_slot for l in lanes]
         keep_all = self.rollback == "per_token"
         snap = Snapshot(states, slots) if not keep_all and k else None

@@ -5,6 +5,11 @@ from hpc_cli.cache import (BLOCK_TOKENS, HASH_SEED, MediaItem, block_hashes, loo
                            media_key, prepare_prompt, token_bytes)
 
 
+def test_a_block_is_one_kv_page():
+    from hpc_cli.kv_profile import PAGE_TOKENS
+    assert BLOCK_TOKENS == PAGE_TOKENS == 64
+
+
 def test_hash_seed_is_documented_value():
     assert HASH_SEED == int.from_bytes(b"HPC-BLK1", "little")
 
