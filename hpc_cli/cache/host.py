@@ -20,6 +20,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Any
 
+from hpc_cli.cache.ids import SlabId
 from hpc_cli.errors import CapacityError
 
 CHUNK_BYTES = 4 << 30
@@ -148,7 +149,7 @@ class HostSlabPool:
         used = self._use[:self.ready_slabs]
         return {u.name.lower(): n for u in SlabUse if (n := used.count(u))}
 
-    def alloc(self, k: int, use: SlabUse, owner: Any) -> list[int] | None:
+    def alloc(self, k: int, use: SlabUse, owner: Any) -> list[SlabId] | None:
         """Take ``k`` slabs for ``owner`` or None (nothing taken) when fewer are free."""
         free = self._free
         if k > len(free):
@@ -165,7 +166,7 @@ class HostSlabPool:
         self._by_use[use] += k
         return out
 
-    def free(self, slabs: list[int] | tuple[int, ...]) -> None:
+    def free(self, slabs: list[SlabId] | tuple[SlabId, ...]) -> None:
         u, o, free, by_use = self._use, self._owner, self._free, self._by_use
         for s in slabs:
             was = u[s]
@@ -177,7 +178,7 @@ class HostSlabPool:
             by_use[was] -= 1
         by_use[SlabUse.FREE] += len(slabs)
 
-    def set_use(self, slab: int, use: SlabUse) -> None:
+    def set_use(self, slab: SlabId, use: SlabUse) -> None:
         was = self._use[slab]
         assert was != SlabUse.FREE and use != SlabUse.FREE, f"set_use on free slab {slab}"
         self._use[slab] = use

@@ -12,6 +12,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from hpc_cli.cache.host import SlabUse
+from hpc_cli.cache.ids import PageBundle
 from hpc_cli.cache.keys import BLOCK_TOKENS
 from hpc_cli.cache.snapshot import Snapshot
 from hpc_cli.cache.tree import ABSENT, FILLING, RESIDENT, BlockNode
@@ -55,7 +56,7 @@ def check_invariants(ix: PrefixIndex) -> None:
     # --- nodes (§5.2, §10.1-10.3, §9.4)
     pages_seen: list[dict[int, object]] = [dict() for _ in range(npools)]
 
-    def own_pages(owner: object, pages: tuple[int, ...] | None) -> None:
+    def own_pages(owner: object, pages: PageBundle | None) -> None:
         assert pages is not None and len(pages) == npools, f"{owner!r}: page bundle {pages} malformed"
         for p, pg in enumerate(pages):
             other = pages_seen[p].get(pg)

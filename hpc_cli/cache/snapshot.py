@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from hpc_cli.cache.ids import PageBundle, SlabId, SnapshotSlot
 from hpc_cli.cache.tree import ABSENT, RESIDENT, BlockNode, Residency
 
 
@@ -35,14 +36,14 @@ class Snapshot:
     tail_tokens: bytes = b""  # packed; tail_len tokens
     tail_extra: int = 0  # media key of the Vision items the tail holds (0: none)
     # Tail KV (tail_len > 0): one private, immutable page bundle
-    tail_pages: tuple[int, ...] | None = None
+    tail_pages: PageBundle | None = None
     tail_device_state: Residency = ABSENT
-    tail_host_slab: int = -1
+    tail_host_slab: SlabId = SlabId(-1)
     tail_host_state: Residency = ABSENT
     # State image
-    device_slot: int = -1
+    device_slot: SnapshotSlot = SnapshotSlot(-1)
     device_state: Residency = ABSENT
-    host_slabs: tuple[int, ...] = ()
+    host_slabs: tuple[SlabId, ...] = ()
     host_state: Residency = ABSENT
     restore_pins: int = 0
     superseded: bool = False

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Iterator
 
+from hpc_cli.cache.ids import PageBundle, SlabId
 from hpc_cli.cache.keys import BLOCK_TOKENS, MediaItem, PreparedPrompt
 
 if TYPE_CHECKING:
@@ -45,9 +46,9 @@ class BlockNode:
     hash_next: BlockNode | None = None  # next sibling with the same lookup hash
     n_children: int = 0
     # Residency
-    device_pages: tuple[int, ...] | None = None  # one page id per enabled device pool
+    device_pages: PageBundle | None = None  # one page id per enabled device pool
     device_state: Residency = ABSENT
-    host_slab: int = -1
+    host_slab: SlabId = SlabId(-1)
     host_state: Residency = ABSENT
     # Liveness
     active_refs: int = 0  # sequences whose path pins this node
