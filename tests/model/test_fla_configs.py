@@ -1,0 +1,36 @@
+"""The shipped fla launch configurations: fla's file layout, one directory per GPU model, and
+pinned only where the user left fla's own settings alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hpc_cli.model import fla_configs
+
+
+def test_shipped_configurations_have_flas_layout():
+    dirs = [d for d in fla_configs.HERE.iterdir() if d.is_dir()]
+    assert fla_configs.gpu_dir("NVIDIA H200") in dirs
+    for d in dirs:
+        files = list(d.glob("*.json"))
+        assert files, f"{d} holds no configuration"
+        for f in files:
+            doc = json.loads(f.read_text())
+            assert doc["kernel_name"] == f.stem
+            for entry in doc["autotune_entries"].values():
+                cfg = entry["config"]
+                assert isinstance(entry["autotune_key"], list) and cfg["num_warps"] in (1, 2, 4, 8, 16, 32)
+                assert isinstance(cfg["kwargs"], dict) and cfg["num_stages"] >= 1
+
+
+def test_gpu_dir_sanitises_like_fla():
+    assert fla_configs.gpu_dir("NVIDIA H200").name == "NVIDIA_H200"
+    assert fla_configs.gpu_dir("NVIDIA GeForce RTX 5090").name == "NVIDIA_GeForce_RTX_5090"
+
+
+@pytest.mark.parametrize("var", ["FLA_CACHE_MODE", "FLA_CONFIG_DIR"])
+def test_a_users_setting_wins(monkeypatch, var):
+    monkeypatch.setenv(var, "x")
+    assert fla_configs.pin() is None
