@@ -1,0 +1,69 @@
+"""Check that the training forwards of the drafters match the runtime's drafting code."""
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_tiny as tt  # noqa: E402
+from hpc_cli.memory.kv_pool import PagedKVStorage  # noqa: E402
+from hpc_cli.plugins import kv_profile  # noqa: E402
+from hpc_cli.speculative.dflash import RING_PART, DFlashDrafter, load_drafter  # noqa: E402
+from hpc_cli.model.loader import load_checkpoint  # noqa: E402
+
+
+@torch.no_grad()
+def main(d):
+    m = load_checkpoint(d, dtype=torch.float32, device="cpu", progress=False)
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, 6000, (1, 150), generator=g)
+    for kind in ("dflash", "dflash2"):
+        net = load_drafter(str(Path(d) / kind), kind, "cpu", torch.float32)
+        cap = tuple(net.cfg.target_layers)
+        h, feats = tt.forward(m, toks, cap)
+        rot = tt.Rotary(net.cfg.head_dim, net.cfg.rope_theta)
+        p, k = 100, 3
+        hid_t = tt.drafter_forward(net, m, rot, feats, toks, torch.tensor([[p]]), k)[0, 0]
+        dr = DFlashDrafter(m, net)
+        c = net.cfg
+        extra = {RING_PART: ((c.num_layers, 2, c.window, c.num_kv_heads, c.head_dim), torch.bfloat16)} if kind == "dflash2" else None
+        states = m.new_state_slots(1, extra_parts=extra)
+        pool = PagedKVStorage(kv_profile("bf16"), c.num_layers, c.num_kv_heads, c.head_dim, 4, device="cpu", name="b") if kind == "dflash" else None
+        dr.bind(None, pool, states)
+        lane = SimpleNamespace(pos=0, state_slot=0, pages=[0, 1, 2, 3], next_token=int(toks[0, p]), backend_frontier=0)
+        dr.observe(lane, 0, p, None, feats[0, :p], None, extend=False)
+        lane.pos = p
+        seen = []
+        orig = m.lm_head.forward
+        m.lm_head.forward = lambda x: (seen.append(x.clone()), orig(x))[1]
+        dr.propose([lane], k, states)
+        m.lm_head.forward = orig
+        hid_r = seen[0][0]
+        print(kind, "max diff", (hid_r - hid_t).abs().max().item(), "scale", hid_t.abs().max().item())
+
+    # MTP: the runtime's step 1 at position p-1 against the training forward
+    from hpc_cli.speculative.mtp import MTPDrafter
+
+    h, _ = tt.forward(m, toks)
+    g1 = tt.mtp_forward(m, toks[:, 1:], h[:, :-1], 0)[0]
+    storage = PagedKVStorage(kv_profile("bf16"), len(m.config.attention_layers) + 1, m.config.num_key_value_heads,
+                             m.config.head_dim, 4, device="cpu")
+    states = m.new_state_slots(1)
+    dr = MTPDrafter(m)
+    dr.bind(storage, None, states)
+    p = 100
+    lane = SimpleNamespace(pos=p, state_slot=0, pages=[0, 1, 2, 3], next_token=int(toks[0, p]), backend_frontier=None,
+                           tokens=toks[0, :p + 1].tolist())
+    dr.observe(lane, 0, p, h[0, :p], None, None, extend=True)
+    states.hidden[0].copy_(h[0, p - 1])
+    seen = []
+    orig = m.lm_head.forward
+    m.lm_head.forward = lambda x: (seen.append(x.clone()), orig(x))[1]
+    dr.propose([lane], 1, states)
+    m.lm_head.forward = orig
+    print("mtp max diff", (seen[0].reshape(-1) - g1[p - 1]).abs().max().item(), "scale", g1[p - 1].abs().max().item())
+
+
+main(sys.argv[1])
