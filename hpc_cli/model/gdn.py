@@ -238,14 +238,19 @@ class GatedDeltaNet(nn.Module):
         return window, z, q, k, v, g.view(1, t, -1), beta.view(1, t, -1)
 
     def prefill_tapped(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
-                       taps: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                     list[tuple[torch.Tensor, torch.Tensor]]]:
-        """:meth:`prefill` of ``T`` real tokens that also returns, for each tap offset ``p`` in
-        ``(0, T)``, the conv window and the fp32 recurrent state after the pass's first ``p``
-        tokens (spec §7.3: the pre-conv columns ``[p - 3, p)``, from the previous conv state where
-        ``p < 3``; the state through :func:`hpc_cli.model.gdn_taps.tapped_rule`, no second pass)."""
-        t = x.shape[0]
+                       taps: Sequence[int], valid: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """:meth:`prefill` (``valid``: rows past it are padding) that also returns, for each tap
+        offset ``p`` in ``(0, valid)``, the conv window and the fp32 recurrent state after the
+        pass's first ``p`` tokens (spec §7.3: the pre-conv columns ``[p - 3, p)``, from the previous
+        conv state where ``p < 3``; the state through :func:`hpc_cli.model.gdn_taps.tapped_rule`,
+        no second pass)."""
         window, z, q, k, v, g, beta = self._mix(x, conv_state)
+        t = x.shape[0] if valid is None else int(valid)
+        if t < x.shape[0]:  # padding rows: zero decay and write strength, as in prefill
+            g, beta = g.clone(), beta.clone()
+            g[:, t:] = 0.0
+            beta[:, t:] = 0.0
         from hpc_cli.model.gdn_taps import tapped_rule
 
         core, state, states = tapped_rule(q, k, v, g, beta, rec_state.unsqueeze(0), taps, use_fla=self.use_fla)

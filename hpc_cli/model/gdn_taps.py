@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from hpc_cli.model.gdn import chunk_rule, chunk_states, fla_inputs
+from hpc_cli.model.gdn import chunk_rule, chunk_states, fla_inputs, gated_delta_prefill
 
 CHUNK = 64
 #: taps a CUDA-graph prefill pass takes itself; a pass with more ends at the next one (a split)
@@ -43,9 +43,11 @@ class SpreadLayout:
 
     ``rows``: the spread row of each of the pass's ``L`` rows (its ``n`` real rows, then its
     padding rows, which follow the last run); ``starts``: the spread row where each run begins,
-    ``[0, s_1 .. s_m]`` (multiples of ``chunk``); ``bounds``: ``starts`` followed by ``size`` for
-    each unused slot and once more (``slots + 2`` values, the runs' ``[begin, end)`` pairs);
-    ``size``: the spread length."""
+    ``[0, s_1 .. s_m]`` (multiples of ``chunk``); ``bounds``: the ``slots + 2`` bounds of the
+    runs, ``starts`` then, for each slot not used, the start of one identity chunk after the last
+    run, then ``size`` (so no run is empty); ``size``: the spread length, a multiple of ``chunk``
+    (rows past the last real row are identity rows: a spread never ends in a partial chunk, whose
+    rows fla's kernels mask rather than compute, which rounds differently)."""
 
     rows: list[int]
     starts: list[int]
@@ -79,11 +81,13 @@ def spread_layout(n: int, taps: Sequence[int], L: int | None = None, slots: int 
         rows.extend(range(at, at + b - a))
         at += b - a if j == m else -(-(b - a) // chunk) * chunk
     rows.extend(range(at, at + L - n))  # the pass's padding rows follow its last run
-    at += L - n
-    size = at if slots is None else L + chunk * slots
-    assert at <= size, f"a spread of {at} rows does not fit {size}"
-    bounds = [*starts, *([size] * ((m if slots is None else slots) - m)), size]
-    return SpreadLayout(rows, starts, bounds, size)
+    end = -(-(at + L - n) // chunk) * chunk  # no partial chunk: identity rows up to a boundary
+    if slots is None:
+        return SpreadLayout(rows, starts, [*starts, end], end)
+    size = L + chunk * slots
+    assert end + chunk * (slots - m) <= size, f"a spread of {end} rows and {slots - m} free slots do not fit {size}"
+    # a slot not used is one identity chunk (it passes the state through); the last runs to the end
+    return SpreadLayout(rows, starts, [*starts, *(end + chunk * j for j in range(slots - m)), size], size)
 
 
 def tapped_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -100,8 +104,9 @@ def tapped_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     taps = list(taps)
     layout = spread_layout(t, taps, chunk=chunk)
     fla = q.is_cuda and use_fla is not False and fla_spread_supported()
-    if not taps and not fla:
-        out, state = chunk_rule(q, k, v, g, beta, initial_state, chunk)
+    if not taps:
+        out, state = gated_delta_prefill(q, k, v, g, beta, initial_state, use_fla) if fla else \
+            chunk_rule(q, k, v, g, beta, initial_state, chunk)
         return out, state, []
     rows = torch.tensor(layout.rows, device=k.device)
 

@@ -272,8 +272,7 @@ class HybridModel(nn.Module):
                 conv, rec = states.conv[g], states.recurrent[g]
                 if offsets:
                     out, new_conv, new_rec, tapped = layer.linear_attn.prefill_tapped(
-                        h[:t], conv[state_slot], rec[state_slot], offsets)
-                    out = F.pad(out, (0, 0, 0, pad)) if pad else out
+                        h, conv[state_slot], rec[state_slot], offsets, valid=t)
                     for j, (c, r) in enumerate(tapped):
                         tap_conv[j].append(c)
                         tap_rec[j].append(r)
