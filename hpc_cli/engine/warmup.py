@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from hpc_cli.model.gdn_taps import TAP_SLOT_SIZES
+
 if TYPE_CHECKING:
     from hpc_cli.engine.engine import Engine
 
@@ -88,13 +90,14 @@ def run_shapes(engine: "Engine", shapes: WarmupPlan,
     slot = 0
     t0 = time.perf_counter()
     graphs = model.prefill_graphs(kv)
-    # a pass that takes exact taps itself runs a graph with tap slots: warm those too
-    slots = min(graphs.tap_slots, getattr(engine.cache, "in_pass_taps", 0)) if graphs is not None else 0
+    # a pass that takes exact taps itself runs a graph with tap slots: warm each size too
+    cap = min(graphs.tap_slots, getattr(engine.cache, "in_pass_taps", 0)) if graphs is not None else 0
+    sizes = [s for s in TAP_SLOT_SIZES if s <= cap]
     for n in shapes.prefill_lengths:
         tokens = [(7 * i + 3) % max(2, vocab - 1) + 1 for i in range(n)]
         table = [i % num_pages for i in range(-(-n // 64))]
-        taps = sorted({max(1, n * (j + 1) // (slots + 1)) for j in range(slots)} - {n}) if n > 1 else []
-        for tapped in ([], taps) if taps else ([],):
+        variants = [[]] + [[n * (j + 1) // (s + 1) for j in range(s)] for s in sizes if n > s]
+        for tapped in variants:
             for _ in range(2 if graphs is not None else 1):  # eager, then the capture of its graph
                 states.reset(slot)
                 model.prefill(tokens, 0, table, slot, kv, states, taps=tapped)

@@ -31,8 +31,11 @@ import torch
 from hpc_cli.model.gdn import chunk_rule, chunk_states, fla_inputs, gated_delta_prefill
 
 CHUNK = 64
-#: taps a CUDA-graph prefill pass takes itself; a pass with more ends at the next one (a split)
-TAP_SLOTS = 4
+#: the tap slots of CUDA-graph prefill passes: a pass with taps runs the graph with the fewest
+#: slots that hold them (each slot adds one chunk of rows to its GDN kernels); a pass with more
+#: than the largest ends at the next tap (a split)
+TAP_SLOT_SIZES = (1, 2, 4)
+TAP_SLOTS = TAP_SLOT_SIZES[-1]
 #: no bound: the torch rule takes any number of taps in one call
 UNBOUNDED = 1 << 30
 
