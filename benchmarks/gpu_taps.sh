@@ -3,7 +3,7 @@
 # of the tap rule and the prefill graphs, the tap cost (benchmarks/gdn_taps.py), then two cold
 # warm-ups of the 27B-width engine (fresh Triton caches): one tuning fla's kernels as fla does,
 # whose chosen configurations are written to OUT/fla-configs.tar, and one with those
-# configurations pinned (hpc_cli/model/fla_configs.py). A summary prints last.
+# configurations pinned (hpc_cli/model/fla_configs.py, scripts/fla_configs.py). A summary prints last.
 #
 #   bash benchmarks/gpu_taps.sh OUT_DIR
 set -u
@@ -24,9 +24,9 @@ step tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu -x -s tests/model
     tests/model/test_prefill_graphs_gpu.py
 step gdn_taps 120 bash -c "python3 benchmarks/gdn_taps.py > '$OUT/gdn_taps.json'"
 FLA=$(mktemp -d)
-step warmup-tuned 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 -m hpc_cli.model.fla_configs "$FLA"
+step warmup-tuned 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 scripts/fla_configs.py "$FLA"
 tar -C "$FLA" -cf "$OUT/fla-configs.tar" .
 step warmup-pinned 120 env TRITON_CACHE_DIR="$(mktemp -d)" FLA_CACHE_MODE=strict FLA_CONFIG_DIR="$FLA" \
-    python3 -m hpc_cli.model.fla_configs "$(mktemp -d)"
+    python3 scripts/fla_configs.py "$(mktemp -d)"
 cat "$OUT/gdn_taps.json" 2>/dev/null | grep -E '"(plain_s|in_pass_s|split_s|copy_s|tap_s|tap_cost_over_copy|in_pass_throughput|split_throughput|graph_replays)"'
 printf '%s\n' "${SUMMARY[@]}"

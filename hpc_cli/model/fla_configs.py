@@ -5,7 +5,7 @@ fla's autotuned kernels can take their configuration from ``$FLA_CONFIG_DIR/<ker
 (``FLA_CACHE_MODE``: ``strict`` looks up the exact autotune key, which holds the head counts,
 head dims and dtypes, and tunes as before when it is not there). The package ships the
 configurations measured on a GPU model under ``hpc_cli/model/fla_launch_configs/<GPU name>/``
-(written by :func:`dump` after a warm-up, ``python -m hpc_cli.model.fla_configs OUT``);
+(written by :func:`dump` after a warm-up, ``python scripts/fla_configs.py OUT``);
 :func:`pin` points fla at them before fla is imported, unless the user set either variable.
 A GPU model with no directory, or a model whose widths were not measured, tunes as before.
 """
@@ -67,20 +67,3 @@ def dump(out: Path) -> int:
                                    indent=1, sort_keys=True))
         written += len(entries)
     return written
-
-
-if __name__ == "__main__":  # python -m hpc_cli.model.fla_configs OUT [MODEL]: warm a model's shapes, dump
-    import torch
-
-    from hpc_cli.engine.engine import Engine
-    from hpc_cli.model.model import HybridModel
-
-    target = Path(sys.argv[1])
-    name = sys.argv[2] if len(sys.argv) > 2 else "builtin:qwen3.5-27b-shape@8"
-    model = HybridModel.from_name_or_path(name, dtype=torch.bfloat16, device="cuda")
-    engine = Engine(model, kv_pages=512, prefill_chunk=2048, max_concurrency=8, host_cache_mib=0)
-    try:
-        print(f"warm-up {engine.warmup():.1f} s")
-    finally:
-        engine.stop()
-    print(f"{dump(target)} configurations written to {target}")
