@@ -1,7 +1,7 @@
 """Prefix cache file save/load throughput vs a plain sequential write/read of the same size on the
 same disk in the same run (spec §5.5; goal: ratio >= 0.8). Prints JSON.
 
-    python benchmarks/persist.py [--small] [--dir DIR] [--bytes N] [--repeat 5] [--no-fsync]
+    python benchmarks/py [--small] [--dir DIR] [--bytes N] [--repeat 5] [--no-fsync]
 
 Like with like: both sides write from the same host storage's memory and have the same
 durability (a temporary file, fsync, rename over the previous file, fsync of the directory; with
@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-from hpc_cli.cache import persist
+from hpc_cli.cache.cachefile.format import Geometry, open_cache_file
+from hpc_cli.cache.cachefile.plan import adopt_plan, export_saveable, plan_host_restore
+from hpc_cli.cache.cachefile.slab_io import read_plan_slabs, save_cache_file
 from hpc_cli.cache.host import SlabUse
 from hpc_cli.cache.index import PrefixIndex
 from hpc_cli.cache.records import CacheGeometry
@@ -143,8 +145,8 @@ def main() -> None:
     a = ap.parse_args()
     total = a.bytes or (200_000_000 if a.small else 2_000_000_000)
     ix, host = build(total)
-    plan = persist.export_saveable(ix)
-    geom = persist.Geometry(SLAB, IMAGE, SLAB)
+    plan = export_saveable(ix)
+    geom = Geometry(SLAB, IMAGE, SLAB)
     fp = {"checkpoint": "bench", "product": "bench"}
     d = Path(a.dir or tempfile.mkdtemp(prefix="hpc-persist-bench-"))
     path, plain = d / "prefix.bin", d / "plain.bin"
@@ -155,12 +157,12 @@ def main() -> None:
         c.zero_()  # touched once, so neither side pays its page faults
     dview = lambda s: dest.slab_view(s).numpy()  # noqa: E731
     res = {"save_s": [], "plain_write_s": [], "load_s": [], "plain_read_s": []}
-    size = persist.save_cache_file(path, fp, geom, plan, view, fsync=a.fsync)  # warm-up: both files exist
+    size = save_cache_file(path, fp, geom, plan, view, fsync=a.fsync)  # warm-up: both files exist
     plain_write(host, plain, size, a.fsync)
 
     def save() -> None:
         t = time.perf_counter()
-        persist.save_cache_file(path, fp, geom, plan, view, fsync=a.fsync)
+        save_cache_file(path, fp, geom, plan, view, fsync=a.fsync)
         res["save_s"].append(time.perf_counter() - t)
 
     def write() -> None:
@@ -173,11 +175,11 @@ def main() -> None:
                                           host_bytes=host.num_slabs * SLAB, slab_bytes=SLAB))
         _drop(path)
         t = time.perf_counter()
-        cf = persist.open_cache_file(path)
-        rp = persist.plan_host_restore(cf, fresh.host.free_slabs)
+        cf = open_cache_file(path)
+        rp = plan_host_restore(cf, fresh.host.free_slabs)
         slabs = fresh.host.alloc(rp.slabs, SlabUse.NODE, "loading")
-        mapping = persist.read_plan_slabs(cf, rp, dview, slabs)
-        persist.adopt_plan(fresh, cf, rp, mapping)
+        mapping = read_plan_slabs(cf, rp, dview, slabs)
+        adopt_plan(fresh, cf, rp, mapping)
         res["load_s"].append(time.perf_counter() - t)
 
     def read() -> None:

@@ -1,6 +1,6 @@
 """Adoption: entries rebuilt host-only from bytes already in host slabs (spec §5.5).
 
-The cache file's loader (:mod:`hpc_cli.cache.persist`) and the shared tier
+The cache file's loader (:mod:`hpc_cli.cache.cachefile.plan`) and the shared tier
 (``hpc_cli.engine.shared``) copy a block's or a snapshot's bytes into host slabs first, then
 :class:`Adoption` makes them entries of the index: a host-only node under its parent, a
 host-only retained snapshot on its anchor. Parents come first; adopting evicts nothing

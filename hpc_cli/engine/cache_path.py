@@ -6,9 +6,9 @@ block the start forever, writing a device would corrupt it).
 
 :func:`remove_stale_temps`: a save writes ``.NAME.<pid>.<tid>.tmp`` beside the file and renames
 it over the file when complete, so a kill during the save leaves the temporary file behind
-(``hpc_cli.cache.persist.save_cache_file``). At start every such file of a process that no
-longer runs is removed and logged; one of a live process (another server saving to the same
-path) is left alone.
+(``hpc_cli.cache.cachefile.slab_io.save_cache_file``). At start every such file of a process
+that no longer runs is removed and logged; one of a live process (another server saving to the
+same path) is left alone.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hpc_cli.errors import ConfigError
 
-log = logging.getLogger("hpc_cli.cache.persist")
+log = logging.getLogger("hpc_cli.cache.cachefile")
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.(?P<tid>\d+)\.tmp$")
 

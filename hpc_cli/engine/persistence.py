@@ -24,12 +24,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc_cli.cache import persist
+from hpc_cli.cache.cachefile.format import (
+    FORMAT_VERSION,
+    MAGIC,
+    PREAMBLE,
+    CacheFile,
+    Geometry,
+    fingerprint_diff,
+    geometry_diff,
+    open_cache_file,
+)
+from hpc_cli.cache.cachefile.plan import adopt_plan, export_saveable, plan_host_restore
+from hpc_cli.cache.cachefile.slab_io import SaveAbandoned, read_plan_slabs, save_cache_file
 from hpc_cli.cache.host import SlabUse
 from hpc_cli.errors import CacheFileError, ConfigError, EngineError
 
-log = logging.getLogger("hpc_cli.cache.persist")
+log = logging.getLogger("hpc_cli.cache.cachefile")  # the prefix cache file's lines, here and in cache_path
 MiB = 1 << 20
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / max(seconds, 1e-9) / (1 << 30):.2f} GiB/s"
 
 
 @dataclass
@@ -124,12 +139,12 @@ def engine_fingerprint(engine: Any) -> dict[str, Any]:
     }
 
 
-def engine_geometry(engine: Any) -> persist.Geometry:
+def engine_geometry(engine: Any) -> Geometry:
     c = engine.cache
-    return persist.Geometry(c.host.slab_bytes, c.image_bytes, c.index.block_bytes)
+    return Geometry(c.host.slab_bytes, c.image_bytes, c.index.block_bytes)
 
 
-def _need(cf: persist.CacheFile, slabs: int) -> str:
+def _need(cf: CacheFile, slabs: int) -> str:
     b = slabs * cf.geometry.slab_bytes
     return f"{-(-b // MiB)} MiB (--host-cache-mib {-(-b // MiB) + 1})"
 
@@ -143,9 +158,9 @@ def load_cache_file(engine: Any, path: str | Path, *, progress: bool = True) -> 
     index = cache.index
     report = LoadReport(path, "missing")
     t0 = time.perf_counter()
-    cf = persist.open_cache_file(path)
-    diff = persist.fingerprint_diff(cf.fingerprint, engine_fingerprint(engine))
-    gdiff = persist.geometry_diff(cf.geometry, engine_geometry(engine))
+    cf = open_cache_file(path)
+    diff = fingerprint_diff(cf.fingerprint, engine_fingerprint(engine))
+    gdiff = geometry_diff(cf.geometry, engine_geometry(engine))
     report.saved_snapshots = len(cf.snapshots)
     if diff or gdiff:
         report.status = "mismatch"
@@ -156,10 +171,10 @@ def load_cache_file(engine: Any, path: str | Path, *, progress: bool = True) -> 
     # The host tier may still be pinning in the background: plan with every slab it will hold,
     # wait for the chunks the plan needs, and plan again with what is there if it stopped short.
     free = index.host.free_slabs + index.host.pending_slabs
-    plan = persist.plan_host_restore(cf, free, index.cost)
+    plan = plan_host_restore(cf, free, index.cost)
     if plan.snapshots and cache.wait_host(plan.slabs) < plan.slabs:
         free = index.host.free_slabs
-        plan = persist.plan_host_restore(cf, free, index.cost)
+        plan = plan_host_restore(cf, free, index.cost)
     report.need_host_bytes = plan.total_slabs * cf.geometry.slab_bytes
     if not plan.snapshots:
         report.status = "not_restored"
@@ -181,14 +196,14 @@ def load_cache_file(engine: Any, path: str | Path, *, progress: bool = True) -> 
             on_bytes = lambda n: bar.advance(task, n)  # noqa: E731
         else:
             on_bytes = None
-        mapping = persist.read_plan_slabs(cf, plan, lambda s: host.slab_view(s).numpy(), slabs, on_bytes=on_bytes)
+        mapping = read_plan_slabs(cf, plan, lambda s: host.slab_view(s).numpy(), slabs, on_bytes=on_bytes)
     except BaseException:
         index.host.free(slabs)
         raise
     finally:
         if bar is not None:
             bar.stop()
-    report.blocks, report.snapshots = persist.adopt_plan(index, cf, plan, mapping)
+    report.blocks, report.snapshots = adopt_plan(index, cf, plan, mapping)
     report.bytes_read = total
     report.seconds = time.perf_counter() - t0
     report.status = "restored" if plan.complete else "partial"
@@ -241,7 +256,7 @@ def attach_cache_file(engine: Any, path: str | Path, *, progress: bool = True,
 def _log_load(r: LoadReport) -> None:
     if r.loaded:
         log.info("prefix cache read | %d MiB | %.2f s | %s", r.bytes_read // MiB, r.seconds,
-                 persist.fmt_rate(r.bytes_read, r.seconds))
+                 _rate(r.bytes_read, r.seconds))
     if r.status == "restored":
         log.info("prefix cache restored: %d snapshots, %d blocks from %s", r.snapshots, r.blocks, r.path)
     elif r.status == "partial":
@@ -265,15 +280,15 @@ def save_engine_cache(engine: Any, path: str | Path, *, control: SaveControl | N
     cache = engine.cache
     cache.drain()
     assert not cache.index.writes, "a host write is still in flight"
-    plan = persist.export_saveable(cache.index)
+    plan = export_saveable(cache.index)
     host = cache.host
     t0 = time.perf_counter()
-    size = persist.save_cache_file(path, engine_fingerprint(engine), engine_geometry(engine), plan,
-                                   lambda s: host.slab_view(s).numpy(), abandon=control.abandon)
+    size = save_cache_file(path, engine_fingerprint(engine), engine_geometry(engine), plan,
+                           lambda s: host.slab_view(s).numpy(), abandon=control.abandon)
     dt = time.perf_counter() - t0
     control.saved_bytes = size
     log.info("prefix cache saved | %d snapshots, %d blocks | %d MiB | %.2f s | %s -> %s",
-             len(plan.snapshots), len(plan.blocks), size // MiB, dt, persist.fmt_rate(size, dt), path)
+             len(plan.snapshots), len(plan.blocks), size // MiB, dt, _rate(size, dt), path)
     return size
 
 
@@ -293,7 +308,7 @@ def _save_hook(engine: Any, *, path: Path, control: SaveControl, aside: Path | N
             log.warning("prefix cache file %s kept as %s (it is not this engine's cache)", path, aside)
         save_engine_cache(engine, path, control=control)
         control.result = "saved"
-    except persist.SaveAbandoned:
+    except SaveAbandoned:
         control.result = "abandoned"
         log.warning("prefix cache save abandoned; the previous file %s stays", path)
     except Exception as exc:  # never let the save break the stop
@@ -315,12 +330,12 @@ def holds_other_data(path: Path) -> bool:
     """True when ``path`` is a non-empty file that does not start like a prefix cache file."""
     try:
         with open(path, "rb") as f:
-            head = f.read(len(persist.MAGIC))
+            head = f.read(len(MAGIC))
     except (FileNotFoundError, IsADirectoryError):
         return False
     except OSError:
         return False  # unreadable: open_cache_file reports it
-    return bool(head) and head != persist.MAGIC
+    return bool(head) and head != MAGIC
 
 
 def check_cache_file_path(path: str | Path) -> None:
@@ -339,14 +354,14 @@ def file_tag(path: Path) -> str:
     its header without trusting the rest; ``damaged`` when the header cannot be read."""
     try:
         with open(path, "rb") as f:
-            magic, version, meta_len = persist._PRE.unpack(f.read(persist._PRE.size))
-            if magic != persist.MAGIC or meta_len > (64 << 20):
+            magic, version, meta_len = PREAMBLE.unpack(f.read(PREAMBLE.size))
+            if magic != MAGIC or meta_len > (64 << 20):
                 return "damaged"
             fp = json.loads(f.read(meta_len))["fingerprint"]
         digest = hashlib.sha256(json.dumps(fp, sort_keys=True, default=str).encode()).hexdigest()[:12]
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, struct.error):
         return "damaged"
-    return digest if version == persist.FORMAT_VERSION else f"format{version}-{digest}"
+    return digest if version == FORMAT_VERSION else f"format{version}-{digest}"
 
 
 def aside_path(path: Path) -> Path:

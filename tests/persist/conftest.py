@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
+import pytest
+
+from hpc_cli.cache.cachefile.format import Geometry, open_cache_file
+from hpc_cli.cache.cachefile.plan import adopt_plan, export_saveable, plan_host_restore
+from hpc_cli.cache.cachefile.slab_io import read_plan_slabs, save_cache_file
 from hpc_cli.cache.index import PrefixIndex
 from hpc_cli.cache.records import CacheGeometry
 from hpc_cli.cache.keys import BLOCK_TOKENS, prepare_prompt, token_bytes
-from hpc_cli.cache.persist import Geometry
 from hpc_cli.cache.snapshot import SnapshotKind
+from hpc_cli.errors import CacheFileError
 
 SLAB = 4096
 IMAGE = 2 * SLAB + 100  # 3 slabs
@@ -86,3 +92,60 @@ def fill(ix, host: FakeHost, batch) -> None:
 
 def pattern(seed: bytes) -> bytes:
     return (seed * (SLAB // max(1, len(seed)) + 1))[:SLAB]
+
+
+# ------------------------------------------------------------------ a populated index, saved and loaded
+def populated():
+    ix, host = make_index(400)
+    base = tokens(64 * 6, 1)
+    run_prompt(ix, host, base, [200])                         # one conversation prefix
+    run_prompt(ix, host, base[:128] + tokens(200, 2), [300])  # shares 2 blocks, diverges
+    run_prompt(ix, host, tokens(150, 3), [64, 130], hits=5)   # tap (superseded by 130) and endpoint
+    run_prompt(ix, host, tokens(40, 4), [40])                 # anchored on the root
+    ix.check_invariants()
+    return ix, host, base
+
+
+def save_file(tmp_path: Path, ix, host, fp=FP, g=None) -> Path:
+    path = tmp_path / "prefix.bin"
+    plan = export_saveable(ix)
+    save_cache_file(path, fp, g or geom(), plan, host.view, fsync=False)
+    return path
+
+
+def load_file(path: Path, num_slabs: int):
+    ix, host = make_index(num_slabs)
+    cf = open_cache_file(path)
+    plan = plan_host_restore(cf, ix.host.free_slabs)
+    slabs = ix.host.alloc(plan.slabs, 1, "loading")
+    mapping = read_plan_slabs(cf, plan, host.view, slabs)
+    adopt_plan(ix, cf, plan, mapping)
+    ix.check_invariants()
+    return ix, host, cf, plan
+
+
+@pytest.fixture(scope="module")
+def sound_file(tmp_path_factory):
+    ix, host, _ = populated()
+    return save_file(tmp_path_factory.mktemp("fuzz"), ix, host).read_bytes()
+
+
+def try_load(data: bytes, tmp: Path) -> bool:
+    p = tmp / "f.bin"
+    p.write_bytes(data)
+    ix, host = make_index(400)
+    try:
+        cf = open_cache_file(p)
+        plan = plan_host_restore(cf, ix.host.free_slabs)
+        slabs = ix.host.alloc(plan.slabs, 1, "loading")
+        try:
+            mapping = read_plan_slabs(cf, plan, host.view, slabs)
+        except CacheFileError:
+            ix.host.free(slabs)
+            raise
+        adopt_plan(ix, cf, plan, mapping)
+        return True
+    except CacheFileError:
+        assert ix.tree.size == 0 and not ix.snapshots and ix.host.free_slabs == 400
+        ix.check_invariants()
+        return False

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from hpc_cli.cache import persist
+from hpc_cli.cache.cachefile.format import MAGIC, Geometry, SavePlan, open_cache_file
+from hpc_cli.cache.cachefile.slab_io import save_cache_file
 from hpc_cli.engine.api import GenerationRequest, SamplingParams
 from hpc_cli.engine.engine import Engine
 from hpc_cli.engine.persistence import attach_cache_file, engine_fingerprint, engine_geometry
@@ -83,11 +84,11 @@ def test_fingerprint_or_geometry_mismatch_loads_nothing(model, saved, tmp_path):
     assert b.cache.index.tree.size == 0 and not b.cache.index.snapshots
     # geometry: rewrite the file with another slab size recorded, same fingerprint
     c = Engine(model, **KW)
-    cf = persist.open_cache_file(path)
+    cf = open_cache_file(path)
     g = engine_geometry(c)
     other = tmp_path / "geo.bin"
-    persist.save_cache_file(other, engine_fingerprint(c), persist.Geometry(g.slab_bytes, g.image_bytes + 1, g.block_bytes),
-                            persist.SavePlan([], []), lambda s: b"", fsync=False)
+    save_cache_file(other, engine_fingerprint(c), Geometry(g.slab_bytes, g.image_bytes + 1, g.block_bytes),
+                    SavePlan([], []), lambda s: b"", fsync=False)
     r = attach_cache_file(c, other, progress=False, save=False)
     assert r.status == "mismatch" and "image_bytes" in r.reason and c.cache.index.tree.size == 0
     assert cf.snapshots
@@ -109,7 +110,7 @@ def test_damaged_file_loads_nothing_and_says_why(model, saved, tmp_path):
 
 def test_fatal_engine_saves_nothing(model, tmp_path):
     path = tmp_path / "prefix.bin"
-    previous = persist.MAGIC + b"previous"  # a damaged prefix cache file
+    previous = MAGIC + b"previous"  # a damaged prefix cache file
     path.write_bytes(previous)
     e = Engine(model, **KW)
     r = attach_cache_file(e, path, progress=False)
@@ -194,7 +195,7 @@ def test_mismatched_file_is_kept_aside_not_replaced(model, saved, tmp_path):
     kept = tmp_path / f"prefix.bin.old-{tag}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prefix.bin", kept.name]
     assert kept.read_bytes() == path.read_bytes()
-    assert persist.open_cache_file(mine).fingerprint == engine_fingerprint(e)
+    assert open_cache_file(mine).fingerprint == engine_fingerprint(e)
     assert len(tag) == 12 and file_tag(mine) != tag
 
 

@@ -521,25 +521,25 @@ def test_case09_stale_temp_files_are_removed_at_start(tmp_path):
 
 def _crafted(path, mutate) -> None:
     """Rewrite the header's JSON (same length, fresh checksum) of the cache file at ``path``."""
-    from hpc_cli.cache import persist
+    from hpc_cli.cache.cachefile.format import PREAMBLE, U64, xxh3_64
 
     data = bytearray(path.read_bytes())
-    pre = persist._PRE.size
-    magic, version, meta_len = persist._PRE.unpack_from(data, 0)
+    pre = PREAMBLE.size
+    magic, version, meta_len = PREAMBLE.unpack_from(data, 0)
     meta = json.loads(bytes(data[pre:pre + meta_len]))
     mutate(meta)
     text = json.dumps(meta).encode()
     assert len(text) <= meta_len
     text = text[:-1] + b" " * (meta_len - len(text)) + b"}"  # pad inside the object
     data[pre:pre + meta_len] = text
-    persist._U64.pack_into(data, pre + meta_len, persist._xxh(bytes(data[:pre + meta_len])))
+    U64.pack_into(data, pre + meta_len, xxh3_64(bytes(data[:pre + meta_len])))
     path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("mutate", [lambda m: m.pop("fingerprint"), lambda m: m.update(fingerprint=["x"]),
                                     lambda m: m.update(fingerprint="string")], ids=["missing", "list", "string"])
 def test_case10_crafted_cache_files_are_damaged_not_fatal(tmp_path, mutate):
-    from hpc_cli.cache import persist
+    from hpc_cli.cache.cachefile.format import open_cache_file
     from hpc_cli.engine.persistence import attach_cache_file, save_engine_cache
 
     engine, _ = start_engine()
@@ -549,7 +549,7 @@ def test_case10_crafted_cache_files_are_damaged_not_fatal(tmp_path, mutate):
     save_engine_cache(engine, path)
     _crafted(path, mutate)
     with pytest.raises(Exception) as info:
-        persist.open_cache_file(path)
+        open_cache_file(path)
     assert type(info.value).__name__ == "CacheFileError"
     from hpc_cli.engine.engine import Engine
 

@@ -1,4 +1,4 @@
-"""`hpc-cli cache inspect` and `verify` (spec §5.5)."""
+"""`hpc-cli cache inspect` and `verify` (spec §5.5; hpc_cli/cli/cache_cmd.py, cache_view.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from click.testing import CliRunner
 
 from hpc_cli.cli import cli
 
-from .test_file_format import _populated, _save
+from .conftest import populated, save_file
 
 
 def test_inspect_and_verify(tmp_path):
-    ix, host, _ = _populated()
-    path = _save(tmp_path, ix, host)
+    ix, host, _ = populated()
+    path = save_file(tmp_path, ix, host)
     r = CliRunner().invoke(cli, ["cache", "inspect", str(path), "--json", "--tree"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
@@ -41,8 +41,8 @@ def test_inspect_tree_draws_a_tree(tmp_path):
     import subprocess
     import sys
 
-    ix, host, _ = _populated()
-    path = _save(tmp_path, ix, host)
+    ix, host, _ = populated()
+    path = save_file(tmp_path, ix, host)
     r = subprocess.run([sys.executable, "-m", "hpc_cli", "cache", "inspect", str(path), "--tree"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -57,9 +57,9 @@ def test_inspect_tree_draws_a_tree(tmp_path):
 
 def d_blocks(path) -> int:
     """Tree nodes the file's block tree draws: blocks that branch, end a chain or anchor snapshots."""
-    from hpc_cli.cache import persist
+    from hpc_cli.cache.cachefile.format import open_cache_file
 
-    cf = persist.open_cache_file(path)
+    cf = open_cache_file(path)
     kids: dict[int, int] = {}
     for b in cf.blocks:
         kids[b.parent] = kids.get(b.parent, 0) + 1
