@@ -243,7 +243,8 @@ class FileLayout:
     def seal(self, run_digests: list[int]) -> tuple[int, bytes, bytes]:
         """(the run table's offset, the run table, the header with its checksum)."""
         rt = b"".join(_RUN.pack(first, count, run_digests[k]) for k, (first, count) in enumerate(self.runs))
-        head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, self.meta_len) + self._meta_bytes({**self.sums, "runs": _hex(xxh3_64(rt))})
+        sums = {**self.sums, "runs": _hex(xxh3_64(rt))}
+        head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, self.meta_len) + self._meta_bytes(sums)
         return self.offsets["runs"][0], rt, head + U64.pack(xxh3_64(head))
 
 
