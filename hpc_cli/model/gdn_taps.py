@@ -33,8 +33,10 @@ from hpc_cli.model.gdn import chunk_rule, chunk_states, fla_inputs, gated_delta_
 CHUNK = 64
 #: the tap slots of CUDA-graph prefill passes: a pass with taps runs the graph with the fewest
 #: slots that hold them (each slot adds one chunk of rows to its GDN kernels); a pass with more
-#: than the largest ends at the next tap (a split)
-TAP_SLOT_SIZES = (1, 2, 4)
+#: than the largest ends at the next tap (a split). One size: on an H200 at the 27B widths, 8 taps
+#: in an 8k prompt (2 a pass) kept 0.958 of the prefill throughput with 4-slot graphs and 0.939
+#: with graphs of 1, 2 and 4 slots (benchmarks/gdn_taps.py, one run each)
+TAP_SLOT_SIZES = (4,)
 TAP_SLOTS = TAP_SLOT_SIZES[-1]
 #: no bound: the torch rule takes any number of taps in one call
 UNBOUNDED = 1 << 30

@@ -17,8 +17,8 @@ device indices only, so its kernels can be captured once per shape and replayed:
 * Graphs bake in the KV pool's and the state slots' storage (and NVFP4 global scales): a model
   used with other pools drops its graphs, as its decode graphs do (:mod:`hpc_cli.model.graphs`).
 * A pass with exact taps inside it (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) runs a
-  graph of the same length with the fewest tap slots that hold them (1, 2 or 4,
-  :data:`~hpc_cli.model.gdn_taps.TAP_SLOT_SIZES`; key ``slots``): its GDN layers spread their rows and leave the tap images in the model's
+  graph of the same length with the fewest tap slots that hold them
+  (:data:`~hpc_cli.model.gdn_taps.TAP_SLOT_SIZES`, today 4; key ``slots``): its GDN layers spread their rows and leave the tap images in the model's
   :class:`~hpc_cli.model.prefill_core.TapBuffers`, which the caller copies out before the next pass.
 * Used where the column graphs are (dense models on CUDA, a pool the paged kernel reads, ``[engine]
   cuda_graphs``), for plain passes: a pass that wants every position's logits or hidden, captured

@@ -34,3 +34,21 @@ def test_gpu_dir_sanitises_like_fla():
 def test_a_users_setting_wins(monkeypatch, var):
     monkeypatch.setenv(var, "x")
     assert fla_configs.pin() is None
+
+
+def test_l2norm_takes_one_configuration_for_every_pass_length():
+    """fla tunes its q/k l2norm per row-count bucket (NB, 65,536 rows each), and the per-row
+    reduction follows the configuration: passes in different buckets would normalise the same
+    rows differently, and a tap would not equal a truncated call bit for bit. The shipped file
+    gives every bucket up to 8 the same configuration."""
+    for d in (d for d in fla_configs.HERE.iterdir() if d.is_dir()):
+        f = d / "l2norm_fwd_kernel.json"
+        if not f.exists():
+            continue
+        entries = json.loads(f.read_text())["autotune_entries"].values()
+        by_width = {}
+        for e in entries:
+            by_width.setdefault(tuple(e["autotune_key"][:1] + e["autotune_key"][2:]), []).append(e)
+        for width, group in by_width.items():
+            assert sorted(e["autotune_key"][1] for e in group) == list(range(1, 9)), width
+            assert len({json.dumps(e["config"], sort_keys=True) for e in group}) == 1, width
