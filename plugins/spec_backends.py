@@ -37,6 +37,10 @@ def _build_block_drafter(backend, kind: str, model, path, seed, **kw):
     from hpc_cli.errors import ConfigError
     from hpc_cli.speculative.dflash import DFlashDrafter, DFlashNet, default_config, load_drafter, seed_weights
 
+    if not path and str(model.config.name) == "builtin:tiny":
+        from hpc_cli.model.builtin import TINY_DIR
+
+        path = str(TINY_DIR / kind)  # the embedded model's trained drafters
     if path:
         net = load_drafter(path, kind, model.device, model.dtype)
     elif str(model.config.name).startswith("builtin:"):

@@ -75,11 +75,13 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- data
-def load_data(data: Path, seq: int):
+def load_data(data: Path, seq: int, chat_only: bool = False):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(data / "tokenizer.json"))
     records = [json.loads(line) for line in gzip.open(data / "corpus.jsonl.gz")]
+    if chat_only:
+        records = [r for r in records if r["kind"] == "chat"]
     eot = tok.token_to_id("<|endoftext|>")
     out = {}
     for split in ("train", "val"):
@@ -183,10 +185,16 @@ def gdn_forward(la, x: torch.Tensor) -> torch.Tensor:
     return la._finish(core.to(z.dtype), z)
 
 
+#: round K and V to bf16 as the runtime's bf16 KV pages store them (the runtime check sets it)
+ROUND_KV = False
+
+
 def attn_forward(attn, x: torch.Tensor, cos, sin) -> torch.Tensor:
     """Gated causal attention over ``x`` ``[B, T, H]``; ``cos, sin`` ``[B*T, r]``."""
     B, T, H = x.shape
     q, gate, k, v = attn.qkv(x.reshape(B * T, H), cos, sin)
+    if ROUND_KV:
+        k, v = k.to(torch.bfloat16).to(k.dtype), v.to(torch.bfloat16).to(v.dtype)
     q = q.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
     k = k.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
     v = v.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
@@ -430,7 +438,8 @@ def train_drafters(model, nets, data, args, dev, report):
             losses["mtp2"] = 0.5 * F.cross_entropy(l2.reshape(-1, l2.shape[-1]), labels[:, 2:].reshape(-1))
             k = args.block_sizes[step % len(args.block_sizes)]
             anchors = torch.stack([torch.randperm(T - k - 1, generator=gen)[:args.anchors] + 1 for _ in range(B)]).to(dev)
-            idx = anchors[:, :, None] + torch.arange(k, device=dev) - 1  # label of column i: argmax at p+i-1
+            # column i (1..k) drafts the token at p+i: the model's argmax at position p+i-1
+            idx = anchors[:, :, None] + torch.arange(k, device=dev)
             lab = labels.gather(1, idx.reshape(B, -1)).view(B, -1, k)
             wts = (0.85 ** torch.arange(k, device=dev, dtype=torch.float32)).expand_as(lab)
             for name, net in nets.items():
@@ -473,7 +482,7 @@ def draft_accuracy(model, nets, rotaries, rows, dev, args) -> dict:
         gen = torch.Generator().manual_seed(5)
         k = 3
         anchors = torch.stack([torch.randperm(T - k - 1, generator=gen)[:32] + 1 for _ in range(B)]).to(dev)
-        lab = labels.gather(1, (anchors[:, :, None] + torch.arange(k, device=dev) - 1).reshape(B, -1)).view(B, -1, k)
+        lab = labels.gather(1, (anchors[:, :, None] + torch.arange(k, device=dev)).reshape(B, -1)).view(B, -1, k)
         for name, net in nets.items():
             pred = model.lm_head(drafter_forward(net, model, rotaries[name], feats, tokens, anchors, k)).argmax(-1)
             out[name] = (pred[..., 0] == lab[..., 0]).float().mean().item()
@@ -512,13 +521,19 @@ def export(model: HybridModel, nets: dict, tok_dir: Path, out: Path, tok) -> Pat
 @torch.no_grad()
 def check_against_runtime(d: Path, sample: torch.Tensor, capture) -> dict:
     """Load the exported directory through the HF-checkpoint loader (fp32, CPU) and compare the
-    runtime's prefill logits with this script's training forward on the same weights."""
+    runtime's prefill logits with this script's training forward on the same weights (K and V
+    rounded to bf16 in both: the runtime's bf16 KV pages hold them so)."""
+    global ROUND_KV
     from hpc_cli.model.loader import load_checkpoint
 
     m = load_checkpoint(d, dtype=torch.float32, device="cpu", progress=False)
     toks = sample[:1, :200].cpu()
     ref = m.forward_tokens(toks[0]).float()
-    h, _ = forward(m, toks)
+    ROUND_KV = True
+    try:
+        h, _ = forward(m, toks)
+    finally:
+        ROUND_KV = False
     got = m.lm_head(h)[0].float()
     diff = (got - ref).abs().max().item()
     same_argmax = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
@@ -546,6 +561,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--val-rows", type=int, default=256)
     ap.add_argument("--final-val-rows", type=int, default=10 ** 9, help="rows of the final validation loss")
     ap.add_argument("--log-every", type=int, default=20)
+    ap.add_argument("--init-from", default=None,
+                    help="a trained checkpoint directory: skip phase 1, train the MTP head and drafters")
+    ap.add_argument("--init-drafters", default=None, help="start the drafters from this directory's dflash/, dflash2/")
+    ap.add_argument("--chat-only", action="store_true", help="train on the chat examples only")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     args.block_sizes = [int(x) for x in args.block_sizes.split(",")]
@@ -557,7 +576,7 @@ def main(argv=None) -> dict:
     data_dir, out = Path(args.data), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    tok, data = load_data(data_dir, args.seq)
+    tok, data = load_data(data_dir, args.seq, args.chat_only)
     manifest = json.loads((data_dir / "manifest.json").read_text())
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
     cfg = tiny_config(manifest["vocab_size"], eos)
@@ -567,17 +586,31 @@ def main(argv=None) -> dict:
               "train_tokens": data["train"].numel(), "val_tokens": data["val"].numel(),
               "data_s": time.time() - t0}
     print(json.dumps({k: v for k, v in report.items() if k != "data"}), flush=True)
-    model = HybridModel(cfg, device=dev, dtype=torch.float32, with_mtp=True)
-    init_weights(model, SEED)
-    for p in model.parameters():
-        p.requires_grad_(True)
+    if args.init_from:  # a trained model: train its MTP head and the drafters only
+        from hpc_cli.model.loader import load_checkpoint
+
+        model = load_checkpoint(args.init_from, dtype=torch.float32, device=dev, progress=False)
+        report["init_from"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                               for p in sorted(Path(args.init_from).glob("*")) if p.is_file()}
+        report["main"] = {"val_loss": evaluate(model, data["val"], dev, args.batch, args.final_val_rows)}
+        print("loaded", args.init_from, json.dumps(report["main"]), flush=True)
+    else:
+        model = HybridModel(cfg, device=dev, dtype=torch.float32, with_mtp=True)
+        init_weights(model, SEED)
+        for p in model.parameters():
+            p.requires_grad_(True)
+        model.train()
+        train_main(model, data, args, dev, report)
     report["parameters"] = sum(p.numel() for p in model.parameters())
-    model.train()
-    train_main(model, data, args, dev, report)
     nets = {}
     gen_seed = SEED + 3
     for kind in ("dflash", "dflash2"):
         c = default_config(kind, model, 1)
+        if args.init_drafters:  # continue from trained drafters
+            from hpc_cli.speculative.dflash import load_drafter
+
+            nets[kind] = load_drafter(str(Path(args.init_drafters) / kind), kind, dev, torch.float32).train()
+            continue
         net = DFlashNet(c, device=dev, dtype=torch.float32)
         init_weights(net, gen_seed)
         if kind == "dflash2":

@@ -1,5 +1,5 @@
 """`hpc-cli bench`: seeded traces of every kind, and a replay of a small trace against the three
-built-in cache modes on the CPU (builtin:tiny) that prints the table and writes the report and
+built-in cache modes on the CPU (builtin:random) that prints the table and writes the report and
 the plots."""
 
 from __future__ import annotations

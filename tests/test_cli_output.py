@@ -139,5 +139,5 @@ def test_validate_checks_paths(tmp_path):
     (tmp_path / "notes.txt").write_text("my notes, not a cache\n")
     r = hpc("config", "validate", str(p))
     assert r.returncode == 2 and "holds other data" in r.stderr and "hint:" in r.stderr
-    p.write_text('[model]\nname = "builtin:tiny"\n')
+    p.write_text('[model]\nname = "builtin:random"\n')
     assert hpc("config", "validate", str(p)).returncode == 0

@@ -1,4 +1,4 @@
-"""benchmarks/serve_trace.py on the CPU: a small trace against builtin:tiny in both cache modes
+"""benchmarks/serve_trace.py on the CPU: a small trace against builtin:random in both cache modes
 (real `hpc-cli serve` processes on 127.0.0.1), and the checkpoint writer's CPU shape loaded by the
 project's loader, with the 27B shape's tensor names and shapes checked against our model's."""
 

@@ -59,12 +59,18 @@ def banner(resolved, url: str) -> str:
              f"  OpenAI: {url}/v1/chat/completions, {url}/v1/completions | Anthropic: {url}/v1/messages",
              f"  {url}/health, {url}/metrics, {url}/v1/cache/stats"
              + (" | API key required (Authorization: Bearer ...)" if s.server.api_key else "")]
-    if s.model.name.startswith("builtin:"):
+    if s.model.name == "builtin:tiny":
         lines += ["",
-                  f"  NOTE: {s.model.name} is the embedded demo model: its weights are random (seeded), so its",
-                  "  text is meaningless. It exercises the server and the prefix cache on any machine. To serve a",
-                  "  real model, point --model at a Qwen3.5 checkpoint directory (config.json, *.safetensors,",
+                  "  NOTE: builtin:tiny is the embedded demo model: a small Qwen3.5 (8 layers, hidden 256) trained",
+                  "  on the Python standard library's docstrings. Ask it what json.dumps does. To serve a real",
+                  "  model, point --model at a Qwen3.5 checkpoint directory (config.json, *.safetensors,",
                   "  tokenizer.json): hpc-cli serve --model /path/to/Qwen3.5-27B"]
+    elif s.model.name.startswith("builtin:"):
+        lines += ["",
+                  f"  NOTE: {s.model.name} has random (seeded) weights, so its text is meaningless. It exercises",
+                  "  the server and the prefix cache on any machine. To serve a real model, point --model at a",
+                  "  Qwen3.5 checkpoint directory (config.json, *.safetensors, tokenizer.json):",
+                  "  hpc-cli serve --model /path/to/Qwen3.5-27B"]
     lines.append("  Stop: Ctrl+C twice within 5 s, or SIGTERM.")
     return "\n".join(lines)
 

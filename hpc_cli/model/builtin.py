@@ -1,8 +1,13 @@
-"""Built-in models with seeded weights: ``builtin:tiny`` (the embedded default) and full-width shapes.
+"""Built-in models: ``builtin:tiny`` (the embedded default, trained), seeded ones and full-width shapes.
 
-``builtin:tiny`` is a small Qwen3.5-shaped model (8 layers, full attention every 4th, hidden 256)
-with a byte-level tokenizer, so ``hpc-cli serve`` works offline on any machine. Its weights are
-random (seeded): it produces meaningless text. ``builtin:qwen3.5-27b-shape`` and
+``builtin:tiny`` is a small trained Qwen3.5 model (8 layers in the 3:1 GDN / gated-attention
+pattern, hidden 256, a 6144-token byte-level BPE vocabulary, an MTP head) shipped inside the
+package as a HF checkpoint directory (``hpc_cli/model/tiny``: config.json, tokenizer.json,
+tokenizer_config.json, model.safetensors, and the ``dflash``/``dflash2`` drafters) and loaded
+offline through the same loader as a user's checkpoint; it answers questions about the Python
+standard library (docs/tiny-model.md; ``scripts/train_tiny.py`` trains it).
+``builtin:random`` has the same layer geometry with a byte-level tokenizer and random (seeded)
+weights: it produces meaningless text, and tests use it. ``builtin:qwen3.5-27b-shape`` and
 ``builtin:qwen3.5-35b-a3b-shape`` carry the released widths with a reduced layer count (8 by
 default, ``@N`` for N layers, a multiple of 4) for GPU benchmarks: cost does not depend on the
 weight values.
@@ -11,6 +16,7 @@ weight values.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -20,11 +26,23 @@ from hpc_cli.model.config import ModelConfig
 from hpc_cli.model.tokenizer import ByteTokenizer
 
 SEED = 20250501
+#: the trained embedded default model, a HF checkpoint directory inside the package
+TINY_DIR = Path(__file__).resolve().parent / "tiny"
+
+
+def trained_tiny_config() -> ModelConfig:
+    if not (TINY_DIR / "config.json").is_file():
+        raise ModelError(f"the embedded model's files are missing from {TINY_DIR}",
+                         hint="reinstall hpc-cli, or use builtin:random")
+    cfg = ModelConfig.from_dir(TINY_DIR)
+    cfg.name = "builtin:tiny"
+    return cfg
 
 
 def tiny_config() -> ModelConfig:
+    """The seeded ``builtin:random`` model (the former ``builtin:tiny``): byte tokenizer, random weights."""
     return ModelConfig(
-        name="builtin:tiny", model_type="qwen3_5", vocab_size=272, hidden_size=256, num_hidden_layers=8,
+        name="builtin:random", model_type="qwen3_5", vocab_size=272, hidden_size=256, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
         max_position_embeddings=32768, eos_token_id=[258, 256], mtp_num_hidden_layers=1)
@@ -58,7 +76,8 @@ def qwen35_35b_a3b_shape(layers: int = 8) -> ModelConfig:
 
 
 BUILTINS = {
-    "tiny": lambda layers: tiny_config() if layers is None else _relayer(tiny_config(), layers),
+    "tiny": lambda layers: trained_tiny_config(),
+    "random": lambda layers: tiny_config() if layers is None else _relayer(tiny_config(), layers),
     "tiny-moe": lambda layers: tiny_moe_config() if layers is None else _relayer(tiny_moe_config(), layers),
     "qwen3.5-27b-shape": lambda layers: qwen35_27b_shape(layers or 8),
     "qwen3.5-35b-a3b-shape": lambda layers: qwen35_35b_a3b_shape(layers or 8),
@@ -79,6 +98,9 @@ def builtin_config(name: str) -> ModelConfig:
         if not count.isdigit() or int(count) < 4 or int(count) % 4:
             raise ModelError(f"bad layer count in {name!r}", hint="write builtin:NAME@N with N a multiple of 4")
         layers = int(count)
+        if key == "tiny":
+            raise ModelError("builtin:tiny is a trained model and takes no layer count",
+                             hint=f"builtin:random@{count} has the same geometry with seeded weights")
     if key not in BUILTINS:
         raise ModelError(f"unknown built-in model {name!r}",
                          hint="choose one of: " + ", ".join(f"builtin:{k}" for k in BUILTINS))
@@ -149,6 +171,12 @@ def build_builtin(name: str, dtype=None, device="cpu", offload_experts: bool = F
     from hpc_cli.model.model import HybridModel, _dtype
 
     cfg = builtin_config(name)
+    if name.removeprefix("builtin:") == "tiny":
+        from hpc_cli.model.loader import load_checkpoint
+
+        model = load_checkpoint(TINY_DIR, dtype=dtype, device=device, progress=progress)
+        model.config.name = cfg.name
+        return model
     dt = _dtype(dtype, torch.device(device))
     fp = check_fits(name, cfg, dt, device, with_mtp=True, offload_experts=offload_experts)
     what = f"building {name} ({fp.total_bytes / (1 << 30):.2f} GiB of {str(dt).replace('torch.', '')} weights on {device})"

@@ -12,7 +12,7 @@ from hpc_cli.cache.keys import BLOCK_TOKENS, HASH_SEED, prepare_prompt
 from hpc_cli.cache.shared import BlockEntry, Miss, RecordError, SnapshotEntry
 from hpc_cli.cache.snapshot import SnapshotKind
 
-FP = {"checkpoint": "builtin:tiny", "kv_profile": "bf16", "product": "1+abc"}
+FP = {"checkpoint": "builtin:random", "kv_profile": "bf16", "product": "1+abc"}
 GEOM = {"slab_bytes": 4096, "image_bytes": 10000, "block_bytes": 3000}
 NS = rec.namespace(FP, GEOM)
 
@@ -36,7 +36,7 @@ def _verify_block(p, b, raw, ns=NS):
 
 def test_namespace_follows_every_fingerprint_field_and_the_geometry():
     assert rec.namespace(FP, GEOM) == NS and NS.startswith("hpc1:") and len(NS) == 5 + 32
-    for key, value in (("kv_profile", "int8-g64"), ("checkpoint", "builtin:tiny@4"), ("product", "1+abd")):
+    for key, value in (("kv_profile", "int8-g64"), ("checkpoint", "builtin:random@4"), ("product", "1+abd")):
         assert rec.namespace({**FP, key: value}, GEOM) != NS
     assert rec.namespace(FP, {**GEOM, "image_bytes": 10001}) != NS
 

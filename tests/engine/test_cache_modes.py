@@ -83,7 +83,7 @@ def test_a_plugin_mode_is_selected_by_name_and_runs_the_engine(model):
     from hpc_cli.settings import load_settings
 
     plugins.get_plugin_manager().register(_Plugin(), name="counting-plugin")
-    r = load_settings(None, {"cache.mode": "counting", "model.name": "builtin:tiny", "engine.kv_capacity": 16,
+    r = load_settings(None, {"cache.mode": "counting", "model.name": "builtin:random", "engine.kv_capacity": 16,
                              "engine.max_concurrency": 1}, environ={})
     assert r.effective["cache.mode"] == "counting"
     e = Engine.from_settings(r).start()

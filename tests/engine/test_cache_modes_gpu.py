@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def test_cuda_legacy_resume_demote_restore_match_cold(profile):
     from hpc_cli.model.model import HybridModel
 
-    model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32, device="cuda")
+    model = HybridModel.from_name_or_path("builtin:random", dtype=torch.float32, device="cuda")
     kw = dict(kv_profile=profile, kv_pages=200, prefill_chunk=256, max_model_len=8192, max_concurrency=2)
     base = list(range(10, 250)) * 6  # 1440 tokens
     ext = base + list(range(30, 90))

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def test_cuda_resume_and_host_restore_match_cold(profile):
     from hpc_cli.model.model import HybridModel
 
-    model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32, device="cuda")
+    model = HybridModel.from_name_or_path("builtin:random", dtype=torch.float32, device="cuda")
     eng = Engine(model, kv_profile=profile, kv_pages=600, host_cache_mib=256, prefill_chunk=256,
                  max_model_len=8192).start()
     prompt = list(range(10, 250)) * 8  # 1920 tokens: the final chunk starts at 1792, where the tail tap is taken

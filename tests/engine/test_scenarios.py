@@ -1,4 +1,4 @@
-"""Spec §13.3 scenarios that apply to one device, run on CPU with builtin:tiny.
+"""Spec §13.3 scenarios that apply to one device, run on CPU with builtin:random.
 
 Scenarios that apply to several cache modes run in each (``mode``: hybrid and legacy, the
 checkpoint catalog; ``off`` is the reference every equality test compares with). Every test ends
@@ -467,7 +467,7 @@ def test_cache_mode_off_never_reuses(model):
     from hpc_cli.settings import load_settings
 
     r = load_settings(None, {"cache.mode": "off", "engine.prefill_chunk": 128, "engine.max_concurrency": 2,
-                             "engine.kv_capacity": 32, "model.name": "builtin:tiny"}, environ={})
+                             "engine.kv_capacity": 32, "model.name": "builtin:random"}, environ={})
     e = Engine.from_settings(r).start()
     p = tokens(200, seed=45)
     outs = []

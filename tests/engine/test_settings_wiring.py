@@ -9,7 +9,7 @@ from hpc_cli.settings import load_settings
 
 
 def _engine(**keys):
-    base = {"engine.kv_capacity": 32, "engine.max_concurrency": 1, "model.name": "builtin:tiny",
+    base = {"engine.kv_capacity": 32, "engine.max_concurrency": 1, "model.name": "builtin:random",
             "cache.host_cache_mib": 16}
     return Engine.from_settings(load_settings(None, {**base, **keys}, environ={}))
 

@@ -170,7 +170,7 @@ def test_images_are_checked_before_they_reach_the_worker(model):
         check_images(model, stray)
     from hpc_cli.model.model import HybridModel
 
-    text_only = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
+    text_only = HybridModel.from_name_or_path("builtin:random", dtype=torch.float32)
     with pytest.raises(RequestError, match="does not take images"):
         check_images(text_only, ok)
 

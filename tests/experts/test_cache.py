@@ -120,6 +120,6 @@ def test_tier_rejects_a_dense_model_and_a_missing_profile():
     from hpc_cli.model.model import HybridModel
 
     with pytest.raises(ConfigError, match="no MoE layers"):
-        ExpertTier(HybridModel.from_name_or_path("builtin:tiny"), slots=1, admission="first-routed")
+        ExpertTier(HybridModel.from_name_or_path("builtin:random"), slots=1, admission="first-routed")
     with pytest.raises(ConfigError, match="needs a profile"):
         ExpertTier(tiny_moe(), slots=1, admission="profile")

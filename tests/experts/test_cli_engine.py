@@ -61,7 +61,7 @@ def test_cli_errors(files, tmp_path):
     (tmp_path / "empty.txt").write_text("\n")
     r = invoke("expert", "record", tmp_path / "empty.txt", "-o", tmp_path / "x.bin", "--device", "cpu")
     assert r.exit_code == 2 and "no prompts" in r.output
-    r = invoke("expert", "record", d / "prompts.txt", "-o", tmp_path / "x.bin", "--model", "builtin:tiny",
+    r = invoke("expert", "record", d / "prompts.txt", "-o", tmp_path / "x.bin", "--model", "builtin:random",
                "--device", "cpu")
     assert r.exit_code == 2 and "dense" in r.output
 

@@ -15,7 +15,7 @@ N = 200
 
 @pytest.fixture(scope="module")
 def tiny():
-    return HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
+    return HybridModel.from_name_or_path("builtin:random", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

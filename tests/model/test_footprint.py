@@ -15,7 +15,7 @@ GiB = 1 << 30
 def test_footprint_counts_every_parameter_byte():
     from hpc_cli.model.model import HybridModel
 
-    cfg = builtin_config("builtin:tiny")
+    cfg = builtin_config("builtin:random")
     built = HybridModel(cfg, dtype=torch.float32, with_mtp=True)
     want = sum(p.numel() * p.element_size() for p in built.parameters())
     fp = weight_footprint(cfg, torch.float32)
@@ -58,10 +58,10 @@ def test_loading_a_checkpoint_shows_progress(hf_dense, capsys):
 def test_building_a_builtin_shows_progress(capsys):
     from hpc_cli.model.builtin import build_builtin
 
-    build_builtin("builtin:tiny", progress=True)
+    build_builtin("builtin:random", progress=True)
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == "hpc-cli: building builtin:tiny (0.02 GiB of float32 weights on cpu) ..."
-    assert err[-1].startswith("hpc-cli: building builtin:tiny (0.02 GiB of float32 weights on cpu): done in ")
+    assert err[0] == "hpc-cli: building builtin:random (0.02 GiB of float32 weights on cpu) ..."
+    assert err[-1].startswith("hpc-cli: building builtin:random (0.02 GiB of float32 weights on cpu): done in ")
 
 
 def test_a_checkpoint_too_big_is_refused_before_loading(hf_dense, monkeypatch):

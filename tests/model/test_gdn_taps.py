@@ -108,7 +108,7 @@ def test_layer_taps_conv_windows_are_a_host_gather():
     prefill's."""
     from hpc_cli.model import HybridModel
 
-    model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
+    model = HybridModel.from_name_or_path("builtin:random", dtype=torch.float32)
     layer = next(l.linear_attn for l in model.layers if l.kind == "linear_attention")
     g = torch.Generator().manual_seed(4)
     t = 150

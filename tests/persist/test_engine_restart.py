@@ -1,4 +1,4 @@
-"""A real engine restart with builtin:tiny and a host tier (spec §5.5)."""
+"""A real engine restart with builtin:random and a host tier (spec §5.5)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def model():
     from hpc_cli.model.model import HybridModel
 
     torch.manual_seed(0)
-    return HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
+    return HybridModel.from_name_or_path("builtin:random", dtype=torch.float32)
 
 
 def toks(n, seed):

@@ -77,7 +77,7 @@ class Served:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
     def chat(self, messages: list[dict]):
-        return self.client().chat.completions.create(model="builtin:tiny", messages=messages, max_tokens=8,
+        return self.client().chat.completions.create(model="builtin:random", messages=messages, max_tokens=8,
                                                      temperature=0, extra_body=NO_THINK)
 
     def stats(self) -> dict:

@@ -23,7 +23,7 @@ class FakeEngine(Engine):
     def __init__(self, text: str = "hello world ", token_delay: float = 0.0, max_model_len: int = 4096,
                  eos_after: int | None = None) -> None:
         self.tokenizer = ByteTokenizer()
-        self.model_name = "builtin:tiny"
+        self.model_name = "builtin:random"
         self.max_model_len = max_model_len
         self.text_ids = self.tokenizer.encode(text)
         self.token_delay = token_delay

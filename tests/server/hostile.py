@@ -1,4 +1,4 @@
-"""Shared pieces of the hostile-input tests (issue 21): the real engine (builtin:tiny on CPU)
+"""Shared pieces of the hostile-input tests (issue 21): the real engine (builtin:random on CPU)
 behind live servers on 127.0.0.1 that run with serve's own connection limits
 (:func:`hpc_cli.server.limits.uvicorn_config`), raw-socket helpers, and the leak probe."""
 
@@ -19,7 +19,7 @@ from hpc_cli.server.app import create_app
 from hpc_cli.server.limits import uvicorn_config
 from hpc_cli.settings import ResolvedSettings, load_settings
 
-MODEL = "builtin:tiny"
+MODEL = "builtin:random"
 ENGINE_FLAGS = {"model.name": MODEL, "model.device": "cpu", "model.max_model_len": 512,
                 "engine.max_concurrency": 2, "engine.prefill_chunk": 128, "engine.default_max_tokens": 4,
                 "cache.host_cache_mib": 16}

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 
 from .fake_engine import FakeEngine  # noqa: E402
 
-MODEL = "builtin:tiny"
+MODEL = "builtin:random"
 USER = [{"role": "user", "content": "Hi!"}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 CONTROLS = "a\x00b\x1b[31mc\x07\td\ne\x7f\x9b\x1bf "  # NUL, ESC, BEL, DEL, a C1 control; tab and newline stay

@@ -1,5 +1,5 @@
 """`hpc-cli bench --base URL`: a trace replayed against a running server (the real engine,
-builtin:tiny on CPU, behind a live server on 127.0.0.1): cached tokens from the streamed usage,
+builtin:random on CPU, behind a live server on 127.0.0.1): cached tokens from the streamed usage,
 residency from /v1/cache/stats, the server's own cache mode in the report."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hpc_cli.engine.engine import Engine
 from hpc_cli.server.app import create_app
 from hpc_cli.settings import load_settings
 
-FLAGS = {"model.name": "builtin:tiny", "model.device": "cpu", "model.max_model_len": 2048,
+FLAGS = {"model.name": "builtin:random", "model.device": "cpu", "model.max_model_len": 2048,
          "engine.max_concurrency": 2, "engine.prefill_chunk": 256, "cache.host_cache_mib": 16}
 
 

@@ -1,5 +1,5 @@
 """The embedded model's chat template renders tools, tool calls and tool results so that the
-server's tool-call parser reads back what the template wrote (agent round trips on builtin:tiny)."""
+server's tool-call parser reads back what the template wrote (agent round trips on builtin:random)."""
 
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ def serve_with(tmp_path):
 
 
 def _complete(url: str) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"model": "builtin:tiny", "prompt": "hello " * 40,
+    return httpx.post(url + "/v1/completions", json={"model": "builtin:random", "prompt": "hello " * 40,
                                                      "max_tokens": 4}, timeout=60)
 
 

@@ -1,5 +1,5 @@
 """A bounded HTTP fuzzer (issue 21): hypothesis generates requests for every endpoint, with and
-without an API key, and sends them to the real app and engine (builtin:tiny on CPU) behind
+without an API key, and sends them to the real app and engine (builtin:random on CPU) behind
 live loopback servers with serve's connection limits. Every answer must be below 500, in the
 API's own error shape when it is an error, within the client timeout; afterwards the engine is
 alive, holds nothing, and a greedy canary gives the same answer as before the run.
@@ -28,7 +28,7 @@ BUDGET_S = 150.0  # per 1,000 requests: the run fails past it (it takes ~30-60 s
 POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 GETS = ("/health", "/metrics", "/v1/models", "/v1/cache/stats")
 OTHERS = ("/", "/v1", "/v1/messages/count_tokens", "/v1/chat/completions/", "/v2/completions", "/docs",
-          "/v1/embeddings", "/%ff%fe", "/v1/models/builtin:tiny")
+          "/v1/embeddings", "/%ff%fe", "/v1/models/builtin:random")
 
 # --------------------------------------------------------------------------------------------
 # strategies
@@ -141,8 +141,8 @@ CLEAN, DIRTY = body_strategies(False), body_strategies(True)
 hostile_raw = st.sampled_from([
     b"", b"null", b"[]", b"\"x\"", b"{", b"\xff\xfe", b"{\"model\": NaN}", b"{\"a\": Infinity}",
     b"{\"messages\": " + b"[" * 1500 + b"]" * 1500 + b"}", b"{\"max_tokens\": " + b"1" * 5000 + b"}",
-    b"{\"model\": \"builtin:tiny\", \"prompt\": \"\\ud800\"}", b"{\"model\": \"\\udfff\"}",
-    b"{\"model\": \"builtin:tiny\", \"messages\": [{\"role\": \"user\", \"content\": \"\\ud83d\\ude00\"}]}",
+    b"{\"model\": \"builtin:random\", \"prompt\": \"\\ud800\"}", b"{\"model\": \"\\udfff\"}",
+    b"{\"model\": \"builtin:random\", \"messages\": [{\"role\": \"user\", \"content\": \"\\ud83d\\ude00\"}]}",
 ])
 
 

@@ -1,6 +1,6 @@
 """Issue 21, one regression test (or a few) per numbered case: no single request may kill,
 freeze or flood the server, and the server says when it is broken. The real engine
-(builtin:tiny on CPU) behind live loopback servers with serve's connection limits."""
+(builtin:random on CPU) behind live loopback servers with serve's connection limits."""
 
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def test_case04_streamed_oversize_body_is_413(world):
     engine, srv, _ = world
 
     def chunks():
-        yield b'{"model": "builtin:tiny", "prompt": "'
+        yield b'{"model": "builtin:random", "prompt": "'
         for _ in range(40):
             yield b"a" * 65536  # 2.5 MiB in all, chunked: no Content-Length to refuse up front
         yield b'"}'
@@ -354,10 +354,10 @@ def test_case06_fatal_engine_is_reported(caplog):
 # 7. 500 (and a reset connection) instead of 400
 # ---------------------------------------------------------------------------------------------
 
-DEEP = b'{"model": "builtin:tiny", "prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}"
-HUGE_INT = b'{"model": "builtin:tiny", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"
-SURROGATE_OAI = b'{"model": "builtin:tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
-SURROGATE_ANT = b'{"model": "builtin:tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "\\udfff"}]}'
+DEEP = b'{"model": "builtin:random", "prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+HUGE_INT = b'{"model": "builtin:random", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"
+SURROGATE_OAI = b'{"model": "builtin:random", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+SURROGATE_ANT = b'{"model": "builtin:random", "max_tokens": 2, "messages": [{"role": "user", "content": "\\udfff"}]}'
 
 
 def _assistant_call(call: object) -> dict:
@@ -377,8 +377,8 @@ BAD_REQUESTS = [
     ("/v1/messages", DEEP.replace(b'"prompt"', b'"messages"')),
     ("/v1/completions", HUGE_INT), ("/v1/messages", HUGE_INT),
     ("/v1/chat/completions", SURROGATE_OAI), ("/v1/messages", SURROGATE_ANT),
-    ("/v1/completions", b'{"model": "builtin:tiny", "prompt": "\\ud800"}'),
-    ("/v1/completions", b'{"model": "builtin:tiny", "prompt": "hi", "temperature": NaN}'),
+    ("/v1/completions", b'{"model": "builtin:random", "prompt": "\\ud800"}'),
+    ("/v1/completions", b'{"model": "builtin:random", "prompt": "hi", "temperature": NaN}'),
     ("/v1/chat/completions", _assistant_call({"type": "function", "function": "get_weather"})),
     ("/v1/chat/completions", _assistant_call({"type": "function", "function": {"name": None, "arguments": "{}"}})),
     ("/v1/chat/completions", _assistant_call({"type": "function", "function": {"name": 7, "arguments": "{}"}})),

@@ -1,4 +1,4 @@
-"""The real engine (builtin:tiny on CPU) behind a live server on 127.0.0.1, driven by the official
+"""The real engine (builtin:random on CPU) behind a live server on 127.0.0.1, driven by the official
 openai and anthropic clients: reuse reported as cached_tokens, streaming usage, Anthropic
 cache_control reuse, the orderly stop."""
 
@@ -23,7 +23,7 @@ anthropic = pytest.importorskip("anthropic")  # the test extra; absent on bare m
 openai = pytest.importorskip("openai")  # the test extra; absent on bare machines
 
 SYSTEM = "You are a careful assistant who answers briefly. " * 4  # ~200 byte tokens
-FLAGS = {"model.name": "builtin:tiny", "model.device": "cpu", "model.max_model_len": 2048,
+FLAGS = {"model.name": "builtin:random", "model.device": "cpu", "model.max_model_len": 2048,
          "engine.max_concurrency": 2, "engine.prefill_chunk": 256, "cache.host_cache_mib": 64}
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
@@ -80,7 +80,7 @@ def test_three_turn_chat_cached_tokens(live):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a prefix cache?"}]
     reported, openers = [], []
     for turn in range(3):
-        r = client.chat.completions.create(model="builtin:tiny", messages=messages, max_tokens=8, temperature=0,
+        r = client.chat.completions.create(model="builtin:random", messages=messages, max_tokens=8, temperature=0,
                                            extra_body=NO_THINK)
         req = handles[-1].request
         openers.append(next(h.position for h in req.tap_hints if h.priority == 2))
@@ -98,8 +98,8 @@ def test_streaming_usage(live):
     engine, url, handles = live
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "stream please"}]
-    client.chat.completions.create(model="builtin:tiny", messages=messages, max_tokens=2, extra_body=NO_THINK)
-    chunks = list(client.chat.completions.create(model="builtin:tiny", messages=messages, max_tokens=6,
+    client.chat.completions.create(model="builtin:random", messages=messages, max_tokens=2, extra_body=NO_THINK)
+    chunks = list(client.chat.completions.create(model="builtin:random", messages=messages, max_tokens=6,
                                                  stream=True, stream_options={"include_usage": True},
                                                  extra_body=NO_THINK))
     usage = chunks[-1].usage
@@ -110,7 +110,7 @@ def test_streaming_usage(live):
 def test_completions_echo_logprobs(live):
     engine, url, handles = live
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
-    r = client.completions.create(model="builtin:tiny", prompt=[list(b"hello world")], max_tokens=1, echo=True,
+    r = client.completions.create(model="builtin:random", prompt=[list(b"hello world")], max_tokens=1, echo=True,
                                   logprobs=1, temperature=0)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 12 and lp.token_logprobs[0] is None
@@ -122,20 +122,20 @@ def test_anthropic_cache_control_reuse(live):
     client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=60)
     system = [{"type": "text", "text": "Reference manual. " * 20, "cache_control": {"type": "ephemeral"}}]
     first = [{"role": "user", "content": "Summarise section one."}]
-    r1 = client.messages.create(model="builtin:tiny", max_tokens=4, system=system, messages=first)
+    r1 = client.messages.create(model="builtin:random", max_tokens=4, system=system, messages=first)
     bp = next(h.position for h in handles[-1].request.tap_hints if h.priority == 1)
     assert r1.usage.cache_creation_input_tokens == bp - r1.usage.cache_read_input_tokens
-    r2 = client.messages.create(model="builtin:tiny", max_tokens=4, system=system,
+    r2 = client.messages.create(model="builtin:random", max_tokens=4, system=system,
                                 messages=[{"role": "user", "content": "Now section two, different question."}])
     assert r2.usage.cache_read_input_tokens == _reuse(handles) >= bp // 64 * 64 > 0
 
 
 def test_bad_input_real_engine(live):
     engine, url, handles = live
-    r = httpx.post(url + "/v1/chat/completions", json={"model": "builtin:tiny", "messages": [
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "builtin:random", "messages": [
         {"role": "user", "content": "x" * 3000}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    r = httpx.post(url + "/v1/messages", json={"model": "builtin:tiny", "max_tokens": -1, "messages": [
+    r = httpx.post(url + "/v1/messages", json={"model": "builtin:random", "max_tokens": -1, "messages": [
         {"role": "user", "content": "x"}]})
     assert r.status_code == 400 and r.json()["type"] == "error"
 
@@ -147,7 +147,7 @@ def test_orderly_stop_real_engine(serve):
 
     def long_request():
         try:
-            client.chat.completions.create(model="builtin:tiny", messages=[{"role": "user", "content": "go"}],
+            client.chat.completions.create(model="builtin:random", messages=[{"role": "user", "content": "go"}],
                                            max_tokens=1500, extra_body={"ignore_eos": True})
             result["status"] = 200
         except openai.APIStatusError as exc:
@@ -164,7 +164,7 @@ def test_orderly_stop_real_engine(serve):
     assert result.get("status") == 503
     # After the stop the server either still answers (503 unavailable) or has already exited.
     try:
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "builtin:tiny", "messages": [
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "builtin:random", "messages": [
             {"role": "user", "content": "x"}]})
     except httpx.ConnectError:
         return

@@ -51,7 +51,7 @@ def ant(url, key="none"):
 
 def test_models_health_and_stats(server):
     engine, _, url = server
-    assert [m.id for m in oai(url).models.list().data] == ["builtin:tiny"]
+    assert [m.id for m in oai(url).models.list().data] == ["builtin:random"]
     assert httpx.get(url + "/health").json()["status"] == "ok"
     assert httpx.get(url + "/v1/cache/stats").json() == engine.stats()
 
@@ -62,7 +62,7 @@ def test_three_turn_chat_reports_reuse(server):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
     cached = []
     for turn in range(3):
-        r = client.chat.completions.create(model="builtin:tiny", messages=messages, max_tokens=8, temperature=0)
+        r = client.chat.completions.create(model="builtin:random", messages=messages, max_tokens=8, temperature=0)
         reuse = engine.submitted[-1].finished.usage.reuse_tokens
         assert r.usage.prompt_tokens_details.cached_tokens == reuse
         cached.append(reuse)
@@ -75,14 +75,14 @@ def test_three_turn_chat_reports_reuse(server):
 def test_cached_tokens_zero_is_reported_not_null(server):
     _, _, url = server
     raw = httpx.post(url + "/v1/chat/completions", json={
-        "model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
+        "model": "builtin:random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
     assert raw["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_chat_stream_with_usage_and_logprobs(server):
     _, _, url = server
     stream = oai(url).chat.completions.create(
-        model="builtin:tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
+        model="builtin:random", messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
         stream_options={"include_usage": True}, logprobs=True, top_logprobs=2,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     chunks = list(stream)
@@ -99,7 +99,7 @@ def test_chat_stream_with_usage_and_logprobs(server):
 def test_chat_stop_seed_and_max_completion_tokens(server):
     engine, _, url = server
     r = oai(url).chat.completions.create(
-        model="builtin:tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=20, stop=["wor"],
+        model="builtin:random", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=20, stop=["wor"],
         seed=7, temperature=0.5, top_p=0.9, prompt_cache_key="k1",
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].message.content == "hello " and r.choices[0].finish_reason == "stop"
@@ -109,7 +109,7 @@ def test_chat_stop_seed_and_max_completion_tokens(server):
 
 def test_chat_reasoning_split(serve):
     engine, _, url = make(serve, text="plan</think>\n\nanswer ")
-    r = oai(url).chat.completions.create(model="builtin:tiny", messages=[{"role": "user", "content": "q"}],
+    r = oai(url).chat.completions.create(model="builtin:random", messages=[{"role": "user", "content": "q"}],
                                          max_tokens=14)
     msg = r.choices[0].message
     assert msg.model_extra["reasoning_content"] == "plan" and msg.content == "answer "
@@ -117,7 +117,7 @@ def test_chat_reasoning_split(serve):
 
 def test_tap_hints_reach_the_engine(server):
     engine, _, url = server
-    oai(url).chat.completions.create(model="builtin:tiny", max_tokens=1, messages=[
+    oai(url).chat.completions.create(model="builtin:random", max_tokens=1, messages=[
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": [{"type": "text", "text": "doc " * 40, "cache_control": {"type": "ephemeral"}},
                                      {"type": "text", "text": "question"}]}])
@@ -135,10 +135,10 @@ def test_tap_hints_reach_the_engine(server):
 def test_completions_text_tokens_echo_logprobs(server):
     engine, _, url = server
     client = oai(url)
-    r = client.completions.create(model="builtin:tiny", prompt="abc", max_tokens=3, temperature=0)
+    r = client.completions.create(model="builtin:random", prompt="abc", max_tokens=3, temperature=0)
     assert r.choices[0].text == "hel" and r.usage.prompt_tokens_details.cached_tokens == 0
     # lm-evaluation-harness loglikelihood: token ids, echo, logprobs, one generated token
-    r = client.completions.create(model="builtin:tiny", prompt=[[97, 98, 99, 100]], max_tokens=1, echo=True,
+    r = client.completions.create(model="builtin:random", prompt=[[97, 98, 99, 100]], max_tokens=1, echo=True,
                                   logprobs=1, temperature=0)
     lp = r.choices[0].logprobs
     assert r.choices[0].text == "abcdh"
@@ -147,13 +147,13 @@ def test_completions_text_tokens_echo_logprobs(server):
     assert lp.top_logprobs[0] is None and all(isinstance(t, dict) for t in lp.top_logprobs[1:])
     assert lp.text_offset == [0, 1, 2, 3, 4]
     assert engine.submitted[-1].request.sampling.prompt_logprobs is True
-    r = client.completions.create(model="builtin:tiny", prompt=["ab", "cd"], max_tokens=0, echo=True)
+    r = client.completions.create(model="builtin:random", prompt=["ab", "cd"], max_tokens=0, echo=True)
     assert [c.text for c in r.choices] == ["ab", "cd"] and r.usage.prompt_tokens == 4
 
 
 def test_completions_stream(server):
     _, _, url = server
-    chunks = list(oai(url).completions.create(model="builtin:tiny", prompt="x", max_tokens=5, stream=True,
+    chunks = list(oai(url).completions.create(model="builtin:random", prompt="x", max_tokens=5, stream=True,
                                               stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "hello"
     assert chunks[-1].usage.completion_tokens == 5
@@ -161,7 +161,7 @@ def test_completions_stream(server):
 
 def test_eos_is_not_in_text(serve):
     _, _, url = make(serve, eos_after=3)
-    r = oai(url).completions.create(model="builtin:tiny", prompt="x", max_tokens=10)
+    r = oai(url).completions.create(model="builtin:random", prompt="x", max_tokens=10)
     assert r.choices[0].text == "hel" and r.choices[0].finish_reason == "stop"
 
 
@@ -173,7 +173,7 @@ def test_anthropic_cache_control_and_usage(server):
     system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
     msgs = [{"role": "user", "content": [{"type": "text", "text": "long document " * 10,
                                           "cache_control": {"type": "ephemeral", "ttl": "5m"}}]}]
-    r1 = client.messages.create(model="builtin:tiny", max_tokens=4, system=system, messages=msgs)
+    r1 = client.messages.create(model="builtin:random", max_tokens=4, system=system, messages=msgs)
     req = engine.submitted[-1].request
     explicit = [h.position for h in req.tap_hints if h.priority == 1]
     assert len(explicit) == 2
@@ -182,7 +182,7 @@ def test_anthropic_cache_control_and_usage(server):
     assert r1.usage.input_tokens == len(req.prompt_tokens) - max(explicit)
     assert r1.content[0].type == "text" and r1.content[0].text == "hell" and r1.stop_reason == "max_tokens"
     msgs2 = msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}]
-    r2 = client.messages.create(model="builtin:tiny", max_tokens=4, system=system, messages=msgs2)
+    r2 = client.messages.create(model="builtin:random", max_tokens=4, system=system, messages=msgs2)
     reuse = engine.submitted[-1].finished.usage.reuse_tokens
     assert r2.usage.cache_read_input_tokens == reuse >= max(explicit)
     assert r2.usage.cache_creation_input_tokens == 0
@@ -192,8 +192,8 @@ def test_anthropic_stream(server):
     engine, _, url = server
     client = ant(url)
     msgs = [{"role": "user", "content": "hello there"}]
-    client.messages.create(model="builtin:tiny", max_tokens=2, messages=msgs, system=SYSTEM)
-    with client.messages.stream(model="builtin:tiny", max_tokens=5, messages=msgs, system=SYSTEM,
+    client.messages.create(model="builtin:random", max_tokens=2, messages=msgs, system=SYSTEM)
+    with client.messages.stream(model="builtin:random", max_tokens=5, messages=msgs, system=SYSTEM,
                                 stop_sequences=["lo"]) as stream:
         events = [e.type for e in stream]
         final = stream.get_final_message()
@@ -204,7 +204,7 @@ def test_anthropic_stream(server):
 
 def test_anthropic_thinking_blocks(serve):
     _, _, url = make(serve, text="plan</think>\n\nanswer ")
-    r = ant(url).messages.create(model="builtin:tiny", max_tokens=14, messages=[{"role": "user", "content": "q"}],
+    r = ant(url).messages.create(model="builtin:random", max_tokens=14, messages=[{"role": "user", "content": "q"}],
                                  thinking={"type": "enabled", "budget_tokens": 1024})
     assert [b.type for b in r.content] == ["thinking", "text"]
     assert r.content[0].thinking == "plan" and r.content[1].text == "answer "
@@ -215,29 +215,29 @@ def test_anthropic_thinking_blocks(serve):
 OPENAI_BAD = [
     ("/v1/chat/completions", b"{not json", 400),
     ("/v1/chat/completions", b"[1, 2]", 400),
-    ("/v1/chat/completions", {"model": "builtin:tiny", "messages": []}, 400),
-    ("/v1/chat/completions", {"model": "builtin:tiny", "messages": "hi"}, 400),
-    ("/v1/chat/completions", {"model": "builtin:tiny", "messages": [{"role": "user", "content": 5}]}, 400),
-    ("/v1/chat/completions", {"model": "builtin:tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("/v1/chat/completions", {"model": "builtin:random", "messages": []}, 400),
+    ("/v1/chat/completions", {"model": "builtin:random", "messages": "hi"}, 400),
+    ("/v1/chat/completions", {"model": "builtin:random", "messages": [{"role": "user", "content": 5}]}, 400),
+    ("/v1/chat/completions", {"model": "builtin:random", "messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400),
-    ("/v1/chat/completions", {"model": "builtin:tiny", "messages": [{"role": "user", "content": "x"}],
+    ("/v1/chat/completions", {"model": "builtin:random", "messages": [{"role": "user", "content": "x"}],
                               "max_tokens": -1}, 400),
-    ("/v1/chat/completions", {"model": "builtin:tiny", "messages": [{"role": "user", "content": "x"}],
+    ("/v1/chat/completions", {"model": "builtin:random", "messages": [{"role": "user", "content": "x"}],
                               "max_tokens": "ten"}, 400),
-    ("/v1/chat/completions", {"model": "builtin:tiny", "messages": [{"role": "user", "content": "x"}],
+    ("/v1/chat/completions", {"model": "builtin:random", "messages": [{"role": "user", "content": "x"}],
                               "temperature": 3}, 400),
-    ("/v1/chat/completions", {"model": "builtin:tiny", "messages": [{"role": "user", "content": "x" * 5000}]}, 400),
-    ("/v1/chat/completions", {"model": "builtin:tiny", "messages": [{"role": "user", "content": "x"}],
+    ("/v1/chat/completions", {"model": "builtin:random", "messages": [{"role": "user", "content": "x" * 5000}]}, 400),
+    ("/v1/chat/completions", {"model": "builtin:random", "messages": [{"role": "user", "content": "x"}],
                               "max_tokens": 5000}, 400),
-    ("/v1/chat/completions", {"model": "builtin:tiny", "messages": [{"role": "user", "content": [
+    ("/v1/chat/completions", {"model": "builtin:random", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "x", "cache_control": {"type": "persistent"}}]}]}, 400),
-    ("/v1/chat/completions", {"model": "builtin:tiny", "messages": [{"role": "user", "content": [
+    ("/v1/chat/completions", {"model": "builtin:random", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400),
-    ("/v1/completions", {"model": "builtin:tiny", "prompt": ""}, 400),
-    ("/v1/completions", {"model": "builtin:tiny", "prompt": [1, 99999]}, 400),
-    ("/v1/completions", {"model": "builtin:tiny", "prompt": "x", "max_tokens": -5}, 400),
-    ("/v1/completions", {"model": "builtin:tiny", "prompt": 12}, 400),
+    ("/v1/completions", {"model": "builtin:random", "prompt": ""}, 400),
+    ("/v1/completions", {"model": "builtin:random", "prompt": [1, 99999]}, 400),
+    ("/v1/completions", {"model": "builtin:random", "prompt": "x", "max_tokens": -5}, 400),
+    ("/v1/completions", {"model": "builtin:random", "prompt": 12}, 400),
     ("/v1/nothing", {}, 404),
 ]
 
@@ -253,7 +253,7 @@ def test_openai_bad_input(server, path, body, status):
 
 
 def _amsg(**kw):
-    body = {"model": "builtin:tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": "builtin:random", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     body.update(kw)
     return body
 
@@ -302,10 +302,10 @@ def test_clients_raise_typed_errors(server):
     with pytest.raises(openai.NotFoundError):
         oai(url).chat.completions.create(model="gpt-x", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError) as exc:
-        oai(url).chat.completions.create(model="builtin:tiny", messages=[{"role": "user", "content": "x" * 5000}])
+        oai(url).chat.completions.create(model="builtin:random", messages=[{"role": "user", "content": "x" * 5000}])
     assert exc.value.code == "context_length_exceeded"
     with pytest.raises(anthropic.BadRequestError):
-        ant(url).messages.create(model="builtin:tiny", max_tokens=4, messages=[{"role": "user", "content": "x"}],
+        ant(url).messages.create(model="builtin:random", max_tokens=4, messages=[{"role": "user", "content": "x"}],
                                  system=_cc_blocks(5))
 
 
@@ -315,21 +315,21 @@ def test_api_key(serve):
     _, _, url = make(serve, api_key="s3cret")
     with pytest.raises(openai.AuthenticationError):
         oai(url, "wrong").models.list()
-    r = httpx.post(url + "/v1/chat/completions", json={"model": "builtin:tiny", "messages": []})
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "builtin:random", "messages": []})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.AuthenticationError):
-        ant(url, "wrong").messages.create(model="builtin:tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+        ant(url, "wrong").messages.create(model="builtin:random", max_tokens=2, messages=[{"role": "user", "content": "x"}])
     r = httpx.post(url + "/v1/messages", json=_amsg())
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    assert oai(url, "s3cret").models.list().data[0].id == "builtin:tiny"
-    assert ant(url, "s3cret").messages.create(model="builtin:tiny", max_tokens=2,
+    assert oai(url, "s3cret").models.list().data[0].id == "builtin:random"
+    assert ant(url, "s3cret").messages.create(model="builtin:random", max_tokens=2,
                                               messages=[{"role": "user", "content": "x"}]).usage.output_tokens == 2
     assert httpx.get(url + "/health").status_code == 200
 
 
 def test_metrics(server):
     _, _, url = server
-    oai(url).chat.completions.create(model="builtin:tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    oai(url).chat.completions.create(model="builtin:random", messages=[{"role": "user", "content": "x"}], max_tokens=3)
     text = httpx.get(url + "/metrics").text
     assert 'hpc_requests_total{endpoint="chat",outcome="ok"} 1' in text
     assert "hpc_completion_tokens_total 3" in text
@@ -342,7 +342,7 @@ def test_client_disconnect_cancels(serve):
     engine, _, url = make(serve, token_delay=0.01)
     with httpx.Client(timeout=10) as client:
         with client.stream("POST", url + "/v1/chat/completions", json={
-                "model": "builtin:tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3000,
+                "model": "builtin:random", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3000,
                 "stream": True}) as r:
             for i, line in enumerate(r.iter_lines()):
                 if i >= 8:  # a few chunks in, the client goes away
@@ -361,7 +361,7 @@ def test_orderly_stop(serve):
 
     def running():
         try:
-            client.chat.completions.create(model="builtin:tiny", messages=[{"role": "user", "content": "x"}],
+            client.chat.completions.create(model="builtin:random", messages=[{"role": "user", "content": "x"}],
                                            max_tokens=3000)
         except openai.APIStatusError as exc:
             results["status"] = exc.status_code
@@ -383,7 +383,7 @@ def test_orderly_stop(serve):
 def test_stop_refuses_new_requests(serve):
     engine, controller, url = make(serve)
     controller.state.accepting = False
-    r = httpx.post(url + "/v1/chat/completions", json={"model": "builtin:tiny", "messages": [
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "builtin:random", "messages": [
         {"role": "user", "content": "x"}]})
     assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
     r = httpx.post(url + "/v1/messages", json=_amsg())

@@ -55,7 +55,7 @@ def _stderr(err) -> str:
 def test_serve_stops_in_order(tmp_path, how):
     proc, url, err = _start(tmp_path)
     try:
-        r = httpx.post(url + "/v1/completions", json={"model": "builtin:tiny", "prompt": "hi", "max_tokens": 3},
+        r = httpx.post(url + "/v1/completions", json={"model": "builtin:random", "prompt": "hi", "max_tokens": 3},
                        timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         if how == "sigterm":

@@ -84,7 +84,7 @@ def test_no_reuse_banner_progress_and_one_line_per_request(tmp_path):
                 time.sleep(0.2)
         assert proc.poll() is None, "hpc-cli serve exited: " + open(tmp_path / "stderr.txt").read()[-2000:]
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-        r = client.chat.completions.create(model="builtin:tiny", max_tokens=5,
+        r = client.chat.completions.create(model="builtin:random", max_tokens=5,
                                            messages=[{"role": "user", "content": "Hi!"}])
         assert r.usage.completion_tokens >= 1
         proc.send_signal(signal.SIGTERM)
@@ -95,7 +95,7 @@ def test_no_reuse_banner_progress_and_one_line_per_request(tmp_path):
             proc.wait(10)
     err.seek(0)
     text = err.read()
-    assert "building builtin:tiny (" in text and "weights on cpu" in text  # progress while building
+    assert "building builtin:random (" in text and "weights on cpu" in text  # progress while building
     assert "cache off" in text and "cache hybrid" not in text
     lines = [ln for ln in text.splitlines() if "POST /v1/chat/completions" in ln and "prompt " in ln]
     assert len(lines) == 1, text

@@ -1,4 +1,4 @@
-"""A bounded soak (issue 21): 8 concurrent clients against the real engine (builtin:tiny on CPU)
+"""A bounded soak (issue 21): 8 concurrent clients against the real engine (builtin:random on CPU)
 behind a live loopback server, every API, streaming and not, half of them leaving mid-stream
 or mid-wait. Afterwards nothing leaks: the cache invariants hold, no sequence is live, no block
 or snapshot is pinned, no lane or state slot is held, /metrics counts every request as ok or

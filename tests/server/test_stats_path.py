@@ -20,7 +20,7 @@ from hpc_cli.memory.host_slabs import HostSlabStorage
 from hpc_cli.server.app import create_app
 from hpc_cli.settings import load_settings
 
-FLAGS = {"model.name": "builtin:tiny", "model.device": "cpu", "model.max_model_len": 2048,
+FLAGS = {"model.name": "builtin:random", "model.device": "cpu", "model.max_model_len": 2048,
          "engine.max_concurrency": 2, "engine.prefill_chunk": 128, "cache.host_cache_mib": 64}
 SYSTEM = [10 + i % 240 for i in range(200)]  # a shared prefix: blocks, taps, write-through
 

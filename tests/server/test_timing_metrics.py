@@ -1,7 +1,7 @@
 """/metrics through prometheus_client (parsed with its own parsers; content negotiation; a
 registry per app; the phase histograms after real requests) and usage.hpc_timing, which appears
 only when a request or the server asks for it, with every phase non-negative and the phases
-within the request's wall time. The real engine (builtin:tiny on CPU) behind a live server."""
+within the request's wall time. The real engine (builtin:random on CPU) behind a live server."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")  # the test extra; absent on bare machine
 from .fake_engine import FakeEngine
 
 SYSTEM = "You are a careful assistant who answers briefly. " * 6
-FLAGS = {"model.name": "builtin:tiny", "model.device": "cpu", "model.max_model_len": 2048,
+FLAGS = {"model.name": "builtin:random", "model.device": "cpu", "model.max_model_len": 2048,
          "engine.max_concurrency": 2, "engine.prefill_chunk": 128, "cache.host_cache_mib": 64}
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 TIMING = {"hpc": {"timing": True}}
@@ -65,7 +65,7 @@ def check_timing(timing: dict, wall: float, prompt_tokens: int, cached_tokens: i
 
 def chat(client, content: str, **kw):
     t0 = time.monotonic()
-    r = client.chat.completions.create(model="builtin:tiny", max_tokens=6, temperature=0,
+    r = client.chat.completions.create(model="builtin:random", max_tokens=6, temperature=0,
                                        messages=[{"role": "system", "content": SYSTEM},
                                                  {"role": "user", "content": content}], **kw)
     return r, time.monotonic() - t0
@@ -89,14 +89,14 @@ def test_openai_streaming_and_completions_timing(live):
     client = oai(live)
     t0 = time.monotonic()
     chunks = list(client.chat.completions.create(
-        model="builtin:tiny", max_tokens=5, stream=True, stream_options={"include_usage": True},
+        model="builtin:random", max_tokens=5, stream=True, stream_options={"include_usage": True},
         messages=[{"role": "user", "content": "stream"}], extra_body={**NO_THINK, **TIMING}))
     wall = time.monotonic() - t0
     assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
     u = chunks[-1].usage
     check_timing(u.model_dump()["hpc_timing"], wall, u.prompt_tokens, u.prompt_tokens_details.cached_tokens)
     t0 = time.monotonic()
-    r = client.completions.create(model="builtin:tiny", prompt="hello there", max_tokens=3, extra_body=TIMING)
+    r = client.completions.create(model="builtin:random", prompt="hello there", max_tokens=3, extra_body=TIMING)
     wall = time.monotonic() - t0
     check_timing(r.usage.model_dump()["hpc_timing"], wall, r.usage.prompt_tokens,
                  r.usage.prompt_tokens_details.cached_tokens)
@@ -105,16 +105,16 @@ def test_openai_streaming_and_completions_timing(live):
 def test_anthropic_timing_only_when_asked(live):
     client = ant(live)
     msgs = [{"role": "user", "content": "hello"}]
-    plain = client.messages.create(model="builtin:tiny", max_tokens=4, messages=msgs)
+    plain = client.messages.create(model="builtin:random", max_tokens=4, messages=msgs)
     assert "hpc_timing" not in plain.usage.model_dump()
     t0 = time.monotonic()
-    r = client.messages.create(model="builtin:tiny", max_tokens=4, system=SYSTEM, messages=msgs, extra_body=TIMING)
+    r = client.messages.create(model="builtin:random", max_tokens=4, system=SYSTEM, messages=msgs, extra_body=TIMING)
     wall = time.monotonic() - t0
     u = r.usage
     check_timing(u.model_dump()["hpc_timing"], wall,
                  u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens, u.cache_read_input_tokens)
     t0 = time.monotonic()
-    with client.messages.stream(model="builtin:tiny", max_tokens=4, messages=msgs, extra_body=TIMING) as stream:
+    with client.messages.stream(model="builtin:random", max_tokens=4, messages=msgs, extra_body=TIMING) as stream:
         deltas = [ev for ev in stream if ev.type == "message_delta"]
     wall = time.monotonic() - t0
     (delta,) = deltas
@@ -126,20 +126,20 @@ def test_bad_timing_option_is_a_400(live):
     with pytest.raises(openai.BadRequestError):
         chat(oai(live), "x", extra_body={"hpc": {"timing": "yes"}})
     with pytest.raises(anthropic.BadRequestError):
-        ant(live).messages.create(model="builtin:tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}],
+        ant(live).messages.create(model="builtin:random", max_tokens=2, messages=[{"role": "user", "content": "x"}],
                                   extra_body={"hpc": {"timings": True}})
 
 
 def test_debug_timing_setting_adds_it_to_every_response(serve):
     settings = load_settings(None, {"server.debug_timing": True}, environ={})
     url = serve(create_app(FakeEngine().start(), settings))
-    r = oai(url).chat.completions.create(model="builtin:tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    r = oai(url).chat.completions.create(model="builtin:random", max_tokens=2, messages=[{"role": "user", "content": "x"}])
     timing = r.usage.model_dump()["hpc_timing"]
     assert all(timing[p] >= 0.0 for p in PHASES)
-    r = oai(url).chat.completions.create(model="builtin:tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}],
+    r = oai(url).chat.completions.create(model="builtin:random", max_tokens=2, messages=[{"role": "user", "content": "x"}],
                                          extra_body={"hpc": {"timing": False}})
     assert "hpc_timing" not in r.usage.model_dump()
-    m = ant(url).messages.create(model="builtin:tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    m = ant(url).messages.create(model="builtin:random", max_tokens=2, messages=[{"role": "user", "content": "x"}])
     assert set(PHASES) <= set(m.usage.model_dump()["hpc_timing"])
 
 

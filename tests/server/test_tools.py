@@ -264,7 +264,7 @@ def ant(url):
 def test_openai_tool_calls(srv):
     engine, url = srv
     script(engine, XML_SCRIPT + "\n" + JSON_CALL)
-    r = oai(url).chat.completions.create(model="builtin:tiny", messages=USER, tools=TOOLS, max_tokens=400,
+    r = oai(url).chat.completions.create(model="builtin:random", messages=USER, tools=TOOLS, max_tokens=400,
                                          extra_body=NO_THINK)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
@@ -275,7 +275,7 @@ def test_openai_tool_calls(srv):
     assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
 
     script(engine, JSON_CALL)  # calls only: content is null
-    raw = httpx.post(url + "/v1/chat/completions", json={"model": "builtin:tiny", "messages": USER, "tools": TOOLS,
+    raw = httpx.post(url + "/v1/chat/completions", json={"model": "builtin:random", "messages": USER, "tools": TOOLS,
                                                          "max_tokens": 400, **NO_THINK}).json()
     assert raw["choices"][0]["message"]["content"] is None and raw["choices"][0]["finish_reason"] == "tool_calls"
 
@@ -285,7 +285,7 @@ def test_openai_no_parsing_without_tools_or_with_tool_choice_none(srv):
     script(engine, XML_SCRIPT)
     client = oai(url)
     for extra in ({"tools": TOOLS, "tool_choice": "none"}, {}):
-        r = client.chat.completions.create(model="builtin:tiny", messages=USER, max_tokens=400,
+        r = client.chat.completions.create(model="builtin:random", messages=USER, max_tokens=400,
                                            extra_body=NO_THINK, **extra)
         assert r.choices[0].message.content == XML_SCRIPT and not r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason == "stop"
@@ -296,11 +296,11 @@ def test_openai_malformed_and_cut_blocks_are_text(srv):
     client = oai(url)
     bad = "Hm.\n<tool_call>\n<function=get_weather>\nnot a parameter\n</function>\n</tool_call>"
     script(engine, bad)
-    r = client.chat.completions.create(model="builtin:tiny", messages=USER, tools=TOOLS, max_tokens=400,
+    r = client.chat.completions.create(model="builtin:random", messages=USER, tools=TOOLS, max_tokens=400,
                                        extra_body=NO_THINK)
     assert r.choices[0].message.content == bad and r.choices[0].finish_reason == "stop"
     script(engine, XML_SCRIPT, eos=False)  # max_tokens cuts the block
-    r = client.chat.completions.create(model="builtin:tiny", messages=USER, tools=TOOLS, max_tokens=40,
+    r = client.chat.completions.create(model="builtin:random", messages=USER, tools=TOOLS, max_tokens=40,
                                        extra_body=NO_THINK)
     assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
     assert r.choices[0].message.content == engine.tokenizer.decode(engine.text_ids[:40])
@@ -309,7 +309,7 @@ def test_openai_malformed_and_cut_blocks_are_text(srv):
 def test_openai_stream_tool_calls(srv):
     engine, url = srv
     script(engine, XML_SCRIPT + "\n" + JSON_CALL)
-    chunks = list(oai(url).chat.completions.create(model="builtin:tiny", messages=USER, tools=TOOLS, max_tokens=400,
+    chunks = list(oai(url).chat.completions.create(model="builtin:random", messages=USER, tools=TOOLS, max_tokens=400,
                                                    stream=True, extra_body=NO_THINK))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "Checking.\n\n" and "<" not in text
@@ -331,7 +331,7 @@ def test_openai_stream_tool_calls(srv):
 def test_anthropic_tool_use(srv):
     engine, url = srv
     script(engine, XML_SCRIPT + "\n" + JSON_CALL)
-    r = ant(url).messages.create(model="builtin:tiny", max_tokens=400, tools=ANT_TOOLS, messages=USER)
+    r = ant(url).messages.create(model="builtin:random", max_tokens=400, tools=ANT_TOOLS, messages=USER)
     assert r.stop_reason == "tool_use" and r.stop_sequence is None
     assert [b.type for b in r.content] == ["text", "tool_use", "tool_use"]
     assert r.content[0].text == "Checking."
@@ -340,7 +340,7 @@ def test_anthropic_tool_use(srv):
     assert r.content[1].id.startswith("toolu_") and r.content[1].id != r.content[2].id
 
     script(engine, XML_CALL)
-    r = ant(url).messages.create(model="builtin:tiny", max_tokens=400, tools=ANT_TOOLS, messages=USER,
+    r = ant(url).messages.create(model="builtin:random", max_tokens=400, tools=ANT_TOOLS, messages=USER,
                                  tool_choice={"type": "none"})
     assert r.stop_reason == "end_turn" and [b.type for b in r.content] == ["text"] and r.content[0].text == XML_CALL
 
@@ -348,7 +348,7 @@ def test_anthropic_tool_use(srv):
 def test_anthropic_stream_tool_use(srv):
     engine, url = srv
     script(engine, XML_SCRIPT + "\n" + JSON_CALL)
-    with ant(url).messages.stream(model="builtin:tiny", max_tokens=400, tools=ANT_TOOLS, messages=USER) as s:
+    with ant(url).messages.stream(model="builtin:random", max_tokens=400, tools=ANT_TOOLS, messages=USER) as s:
         events = [(e.type, getattr(e, "content_block", None), getattr(e, "delta", None)) for e in s]
         final = s.get_final_message()
     starts = [cb.type for t, cb, _ in events if t == "content_block_start"]
@@ -363,7 +363,7 @@ def test_anthropic_stream_tool_use(srv):
         ("tool_use", "get_weather", XML_ARGS), ("tool_use", "get_time", {"zone": "UTC"})]
 
     script(engine, JSON_CALL)  # a call only: no text block
-    with ant(url).messages.stream(model="builtin:tiny", max_tokens=400, tools=ANT_TOOLS, messages=USER) as s:
+    with ant(url).messages.stream(model="builtin:random", max_tokens=400, tools=ANT_TOOLS, messages=USER) as s:
         final = s.get_final_message()
     assert [b.type for b in final.content] == ["tool_use"] and final.stop_reason == "tool_use"
 
@@ -377,13 +377,13 @@ def test_history_round_trip_openai(srv):
     engine, url = srv
     script(engine, XML_SCRIPT)
     client = oai(url)
-    r = client.chat.completions.create(model="builtin:tiny", messages=USER, tools=TOOLS, max_tokens=400,
+    r = client.chat.completions.create(model="builtin:random", messages=USER, tools=TOOLS, max_tokens=400,
                                        extra_body=NO_THINK)
     msg = r.choices[0].message
     history = USER + [msg.model_dump(exclude_none=True),
                       {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny, 21 C"}]
     script(engine, "It is sunny.")
-    r2 = client.chat.completions.create(model="builtin:tiny", messages=history, tools=TOOLS, max_tokens=400,
+    r2 = client.chat.completions.create(model="builtin:random", messages=history, tools=TOOLS, max_tokens=400,
                                         extra_body=NO_THINK)
     assert r2.choices[0].message.content == "It is sunny." and r2.choices[0].finish_reason == "stop"
     prompt, turn = _assistant_turn(engine)
@@ -396,13 +396,13 @@ def test_history_round_trip_anthropic(srv):
     engine, url = srv
     script(engine, XML_SCRIPT)
     client = ant(url)
-    r = client.messages.create(model="builtin:tiny", max_tokens=400, tools=ANT_TOOLS, messages=USER)
+    r = client.messages.create(model="builtin:random", max_tokens=400, tools=ANT_TOOLS, messages=USER)
     use = r.content[1]
     history = USER + [{"role": "assistant", "content": [b.model_dump() for b in r.content]},
                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                     "content": "sunny, 21 C"}]}]
     script(engine, "It is sunny.")
-    r2 = client.messages.create(model="builtin:tiny", max_tokens=400, tools=ANT_TOOLS, messages=history)
+    r2 = client.messages.create(model="builtin:random", max_tokens=400, tools=ANT_TOOLS, messages=history)
     assert r2.stop_reason == "end_turn" and r2.content[0].text == "It is sunny."
     prompt, turn = _assistant_turn(engine)
     assert turn == XML_SCRIPT
@@ -412,11 +412,11 @@ def test_history_round_trip_anthropic(srv):
 def test_reasoning_then_call(srv):
     engine, url = srv
     script(engine, "need weather\n</think>\n\n" + XML_CALL)
-    r = oai(url).chat.completions.create(model="builtin:tiny", messages=USER, tools=TOOLS, max_tokens=400)
+    r = oai(url).chat.completions.create(model="builtin:random", messages=USER, tools=TOOLS, max_tokens=400)
     msg = r.choices[0].message
     assert msg.model_extra["reasoning_content"] == "need weather\n" and msg.content is None
     assert msg.tool_calls[0].function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
-    chunks = list(oai(url).chat.completions.create(model="builtin:tiny", messages=USER, tools=TOOLS,
+    chunks = list(oai(url).chat.completions.create(model="builtin:random", messages=USER, tools=TOOLS,
                                                    max_tokens=400, stream=True))
     assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks) == "need weather\n"
     assert not any(c.choices[0].delta.content for c in chunks)

@@ -240,16 +240,16 @@ def test_remote_urls_with_allow_remote_media(checkpoint, image_host):
 
 
 def test_images_to_a_text_only_model_are_400(serve):
-    settings = load_settings(None, {"model.name": "builtin:tiny", "model.device": "cpu",
+    settings = load_settings(None, {"model.name": "builtin:random", "model.device": "cpu",
                                     "model.max_model_len": 512, "engine.max_concurrency": 1}, environ={})
     engine = Engine.from_settings(settings).start()
     try:
         url = serve(create_app(engine, settings))
         png = make_image(20, 20, seed=1)
-        oa = _post(url, "/v1/chat/completions", {"model": "builtin:tiny", "max_tokens": 2,
+        oa = _post(url, "/v1/chat/completions", {"model": "builtin:random", "max_tokens": 2,
                                                   "messages": _openai_messages(png)})
         assert oa.status_code == 400 and oa.json()["error"]["code"] == "unsupported_content"
-        an = _post(url, "/v1/messages", {"model": "builtin:tiny", "max_tokens": 2, "messages": [
+        an = _post(url, "/v1/messages", {"model": "builtin:random", "max_tokens": 2, "messages": [
             {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                                                       "data": base64.b64encode(png).decode()}}]}]})
         assert an.status_code == 400 and "does not take images" in an.json()["error"]["message"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
-MODEL = "builtin:tiny"
+MODEL = "builtin:random"
 SERVE_ARGS = ("--device", "cpu", "--max-model-len", "4096", "--max-concurrency", "2", "--host-cache-mib", "64",
               "--log-level", "warning")
 

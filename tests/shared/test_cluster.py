@@ -94,14 +94,14 @@ def test_cluster_trace_cross_replica_and_fresh_replica(tmp_path):
         assert ep["router_kind"] == "sglang" and ep["redis"]["url"] == f"redis://127.0.0.1:{base + 3}/0"
         single.wait_up()
         with httpx.Client(trust_env=False, timeout=10) as c:
-            assert c.get(router + "/v1/models").json()["data"][0]["id"] == "builtin:tiny"
+            assert c.get(router + "/v1/models").json()["data"][0]["id"] == "builtin:random"
 
         # the trace: 6 sessions x 3 turns, two sessions at a time, through the router and on one server
         st = _trace_module()
         cfg = st.TraceConfig(seed=11, sessions=6, turns=3, preamble_tokens=400, user_tokens=(40, 160), edits=False,
                              edit_prob=0.0)
         trace = st.build_trace(cfg, 1, st.TokenCounter(None))
-        runs = {name: st.replay(url, name, "builtin:tiny", trace, 0, 2, 8, 120.0)
+        runs = {name: st.replay(url, name, "builtin:random", trace, 0, 2, 8, 120.0)
                 for name, url in (("cluster", router), ("single", single.url))}
         share = {}
         for name, run in runs.items():

@@ -1,4 +1,4 @@
-"""The shared tier between engines in one process (builtin:tiny on the CPU, a real redis-server):
+"""The shared tier between engines in one process (builtin:random on the CPU, a real redis-server):
 an engine that never saw a prompt resumes it from what another engine wrote, with the same
 greedy output as a cold engine; damaged, foreign or unreachable values are misses."""
 
@@ -26,7 +26,7 @@ def model():
     from hpc_cli.model.model import HybridModel
 
     torch.manual_seed(0)
-    return HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
+    return HybridModel.from_name_or_path("builtin:random", dtype=torch.float32)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -117,7 +117,7 @@ def test_another_model_never_reads_these_entries(model, redis_server):
     a = make(model, redis_server.url)
     out_a, _ = run(a, first)
     settle(a)
-    other = HybridModel.from_name_or_path("builtin:tiny@4", dtype=torch.float32)
+    other = HybridModel.from_name_or_path("builtin:random@4", dtype=torch.float32)
     b = Engine(other, kv_pages=96, prefill_chunk=128, max_concurrency=2, host_cache_mib=16)
     tier = attach_shared_cache(b, redis_server.url)
     assert tier.ns != a.cache.shared.ns

@@ -1,4 +1,4 @@
-"""Speculative decoding on CPU with builtin:tiny (docs/speculative.md)."""
+"""Speculative decoding on CPU with builtin:random (docs/speculative.md)."""
 
 from __future__ import annotations
 
@@ -11,4 +11,4 @@ def model():
     from hpc_cli.model.model import HybridModel
 
     torch.manual_seed(0)
-    return HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
+    return HybridModel.from_name_or_path("builtin:random", dtype=torch.float32)

@@ -34,7 +34,7 @@ def wide_config() -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def bf16_model():
-    return HybridModel.from_name_or_path("builtin:tiny", dtype=torch.bfloat16)
+    return HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="module")

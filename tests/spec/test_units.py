@@ -191,7 +191,7 @@ def test_from_settings_builds_the_backend():
     from hpc_cli.settings import load_settings
 
     r = load_settings(None, {"speculative.backend": "mtp", "speculative.num_draft_tokens": 2,
-                             "engine.kv_capacity": 32, "engine.max_concurrency": 1, "model.name": "builtin:tiny"},
+                             "engine.kv_capacity": 32, "engine.max_concurrency": 1, "model.name": "builtin:random"},
                       environ={})
     e = Engine.from_settings(r).start()
     assert e.spec is not None and e.spec.name == "mtp" and e.spec.k == 2

@@ -110,7 +110,7 @@ def test_serve_tui_address_banner_and_ctrl_c():
         term.expect("Device KV pages", timeout=30)  # and has drawn its panels
         assert ALT_SCREEN in term.raw
         before_view = ANSI.sub("", term.raw.split(ALT_SCREEN, 1)[0])
-        assert f"hpc-cli serving builtin:tiny as 'builtin:tiny' at {url}" in before_view  # the banner first
+        assert f"hpc-cli serving builtin:random as 'builtin:random' at {url}" in before_view  # the banner first
         view = ANSI.sub("", term.raw.split(ALT_SCREEN, 1)[1])
         assert f"at {url}" in view and "Device KV pages" in view
         term.type(b"\x03")  # Ctrl+C: the terminal sends SIGINT

@@ -1,5 +1,5 @@
 """`hpc-cli top` and `hpc-cli serve --tui` against the real server (`hpc-cli serve` as a process
-on 127.0.0.1, builtin:tiny on the CPU): the frame shows the numbers /v1/cache/stats serves,
+on 127.0.0.1, builtin:random on the CPU): the frame shows the numbers /v1/cache/stats serves,
 /metrics stays clean, a stopped server reads as one line, and the in-process view never takes the
 server down."""
 
@@ -68,7 +68,7 @@ def _chat(url: str, question: str) -> object:
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", http_client=httpx.Client(trust_env=False))
     r = client.chat.completions.create(
-        model="builtin:tiny", max_tokens=6, temperature=0,
+        model="builtin:random", max_tokens=6, temperature=0,
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     return r.usage
@@ -172,7 +172,7 @@ def test_serve_tui_then_stop_then_top_is_one_line(server):
     server["err"].seek(0)
     log = server["err"].read()
     assert "Traceback" not in log and "live view stopped" not in log
-    head = "hpc-cli top builtin:tiny  kv bf16  spec none  cache hybrid"
+    head = "hpc-cli top builtin:random  kv bf16  spec none  cache hybrid"
     assert text.count(head) >= 2, text
     last = text.split(head)[-1]
     assert url in last and f"total {len(server['usages'])}" in last  # the view names where it listens

@@ -1,0 +1,112 @@
+"""The trained embedded default ``builtin:tiny`` (docs/tiny-model.md): shipped inside the package as
+a HF checkpoint directory, loaded offline through the checkpoint loader, answering in printable
+text, with trained MTP / DFlash / DFlash2 drafters that accept drafts and keep greedy output."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_cli.engine.api import GenerationRequest, SamplingParams
+from hpc_cli.engine.engine import Engine
+from hpc_cli.model.builtin import TINY_DIR, builtin_config
+from hpc_cli.model.loader import load_checkpoint
+from hpc_cli.model.model import HybridModel
+from hpc_cli.model.tokenizer import HFTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+QUESTION = "What does json.dumps do?"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32, device="cpu", progress=False)
+
+
+def _prompt(model, question: str = QUESTION) -> list[int]:
+    text = model.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                               enable_thinking=False)
+    return model.tokenizer.encode(text)
+
+
+def _generate(model, spec: str | None, prompt: list[int], max_tokens: int = 40):
+    e = Engine(model, kv_pages=16, max_concurrency=1, reuse=False, speculative=spec, num_draft_tokens=3).start()
+    try:
+        toks, fin = e.generate(GenerationRequest(list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+    finally:
+        e.stop()
+    return [getattr(t, "token_id", t) for t in toks], fin
+
+
+def test_shipped_files_are_a_hf_checkpoint_directory():
+    names = {p.relative_to(TINY_DIR).as_posix() for p in TINY_DIR.rglob("*") if p.is_file()}
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors",
+            "dflash/config.json", "dflash/model.safetensors", "dflash2/config.json",
+            "dflash2/model.safetensors"} <= names
+    assert (TINY_DIR / "model.safetensors").stat().st_size <= 20 << 20
+    cfg = json.loads((TINY_DIR / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5_text" and cfg["mtp_num_hidden_layers"] == 1
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 \
+        + ["full_attention"]
+    assert "chat_template" in json.loads((TINY_DIR / "tokenizer_config.json").read_text())
+
+
+def test_package_data_carries_the_model():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["hpc_cli.model"]
+    for f in TINY_DIR.rglob("*"):
+        if f.is_file():
+            rel = f.relative_to(TINY_DIR.parent).as_posix()
+            assert any(Path(rel).match(p) for p in data), f"{rel} is not package data"
+
+
+def test_loads_offline_through_the_checkpoint_loader(tiny, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    direct = load_checkpoint(TINY_DIR, dtype=torch.float32, progress=False)
+    assert tiny.config.name == builtin_config("builtin:tiny").name == "builtin:tiny"
+    assert isinstance(tiny.tokenizer, HFTokenizer) and tiny.mtp is not None
+    assert tiny.lm_head.weight is tiny.embed_tokens.weight  # tied, as config.json says
+    for (n, a), (_, b) in zip(tiny.state_dict().items(), direct.state_dict().items()):
+        assert torch.equal(a, b), n
+    tok = tiny.tokenizer
+    for special in ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|endoftext|>"):
+        assert tok.encode(special) == [tok.token_to_id(special)]
+    assert tok.token_to_id("<|im_end|>") in tok.eos_token_ids
+    with pytest.raises(Exception, match="takes no layer count"):
+        builtin_config("builtin:tiny@4")
+
+
+def test_answers_in_printable_text(tiny):
+    ids, fin = _generate(tiny, None, _prompt(tiny))
+    text = tiny.tokenizer.decode(ids, skip_special=True).strip()
+    assert fin.reason == "stop"
+    assert text.isprintable() and len(text.split()) >= 4, text
+    assert "JSON" in text, text
+
+
+def test_training_forward_matches_the_runtime(tiny):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny
+
+    toks = torch.tensor([_prompt(tiny) + _prompt(tiny, "What is the base64 module for?")])
+    ref = tiny.forward_tokens(toks[0]).float()
+    train_tiny.ROUND_KV = True  # the runtime's bf16 KV pages round K and V
+    try:
+        with torch.no_grad():
+            h, _ = train_tiny.forward(tiny, toks)
+    finally:
+        train_tiny.ROUND_KV = False
+    assert (tiny.lm_head(h)[0].float() - ref).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("spec", ["mtp", "dflash", "dflash2"])
+def test_trained_drafters_accept_and_keep_greedy_output(tiny, spec):
+    prompt = _prompt(tiny)
+    ref, _ = _generate(tiny, None, prompt)
+    got, fin = _generate(tiny, spec, prompt)
+    assert got == ref
+    assert fin.usage.accepted_draft_tokens > 0, fin.usage
