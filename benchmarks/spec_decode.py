@@ -14,7 +14,7 @@ to the default ``per_token`` one.
 Python standard library rendered with the model's chat template (``builtin:tiny`` answers them),
 each answered until its end-of-turn token or --max-tokens.
 
-    python benchmarks/spec_decode.py                                   # CPU, builtin:tiny
+    python benchmarks/spec_decode.py                                   # CPU, builtin:tiny, random prompts
     python benchmarks/spec_decode.py --model builtin:tiny --traffic chat --rollback per_token
     python benchmarks/spec_decode.py --model builtin:qwen3.5-27b-shape@8 --prompt-len 512
 """

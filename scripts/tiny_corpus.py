@@ -13,8 +13,9 @@ text). Each documented object yields
   ("What does json.dumps do?") answered by the docstring's first paragraph, instructions
   ("Summarize the documentation of json.dumps.") answered by its first paragraphs, signature
   questions, "which module provides ..." questions, and two-turn conversations about two objects of
-  one module. Half end their generation prompt with ``<think>\\n`` and the answer opens with an
-  empty reasoning block (``\\n</think>\\n\\n``), half are rendered with thinking disabled.
+  one module. Every answer follows the empty reasoning block ``<think>\\n\\n</think>\\n\\n`` (half
+  rendered as a thinking prompt ``<think>\\n`` plus ``\\n</think>\\n\\n``, half with thinking
+  disabled: the same text), which is why the shipped template always closes that block.
 
 Objects whose name hashes into the last 3% go to the validation split (their document and every
 chat example about them). The byte-level BPE tokenizer (Qwen's pre-tokenizer pattern, the ChatML

@@ -45,6 +45,16 @@ from hpc_cli.model.tokenizer import BYTE_CHAT_TEMPLATE  # noqa: E402
 from hpc_cli.speculative.dflash import DFlashNet, default_config, save_drafter  # noqa: E402
 
 SEED = 20260511
+_THINK_BRANCH = """  {%- if enable_thinking is defined and not enable_thinking -%}
+    {{- '<think>\\n\\n</think>\\n\\n' -}}
+  {%- else -%}
+    {{- '<think>\\n' -}}
+  {%- endif -%}"""
+#: the shipped chat template: the Qwen3.5 template whose generation prompt always closes the
+#: reasoning block (the model never learnt to reason; its training text has the empty block
+#: ``<think>\n\n</think>\n\n`` before every answer, tokenized as the prompt ends here)
+TINY_CHAT_TEMPLATE = BYTE_CHAT_TEMPLATE.replace(_THINK_BRANCH, """  {{- '<think>\\n\\n</think>\\n\\n' -}}""")
+assert TINY_CHAT_TEMPLATE != BYTE_CHAT_TEMPLATE
 
 
 def tiny_config(vocab: int, eos: list[int]) -> ModelConfig:
@@ -504,7 +514,7 @@ def export(model: HybridModel, nets: dict, tok_dir: Path, out: Path, tok) -> Pat
             "added_tokens_decoder": {i: {"content": t.content, "special": t.special, "lstrip": False,
                                          "rstrip": False, "normalized": False, "single_word": False}
                                      for i, t in specials.items()},
-            "chat_template": BYTE_CHAT_TEMPLATE.strip("\n")}
+            "chat_template": TINY_CHAT_TEMPLATE.strip("\n")}
     (d / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=1, ensure_ascii=False) + "\n")
     state = {}
     for name, p in model.named_parameters():  # tied: lm_head.weight is embed_tokens.weight, named once

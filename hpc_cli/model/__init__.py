@@ -3,7 +3,8 @@
 Execution API (what the engine calls; stable)::
 
     model = HybridModel.from_name_or_path(name_or_path, dtype=None, device="cpu", progress=True)
-        # "builtin:tiny" (embedded default, seeded, byte tokenizer), "builtin:qwen3.5-27b-shape[@N]",
+        # "builtin:tiny" (embedded default, trained, BPE tokenizer), "builtin:random[@N]" (seeded,
+        # byte tokenizer), "builtin:qwen3.5-27b-shape[@N]",
         # "builtin:qwen3.5-35b-a3b-shape[@N]", or a HF checkpoint directory. dtype None: bf16 on
         # CUDA, fp32 on CPU.
     model.config        # ModelConfig

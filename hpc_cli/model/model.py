@@ -160,8 +160,9 @@ class HybridModel(nn.Module):
     def from_name_or_path(cls, name_or_path: str, dtype: torch.dtype | str | None = None,
                           device: torch.device | str = "cpu", progress: bool = True,
                           offload_experts: bool = False) -> "HybridModel":
-        """``builtin:tiny`` / ``builtin:qwen3.5-27b-shape[@layers]`` / ``builtin:qwen3.5-35b-a3b-shape[@layers]``
-        (seeded weights) or a HF checkpoint directory. ``offload_experts``: routed experts are
+        """``builtin:tiny`` (trained, shipped in the package: loaded as a HF checkpoint directory),
+        ``builtin:random[@layers]`` / ``builtin:qwen3.5-27b-shape[@layers]`` /
+        ``builtin:qwen3.5-35b-a3b-shape[@layers]`` (seeded weights) or a HF checkpoint directory. ``offload_experts``: routed experts are
         created and loaded straight into host memory (see the class), for the expert tier."""
         if str(name_or_path).startswith("builtin:"):
             from hpc_cli.model.builtin import build_builtin
