@@ -15,7 +15,7 @@ from hpc_cli.cache.eviction import HostEviction, alloc_host
 from hpc_cli.cache.host import HostSlabPool, SlabUse
 from hpc_cli.cache.ids import SlabId
 from hpc_cli.cache.keys import lookup_hash
-from hpc_cli.cache.records import Clock, Freed
+from hpc_cli.cache.records import ADOPTING, Clock, Freed
 from hpc_cli.cache.snapshot import Snapshot, SnapshotKind
 from hpc_cli.cache.stats import Tally
 from hpc_cli.cache.tree import RESIDENT, BlockNode, BlockTree
@@ -49,11 +49,19 @@ class Adoption:
         for node in keep:
             self.residency.node_pins(node, +1)
         try:
-            slabs = alloc_host(self.host, k, SlabUse.NODE, "adopting", self.eviction, freed)
+            slabs = alloc_host(self.host, k, SlabUse.NODE, ADOPTING, self.eviction, freed)
         finally:
             for node in keep:
                 self.residency.node_pins(node, -1)
         return slabs, freed
+
+    def release_host_slabs(self, slabs: Iterable[SlabId]) -> None:
+        """Give back slabs :meth:`reserve_host_slabs` took that no entry adopted (a fetch whose
+        path changed meanwhile, or one abandoned)."""
+        slabs = list(slabs)
+        for s in slabs:
+            assert self.host.owner_of(s) == ADOPTING, f"host slab {s} is not reserved for adoption: {self.host.owner_of(s)!r}"
+        self.host.free(slabs)
 
     def adopt_host_node(self, parent: BlockNode, tokens: bytes, extra: int, slab: SlabId, *,
                         h: int | None = None, media: tuple = ()) -> BlockNode:

@@ -109,6 +109,7 @@ class PrefixIndex:
         self.supersede = self.lineage.supersede
         self.release_snapshot_slot = self.slots.release
         self.reserve_host_slabs = self.adoption.reserve_host_slabs
+        self.release_host_slabs = self.adoption.release_host_slabs
         self.adopt_host_node = self.adoption.adopt_host_node
         self.adopt_host_snapshot = self.adoption.adopt_host_snapshot
         self.grow_host = self.host.grow

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from hpc_cli.cache.host import SlabUse
 from hpc_cli.cache.ids import PageBundle
 from hpc_cli.cache.keys import BLOCK_TOKENS
+from hpc_cli.cache.records import ADOPTING
 from hpc_cli.cache.snapshot import Snapshot
 from hpc_cli.cache.tree import ABSENT, FILLING, RESIDENT, BlockNode
 
@@ -243,6 +244,8 @@ def check_invariants(ix: PrefixIndex) -> None:
             continue
         if isinstance(o, BlockNode):
             assert o.alive and o.host_slab == sl, f"host slab {sl}: node owner {o!r} does not point back"
+        elif o == ADOPTING:  # reserved for entries whose bytes are being copied in
+            assert ix.host.use_of(sl) == SlabUse.NODE, f"host slab {sl}: reserved for adoption as {ix.host.use_of(sl)}"
         else:
             assert isinstance(o, Snapshot) and o.alive and (sl in o.host_slabs or sl == o.tail_host_slab), \
                 f"host slab {sl}: snapshot owner {o!r} does not point back"

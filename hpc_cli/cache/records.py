@@ -38,6 +38,9 @@ class CommitOutcome(Enum):
 
 #: A device snapshot slot reserved for a tap or endpoint copy that is not yet published.
 STAGING = "staging"
+#: The owner of host slabs reserved for entries whose bytes are still being copied in (the shared
+#: tier's hits: copied on its own thread, adopted or released by the worker afterwards).
+ADOPTING = "adopting"
 
 
 @dataclass(slots=True, frozen=True)

@@ -15,8 +15,10 @@ Lookups: when an admission's own tiers leave at least a block of the prompt to p
 (:meth:`SharedTier.before_admit`), a lookup thread reads the anchor sets of the prompt's blocks
 (one round trip), picks the deepest snapshot whose tail matches the prompt and reads it with the
 path blocks the index lacks (a second round trip). Every value is checked against the prompt
-(namespace, size, checksum, tokens, path digest); what passes is copied into host slabs and
-adopted host-only, and the ordinary quote and restore then bring it to the device. The head
+(namespace, size, checksum, tokens, path digest); for what passes the worker reserves host slabs,
+the lookup thread copies the bytes into them (the worker copies nothing), and the worker adopts
+them host-only once copied (or gives them back if the prompt's path changed meanwhile); the
+ordinary quote and restore then bring it to the device. The head
 waits (``Blocked``) for at most ``timeout_s``; a miss, a damaged value, a timeout or a store that
 is down is a prefill from the engine's own tiers, never a failed request. After a store failure
 the tier stops asking for a while (0.5 s, doubling to 10 s) and logs one warning per outage.
@@ -167,6 +169,27 @@ class _Lookup:
     miss: str | None = None  # why nothing came back
 
 
+@dataclass(slots=True, eq=False)
+class _Landing:
+    """A hit being copied into host slabs reserved for it, on the lookup thread: the worker
+    reserved the slabs with the prompt's path at ``path_len`` blocks and adopts them once the
+    copy is done (or gives them back if the path changed meanwhile, or the lane left)."""
+
+    lane: "Lane"
+    hit: Hit
+    path_len: int
+    new: list[int]  # the prompt's block indices adopted as new host-only nodes
+    block_slabs: list[int]
+    image_slabs: list[int]
+    tail_slab: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+    @property
+    def slabs(self) -> list[int]:
+        return [*self.block_slabs, *self.image_slabs, *([self.tail_slab] if self.tail_slab >= 0 else [])]
+
+
 class SharedTier:
     """One engine's view of the shared store (see the module doc). The worker calls
     :meth:`before_admit`, :meth:`start_lookup`, :meth:`written` and :meth:`stats`; the rest runs on
@@ -188,6 +211,8 @@ class SharedTier:
         self.slab_bytes = cache.host.slab_bytes
         self.image_slabs = index.image_slabs
         self._lookup: _Lookup | None = None
+        self._landing: _Landing | None = None  # the head's hit being copied in
+        self._abandoned: list[_Landing] = []  # copies of lanes that left: slabs given back once done
         self._looked_up: "Lane | None" = None  # the lane whose lookup ended (adopted or missed)
         self._digests: dict[BlockNode, PathDigest] = {}
         self._seen: collections.OrderedDict[StoreKey, None] = collections.OrderedDict()
@@ -197,7 +222,7 @@ class SharedTier:
         self.lookup_seconds = 0.0
         self._queued_bytes = 0
         self._writes: "queue.Queue[_Write | None]" = queue.Queue()
-        self._jobs: "queue.Queue[_Lookup | None]" = queue.Queue()
+        self._jobs: "queue.Queue[_Lookup | _Landing | None]" = queue.Queue()
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="hpc-shared-writer", daemon=True)
         self._fetcher = threading.Thread(target=self._lookup_loop, name="hpc-shared-lookup", daemon=True)
@@ -241,7 +266,9 @@ class SharedTier:
     def start_lookup(self, lane: "Lane") -> None:
         """Begin ``lane``'s lookup on the lookup thread (the FIFO head waits for a lane or for
         pages: the lookup runs meanwhile). Never blocks."""
-        if self._looked_up is lane or (self._lookup is not None and self._lookup.lane is lane):
+        self._reap(lane)
+        if self._looked_up is lane or (self._lookup is not None and self._lookup.lane is lane) or (
+                self._landing is not None and self._landing.lane is lane):
             return
         job = self._plan(lane)
         if job is not None:
@@ -256,7 +283,16 @@ class SharedTier:
         """Called by admission before its quote: look up what ``lane``'s prompt lacks and adopt a
         hit host-only. Small lookups run here at once (bounded by SYNC_TIMEOUT_S); a large hit
         goes to the lookup thread and the head waits (:class:`Blocked`, at most ``timeout_s``)."""
+        self._reap(lane)
         if self._looked_up is lane:
+            return
+        landing = self._landing
+        if landing is not None:  # the head's hit is being copied in (it is the head: _reap)
+            if not landing.done.is_set():
+                raise Blocked("copying a shared cache hit into the host tier")
+            self._landing = None
+            self._land(landing)
+            self._end(lane)
             return
         job = self._lookup
         if job is None or job.lane is not lane:
@@ -285,59 +321,93 @@ class SharedTier:
         self.lookup_seconds += time.monotonic() - job.started
         if job.hit is None:
             self.misses[job.miss or "none"] += 1
-        else:
-            self._adopt(lane, job.hit)
-        self._end(lane)
+            self._end(lane)
+            return
+        landing = self._reserve(lane, job.hit)
+        if landing is None:
+            self._end(lane)
+            return
+        self._lookup = None
+        self._landing = landing
+        self._jobs.put(landing)  # the bytes are copied on the lookup thread, not here
+        raise Blocked("copying a shared cache hit into the host tier")
+
+    def _reap(self, head: "Lane | None") -> None:
+        """Give back the slabs of copies whose lane is no longer the head, once each is done
+        (the thread may still be writing into them before)."""
+        landing = self._landing
+        if landing is not None and landing.lane is not head:
+            self._landing = None
+            self._abandoned.append(landing)
+            self._count("landings_abandoned")
+        if self._abandoned:
+            index = self.cache.index
+            for landing in [x for x in self._abandoned if x.done.is_set()]:
+                self._abandoned.remove(landing)
+                index.release_host_slabs(landing.slabs)
 
     def _end(self, lane: "Lane") -> None:
         self._lookup = None
         self._looked_up = lane
 
-    def _adopt(self, lane: "Lane", hit: Hit) -> None:
-        """Copy a hit into host slabs and adopt it host-only under the prompt's path as the index
-        has it now (other lanes may have committed or evicted blocks meanwhile)."""
-        cache = self.cache
-        index = cache.index
-        prompt = lane.prepared
-        m = index.match(prompt)
-        path = m.path
+    def _reserve(self, lane: "Lane", hit: Hit) -> _Landing | None:
+        """Reserve host slabs for a hit under the prompt's path as the index has it now (other
+        lanes may have committed or evicted blocks meanwhile), or None (counted as a miss)."""
+        index = self.cache.index
+        path = index.match(lane.prepared).path
         a = hit.anchor
         if len(path) > a and any(s.frontier == hit.frontier and s.tail_tokens == hit.tail_tokens
                                  for s in path[a].snapshots):
             self.misses["already_local"] += 1
-            return
+            return None
         new = list(range(len(path), a + 1))
         if any(b not in hit.blocks for b in new):
             self.misses["path_changed"] += 1
-            return
+            return None
         tail = bool(hit.tail_tokens)
         need = len(new) + self.image_slabs + (1 if tail else 0)
         slabs, freed = index.reserve_host_slabs(need, keep=path)
-        cache._free_pages(freed.pages)
+        self.cache._free_pages(freed.pages)
         if slabs is None:
             self.misses["host_tier_full"] += 1
-            return
-        host = cache.host
-        block_slabs = slabs[:len(new)]
-        image_slabs = slabs[len(new):len(new) + self.image_slabs]
-        tail_slab = slabs[-1] if tail else -1
-        for b, s in zip(new, block_slabs):
+            return None
+        return _Landing(lane, hit, len(path), new, slabs[:len(new)], slabs[len(new):len(new) + self.image_slabs],
+                        slabs[-1] if tail else -1)
+
+    def _copy(self, landing: _Landing) -> None:
+        """Copy a hit's bytes into its reserved slabs (the lookup thread; nothing else touches
+        reserved slabs)."""
+        host, hit, sb = self.cache.host, landing.hit, self.slab_bytes
+        for b, s in zip(landing.new, landing.block_slabs):
             _copy_in(host.slab_view(s).numpy(), hit.blocks[b])
         image = hit.snapshot.image
-        sb = self.slab_bytes
-        for i, s in enumerate(image_slabs):
+        for i, s in enumerate(landing.image_slabs):
             _copy_in(host.slab_view(s).numpy(), image[i * sb:(i + 1) * sb])
-        if tail:
-            _copy_in(host.slab_view(tail_slab).numpy(), hit.snapshot.tail)
+        if landing.tail_slab >= 0:
+            _copy_in(host.slab_view(landing.tail_slab).numpy(), hit.snapshot.tail)
+
+    def _land(self, landing: _Landing) -> None:
+        """Adopt a copied hit host-only, if the prompt's path is still the one its slabs were
+        reserved under; else give the slabs back. The ordinary quote and restore follow."""
+        index = self.cache.index
+        prompt = landing.lane.prepared
+        hit = landing.hit
+        path = index.match(prompt).path
+        if landing.error is not None or len(path) != landing.path_len or (
+                len(path) > hit.anchor and any(s.frontier == hit.frontier and s.tail_tokens == hit.tail_tokens
+                                               for s in path[hit.anchor].snapshots)):
+            self.misses["copy_failed" if landing.error else "path_changed"] += 1
+            index.release_host_slabs(landing.slabs)
+            return
         parent = path[-1] if path else index.tree.root
-        for b, s in zip(new, block_slabs):
+        for b, s in zip(landing.new, landing.block_slabs):
             parent = index.adopt_host_node(parent, prompt.blocks[b], prompt.extras[b], s, h=prompt.hashes[b])
-        anchor = parent if new else path[a]
+        anchor = parent if landing.new else path[hit.anchor]
         index.adopt_host_snapshot(anchor, hit.frontier, hit.snapshot.kind, tail_tokens=hit.tail_tokens,
-                                  image_slabs=tuple(image_slabs), tail_slab=tail_slab)
+                                  image_slabs=tuple(landing.image_slabs), tail_slab=landing.tail_slab)
         self.counts["hits"] += 1
         self.counts["hit_tokens"] += hit.frontier
-        self.counts["adopted_blocks"] += len(new)
+        self.counts["adopted_blocks"] += len(landing.new)
         self.counts["adopted_snapshots"] += 1
         self.counts["fetched_bytes"] += hit.nbytes
 
@@ -347,6 +417,15 @@ class SharedTier:
             job = self._jobs.get()
             if job is None:
                 return
+            if isinstance(job, _Landing):
+                try:
+                    self._copy(job)
+                except Exception as exc:  # noqa: BLE001 - a copy must never take the engine down
+                    log.exception("copying a shared cache hit failed")
+                    job.error = f"{type(exc).__name__}: {exc}"
+                job.done.set()
+                self.wake()
+                continue
             if time.monotonic() >= job.deadline:
                 job.miss = "timeout"
             elif not self.health.available():
@@ -646,6 +725,10 @@ class SharedTier:
         self._jobs.put(None)
         self._writer.join(timeout)
         self._fetcher.join(timeout)
+        if not self._fetcher.is_alive():  # no copy in flight: reserved slabs go back to the pool
+            for landing in [*self._abandoned, *([self._landing] if self._landing is not None else [])]:
+                self.cache.index.release_host_slabs(landing.slabs)
+            self._abandoned, self._landing = [], None
         self.store.close()
         if self.probe_store is not self.store:
             self.probe_store.close()

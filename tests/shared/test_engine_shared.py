@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 
 import pytest
 import torch
 
 from hpc_cli.cache.host import SlabUse
+from hpc_cli.cache.records import ADOPTING
 from hpc_cli.cache.shared import ROOT_PATH
 from hpc_cli.engine import shared as shared_mod
 from hpc_cli.engine.api import GenerationRequest, SamplingParams
@@ -203,3 +205,58 @@ def test_a_slab_freed_before_the_writer_reads_it_is_never_stored(model, redis_se
     finally:
         e.stop()
     e.check_invariants()
+
+
+def test_a_hit_is_copied_on_the_lookup_thread_not_the_worker(model, redis_server, monkeypatch):
+    """The worker reserves host slabs for a hit and adopts it; the bytes are copied on the tier's
+    lookup thread (the worker copies nothing), and the slabs reserved meanwhile keep the index's
+    invariants."""
+    copied_on = []
+    real_copy = shared_mod.SharedTier._copy
+
+    def copy(self, landing):
+        copied_on.append(threading.current_thread().name)
+        self.cache.index.check_invariants()  # reserved slabs (owner ADOPTING) are legal mid-copy
+        return real_copy(self, landing)
+
+    monkeypatch.setattr(shared_mod.SharedTier, "_copy", copy)
+    first = tokens(640, 11)
+    a = make(model, redis_server.url)
+    out_a, _ = run(a, first)
+    settle(a)
+    b = make(model, redis_server.url)
+    out_b, usage = run(b, first + out_a + tokens(70, 12))
+    stats = settle(b)
+    assert usage.reuse_tokens > 0 and stats["hits"] == 1, stats
+    assert copied_on == ["hpc-shared-lookup"], copied_on
+    host = b.cache.index.host
+    assert not [s for s in range(host.num_slabs) if host.owner_of(s) == ADOPTING], "a reserved slab was left"
+
+
+def test_a_copy_whose_lane_left_gives_its_slabs_back(model, redis_server):
+    """A hit whose lane is no longer the head when its copy ends is not adopted: its reserved
+    slabs go back to the host pool."""
+    first = tokens(640, 13)
+    a = make(model, redis_server.url)
+    out_a, _ = run(a, first)
+    settle(a)
+    b = make(model, redis_server.url)
+    tier = b.cache.shared
+    hits = []
+    real_land = shared_mod.SharedTier._land
+
+    def land(self, landing):
+        hits.append(landing)
+        self._abandoned.append(landing)  # as if the lane had left: reaped, never adopted
+        self._landing = None
+
+    try:
+        shared_mod.SharedTier._land = land
+        run(b, first + out_a + tokens(70, 14))
+    finally:
+        shared_mod.SharedTier._land = real_land
+    free_before = b.cache.index.host.free_slabs
+    b.call(lambda: tier._reap(None))
+    stats = settle(b)
+    assert len(hits) == 1 and stats["hits"] == 0, stats
+    assert b.cache.index.host.free_slabs == free_before + len(hits[0].slabs)
