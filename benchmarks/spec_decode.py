@@ -144,7 +144,8 @@ def main(argv=None) -> dict:
     doc = {"benchmark": "spec_decode", "model": name, "dtype": dtype,
            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "model_load_s": load_s,
-           "k": args.k, "traffic": args.traffic, "warmup": args.warmup, "prompts": args.prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+           "k": args.k, "traffic": args.traffic, "warmup": args.warmup, "prompts": args.prompts,
+           "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
            "concurrency": args.concurrency, "runs": runs}
     text = json.dumps(doc, indent=1)
     print(text)

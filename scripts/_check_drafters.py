@@ -1,4 +1,5 @@
-"""Check that the training forwards of the drafters match the runtime's drafting code."""
+"""Check that the training forwards of the MTP head and the block drafters match the runtime's
+drafting code: ``python scripts/_check_drafters.py hpc_cli/model/tiny``."""
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,9 +29,11 @@ def main(d):
         hid_t = tt.drafter_forward(net, m, rot, feats, toks, torch.tensor([[p]]), k)[0, 0]
         dr = DFlashDrafter(m, net)
         c = net.cfg
-        extra = {RING_PART: ((c.num_layers, 2, c.window, c.num_kv_heads, c.head_dim), torch.bfloat16)} if kind == "dflash2" else None
+        extra = ({RING_PART: ((c.num_layers, 2, c.window, c.num_kv_heads, c.head_dim), torch.bfloat16)}
+                 if kind == "dflash2" else None)
         states = m.new_state_slots(1, extra_parts=extra)
-        pool = PagedKVStorage(kv_profile("bf16"), c.num_layers, c.num_kv_heads, c.head_dim, 4, device="cpu", name="b") if kind == "dflash" else None
+        pool = (PagedKVStorage(kv_profile("bf16"), c.num_layers, c.num_kv_heads, c.head_dim, 4, device="cpu", name="b")
+                if kind == "dflash" else None)
         dr.bind(None, pool, states)
         lane = SimpleNamespace(pos=0, state_slot=0, pages=[0, 1, 2, 3], next_token=int(toks[0, p]), backend_frontier=0)
         dr.observe(lane, 0, p, None, feats[0, :p], None, extend=False)

@@ -113,7 +113,8 @@ def _objects(modname: str):
         out.append((modname, "module", "", doc))
     public = getattr(mod, "__all__", None)
     try:
-        names = sorted(public) if isinstance(public, (list, tuple)) else sorted(n for n in vars(mod) if not n.startswith("_"))
+        names = (sorted(public) if isinstance(public, (list, tuple))
+                 else sorted(n for n in vars(mod) if not n.startswith("_")))
     except TypeError:
         return out
     for name in names:

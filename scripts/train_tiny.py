@@ -382,7 +382,8 @@ def train_main(model, data, args, dev, report):
                 entry["val_loss"] = evaluate(model, data["val"], dev, args.batch, args.val_rows)
             curve.append(entry)
             print(json.dumps(entry), flush=True)
-    report["main"] = {"steps": total, "planned_steps": args.steps or None, "batch": args.batch, "seq": args.seq, "lr": args.lr, "seconds": time.time() - t0,
+    report["main"] = {"steps": total, "planned_steps": args.steps or None, "batch": args.batch, "seq": args.seq,
+                      "lr": args.lr, "seconds": time.time() - t0,
                       "curve": curve, "final_train_loss": curve[-1]["train_loss"],
                       "val_loss": evaluate(model, data["val"], dev, args.batch, args.final_val_rows),
                       "train_loss_eval": evaluate(model, data["train"], dev, args.batch,
@@ -447,7 +448,8 @@ def train_drafters(model, nets, data, args, dev, report):
             l2 = model.lm_head(g2).float()
             losses["mtp2"] = 0.5 * F.cross_entropy(l2.reshape(-1, l2.shape[-1]), labels[:, 2:].reshape(-1))
             k = args.block_sizes[step % len(args.block_sizes)]
-            anchors = torch.stack([torch.randperm(T - k - 1, generator=gen)[:args.anchors] + 1 for _ in range(B)]).to(dev)
+            anchors = torch.stack([torch.randperm(T - k - 1, generator=gen)[:args.anchors] + 1
+                                   for _ in range(B)]).to(dev)
             # column i (1..k) drafts the token at p+i: the model's argmax at position p+i-1
             idx = anchors[:, :, None] + torch.arange(k, device=dev)
             lab = labels.gather(1, idx.reshape(B, -1)).view(B, -1, k)

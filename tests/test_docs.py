@@ -135,7 +135,7 @@ def test_readme_serving_examples(tmp_path):
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     cache = tmp_path / "prefix.bin"
-    subs = {"/path/to/Qwen3.5-27B": "builtin:random", "--port 8000": f"--port {port}",
+    subs = {"/path/to/Qwen3.5-27B": "builtin:tiny", "--port 8000": f"--port {port}",
             "~/.cache/hpc/prefix.bin": str(cache), "http://127.0.0.1:8000": url}
     serve = _command("hpc-cli serve --profile int8-mtp.toml")
     for old, new in subs.items():

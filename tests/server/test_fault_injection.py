@@ -32,12 +32,13 @@ WRAPPER = textwrap.dedent('''
 
         Engine._decode = decode
     elif fault == "transfer":  # the first write-through to the host tier fails
-        from hpc_cli.memory import transfer
+        from hpc_cli.memory.transfer import engine as transfer
+        from hpc_cli.memory.transfer.records import Completion
 
         real_poll = transfer.TransferEngine.poll
 
         def poll(self):
-            return [transfer.Completion(c.job_id, c.kind, "injected transfer fault") if c.kind == "write" else c
+            return [Completion(c.job_id, c.kind, "injected transfer fault") if c.kind == "write" else c
                     for c in real_poll(self)]
 
         transfer.TransferEngine.poll = poll
@@ -71,7 +72,7 @@ class Served:
         environ.update(env or {})
         environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p)
         self.log = open(tmp_path / "stderr.txt", "w+")
-        cmd = [sys.executable, str(wrapper), fault, "serve", "--port", str(self.port), "--device", "cpu",
+        cmd = [sys.executable, str(wrapper), fault, "serve", "--model", "builtin:random", "--port", str(self.port), "--device", "cpu",
                "--max-model-len", "512", "--max-concurrency", "1", "--host-cache-mib", "16", "--log-level",
                "warning", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, env=environ)

@@ -28,8 +28,8 @@ def _free_port() -> int:
 def _start(tmp_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HPC_")}
-    cmd = [sys.executable, "-m", "hpc_cli", "serve", "--port", str(port), "--device", "cpu", "--max-model-len",
-           "1024", "--max-concurrency", "1", "--host-cache-mib", "16", "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "hpc_cli", "serve", "--model", "builtin:random", "--port", str(port), "--device",
+           "cpu", "--max-model-len", "1024", "--max-concurrency", "1", "--host-cache-mib", "16", "--log-level", "warning"]
     err = open(tmp_path / "stderr.txt", "w+")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
     url = f"http://127.0.0.1:{port}"

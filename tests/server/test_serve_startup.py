@@ -17,7 +17,8 @@ import pytest
 
 openai = pytest.importorskip("openai")  # the test extra
 
-SERVE = [sys.executable, "-m", "hpc_cli", "serve", "--device", "cpu", "--max-model-len", "1024",
+SERVE = [sys.executable, "-m", "hpc_cli", "serve", "--model", "builtin:random", "--device", "cpu", "--max-model-len",
+         "1024",
          "--max-concurrency", "1", "--host-cache-mib", "16"]
 
 

@@ -102,7 +102,8 @@ def _free_port() -> int:
 
 def test_serve_tui_address_banner_and_ctrl_c():
     port = _free_port()
-    term = Terminal(["serve", "--tui", "--port", str(port), "--device", "cpu", "--max-model-len", "1024",
+    term = Terminal(["serve", "--model", "builtin:random", "--tui", "--port", str(port), "--device", "cpu",
+                     "--max-model-len", "1024",
                      "--max-concurrency", "1", "--host-cache-mib", "16"], columns=120, rows=40)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -36,8 +36,8 @@ def _env(width: int = 80, height: int = 24) -> dict:
 
 def _serve(tmp_path, *extra: str, stdout=subprocess.DEVNULL, env=None):
     port = _free_port()
-    cmd = [sys.executable, "-m", "hpc_cli", "serve", "--port", str(port), "--device", "cpu", "--max-model-len",
-           "2048", "--host-cache-mib", "64", "--log-level", "warning", *extra]
+    cmd = [sys.executable, "-m", "hpc_cli", "serve", "--model", "builtin:random", "--port", str(port), "--device",
+           "cpu", "--max-model-len", "2048", "--host-cache-mib", "64", "--log-level", "warning", *extra]
     err = open(tmp_path / f"serve-{port}.err", "w+")
     proc = subprocess.Popen(cmd, stdout=stdout, stderr=err, env=env or _env())
     url = f"http://127.0.0.1:{port}"
