@@ -25,7 +25,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 for f in tests/kv/test_gpu.py tests/model/test_paged_attention.py tests/model/test_prefill_graphs_gpu.py \
-         tests/memory/test_transfer_gpu.py \
+         tests/memory/test_transfer_engine_gpu.py \
          tests/engine/test_engine_gpu.py tests/engine/test_cache_modes_gpu.py tests/spec/test_bf16_gpu.py tests/experts/test_gpu.py \
          tests/experts/test_placement.py; do
     step "test-$(basename "$f" .py)" 400 python3 -m pytest -q -p no:cacheprovider -m gpu "$f"

@@ -48,7 +48,9 @@ from hpc_cli.errors import EngineError
 from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage, MiB, image_slab_count
 from hpc_cli.memory.kv_pool import PagedKVStorage
 from hpc_cli.memory.state_pool import StateSlots
-from hpc_cli.memory.transfer import CopyOp, RestoreBatch, TransferEngine, layer_order_for_shape
+from hpc_cli.memory.transfer.engine import TransferEngine
+from hpc_cli.memory.transfer.plan import layer_order_for_shape
+from hpc_cli.memory.transfer.records import CopyOp, RestoreBatch
 from hpc_cli.shapes import preset
 from hpc_kernels import seg_copy
 

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from hpc_cli.memory.host_slabs import HostSlabStorage
     from hpc_cli.memory.kv_pool import PagedKVStorage
     from hpc_cli.memory.state_pool import StateSlots
-    from hpc_cli.memory.transfer import TransferEngine
+    from hpc_cli.memory.transfer.engine import TransferEngine
     from hpc_cli.model.model import HybridModel
 
 #: builds the transfer engine: ``factory(main_storage, host, state=..., layer_order=..., [backend=...])``
@@ -110,7 +110,7 @@ class BindingContext:
 
     def make_transfer(self, host: "HostSlabStorage") -> "TransferEngine":
         """The transfer engine between these pools and ``host`` (restores in forward order)."""
-        from hpc_cli.memory.transfer import layer_order_for_shape
+        from hpc_cli.memory.transfer.plan import layer_order_for_shape
 
         extra: dict[str, Any] = {"backend": self.backend_storage} if self.backend_storage is not None else {}
         return self.transfer_factory(self.storage, host, state=self.states,

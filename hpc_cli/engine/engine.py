@@ -95,12 +95,12 @@ class Engine:
             if transfer_factory is None:
                 import functools
 
-                from hpc_cli.memory.transfer import TransferEngine
+                from hpc_cli.memory.transfer.engine import TransferEngine
 
                 transfer_factory = functools.partial(TransferEngine, copy_method=transfer_copy)
         pages = kv_pages or self._auto_pages(device_memory_fraction)
         self.storage, self.backend_storage = self._spec_storage(model, pages)
-        from hpc_cli.memory.transfer import TransferEngine
+        from hpc_cli.memory.transfer.engine import TransferEngine
 
         self.cache: CacheBinding = self.cache_mode.build(BindingContext(
             model=model, storage=self.storage, states=self.states, lanes=self.C, snapshot_slots=mode_slots,

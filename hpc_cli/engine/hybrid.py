@@ -28,8 +28,8 @@ from hpc_cli.engine.lane import Lane
 from hpc_cli.errors import EngineError
 from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage
 from hpc_cli.memory.pools import DeviceKVPool, PageState
-from hpc_cli.memory.transfer import RestoreBatch as CopyBatch
-from hpc_cli.memory.transfer import TransferEngine
+from hpc_cli.memory.transfer.engine import TransferEngine
+from hpc_cli.memory.transfer.records import RestoreBatch as CopyBatch
 
 if TYPE_CHECKING:
     from hpc_cli.model.model import TapImage
@@ -111,7 +111,7 @@ class HybridBinding:
                                                slab_bytes=slab), host_ready_slabs=self.host.ready_slabs)
         self.pool = DeviceKVPool(storage, evictable=self.index.evictable_pages)
         make = transfer_factory or TransferEngine
-        from hpc_cli.memory.transfer import layer_order_for_shape
+        from hpc_cli.memory.transfer.plan import layer_order_for_shape
 
         self.transfer = make(storage, self.host, state=states, layer_order=layer_order_for_shape(model.shape()),
                              **({"backend": backend_storage} if backend_storage is not None else {}))

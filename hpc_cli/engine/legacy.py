@@ -28,7 +28,7 @@ from hpc_cli.engine.binding import Admission, BindingContext, Blocked, Residency
 from hpc_cli.errors import ConfigError, EngineError
 from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage, image_slab_count
 from hpc_cli.memory.pools import DeviceKVPool, PageState
-from hpc_cli.memory.transfer import RestoreBatch, RestoreTicket
+from hpc_cli.memory.transfer.records import RestoreBatch, RestoreTicket
 
 if TYPE_CHECKING:
     from hpc_cli.model.model import TapImage

@@ -8,6 +8,8 @@ knowledge, asked through the ``evictable`` callback.
 
 :class:`StatePool` splits a :class:`StateSlots` into C active slots and D snapshot slots; a tap
 (one image into a snapshot slot) is :meth:`StatePool.copy_image`, a handful of device copies.
+The engine does not use it: the cache binding keeps the lanes' free slots and the index hands
+out the snapshot slots.
 
 Both free lists are index stacks: alloc and free are O(1) per id; the lowest id goes first.
 """

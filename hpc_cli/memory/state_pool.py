@@ -3,8 +3,8 @@
 One slot-indexed layout per GDN layer: a conv window ``[slots, conv_dim, kernel-1]`` in the
 model dtype and a recurrent state ``[slots, H_v, d_k, d_v]`` in fp32; plus the continuation
 hidden ``[slots, hidden]`` and the speculative backend's parts (DFlash2's local rings), each
-``[slots, ...]``. Slots ``0..C-1`` serve active lanes, the rest hold snapshots
-(:class:`hpc_cli.memory.pools.StatePool` accounts them).
+``[slots, ...]``. Slots ``0..C-1`` serve active lanes, the rest hold snapshots (the cache
+binding keeps the lanes' free slots; the index hands out the snapshot slots).
 
 The per-layer tensors are views of two stacked tensors (``conv_all [L, slots, ...]``,
 ``recurrent_all [L, slots, ...]``), so copying one whole image between slots (a tap) is one

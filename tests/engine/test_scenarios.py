@@ -18,7 +18,7 @@ from hpc_cli.cache.keys import BLOCK_TOKENS
 from hpc_cli.cache.snapshot import SnapshotKind
 from hpc_cli.engine.api import GenerationRequest, TapHint
 from hpc_cli.engine.engine import Engine
-from hpc_cli.memory.transfer import FakeTransferEngine
+from hpc_cli.memory.transfer.fake import FakeTransferEngine
 
 
 import random

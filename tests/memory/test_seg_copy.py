@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from hpc_cli.errors import EngineError
-from hpc_cli.memory.transfer import CopyOp, Mark, RestoreBatch, copy_method_from_env
+from hpc_cli.memory.transfer.kernel_plan import copy_method_from_env
+from hpc_cli.memory.transfer.records import CopyOp, Mark, RestoreBatch
 from hpc_kernels import seg_copy
 
-from test_transfer import PROFILES, _fill_random, _rig, _snapshot, _zero
+from transfer_rig import PROFILES, fill_random, rig, snapshot, zero
 
 CHUNK = seg_copy.CHUNK_BYTES
 
@@ -84,9 +85,9 @@ def test_kernel_tables_move_what_the_copies_move(profile):
     """Write-through and restore replayed from the kernel's row table give the same bytes as the
     per-op copies, for every KV profile, blocks in runs and alone, tails, a backend pool, MTP's
     extra layer and an image in scattered slabs."""
-    eng = _rig(profile, pages=12, slabs=40, chunk_slabs=7, mtp=True, backend=True)
-    _fill_random(eng, 11)
-    kv_ref, st_ref = _snapshot(eng)
+    eng = rig(profile, pages=12, slabs=40, chunk_slabs=7, mtp=True, backend=True)
+    fill_random(eng, 11)
+    kv_ref, st_ref = snapshot(eng)
     need = -(-eng.state.image_bytes // eng.host.slab_bytes)
     img = [33, 2, 17, 9, 11, 25, 1, 14, 0, 38, 37][:need]
     assert len(img) == need, "test geometry: image needs more slabs than listed"
@@ -101,13 +102,13 @@ def test_kernel_tables_move_what_the_copies_move(profile):
     for a, b in zip(by_kernel, eng.host.chunks):
         assert torch.equal(a, b)
     batch = RestoreBatch(blocks=[(9, 5), (10, 6), (11, 7), (1, 8), (4, 20), (6, 21, 2)], tail=(5, 30), image=(0, img))
-    _zero(eng)
+    zero(eng)
     _replay(eng, eng.plan_restore(batch), launch_bytes=0)
-    kv_kernel, st_kernel = _snapshot(eng)
-    _zero(eng)
+    kv_kernel, st_kernel = snapshot(eng)
+    zero(eng)
     eng.restore(batch)
     assert eng.poll()[0].ok
-    kv_dma, st_dma = _snapshot(eng)
+    kv_dma, st_dma = snapshot(eng)
     for la, lb in zip(kv_kernel, kv_dma):
         for a, b in zip(la, lb):
             assert torch.equal(a, b)
@@ -128,7 +129,7 @@ def _stage_bytes(items):
 
 
 def test_kernel_launches_keep_every_event_after_its_copies():
-    eng = _rig(mtp=True, backend=True)
+    eng = rig(mtp=True, backend=True)
     need = -(-eng.state.image_bytes // eng.host.slab_bytes)
     batch = RestoreBatch(blocks=[(0, 1), (1, 2), (2, 3, 7)], tail=(6, 10), image=(1, list(range(20, 20 + need))))
     items = eng.plan_restore(batch)
@@ -157,13 +158,13 @@ def test_kernel_launches_keep_every_event_after_its_copies():
 
 
 def test_write_job_with_nothing_to_copy_is_one_empty_launch():
-    eng = _rig()
+    eng = rig()
     plan = eng.plan_kernel(eng.plan_write())
     assert len(plan.table) == 0 and [ln.stages for ln in plan.launches] == [(0,)]
 
 
 def test_method_choice_by_bytes_per_call():
-    eng = _rig(pages=40, slabs=40, chunk_slabs=40)
+    eng = rig(pages=40, slabs=40, chunk_slabs=40)
     items = eng.plan_write(blocks=[(p, p) for p in range(20)])
     assert eng.choose_method(items) == "dma", "CPU never uses the kernel"
     eng.kernel_ok = True  # as on CUDA with Triton and mapped slabs
@@ -195,9 +196,9 @@ def test_copy_method_setting(monkeypatch):
     with pytest.raises(EngineError, match="fast"):
         copy_method_from_env()
     with pytest.raises(EngineError, match="HPC_TRANSFER_COPY"):
-        _rig()
+        rig()
     monkeypatch.setenv("HPC_TRANSFER_COPY", "kernel")
-    eng = _rig()  # CPU: copies stay plain copies
+    eng = rig()  # CPU: copies stay plain copies
     assert eng.copy_method == "kernel" and not eng.kernel_ok
     assert eng.host.device_ptrs == [None] * len(eng.host.chunks), "unpinned chunks have no device address"
     assert eng.write_through(blocks=[(0, 0)]).method == "dma"
@@ -208,8 +209,8 @@ def test_probe_refuses_cpu():
 
 
 def test_tap_table_replays_copy_slot():
-    eng = _rig()
-    _fill_random(eng, 5)
+    eng = rig()
+    fill_random(eng, 5)
     st = eng.state
     addrs, widths = st.tap_segments()
     assert sum(widths) == st.image_bytes
@@ -254,11 +255,11 @@ INTERPRETED = textwrap.dedent("""
     seg_copy.launch(torch.from_numpy(rows), n_wide, 2, 0)
     assert torch.equal(parts[:, 0], before[:, 2]) and torch.equal(parts[:, 1:], before[:, 1:])
     # the engine's plans through the interpreted kernel (a write-through, then a restore)
-    from test_transfer import _fill_random, _rig, _snapshot, _zero
-    from hpc_cli.memory.transfer import RestoreBatch
-    eng = _rig("int8-g64", mtp=True, backend=True)
-    _fill_random(eng, 2)
-    kv_ref, st_ref = _snapshot(eng)
+    from transfer_rig import fill_random, rig, snapshot, zero
+    from hpc_cli.memory.transfer.records import RestoreBatch
+    eng = rig("int8-g64", mtp=True, backend=True)
+    fill_random(eng, 2)
+    kv_ref, st_ref = snapshot(eng)
     need = -(-eng.state.image_bytes // eng.host.slab_bytes)
     img = [33, 2, 17, 9, 11, 25, 1, 14, 0, 38, 37][:need]
     blocks = [(0, 5), (1, 6), (2, 7), (4, 20, 4)]
@@ -267,9 +268,9 @@ INTERPRETED = textwrap.dedent("""
         for ln in plan.launches:
             seg_copy.launch(torch.from_numpy(plan.table[ln.row0:ln.row1].copy()), ln.n_wide)
     run(eng.plan_write(blocks=blocks, images=[(2, img)]))
-    _zero(eng)
+    zero(eng)
     run(eng.plan_restore(RestoreBatch(blocks=[(8, 5), (9, 6), (10, 7), (3, 20, 3)], image=(0, img))))
-    kv, st = _snapshot(eng)
+    kv, st = snapshot(eng)
     for layer, ref in zip(kv, kv_ref):
         for plane, rp in zip(layer, ref):
             assert torch.equal(plane[8:11], rp[0:3])

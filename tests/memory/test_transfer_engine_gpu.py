@@ -10,7 +10,9 @@ from hpc_cli import plugins
 from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage
 from hpc_cli.memory.kv_pool import PagedKVStorage
 from hpc_cli.memory.state_pool import StateSlots
-from hpc_cli.memory.transfer import RestoreBatch, TransferEngine, layer_order_for_shape
+from hpc_cli.memory.transfer.engine import TransferEngine
+from hpc_cli.memory.transfer.plan import layer_order_for_shape
+from hpc_cli.memory.transfer.records import RestoreBatch
 from hpc_cli.shapes import HybridShape
 from hpc_kernels import seg_copy
 
