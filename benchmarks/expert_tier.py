@@ -34,7 +34,7 @@ import torch
 
 from hpc_cli.model import HybridModel
 from hpc_cli.model import expert_profile as ep
-from hpc_cli.model.experts import ExpertTier
+from hpc_cli.experts.tier import ExpertTier
 
 HEADER_BYTES_PER_TOKEN = 663.6e6  # expert-cache.hpp: CPU expert bytes per token, full model
 HEADER_BW = 40e9  # ~40 GB/s host read bandwidth

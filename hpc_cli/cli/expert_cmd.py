@@ -49,7 +49,7 @@ def record_command(prompts: Path, out: Path, model_name: str, decode_tokens: int
     import torch
 
     from hpc_cli.model import HybridModel
-    from hpc_cli.model.experts import ExpertTier
+    from hpc_cli.experts.tier import ExpertTier
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -177,7 +177,7 @@ class Engine:
         kw.update(overrides)
         engine = cls(model, **kw)
         if s.experts.offload or s.experts.trace_file is not None:  # after the KV pools: they set what is free
-            from hpc_cli.model.experts import attach_expert_tier
+            from hpc_cli.experts.placement import attach_expert_tier
 
             tier = attach_expert_tier(model, s)
             engine.on_stop.append(lambda _engine: tier.close())

@@ -108,7 +108,7 @@ def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype
 
 class HybridModel(nn.Module):
     """``offload_experts``: the main layers' routed experts are created in host memory (pinned when
-    ``device`` is CUDA) as the packed arrays :class:`hpc_cli.model.experts.ExpertTier` adopts,
+    ``device`` is CUDA) as the packed arrays :class:`hpc_cli.experts.tier.ExpertTier` adopts,
     everything else on ``device``; the MTP head's experts stay on ``device``. A model built so
     and used without a tier computes its routed experts on the host."""
 

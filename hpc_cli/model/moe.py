@@ -6,7 +6,7 @@ Experts are kept fused as in transformers: ``experts.gate_up_proj`` ``[E, 2*I, h
 With ``host=True`` (``HybridModel(..., offload_experts=True)``) the two are created in host memory,
 pinned when asked, as views of one packed ``[E, blob]`` byte array (each expert's gate_up then
 down bytes): the layout the expert tier fills its device slots from, so
-:class:`hpc_cli.model.experts.ExpertTier` adopts that array instead of copying the experts, and
+:class:`hpc_cli.experts.tier.ExpertTier` adopts that array instead of copying the experts, and
 the routed experts are never materialised on the device.
 """
 
@@ -84,7 +84,7 @@ class SparseMoE(nn.Module):
                                host=host_experts, pin=pin)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, **fk)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, **fk)
-        # hpc_cli.model.experts.attach_expert_tier sets these: the routed experts then run split
+        # hpc_cli.experts.hook.hook_model sets these: the routed experts then run split
         # between device slots and the host copy (router and shared expert stay here)
         self.expert_tier = None
         self.layer_index = -1

@@ -6,7 +6,7 @@ import torch
 
 from hpc_cli.model.builtin import init_seeded
 from hpc_cli.model.config import ModelConfig
-from hpc_cli.model.experts import ExpertTier
+from hpc_cli.experts.tier import ExpertTier
 from hpc_cli.model.model import HybridModel
 from hpc_cli.model.moe import Experts
 from hpc_cli.model.tokenizer import ByteTokenizer

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hpc_cli.errors import CapacityError, EngineError
-from hpc_cli.model.experts import NOT_RESIDENT, ExpertCache, ExpertCacheError, ExpertTier
+from hpc_cli.experts.cache import NOT_RESIDENT, ExpertCache, ExpertCacheError
+from hpc_cli.experts.tier import ExpertTier
 
 from .helpers import tiny_moe
 

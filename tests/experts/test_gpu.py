@@ -7,7 +7,7 @@ import torch
 
 from hpc_cli.model.builtin import init_seeded
 from hpc_cli.model.expert_profile import build_profile, synthetic_trace, trace_counts
-from hpc_cli.model.experts import ExpertTier
+from hpc_cli.experts.tier import ExpertTier
 from hpc_cli.model.model import HybridModel
 
 from .helpers import check_layer_equals_plain_experts, logits_close as _close, tiny_moe_config

@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpc_cli.errors import ModelError
 from hpc_cli.model import HybridModel
-from hpc_cli.model.experts import ExpertTier, attach_expert_tier
+from hpc_cli.experts.placement import attach_expert_tier
+from hpc_cli.experts.tier import ExpertTier
 from hpc_cli.model.loader import load_checkpoint
 from hpc_cli.model.moe import Experts
 

@@ -7,7 +7,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpc_cli.model.expert_profile import build_profile, synthetic_trace, trace_counts
-from hpc_cli.model.experts import NOT_RESIDENT, POLICIES, ExpertTier, expert_stats
+from hpc_cli.experts.cache import NOT_RESIDENT
+from hpc_cli.experts.hook import expert_stats
+from hpc_cli.experts.tier import POLICIES, ExpertTier
 
 from .helpers import check_layer_equals_plain_experts, tiny_moe
 
