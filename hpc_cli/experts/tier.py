@@ -36,7 +36,8 @@ class ExpertTier(ExpertSplit):
                  offload: bool = True, verify: bool = False, trace_file: str | os.PathLike | None = None,
                  free_bytes: int | None = None, pin: bool | None = None) -> None:
         if admission not in POLICIES:
-            raise ConfigError(f"unknown expert admission policy {admission!r}", hint=f"choose one of: {', '.join(POLICIES)}")
+            raise ConfigError(f"unknown expert admission policy {admission!r}",
+                              hint=f"choose one of: {', '.join(POLICIES)}")
         cfg = model.config
         self.model = model
         self.device = torch.device(model.device)
