@@ -23,7 +23,7 @@ def profile_check(cf: CacheFile, profile: str) -> dict[str, Any]:
     """What can be checked without loading the model: checkpoint identity, KV profile,
     speculative backend, prefill chunk and dtype, product build. Geometry, global scales and the
     full prefill signature are checked when the server loads the file."""
-    from hpc_cli.engine.persistence import _build_id
+    from hpc_cli.engine.persistence import build_id
     from hpc_cli.settings import load_settings
 
     s = load_settings(profile).settings
@@ -37,7 +37,7 @@ def profile_check(cf: CacheFile, profile: str) -> dict[str, Any]:
         "kv_profile": (fp.get("kv_profile"), s.kv.profile),
         "speculative_backend": (fp.get("speculative_backend"), s.speculative.backend),
         "prefill_chunk": (str(fp.get("prefill_signature", "")).split("/")[1:2], [f"chunk{s.engine.prefill_chunk}"]),
-        "product": (fp.get("product"), _build_id()),
+        "product": (fp.get("product"), build_id()),
     }
     if s.model.dtype != "auto":
         checks["dtype"] = (str(fp.get("prefill_signature", "")).split("/")[0], s.model.dtype)

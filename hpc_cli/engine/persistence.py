@@ -79,7 +79,7 @@ class LoadReport:
 
 # ------------------------------------------------------------------ fingerprint
 @functools.lru_cache(maxsize=1)
-def _build_id() -> str:
+def build_id() -> str:
     """The product's identity: version and the sizes of its modules (a rebuild changes it)."""
     import hpc_cli
 
@@ -135,7 +135,7 @@ def engine_fingerprint(engine: Any) -> dict[str, Any]:
         "kv_global_scales": [[float(x) for x in row] for row in scales.tolist()] if (uses and scales is not None) else [],
         "speculative_backend": spec,
         "rope": json.loads(json.dumps(rope, default=str)),
-        "product": _build_id(),
+        "product": build_id(),
     }
 
 

@@ -168,7 +168,7 @@ def build_builtin(name: str, dtype=None, device="cpu", offload_experts: bool = F
     fit the free memory before allocating anything; ``progress`` shows the seeding on stderr."""
     from hpc_cli import progress as steps
     from hpc_cli.model.footprint import check_fits
-    from hpc_cli.model.model import HybridModel, _dtype
+    from hpc_cli.model.model import HybridModel, resolve_dtype
 
     cfg = builtin_config(name)
     if name.removeprefix("builtin:") == "tiny":
@@ -177,7 +177,7 @@ def build_builtin(name: str, dtype=None, device="cpu", offload_experts: bool = F
         model = load_checkpoint(TINY_DIR, dtype=dtype, device=device, progress=progress)
         model.config.name = cfg.name
         return model
-    dt = _dtype(dtype, torch.device(device))
+    dt = resolve_dtype(dtype, torch.device(device))
     fp = check_fits(name, cfg, dt, device, with_mtp=True, offload_experts=offload_experts)
     what = f"building {name} ({fp.total_bytes / (1 << 30):.2f} GiB of {str(dt).replace('torch.', '')} weights on {device})"
     with steps.step(what, fp.total_bytes, unit="bytes", enabled=progress) as advance:

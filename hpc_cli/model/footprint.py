@@ -80,13 +80,13 @@ def safetensors_bytes(files: list[Path]) -> tuple[int, list[str]]:
 
 
 def checkpoint_weights(path: str | Path, dtype: torch.dtype) -> CheckpointWeights:
-    from hpc_cli.model.loader import _raw_config, _shards, our_name
+    from hpc_cli.model.loader import raw_config, shard_files, our_name
     from hpc_cli.model.quant_weights import scheme_from_config
 
     path = Path(path)
     config = ModelConfig.from_dir(path)
-    scheme = scheme_from_config(_raw_config(path), str(path))
-    stored, names = safetensors_bytes(_shards(path))
+    scheme = scheme_from_config(raw_config(path), str(path))
+    stored, names = safetensors_bytes(shard_files(path))
     with_mtp = any((our_name(n) or "").startswith("mtp.") for n in names)
     resident = weight_footprint(config, dtype, with_mtp=with_mtp).total_bytes
     return CheckpointWeights(scheme.format.value, scheme.describe(), stored, resident,

@@ -50,12 +50,12 @@ def our_name(hf_name: str) -> str | None:
     return hf_name
 
 
-def _raw_config(path: Path) -> dict:
+def raw_config(path: Path) -> dict:
     """config.json as read (ModelConfig.from_dir has checked it is a JSON object)."""
     return json.loads((path / "config.json").read_text())
 
 
-def _shards(path: Path) -> list[Path]:
+def shard_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -90,14 +90,14 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
                     offload_experts: bool = False):
     from hpc_cli import progress as steps
     from hpc_cli.model.footprint import check_fits
-    from hpc_cli.model.model import HybridModel, _dtype
+    from hpc_cli.model.model import HybridModel, resolve_dtype
     from hpc_cli.model.tokenizer import ByteTokenizer, HFTokenizer
 
     path = Path(path)
     config = ModelConfig.from_dir(path)
-    scheme = scheme_from_config(_raw_config(path), str(path))
-    files = _shards(path)
-    model_dtype = _dtype(dtype, torch.device(device))
+    scheme = scheme_from_config(raw_config(path), str(path))
+    files = shard_files(path)
+    model_dtype = resolve_dtype(dtype, torch.device(device))
     with ExitStack() as stack:
         # quantized weights are checked against their scales here and dequantised as they are read
         entries = resolve_entries(scheme, list(_iter_tensors(files, stack)), model_dtype)
@@ -106,7 +106,7 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
         check_fits(str(path), config, model_dtype, device, with_mtp=has_mtp,
                    offload_experts=offload_experts)  # before allocating anything
         model = HybridModel(config, device=device, dtype=dtype, with_mtp=has_mtp, offload_experts=offload_experts)
-        attach_vision(model, _raw_config(path), path, [e.name for e in entries])  # multimodal checkpoints
+        attach_vision(model, raw_config(path), path, [e.name for e in entries])  # multimodal checkpoints
         params = dict(model.named_parameters())
         loaded: set[str] = set()
         experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}

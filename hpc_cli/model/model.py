@@ -92,7 +92,7 @@ class MTPModule(nn.Module):
         return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
 
 
-def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str):
@@ -117,7 +117,7 @@ class HybridModel(nn.Module):
                  offload_experts: bool = False) -> None:
         super().__init__()
         device = torch.device(device)
-        dtype = _dtype(dtype, device)
+        dtype = resolve_dtype(dtype, device)
         fk = dict(device=device, dtype=dtype)
         self.config = config
         self.device, self.dtype = device, dtype

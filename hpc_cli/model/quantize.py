@@ -75,7 +75,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: WeightFormat, *, 
 
     from hpc_cli import progress as steps
     from hpc_cli.model.config import ModelConfig
-    from hpc_cli.model.loader import _shards
+    from hpc_cli.model.loader import shard_files
 
     src, out = Path(src), Path(out)
     ModelConfig.from_dir(src)  # a Qwen3.5 checkpoint, or a clear error
@@ -86,7 +86,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: WeightFormat, *, 
                          hint="quantize the bf16 (or fp32) checkpoint")
     if fmt is WeightFormat.FP8 and block <= 0:
         raise ModelError(f"block size {block} is not positive", hint="Qwen's -FP8 checkpoints use 128")
-    files = _shards(src)
+    files = shard_files(src)
     check_output_dir(src, out, force)
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("*.safetensors")) + [out / "model.safetensors.index.json"]:

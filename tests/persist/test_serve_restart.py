@@ -42,7 +42,8 @@ class Served:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("HPC_")}
-        cmd = [sys.executable, "-m", "hpc_cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "hpc_cli", "serve", "--model", "builtin:random",
+               "--host", "127.0.0.1", "--port", str(self.port),
                "--device", "cpu", "--max-model-len", "2048", "--max-concurrency", "2", "--host-cache-mib", "64",
                "--log-level", "info"]
         if cache_file is not None:
@@ -109,7 +110,7 @@ def _restored(stats: dict) -> tuple[int, int]:
 
 def _build_id() -> str:
     """The product part of the file's fingerprint, computed now (it follows hpc_cli's sources)."""
-    from hpc_cli.engine.persistence import _build_id as cached
+    from hpc_cli.engine.persistence import build_id as cached
 
     return cached.__wrapped__()
 
