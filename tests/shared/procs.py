@@ -14,8 +14,8 @@ import httpx
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 MODEL = "builtin:random"
-SERVE_ARGS = ("--device", "cpu", "--max-model-len", "4096", "--max-concurrency", "2", "--host-cache-mib", "64",
-              "--log-level", "warning")
+SERVE_ARGS = ("--model", MODEL, "--device", "cpu", "--max-model-len", "4096", "--max-concurrency", "2",
+              "--host-cache-mib", "64", "--log-level", "warning")
 
 
 def child_env() -> dict[str, str]:
