@@ -10,6 +10,7 @@ decoding lane. Cancellation takes effect at the next unit boundary.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import sys
 import math
@@ -25,7 +26,8 @@ from hpc_cli import plugins
 from hpc_cli.cache.keys import BLOCK_TOKENS, prepare_prompt
 from hpc_cli.engine.api import (AdmittedEvent, FinishEvent, GenerationRequest, PrefillPass, RequestHandle,
                                 SamplingParams, TokenEvent, Usage)
-from hpc_cli.engine.binding import BindingContext, Blocked, CacheBinding, effective_options, mode_options
+from hpc_cli.engine.binding import BindingContext, Blocked, CacheBinding, mode_options
+from hpc_cli.engine.config import EngineConfig
 from hpc_cli.engine.lane import Lane
 from hpc_cli.engine.media import check_images, decode_offsets, media_items, prefill_media
 from hpc_cli.engine.sampling import make_generator, prompt_logprobs, sample
@@ -44,70 +46,67 @@ class StatsRequest:
 
 
 class Engine:
-    def __init__(self, model: Any, *, kv_profile: str = "bf16", max_concurrency: int = 4,
-                 prefill_chunk: int = 512, kv_pages: int | None = None, host_cache_mib: int = 0,
-                 reuse: bool = True, snapshot_slots: int | None = None, max_new_taps: int | None = None,
-                 tap_ladder_tokens: int | None = None, tap_min_gap_tokens: int | None = None,
-                 max_model_len: int | None = None, concurrent_prefill: bool = False,
-                 default_max_tokens: int = 256, device_memory_fraction: float = 0.85,
-                 transfer_factory: Callable | None = None, model_name: str | None = None,
-                 coalesce: bool | None = None, pending_timeout_ms: int = 600_000, settings: Any = None,
-                 speculative: Any = None, num_draft_tokens: int = 3, drafter: str | None = None,
-                 spec_rollback: str = "per_token", cuda_graphs: bool = True,
-                 transfer_copy: str | None = None, seed: int = 0, cache_mode: Any = None,
-                 cache_options: Any = None) -> None:
+    def __init__(self, model: Any, config: EngineConfig | None = None, **overrides: Any) -> None:
+        """An engine for ``model`` built with ``config`` (keyword arguments override its fields), or
+        with ``EngineConfig(**overrides)`` when no config is given."""
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        self.config = c = config
         self.model = model
-        model.cuda_graphs = bool(cuda_graphs)  # hpc_cli.model.graphs reads it
-        self.settings = settings
+        model.cuda_graphs = bool(c.cuda_graphs)  # hpc_cli.model.graphs reads it
+        self.settings = c.settings
         self.tokenizer = getattr(model, "tokenizer", None)
-        self.model_name = model_name or model.config.name
+        self.model_name = c.model_name or model.config.name
         cfg = model.config
-        self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 32768))
-        self.C = max_concurrency
-        self.chunk = prefill_chunk
-        self.concurrent_prefill = concurrent_prefill
-        self.default_max_tokens = default_max_tokens
-        self.kv_profile = plugins.kv_profile(kv_profile)
+        self.max_model_len = int(c.max_model_len or min(cfg.max_position_embeddings, 32768))
+        self.C = c.max_concurrency
+        self.chunk = c.prefill_chunk
+        self.concurrent_prefill = c.concurrent_prefill
+        self.default_max_tokens = c.default_max_tokens
+        self.kv_profile = plugins.kv_profile(c.kv_profile)
         # the cache mode (docs/cache-modes.md): a name or a CacheMode; reuse=False is mode off. The
         # hybrid keywords (snapshot_slots ...) are options of [cache.hybrid]; another mode refuses them
-        mode = cache_mode if cache_mode is not None and not isinstance(cache_mode, str) else \
-            plugins.cache_mode(cache_mode or "hybrid")
-        self.cache_mode = mode if reuse else plugins.cache_mode("off")
-        options = mode_options(self.cache_mode, cache_options if reuse else None,
-                               {"device_snapshot_slots": snapshot_slots, "max_new_taps": max_new_taps,
-                                "tap_ladder_tokens": tap_ladder_tokens, "tap_min_gap_tokens": tap_min_gap_tokens,
-                                "coalesce": coalesce})
-        host_bytes = host_cache_mib * MiB if self.cache_mode.reuses else 0
+        mode = c.cache_mode if c.cache_mode is not None and not isinstance(c.cache_mode, str) else \
+            plugins.cache_mode(c.cache_mode or "hybrid")
+        self.cache_mode = mode if c.reuse else plugins.cache_mode("off")
+        options = mode_options(self.cache_mode, c.cache_options if c.reuse else None,
+                               {"device_snapshot_slots": c.snapshot_slots, "max_new_taps": c.max_new_taps,
+                                "tap_ladder_tokens": c.tap_ladder_tokens, "tap_min_gap_tokens": c.tap_min_gap_tokens,
+                                "coalesce": c.coalesce})
+        host_bytes = c.host_cache_mib * MiB if self.cache_mode.reuses else 0
         mode_slots = self.cache_mode.snapshot_slots(options, lanes=self.C, host=host_bytes > 0)
         # the speculative backend (docs/speculative.md): its drafter, pools and image parts
-        backend = plugins.spec_backend(speculative) if isinstance(speculative, str) else speculative
+        backend = plugins.spec_backend(c.speculative) if isinstance(c.speculative, str) else c.speculative
         self.spec = None
         if backend is not None and backend.drafts:
             from hpc_cli.speculative import SpecRuntime
 
-            self.spec = SpecRuntime(backend, model, k=num_draft_tokens, rollback=spec_rollback,
-                                    drafter_path=drafter)
+            self.spec = SpecRuntime(backend, model, k=c.num_draft_tokens, rollback=c.spec_rollback,
+                                    drafter_path=c.drafter)
         self.spec_backend = backend
         extra_parts = backend.state_extra_parts(model) if self.spec is not None else None
         self.states = model.new_state_slots(self.C + mode_slots, extra_parts=extra_parts)
-        if transfer_copy is not None:  # [cache] transfer_copy: the transfer engine's and the taps' method
-            self.states.tap_method = "torch" if transfer_copy == "dma" else None
+        transfer_factory = c.transfer_factory
+        if c.transfer_copy is not None:  # [cache] transfer_copy: the transfer engine's and the taps' method
+            self.states.tap_method = "torch" if c.transfer_copy == "dma" else None
             if transfer_factory is None:
                 import functools
 
                 from hpc_cli.memory.transfer.engine import TransferEngine
 
-                transfer_factory = functools.partial(TransferEngine, copy_method=transfer_copy)
-        pages = kv_pages or self._auto_pages(device_memory_fraction)
+                transfer_factory = functools.partial(TransferEngine, copy_method=c.transfer_copy)
+        pages = c.kv_pages or self._auto_pages(c.device_memory_fraction)
         self.storage, self.backend_storage = self._spec_storage(model, pages)
         from hpc_cli.memory.transfer.engine import TransferEngine
 
         self.cache: CacheBinding = self.cache_mode.build(BindingContext(
             model=model, storage=self.storage, states=self.states, lanes=self.C, snapshot_slots=mode_slots,
-            host_bytes=host_bytes, prefill_chunk=prefill_chunk, options=options,
+            host_bytes=host_bytes, prefill_chunk=c.prefill_chunk, options=options,
             transfer_factory=transfer_factory or TransferEngine, backend_storage=self.backend_storage,
             frontier_lag=backend.frontier_lag if self.spec is not None else 0, speculative=self.spec is not None,
-            concurrent_prefill=concurrent_prefill, pending_timeout_s=pending_timeout_ms / 1000.0))
+            concurrent_prefill=c.concurrent_prefill, pending_timeout_s=c.pending_timeout_ms / 1000.0))
         if self.spec is not None:
             self.spec.bind(self.storage, self.backend_storage, self.states)
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or cfg.eos_token_id or [])
@@ -123,7 +122,7 @@ class Engine:
         self._count = 0
         self.on_stop: list[Callable[["Engine"], None]] = []  # run by the worker after the last request
         self.on_fatal: list[Callable[["Engine"], None]] = []  # run by the worker once it stopped on an error
-        self.seed = seed  # [engine] seed: the base seed of requests that name none
+        self.seed = c.seed  # [engine] seed: the base seed of requests that name none
         self._stats_lock = threading.Lock()
         self._stats_snapshot: dict[str, Any] = {}
         self._serving = False  # lanes or waiting requests (the host tier pins between, not during)
@@ -158,24 +157,7 @@ class Engine:
         # attached below adopts them, so they are never on the device (a model too big for it loads)
         model = HybridModel.from_name_or_path(s.model.name, dtype=getattr(torch, dtype), device=device,
                                               progress=progress, offload_experts=s.experts.offload)
-        mode = plugins.cache_mode(s.cache.mode)
-        reuse = mode.reuses and not s.cache.no_prefix_reuse
-        eff = resolved.effective
-        kv_pages = None if s.engine.kv_capacity == "auto" else int(s.engine.kv_capacity)
-        kw = dict(kv_profile=s.kv.profile, max_concurrency=s.engine.max_concurrency,
-                  prefill_chunk=s.engine.prefill_chunk, kv_pages=kv_pages,
-                  host_cache_mib=s.cache.host_cache_mib if reuse else 0, reuse=reuse,
-                  cache_mode=mode, cache_options=effective_options(mode, eff) if reuse else None,
-                  max_model_len=s.model.max_model_len, concurrent_prefill=s.engine.concurrent_prefill,
-                  default_max_tokens=s.engine.default_max_tokens,
-                  device_memory_fraction=s.engine.device_memory_fraction,
-                  pending_timeout_ms=s.engine.pending_timeout_ms,
-                  model_name=s.server.served_model_name or s.model.name, settings=resolved,
-                  speculative=s.speculative.backend, num_draft_tokens=s.speculative.num_draft_tokens,
-                  drafter=s.speculative.drafter, cuda_graphs=s.engine.cuda_graphs,
-                  transfer_copy=s.cache.transfer_copy, seed=s.engine.seed)
-        kw.update(overrides)
-        engine = cls(model, **kw)
+        engine = cls(model, EngineConfig.from_settings(resolved), **overrides)
         if s.experts.offload or s.experts.trace_file is not None:  # after the KV pools: they set what is free
             from hpc_cli.experts.placement import attach_expert_tier
 

@@ -49,8 +49,7 @@ class TransferEngine(KernelPlanner):
     ``state``: the state slots (images) or None; ``layer_order``: model layers in forward order
     (:func:`~hpc_cli.memory.transfer.plan.layer_order_for_shape`), default all attention layers
     then all GDN layers; main KV layers not named there (MTP's extra layer) are copied in the
-    prelude. ``copy_method``,
-    ``kernel_max_call_bytes`` and ``kernel_launch_bytes``: see
+    prelude. ``copy_method``, ``kernel_max_call_bytes`` and ``kernel_launch_bytes``: see
     :mod:`~hpc_cli.memory.transfer.kernel_plan` (CUDA only; CPU copies are plain copies whatever
     the method).
     """
