@@ -26,7 +26,7 @@ ALLOWED = {
     "memory": {"hpc_kernels"},
     "model": {"memory", "hpc_kernels", "plugins"},
     "experts": {"model", "memory"},
-    "speculative": {"model", "memory", "spec_backend"},
+    "speculative": {"model", "memory", "spec_backend", "engine.api"},  # the engine's public types
     "engine": {"model", "memory", "cache", "experts", "speculative", "cache_mode", "shared_store", "settings",
                "plugins", "hookspecs", "spec_backend"},
     "server": {"engine.api", "settings"},

@@ -131,6 +131,10 @@ class Engine:
         self.counters = collections.Counter()
         self.ttft = collections.deque(maxlen=2048)  # (monotonic time, seconds)
         self.itl = collections.deque(maxlen=4096)
+        if self.spec is not None:  # what a speculative round may touch of the engine
+            from hpc_cli.speculative.runtime import RoundHost
+
+            self._round_host = RoundHost(self.storage, self.cache.commit_blocks, self._emit, self.itl.append)
         self.started_at = time.time()
         from hpc_cli.model.compile_watch import watch
 
@@ -543,7 +547,7 @@ class Engine:
 
     def _decode(self, lanes: list[Lane]) -> None:
         if self.spec is not None:  # propose + verify per lane (docs/speculative.md)
-            self.spec.round(self, lanes)
+            self.spec.round(self._round_host, lanes)
             self.counters["decode_rounds"] += 1
             return
         t0 = time.monotonic()

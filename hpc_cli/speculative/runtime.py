@@ -21,7 +21,8 @@ from __future__ import annotations
 import collections
 import math
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -29,7 +30,23 @@ from hpc_cli.engine.sampling import event_for, target_probs
 from hpc_cli.kv_profile import PAGE_TOKENS
 from hpc_cli.speculative.ops import Snapshot, commit_states, verify_pass
 
+if TYPE_CHECKING:
+    from hpc_cli.engine.api import TokenEvent
+    from hpc_cli.memory.kv_pool import PagedKVStorage
+
 ROLLBACKS = ("per_token", "recompute")
+
+
+@dataclass(frozen=True)
+class RoundHost:
+    """What a speculative round needs of the engine, and no more: its page pool, the cache
+    binding's block commit, the token hand-off (usage, stop conditions, the lane's event) and the
+    inter-token latency record."""
+
+    storage: "PagedKVStorage"
+    commit_blocks: Callable[[Any], None]  # (lane)
+    emit: Callable[[Any, "TokenEvent"], None]  # (lane, event)
+    record_itl: Callable[[float], None]
 
 
 class SpecRuntime:
@@ -79,7 +96,7 @@ class SpecRuntime:
             self.drafter.observe(lane, lane.pos - 1, 1, hid, None, None, extend=True)
 
     # ------------------------------------------------------------------ decode rounds
-    def round(self, engine, lanes) -> None:
+    def round(self, engine: "RoundHost", lanes) -> None:
         """One speculative decode round over ``lanes`` (grouped by draft length)."""
         groups: dict[int, list] = collections.defaultdict(list)
         for lane in lanes:
@@ -88,7 +105,7 @@ class SpecRuntime:
         for k, group in sorted(groups.items()):
             self._round(engine, group, k)
 
-    def _round(self, engine, lanes, k: int) -> None:
+    def _round(self, engine: "RoundHost", lanes, k: int) -> None:
         t0 = time.monotonic()
         model, states = self.model, self.states
         drafts = self.drafter.propose(lanes, k, states) if k else [[] for _ in lanes]
@@ -134,11 +151,11 @@ class SpecRuntime:
             pre = pre_hid[b] if pre_hid is not None else None
             lane.pos += n
             self.drafter.observe(lane, starts[b], n, out.hidden[b], feats, pre, extend=False)
-            engine.cache.commit_blocks(lane)
+            engine.commit_blocks(lane)
         dt = time.monotonic() - t0
         emitted = sum(a + 1 for a in accepted)
         for lane in lanes:
-            engine.itl.append(dt / max(1, emitted / len(lanes)))
+            engine.record_itl(dt / max(1, emitted / len(lanes)))
         c = self.counters
         c["rounds"] += 1
         c["lane_rounds"] += len(lanes)
@@ -149,7 +166,7 @@ class SpecRuntime:
         c["verify_us"] += int((t2 - t1) * 1e6)
         c["rollback_us"] += int((t3 - t2) * 1e6)
 
-    def _accept(self, engine, lane, logits: torch.Tensor, drafts: list[int]) -> int:
+    def _accept(self, engine: "RoundHost", lane, logits: torch.Tensor, drafts: list[int]) -> int:
         """Emit tokens column by column; returns the drafts accepted and continued past (the
         columns beyond the first that stay committed)."""
         sp = lane.request.sampling
@@ -170,7 +187,7 @@ class SpecRuntime:
                         if float(p.sum()) <= 0.0:  # p was a point mass on d: d is the only choice
                             p[d] = 1.0
                     tok = int(torch.multinomial(p / p.sum(), 1, generator=lane.generator))
-            engine._emit(lane, event_for(logits[i], tok, sp))
+            engine.emit(lane, event_for(logits[i], tok, sp))
             if lane.finish_reason or d is None or tok != d:
                 return acc
             acc += 1

@@ -142,7 +142,7 @@ def test_sampled_acceptance_keeps_the_target_distribution():
         def __init__(self):
             self.first = None
 
-        def _emit(self, lane, ev):
+        def emit(self, lane, ev):
             if self.first is None:
                 self.first = ev.token_id
 
