@@ -239,14 +239,14 @@ class SharedTier:
     # ------------------------------------------------------------------ lookups (worker side)
     def _plan(self, lane: "Lane") -> _Lookup | None:
         """The lookup ``lane`` needs, or None (and the lane counts as looked up): nothing resumes
-        (prompt logprobs, cache disabled), images (not shared yet), the own tiers leave less than a
-        block to gain, or the store is down."""
+        (prompt logprobs, cache disabled), the own tiers leave less than a block to gain, or the
+        store is down."""
         if self._lookup is not None:  # the head changed (cancelled): forget its lookup
             self._count("lookups_abandoned")
             self._lookup = None
         req = lane.request
         prompt = lane.prepared
-        if self._closed or not req.cache_enabled or req.sampling.prompt_logprobs or prompt.media:
+        if self._closed or not req.cache_enabled or req.sampling.prompt_logprobs:
             self._looked_up = lane
             return None
         index = self.cache.index
@@ -401,7 +401,8 @@ class SharedTier:
             return
         parent = path[-1] if path else index.tree.root
         for b, s in zip(landing.new, landing.block_slabs):
-            parent = index.adopt_host_node(parent, prompt.blocks[b], prompt.extras[b], s, h=prompt.hashes[b])
+            parent = index.adopt_host_node(parent, prompt.blocks[b], prompt.extras[b], s, h=prompt.hashes[b],
+                                           media=prompt.block_media(b))
         anchor = parent if landing.new else path[hit.anchor]
         index.adopt_host_snapshot(anchor, hit.frontier, hit.snapshot.kind, tail_tokens=hit.tail_tokens,
                                   image_slabs=tuple(landing.image_slabs), tail_slab=landing.tail_slab)
@@ -464,6 +465,8 @@ class SharedTier:
                 f, t = parsed
                 if not (base <= f < base + BLOCK_TOKENS and job.local_frontier < f <= n - 1):
                     continue
+                if p.media and (p.inside_vision(f) or p.tail_extra(base, f)):
+                    continue  # never a resume point inside an image; tails with images are not stored
                 if rec.tail_digest(p.tail_tokens(base, f)) != t:
                     continue
                 cands.append((f, a, t, member))
@@ -533,7 +536,7 @@ class SharedTier:
         pool = self.cache.index.host
         for bt in batch.blocks:
             node = bt.node
-            if not node.alive or node.host_state != RESIDENT or node.host_slab != bt.slab or getattr(node, "media", ()):
+            if not node.alive or node.host_state != RESIDENT or node.host_slab != bt.slab:
                 continue
             key = rec.block_key(self.ns, node.hash)
             if not self._first(key):
@@ -578,7 +581,7 @@ class SharedTier:
     def _shareable(self, s: Snapshot) -> bool:
         return (s.alive and s.host_state == RESIDENT and not s.anchor.is_root
                 and (not s.tail_tokens or s.tail_host_state == RESIDENT)
-                and not getattr(s, "tail_extra", 0) and not getattr(s.anchor, "media", ()))
+                and not getattr(s, "tail_extra", 0))
 
     def _first(self, key: StoreKey) -> bool:
         """True the first time this engine sees ``key`` (among the last SEEN_KEYS)."""

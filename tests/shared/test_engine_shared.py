@@ -260,3 +260,58 @@ def test_a_copy_whose_lane_left_gives_its_slabs_back(model, redis_server):
     stats = settle(b)
     assert len(hits) == 1 and stats["hits"] == 0, stats
     assert b.cache.index.host.free_slabs == free_before + len(hits[0].slabs)
+
+
+def test_a_prompt_with_an_image_resumes_from_the_shared_tier(redis_server, tmp_path):
+    """Blocks that hold an image are keyed by its content (the media key is in the block key):
+    an engine that never saw the prompt resumes it from what another wrote, past the image, with
+    the cold engine's greedy output; the same tokens with another image find nothing usable."""
+    from hpc_cli.engine.media import PromptImage
+    from hpc_cli.model.image_processor import preprocess
+    from hpc_cli.model.model import HybridModel
+    from model.vision_checkpoint import make_image, write_vision_checkpoint
+    from PIL import Image
+    import io
+
+    ck = write_vision_checkpoint(tmp_path / "vision")
+    vm = HybridModel.from_name_or_path(str(ck.path), dtype=torch.float32, progress=False)
+    mm = vm.multimodal
+
+    def with_image(seed: int, text: list[int]) -> tuple[list[int], list[PromptImage]]:
+        img = preprocess(Image.open(io.BytesIO(make_image(60, 44, seed))), vm.image_processor)
+        toks = tokens(70, 21) + [mm.vision_start_token_id]
+        n = vm.vision.tokens_of(img.grid)
+        images = [PromptImage(img.pixels, img.grid, img.digest, len(toks), n)]
+        return toks + [mm.image_token_id] * n + [mm.vision_end_token_id] + text, images
+
+    def make_v(url):
+        e = Engine(vm, kv_pages=64, prefill_chunk=64, max_concurrency=2, host_cache_mib=16)
+        if url is not None:
+            attach_shared_cache(e, url)
+        return e.start()
+
+    def gen(e, toks, images):
+        req = GenerationRequest(list(toks), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                                media=list(images))
+        out, fin = e.generate(req, timeout=120)
+        assert fin.reason == "length", (fin.reason, fin.error)
+        return list(out), fin.usage
+
+    toks, images = with_image(1, tokens(150, 22))
+    a = make_v(redis_server.url)
+    out_a, _ = gen(a, toks, images)
+    settle(a)
+    follow = toks + out_a + tokens(40, 23)
+    b = make_v(redis_server.url)
+    out_b, usage = gen(b, follow, images)
+    stats = settle(b)
+    cold = make_v(None)
+    out_c, cold_usage = gen(cold, follow, images)
+    settle(cold)
+    assert stats["hits"] == 1 and usage.reuse_tokens > images[0].end, (stats, usage)
+    assert cold_usage.reuse_tokens == 0 and out_b == out_c
+    other, other_images = with_image(2, tokens(150, 22))  # the same tokens, another picture
+    c = make_v(redis_server.url)
+    _, usage_other = gen(c, other + out_a + tokens(40, 23), other_images)
+    stats_other = settle(c)
+    assert stats_other["hits"] == 0 and usage_other.reuse_tokens <= images[0].begin, (stats_other, usage_other)
