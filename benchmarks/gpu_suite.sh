@@ -12,17 +12,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-declare -a SUMMARY
-
-step() {  # step NAME SECONDS COMMAND...
-    local name=$1 limit=$2
-    shift 2
-    local t0=$SECONDS
-    timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    SUMMARY+=("$(printf '%-28s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - t0)))")
-    tail -n 3 "$OUT/$name.log"
-}
+source benchmarks/gpu_steps.sh
 
 for f in tests/kv/test_gpu.py tests/model/test_paged_attention.py tests/model/test_prefill_graphs_gpu.py \
          tests/memory/test_transfer_engine_gpu.py \
@@ -43,4 +33,4 @@ step bench-serve_trace 900 bash -c "python3 benchmarks/serve_trace.py --write-ch
     --serve-args '--kv-profile int8-g64 --prefill-chunk 2048' --out '$OUT/serve_trace.json'"
 
 echo
-printf '%s\n' "${SUMMARY[@]}"
+summary

@@ -11,15 +11,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_taps.sh OUT_DIR}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-declare -a SUMMARY
-step() {  # step NAME SECONDS COMMAND...
-    local name=$1 limit=$2
-    shift 2
-    local t0=$SECONDS
-    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    SUMMARY+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$(grep -E 'passed|failed|warm-up|configurations|error' "$OUT/$name.log" | tail -n 1)")")
-}
+source benchmarks/gpu_steps.sh
 step tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu -x -s tests/model/test_gdn_taps_gpu.py \
     tests/model/test_prefill_graphs_gpu.py
 step gdn_taps 120 bash -c "python3 benchmarks/gdn_taps.py > '$OUT/gdn_taps.json'"
@@ -29,4 +21,4 @@ tar -C "$FLA" -cf "$OUT/fla-configs.tar" .
 step warmup-pinned 120 env TRITON_CACHE_DIR="$(mktemp -d)" FLA_CACHE_MODE=strict FLA_CONFIG_DIR="$FLA" \
     python3 scripts/fla_configs.py "$(mktemp -d)"
 cat "$OUT/gdn_taps.json" 2>/dev/null | grep -E '"(plain_s|in_pass_s|split_s|copy_s|tap_s|tap_cost_over_copy|in_pass_throughput|split_throughput|graph_replays)"'
-printf '%s\n' "${SUMMARY[@]}"
+summary

@@ -25,7 +25,7 @@ import torch
 from hpc_cli import plugins
 from hpc_cli.cache.keys import BLOCK_TOKENS, prepare_prompt
 from hpc_cli.engine.api import (AdmittedEvent, FinishEvent, GenerationRequest, PrefillPass, RequestHandle,
-                                SamplingParams, TokenEvent, Usage)
+                                SamplingParams, TokenEvent)
 from hpc_cli.engine.binding import BindingContext, Blocked, CacheBinding, mode_options
 from hpc_cli.engine.config import EngineConfig
 from hpc_cli.engine.lane import Lane

@@ -356,8 +356,7 @@ class SharedTier:
         index = self.cache.index
         path = index.match(lane.prepared).path
         a = hit.anchor
-        if len(path) > a and any(s.frontier == hit.frontier and s.tail_tokens == hit.tail_tokens
-                                 for s in path[a].snapshots):
+        if _holds(path, hit):
             self.misses["already_local"] += 1
             return None
         new = list(range(len(path), a + 1))
@@ -393,10 +392,10 @@ class SharedTier:
         prompt = landing.lane.prepared
         hit = landing.hit
         path = index.match(prompt).path
-        if landing.error is not None or len(path) != landing.path_len or (
-                len(path) > hit.anchor and any(s.frontier == hit.frontier and s.tail_tokens == hit.tail_tokens
-                                               for s in path[hit.anchor].snapshots)):
-            self.misses["copy_failed" if landing.error else "path_changed"] += 1
+        why = ("copy_failed" if landing.error is not None else "path_changed" if len(path) != landing.path_len
+               else "already_local" if _holds(path, hit) else None)
+        if why is not None:
+            self.misses[why] += 1
             index.release_host_slabs(landing.slabs)
             return
         parent = path[-1] if path else index.tree.root
@@ -735,6 +734,12 @@ class SharedTier:
         self.store.close()
         if self.probe_store is not self.store:
             self.probe_store.close()
+
+
+def _holds(path: list[BlockNode], hit: Hit) -> bool:
+    """Whether the prompt's matched ``path`` already has the hit's snapshot."""
+    return len(path) > hit.anchor and any(s.frontier == hit.frontier and s.tail_tokens == hit.tail_tokens
+                                          for s in path[hit.anchor].snapshots)
 
 
 def _copy_in(dst: np.ndarray, src: memoryview | bytes) -> None:

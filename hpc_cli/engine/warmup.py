@@ -21,8 +21,6 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from hpc_cli.model.gdn_taps import TAP_SLOT_SIZES
-
 if TYPE_CHECKING:
     from hpc_cli.engine.engine import Engine
 
@@ -90,13 +88,12 @@ def run_shapes(engine: "Engine", shapes: WarmupPlan,
     slot = 0
     t0 = time.perf_counter()
     graphs = model.prefill_graphs(kv)
-    # a pass that takes exact taps itself runs a graph with tap slots: warm each size too
-    cap = min(graphs.tap_slots, getattr(engine.cache, "in_pass_taps", 0)) if graphs is not None else 0
-    sizes = [s for s in TAP_SLOT_SIZES if s <= cap]
+    # a pass that takes exact taps itself runs a graph with tap slots: warm those too
+    slots = min(graphs.tap_slots, getattr(engine.cache, "in_pass_taps", 0)) if graphs is not None else 0
     for n in shapes.prefill_lengths:
         tokens = [(7 * i + 3) % max(2, vocab - 1) + 1 for i in range(n)]
         table = [i % num_pages for i in range(-(-n // 64))]
-        variants = [[]] + [[n * (j + 1) // (s + 1) for j in range(s)] for s in sizes if n > s]
+        variants = [[]] + ([[n * (j + 1) // (slots + 1) for j in range(slots)]] if slots and n > slots else [])
         for tapped in variants:
             for _ in range(2 if graphs is not None else 1):  # eager, then the capture of its graph
                 states.reset(slot)

@@ -237,6 +237,23 @@ class GatedDeltaNet(nn.Module):
         q, k, v, g, beta = self._heads(mixed, b, a, (1, t))
         return window, z, q, k, v, g.view(1, t, -1), beta.view(1, t, -1)
 
+    def _mix_padded(self, x: torch.Tensor, conv_state: torch.Tensor, valid: int | None, rows: "ValidRows | None"):
+        """:meth:`_mix`, the padding rows masked (zero decay and write strength: the recurrent state
+        passes them unchanged) and the new conv state (the window ending at the last valid row).
+        ``valid``: the valid row count (None: all); ``rows``: the same on the device (a graph)."""
+        t = x.shape[0]
+        window, z, q, k, v, g, beta = self._mix(x, conv_state)
+        if rows is not None:
+            keep = rows.mask.view(1, t, 1)
+            return window, window.index_select(1, rows.conv_index), z, q, k, v, \
+                torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
+        n = t if valid is None else int(valid)
+        if n < t:
+            g, beta = g.clone(), beta.clone()
+            g[:, n:] = 0.0
+            beta[:, n:] = 0.0
+        return window, window[:, n:n + self.kernel - 1], z, q, k, v, g, beta
+
     def prefill_tapped(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
                        taps: Sequence[int], valid: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -245,18 +262,13 @@ class GatedDeltaNet(nn.Module):
         pass's first ``p`` tokens (spec §7.3: the pre-conv columns ``[p - 3, p)``, from the previous
         conv state where ``p < 3``; the state through :func:`hpc_cli.model.gdn_taps.tapped_rule`,
         no second pass)."""
-        window, z, q, k, v, g, beta = self._mix(x, conv_state)
-        t = x.shape[0] if valid is None else int(valid)
-        if t < x.shape[0]:  # padding rows: zero decay and write strength, as in prefill
-            g, beta = g.clone(), beta.clone()
-            g[:, t:] = 0.0
-            beta[:, t:] = 0.0
         from hpc_cli.model.gdn_taps import tapped_rule
 
+        window, new_conv, z, q, k, v, g, beta = self._mix_padded(x, conv_state, valid, None)
         core, state, states = tapped_rule(q, k, v, g, beta, rec_state.unsqueeze(0), taps, use_fla=self.use_fla)
         k1 = self.kernel - 1
         tapped = [(window[:, p:p + k1].clone(), st[0]) for p, st in zip(taps, states)]
-        return self._finish(core[0], z), window[:, t:t + k1], state[0], tapped
+        return self._finish(core[0], z), new_conv, state[0], tapped
 
     def prefill(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, valid: int | None = None,
                 rows: "ValidRows | None" = None):
@@ -265,22 +277,9 @@ class GatedDeltaNet(nn.Module):
         ``valid``: rows past it are padding (zero decay and zero write strength, so the recurrent
         state passes them unchanged; the conv state is the window ending at the last valid row).
         ``rows``: the same, given on the device (a CUDA graph's pass: no host value in the shapes)."""
-        t = x.shape[0]
-        window, z, q, k, v, g, beta = self._mix(x, conv_state)
-        if rows is not None:
-            new_conv = window.index_select(1, rows.conv_index)
-            keep = rows.mask.view(1, t, 1)
-            g, beta = torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
-        else:
-            n = t if valid is None else int(valid)
-            new_conv = window[:, n:n + self.kernel - 1]
-            if n < t:
-                g, beta = g.clone(), beta.clone()
-                g[:, n:] = 0.0
-                beta[:, n:] = 0.0
+        _, new_conv, z, q, k, v, g, beta = self._mix_padded(x, conv_state, valid, rows)
         core, state = gated_delta_prefill(q, k, v, g, beta, rec_state.unsqueeze(0), self.use_fla)
         return self._finish(core[0], z), new_conv, state[0]
-
 
     def prefill_spread(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, rows: "ValidRows",
                        spread: "SpreadRows", tap_states: torch.Tensor, tap_conv: torch.Tensor):
@@ -289,22 +288,13 @@ class GatedDeltaNet(nn.Module):
         to ``tap_states`` ``[slots + 1, H_v, d_k, d_v]`` (the taps, then the pass's final state),
         each tap's conv window to ``tap_conv`` ``[slots, conv_dim, kernel-1]``. Returns the output,
         the new conv window and the final state (a view of ``tap_states``)."""
-        from hpc_cli.model.gdn_taps import spread_states
+        from hpc_cli.model.gdn_taps import spread as put, spread_states
 
-        t = x.shape[0]
-        window, z, q, k, v, g, beta = self._mix(x, conv_state)
-        keep = rows.mask.view(1, t, 1)
-        g, beta = torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
-
-        def put(y: torch.Tensor) -> torch.Tensor:  # the pass's rows at their spread rows, identity rows between
-            out = y.new_zeros(1, spread.size, *y.shape[2:])
-            return out.index_copy_(1, spread.rows, y)
-
-        core = spread_states(put(q), put(k), put(v), put(g), put(beta), rec_state.unsqueeze(0), spread.bounds,
-                             tap_states, self.use_fla)
-        core = core.index_select(1, spread.rows)
+        window, new_conv, z, q, k, v, g, beta = self._mix_padded(x, conv_state, None, rows)
+        spread_rows = [put(y, spread.rows, spread.size) for y in (q, k, v, g, beta)]
+        core = spread_states(*spread_rows, rec_state.unsqueeze(0), spread.bounds, tap_states, self.use_fla)
         tap_conv.copy_(window[:, spread.conv_cols].permute(1, 0, 2))
-        return self._finish(core[0], z), window.index_select(1, rows.conv_index), tap_states[-1]
+        return self._finish(core.index_select(1, spread.rows)[0], z), new_conv, tap_states[-1]
 
 
 class SpreadRows:

@@ -16,8 +16,9 @@ boundary, and every output and state equals that of a pass split at the taps (a 
   launch), so one CUDA graph of a pass serves every placement of up to :data:`TAP_SLOTS` taps
   (a slot not used is an empty run, which passes the state through).
 
-:func:`spread_layout` places the rows; :func:`tapped_rule` is the torch form of a whole call;
-:func:`fla_spread_rule` the CUDA form over rows already spread.
+:func:`spread_layout` places the rows and :func:`spread` moves them there; :func:`tapped_rule` is
+a whole call, :func:`spread_states` the rule over rows already spread (the torch chunk rule, or
+:func:`fla_spread_rule` on CUDA).
 """
 
 from __future__ import annotations
@@ -28,16 +29,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from hpc_cli.model.gdn import chunk_rule, chunk_states, fla_inputs, gated_delta_prefill
+from hpc_cli.model.gdn import chunk_states, fla_inputs, gated_delta_prefill
 
 CHUNK = 64
-#: the tap slots of CUDA-graph prefill passes: a pass with taps runs the graph with the fewest
-#: slots that hold them (each slot adds one chunk of rows to its GDN kernels); a pass with more
-#: than the largest ends at the next tap (a split). One size: on an H200 at the 27B widths, 8 taps
-#: in an 8k prompt (2 a pass) kept 0.958 of the prefill throughput with 4-slot graphs and 0.939
-#: with graphs of 1, 2 and 4 slots (benchmarks/gdn_taps.py, one run each)
-TAP_SLOT_SIZES = (4,)
-TAP_SLOTS = TAP_SLOT_SIZES[-1]
+#: the tap slots of a CUDA-graph prefill pass with taps (each slot adds one chunk of rows to its
+#: GDN kernels); a pass with more taps ends at the next one (a split). One size: on an H200 at the
+#: 27B widths, 8 taps in an 8k prompt (2 a pass) kept 0.958 of the prefill throughput with 4-slot
+#: graphs and 0.939 with graphs of 1, 2 and 4 slots picked per pass (benchmarks/gdn_taps.py)
+TAP_SLOTS = 4
 #: no bound: the torch rule takes any number of taps in one call
 UNBOUNDED = 1 << 30
 
@@ -95,43 +94,37 @@ def spread_layout(n: int, taps: Sequence[int], L: int | None = None, slots: int 
     return SpreadLayout(rows, starts, [*starts, *(end + chunk * j for j in range(slots - m)), size], size)
 
 
+def spread(x: torch.Tensor, rows: torch.Tensor, size: int) -> torch.Tensor:
+    """``x`` ``[B, T, ...]`` placed at rows ``rows`` (``[T]``, device indices) of ``size`` rows,
+    identity (zero) rows between (:class:`SpreadLayout`)."""
+    return x.new_zeros(x.shape[0], size, *x.shape[2:]).index_copy_(1, rows, x)
+
+
 def tapped_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                initial_state: torch.Tensor | None, taps: Sequence[int], chunk: int = CHUNK,
+                initial_state: torch.Tensor | None, taps: Sequence[int],
                 use_fla: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """:func:`hpc_cli.model.gdn.chunk_rule` that also returns the fp32 state after each of
-    ``taps`` (offsets in ``(0, T)``, sorted, distinct), with no second call. A tap equals the final
-    state of this function on the rows up to it with the same earlier taps, bit for bit, and every
-    output equals a pass split at the taps; with no taps, or taps at multiples of ``chunk``, no
-    row is added. fla's kernels on CUDA (:func:`fla_spread_rule`) where present and ``use_fla``
-    is not False, else torch. Returns the output, the final state and the tap states
-    ``[B, H_v, d_k, d_v]``."""
+    """:func:`hpc_cli.model.gdn.chunk_rule` of one sequence (``B = 1``) that also returns the fp32
+    state after each of ``taps`` (offsets in ``(0, T)``, sorted, distinct), with no second call.
+    A tap equals the final state of this function on the rows up to it with the same earlier
+    taps, bit for bit, and every output equals a pass split at the taps; with no taps, or taps at
+    multiples of 64, no row is added. Through :func:`spread_states` (fla's kernels on CUDA where
+    present and ``use_fla`` is not False, else torch). Returns the output, the final state and
+    the tap states, each ``[1, H_v, d_k, d_v]``."""
     t = k.shape[1]
     taps = list(taps)
-    layout = spread_layout(t, taps, chunk=chunk)
-    fla = q.is_cuda and use_fla is not False and fla_spread_supported()
     if not taps:
-        out, state = gated_delta_prefill(q, k, v, g, beta, initial_state, use_fla) if fla else \
-            chunk_rule(q, k, v, g, beta, initial_state, chunk)
+        out, state = gated_delta_prefill(q, k, v, g, beta, initial_state, use_fla)
         return out, state, []
+    assert q.shape[0] == 1, "the tap rule runs one sequence"
+    layout = spread_layout(t, taps)
     rows = torch.tensor(layout.rows, device=k.device)
-
-    def spread(x: torch.Tensor) -> torch.Tensor:
-        y = x.new_zeros(x.shape[0], layout.size, *x.shape[2:])
-        y[:, rows] = x
-        return y
-
-    xs = [spread(x) for x in (q, k, v, g, beta)]
-    if fla:
-        assert q.shape[0] == 1, "the CUDA tap rule runs one sequence"
-        hv, dk, dv = v.shape[2], k.shape[3], v.shape[3]
-        states = torch.empty(len(taps) + 1, hv, dk, dv, dtype=torch.float32, device=q.device)
-        init = (torch.zeros(1, hv, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
-                else initial_state)
-        bounds = torch.tensor(layout.bounds, dtype=torch.long, device=q.device)
-        out = fla_spread_rule(*xs, init, bounds, states)
-        return out[:, rows], states[-1:], [states[j:j + 1] for j in range(len(taps))]
-    out, state, kept = chunk_states(*xs, initial_state, chunk, layout.tap_chunks)
-    return out[:, rows], state, kept
+    hv, dk, dv = v.shape[2], k.shape[3], v.shape[3]
+    states = torch.empty(len(taps) + 1, hv, dk, dv, dtype=torch.float32, device=q.device)
+    init = (torch.zeros(1, hv, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
+            else initial_state)
+    bounds = torch.tensor(layout.bounds, dtype=torch.long, device=q.device)
+    out = spread_states(*(spread(x, rows, layout.size) for x in (q, k, v, g, beta)), init, bounds, states, use_fla)
+    return out.index_select(1, rows), states[-1:], [states[j:j + 1] for j in range(len(taps))]
 
 
 def spread_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

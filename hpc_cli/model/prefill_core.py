@@ -144,9 +144,8 @@ class TapBuffers:
     """Where a pass with tap slots leaves its images: per GDN layer the state after each run
     (``[slots + 1, H_v, d_k, d_v]`` fp32, the last is the pass's final state) and each tap's conv
     window (``[slots, conv_dim, kernel-1]``), and each tap's hidden (``[slots, hidden]``). One set
-    per model, sized for its most slots and shared by its graphs (a pass with fewer slots uses the
-    first rows, :meth:`rows`): a pass's images are views of it, read (copied into snapshot slots)
-    before the next pass runs."""
+    per model, shared by its graphs: a pass's images are views of it, read (copied into snapshot
+    slots) before the next pass runs."""
 
     def __init__(self, model: "HybridModel", slots: int) -> None:
         gdn = [layer.linear_attn for layer in model.layers if layer.kind == "linear_attention"]
@@ -155,11 +154,6 @@ class TapBuffers:
         self.recurrent = [torch.zeros(slots + 1, m.n_v, m.d_k, m.d_v, dtype=torch.float32, device=dev) for m in gdn]
         self.conv = [torch.zeros(slots, m.conv_dim, m.kernel - 1, dtype=model.dtype, device=dev) for m in gdn]
         self.hidden = torch.zeros(slots, model.config.hidden_size, dtype=model.dtype, device=dev)
-
-    def rows(self, g: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """GDN layer ``g``'s state and conv rows of a pass with ``slots`` tap slots."""
-        assert slots <= self.slots, f"{slots} tap slots do not fit buffers of {self.slots}"
-        return self.recurrent[g][:slots + 1], self.conv[g][:slots]
 
     def images(self, start: int, offsets: Sequence[int]) -> "list[TapImage]":
         """The images of the taps at ``offsets`` (in slot order) of a pass that began at ``start``."""
@@ -183,7 +177,7 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
     rows = ValidRows(mask, idx.conv_index)
     spread = None
     if idx.slots:
-        assert taps is not None and taps.slots >= idx.slots, "a pass with tap slots needs its tap buffers"
+        assert taps is not None and taps.slots == idx.slots, "a pass with tap slots needs its tap buffers"
         cols = idx.tap_pos.view(-1, 1) + torch.arange(idx.conv_index.shape[0], device=dev)
         spread = SpreadRows(idx.spread, idx.bounds, cols, L + CHUNK * idx.slots)
     cos, sin = model.rotary.cos_sin(idx.positions, model.dtype)
@@ -201,7 +195,7 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
             else:
                 out, new_conv, new_rec = layer.linear_attn.prefill_spread(
                     h, conv.index_select(0, slot)[0], rec.index_select(0, slot)[0], rows, spread,
-                    *taps.rows(g, idx.slots))
+                    taps.recurrent[g], taps.conv[g])
             conv.index_copy_(0, slot, new_conv.unsqueeze(0).to(conv.dtype))
             rec.index_copy_(0, slot, new_rec.unsqueeze(0).to(rec.dtype))
         else:
@@ -223,7 +217,7 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
         x = x + out
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     if spread is not None:
-        taps.hidden[:idx.slots].copy_(model.norm(x.index_select(0, idx.tap_last)))
+        taps.hidden.copy_(model.norm(x.index_select(0, idx.tap_last)))
     x = model.norm(x.index_select(0, idx.last))
     states.hidden.index_copy_(0, slot, x.to(states.hidden.dtype))
     logits = model.lm_head(x)

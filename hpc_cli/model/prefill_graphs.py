@@ -17,8 +17,8 @@ device indices only, so its kernels can be captured once per shape and replayed:
 * Graphs bake in the KV pool's and the state slots' storage (and NVFP4 global scales): a model
   used with other pools drops its graphs, as its decode graphs do (:mod:`hpc_cli.model.graphs`).
 * A pass with exact taps inside it (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) runs a
-  graph of the same length with the fewest tap slots that hold them
-  (:data:`~hpc_cli.model.gdn_taps.TAP_SLOT_SIZES`, today 4; key ``slots``): its GDN layers spread their rows and leave the tap images in the model's
+  graph of the same length with :data:`~hpc_cli.model.gdn_taps.TAP_SLOTS` tap slots (key
+  ``slots``): its GDN layers spread their rows and leave the tap images in the model's
   :class:`~hpc_cli.model.prefill_core.TapBuffers`, which the caller copies out before the next pass.
 * Used where the column graphs are (dense models on CUDA, a pool the paged kernel reads, ``[engine]
   cuda_graphs``), for plain passes: a pass that wants every position's logits or hidden, captured
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from hpc_cli.model.graphs import capture_graph, pool_serials
-from hpc_cli.model.gdn_taps import TAP_SLOT_SIZES, TAP_SLOTS, fla_spread_supported
+from hpc_cli.model.gdn_taps import TAP_SLOTS, fla_spread_supported
 from hpc_cli.model.prefill_core import PrefillCoreOut, PrefillIndex, TapBuffers, prefill_core, table_width
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class PrefillGraphs:
         W = table_width((start + n + page - 1) // page)
         k1 = model.config.linear_conv_kernel_dim - 1
         assert len(taps) <= self.tap_slots, f"{len(taps)} taps do not fit {self.tap_slots} tap slots"
-        slots = min(s for s in TAP_SLOT_SIZES if s >= len(taps)) if taps else 0
+        slots = self.tap_slots if taps else 0
         if slots and self.tap_buffers is None:
             self.tap_buffers = TapBuffers(model, self.tap_slots)
         buffers = self.tap_buffers if slots else None

@@ -78,18 +78,16 @@ def test_index_layout():
                          ids=lambda t: "-".join(map(str, t)))
 def test_indexed_pass_with_tap_slots_equals_the_tapped_pass(tiny, tokens, taps):
     """A pass with tap slots (the graph form of the zero-split tap: rows spread on the device,
-    unused slots empty runs) gives the eager tapped pass's logits, states and tap images."""
-    from hpc_cli.model.gdn_taps import TAP_SLOT_SIZES, TAP_SLOTS
+    a free slot one identity chunk) gives the eager tapped pass's logits, states and tap images."""
+    from hpc_cli.model.gdn_taps import TAP_SLOTS
     from hpc_cli.model.prefill_core import TapBuffers
-
-    slots = min(s for s in TAP_SLOT_SIZES if s >= len(taps))  # as PrefillGraphs picks them
 
     profile = "bf16"
     kv, states = tiny.new_kv_storage(profile, 8), tiny.new_state_slots(3)
     ref = tiny.prefill(tokens, 0, TABLE, 2, kv, states, taps=taps)
     kv2, states2 = tiny.new_kv_storage(profile, 8), tiny.new_state_slots(3)
     buffers = TapBuffers(tiny, TAP_SLOTS)
-    idx = PrefillIndex.build(tiny, tokens, 0, TABLE, 2, 256, kv2.page_tokens, taps=taps, slots=slots)
+    idx = PrefillIndex.build(tiny, tokens, 0, TABLE, 2, 256, kv2.page_tokens, taps=taps, slots=TAP_SLOTS)
     out = prefill_core(tiny, idx, kv2, states2, buffers)
     images = buffers.images(0, taps)
     assert torch.equal(out.logits, ref.logits)

@@ -1,0 +1,18 @@
+# Sourced by the GPU scripts: `step NAME SECONDS COMMAND...` runs one step with its own time
+# limit into "$OUT/NAME.log" (the script carries on after a failure) and records a summary line
+# (its exit code, seconds, and the log's last line naming passes, failures, warm-ups or errors);
+# `summary` prints them. Needs OUT set.
+declare -a SUMMARY
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    SUMMARY+=("$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) \
+        "$(grep -E 'passed|failed|warm-up|configurations|rror' "$OUT/$name.log" | tail -n 1)")")
+    tail -n 3 "$OUT/$name.log"
+}
+summary() {
+    printf '%s\n' "${SUMMARY[@]}"
+}
