@@ -80,13 +80,16 @@ def kv_table_rows(shape: HybridShape) -> list[dict]:
                    "its weights' format and bytes are shown too)")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True, help="with a checkpoint directory: the dtype its weights are held in once loaded")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
+              help="with a checkpoint directory: where its weights are held (auto: cuda when there is one); on "
+                   "cuda a quantized checkpoint's Linear weights stay as stored")
 @click.option("--json", "as_json", is_flag=True)
-def table_command(model: str, dtype: str, as_json: bool) -> None:
+def table_command(model: str, dtype: str, device: str, as_json: bool) -> None:
     """Bytes per token and per 64-token page for a model shape (spec §3.1).
 
     With a checkpoint directory, also its weights: their format on disk, the bytes stored, and the
-    bytes they hold once loaded. Quantized weights (FP8, NVFP4) are dequantised to the model dtype
-    on load, so they hold as much memory as the bf16 model's."""
+    bytes they hold once loaded: on CUDA a quantized checkpoint's (FP8, NVFP4) Linear weights stay as
+    stored, elsewhere they are dequantised to the model dtype on load."""
     weights = None
     if Path(model).is_dir():
         import torch
@@ -95,7 +98,9 @@ def table_command(model: str, dtype: str, as_json: bool) -> None:
         from hpc_cli.model.footprint import checkpoint_weights
 
         shape = ModelConfig.from_dir(model).shape()
-        weights = checkpoint_weights(model, getattr(torch, dtype))
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        weights = checkpoint_weights(model, getattr(torch, dtype), device=device)
     elif model in PRESETS:
         shape = preset(model)
     else:
@@ -108,7 +113,8 @@ def table_command(model: str, dtype: str, as_json: bool) -> None:
         if weights is not None:
             data["weights"] = {"format": weights.format, "description": weights.description,
                                "stored_bytes": weights.stored_bytes, "resident_bytes": weights.resident_bytes,
-                               "resident_dtype": weights.dtype, "dequantized_on_load": weights.dequantized_on_load}
+                               "resident_dtype": weights.dtype, "dequantized_on_load": weights.dequantized_on_load,
+                               "device": weights.device, "held_quantized": weights.held_quantized}
         echo_json(data)
         return
     table = Table(title=f"{model}: {shape.num_attention_layers} full-attention layers x "
@@ -120,9 +126,10 @@ def table_command(model: str, dtype: str, as_json: bool) -> None:
                       f"{r['mib_per_page']} MiB", f"{r['mib_per_page_with_mtp']} MiB")
     print_table(table)
     if weights is not None:
+        held = (f"{weights.format} Linear weights kept as stored, the rest {weights.dtype}" if weights.held_quantized
+                else weights.dtype + (" (dequantised on load)" if weights.dequantized_on_load else ""))
         click.echo(f"weights on disk: {weights.description}, {_size(weights.stored_bytes)}; held after "
-                   f"loading: {_size(weights.resident_bytes)} {weights.dtype}"
-                   + (" (dequantised on load)" if weights.dequantized_on_load else ""))
+                   f"loading on {weights.device}: {_size(weights.resident_bytes)}, {held}")
 
 
 def _size(n: int) -> str:

@@ -5,9 +5,10 @@ parameter bytes where they will live: on the device, or in host memory for route
 ``offload_experts``. :func:`check_fits` refuses a model that cannot fit, before any allocation,
 with its size and what would make it fit.
 
-A quantized checkpoint (FP8, NVFP4) is dequantised on load, so its resident weights are counted
-at the model dtype, like the bf16 model's; :func:`checkpoint_weights` puts that beside the bytes
-the checkpoint stores (``hpc-cli kv table --model DIR``).
+A quantized checkpoint (FP8, NVFP4) keeps its Linear weights as stored on CUDA (counted at their
+stored size: codes and scales) and is dequantised on load elsewhere (counted at the model dtype);
+:func:`checkpoint_weights` puts that beside the bytes the checkpoint stores (``hpc-cli kv table
+--model DIR``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from hpc_cli.errors import CapacityError
 from hpc_cli.model.config import ModelConfig
+from hpc_cli.model.quant_weights import QuantScheme
 
 GiB = 1 << 30
 
@@ -36,14 +38,27 @@ class Footprint:
         return self.device_bytes + self.host_bytes
 
 
+@dataclass(frozen=True, slots=True)
+class HeldQuantized:
+    """Linear weights kept quantized once loaded: the scheme and the weights' names."""
+
+    scheme: QuantScheme
+    names: frozenset[str]
+
+
 def weight_footprint(config: ModelConfig, dtype: torch.dtype, *, with_mtp: bool = True,
-                     offload_experts: bool = False) -> Footprint:
+                     offload_experts: bool = False, held: HeldQuantized | None = None) -> Footprint:
     from hpc_cli.model.model import HybridModel
+    from hpc_cli.model.quant_linear import held_linears, resident_bytes
 
     model = HybridModel(config, device="meta", dtype=dtype, with_mtp=with_mtp)
+    quantized = held_linears(model, held.names) if held is not None else {}
     device = host = 0
     for name, p in model.named_parameters():
         n = p.numel() * p.element_size()
+        if name in quantized:
+            assert held is not None, "quantized weights come with their scheme"
+            n = resident_bytes(held.scheme, *p.shape)
         routed = offload_experts and config.is_moe and name.startswith("layers.") and ".mlp.experts." in name
         if routed:
             host += n
@@ -59,9 +74,11 @@ class CheckpointWeights:
     format: str  # "unquantized", "fp8", "nvfp4"
     description: str  # e.g. "fp8 e4m3, 128x128 blocks"
     stored_bytes: int  # tensor bytes in its safetensors files (scales included)
-    resident_bytes: int  # the language model's parameters (and MTP's) at ``dtype`` after loading
+    resident_bytes: int  # the language model's parameters (and MTP's) once loaded on ``device``
     dtype: str
     dequantized_on_load: bool
+    device: str = "cpu"  # where the weights are held ("cuda": a quantized format's Linear weights as stored)
+    held_quantized: bool = False
 
 
 def safetensors_bytes(files: list[Path]) -> tuple[int, list[str]]:
@@ -79,18 +96,26 @@ def safetensors_bytes(files: list[Path]) -> tuple[int, list[str]]:
     return total, names
 
 
-def checkpoint_weights(path: str | Path, dtype: torch.dtype) -> CheckpointWeights:
-    from hpc_cli.model.loader import raw_config, shard_files, our_name
-    from hpc_cli.model.quant_weights import scheme_from_config
+def checkpoint_weights(path: str | Path, dtype: torch.dtype, device: str = "cpu") -> CheckpointWeights:
+    """``device``: where the weights would be held; on ``cuda`` a quantized checkpoint's Linear
+    weights stay as stored (:mod:`hpc_cli.model.quant_linear`), elsewhere they are dequantised."""
+    from hpc_cli.model.loader import our_name, raw_config, shard_files
+    from hpc_cli.model.quant_linear import supports
+    from hpc_cli.model.quant_weights import quantized_weight_names, scheme_from_config
 
     path = Path(path)
     config = ModelConfig.from_dir(path)
     scheme = scheme_from_config(raw_config(path), str(path))
     stored, names = safetensors_bytes(shard_files(path))
     with_mtp = any((our_name(n) or "").startswith("mtp.") for n in names)
-    resident = weight_footprint(config, dtype, with_mtp=with_mtp).total_bytes
+    held = None
+    if device == "cuda" and scheme.quantized and supports(scheme):
+        ours = (our_name(n) for n in quantized_weight_names(scheme, names))
+        held = HeldQuantized(scheme, frozenset(n for n in ours if n))
+    resident = weight_footprint(config, dtype, with_mtp=with_mtp, held=held).total_bytes
     return CheckpointWeights(scheme.format.value, scheme.describe(), stored, resident,
-                             str(dtype).replace("torch.", ""), scheme.quantized)
+                             str(dtype).replace("torch.", ""), scheme.quantized and held is None, device,
+                             held is not None)
 
 
 def host_available_bytes() -> int:
@@ -133,7 +158,7 @@ def fits_hint(name: str, dtype: torch.dtype, config: ModelConfig) -> str:
 
 
 def check_fits(name: str, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, *,
-               with_mtp: bool = True, offload_experts: bool = False,
+               with_mtp: bool = True, offload_experts: bool = False, held: HeldQuantized | None = None,
                available: dict[str, int] | None = None) -> Footprint:
     """Raise :class:`CapacityError` when the weights do not fit the free memory; return the
     footprint otherwise. ``available`` (``{"device": bytes, "host": bytes}``) overrides the
@@ -141,13 +166,15 @@ def check_fits(name: str, config: ModelConfig, dtype: torch.dtype, device: torch
     device = torch.device(device)
     if device.type == "meta":  # shapes only: nothing to fit, and nothing is built to count them
         return Footprint(0, 0)
-    fp = weight_footprint(config, dtype, with_mtp=with_mtp, offload_experts=offload_experts)
+    fp = weight_footprint(config, dtype, with_mtp=with_mtp, offload_experts=offload_experts, held=held)
     where = "cuda" if device.type == "cuda" else "cpu"
     if available is None:
         available = {"device": available_bytes(device), "host": host_available_bytes()}
     needs = {"device": fp.device_bytes, "host": fp.host_bytes} if where == "cuda" else \
         {"host": fp.total_bytes}
     dt = str(dtype).replace("torch.", "")
+    if held is not None and held.names:
+        dt = f"{held.scheme.describe()} Linear and {dt}"
     for pool, need in needs.items():
         have = available["device" if pool == "device" else "host"]
         if need > have:

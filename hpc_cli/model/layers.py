@@ -7,9 +7,33 @@ tensor ``layers.3.mlp.up_proj.weight`` lands in the parameter of that name.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from hpc_cli.model.quant_linear import QuantizedWeight
+
+#: set while a model is built whose Linear weights the loader fills one by one (see
+#: :func:`deferred_linear_weights`)
+_DEFER_LINEAR = contextvars.ContextVar("defer_linear_weights", default=False)
+
+
+@contextlib.contextmanager
+def deferred_linear_weights() -> Iterator[None]:
+    """Linear layers built inside create their ``weight`` on the ``meta`` device (no memory): the
+    loader then gives each one its tensor, or a :class:`QuantizedWeight` kept as stored, so a
+    quantized checkpoint never holds its Linear weights in the model dtype as well."""
+    token = _DEFER_LINEAR.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_LINEAR.reset(token)
 
 
 def param(*shape: int, device=None, dtype=None) -> nn.Parameter:
@@ -17,15 +41,30 @@ def param(*shape: int, device=None, dtype=None) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """``y = x W^T`` with HF's ``weight`` name; no bias (Qwen3.5 has none), no init cost."""
+    """``y = x W^T`` with HF's ``weight`` name; no bias (Qwen3.5 has none), no init cost. With
+    ``quant`` set (a quantized checkpoint on CUDA) the weight is held as stored and ``weight`` is
+    None."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = param(out_features, in_features, device=device, dtype=dtype)
+        wdev = "meta" if _DEFER_LINEAR.get() else device
+        self.weight = param(out_features, in_features, device=wdev, dtype=dtype)
         self.bias = param(out_features, device=device, dtype=dtype) if bias else None
+        self.quant: "QuantizedWeight | None" = None
+
+    def hold_quantized(self, weight: "QuantizedWeight") -> None:
+        """Keep the weight as stored: ``weight`` becomes None, ``forward`` multiplies in place."""
+        assert (weight.out_features, weight.in_features) == (self.out_features, self.in_features), (
+            f"quantized weight {weight.out_features}x{weight.in_features} for a "
+            f"{self.out_features}x{self.in_features} Linear")
+        self.weight = None
+        self.quant = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.quant.matmul(x)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
 

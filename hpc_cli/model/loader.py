@@ -9,7 +9,10 @@ A missing or mis-shaped tensor is a :class:`ModelError` that names it.
 
 Quantized checkpoints (block FP8 as Qwen's ``-FP8`` releases and transformers write them, NVFP4
 as compressed-tensors and modelopt write it; ``quantization_config`` in config.json says which)
-are dequantised into the model dtype as they are read (``hpc_cli.model.quant_weights``).
+are dequantised into the model dtype as they are read (``hpc_cli.model.quant_weights``), except on
+CUDA, where the Linear layers hold their weights as stored and multiply them in place
+(``hpc_cli.model.quant_linear``; the model is built with those weights deferred, so they never
+take the model dtype's memory).
 
 With ``offload_experts`` the routed experts' parameters are host arrays (see
 ``hpc_cli.model.moe``): fused expert tensors are copied into them and per-expert tensors are
@@ -21,14 +24,17 @@ from __future__ import annotations
 
 import json
 import re
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Iterator
 
 import torch
+from torch import nn
 
 from hpc_cli.errors import ModelError
 from hpc_cli.model.config import ModelConfig
+from hpc_cli.model.layers import deferred_linear_weights
+from hpc_cli.model.quant_linear import Residency, held_linears, quantized_weight, residency
 from hpc_cli.model.quant_weights import TensorFile, resolve_entries, scheme_from_config
 from hpc_cli.model.vision import attach_vision, vision_name
 
@@ -87,9 +93,11 @@ def _iter_tensors(files: list[Path], stack: ExitStack) -> Iterator[tuple[str, Te
 
 
 def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool = True,
-                    offload_experts: bool = False):
+                    offload_experts: bool = False, weights: Residency | None = None):
+    """``weights``: how a quantized checkpoint's Linear weights are held (default: as stored on
+    CUDA where the kernels take the format, dequantised elsewhere; ``hpc_cli.model.quant_linear``)."""
     from hpc_cli import progress as steps
-    from hpc_cli.model.footprint import check_fits
+    from hpc_cli.model.footprint import HeldQuantized, check_fits
     from hpc_cli.model.model import HybridModel, resolve_dtype
     from hpc_cli.model.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -98,16 +106,22 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
     scheme = scheme_from_config(raw_config(path), str(path))
     files = shard_files(path)
     model_dtype = resolve_dtype(dtype, torch.device(device))
+    keep = (weights or residency(scheme, device)) is Residency.QUANTIZED and scheme.quantized
     with ExitStack() as stack:
-        # quantized weights are checked against their scales here and dequantised as they are read
+        # quantized weights are checked against their scales here, then dequantised as they are
+        # read or (``keep``) held as stored by the Linear layers that take them
         entries = resolve_entries(scheme, list(_iter_tensors(files, stack)), model_dtype)
         names = {our_name(e.name) for e in entries}
         has_mtp = any(n and n.startswith("mtp.") for n in names)
-        check_fits(str(path), config, model_dtype, device, with_mtp=has_mtp,
-                   offload_experts=offload_experts)  # before allocating anything
-        model = HybridModel(config, device=device, dtype=dtype, with_mtp=has_mtp, offload_experts=offload_experts)
+        held = HeldQuantized(scheme, frozenset(n for e in entries if e.quantized and (n := our_name(e.name))))
+        check_fits(str(path), config, model_dtype, device, with_mtp=has_mtp, offload_experts=offload_experts,
+                   held=held if keep else None)  # before allocating anything
+        with deferred_linear_weights() if keep else nullcontext():
+            model = HybridModel(config, device=device, dtype=dtype, with_mtp=has_mtp,
+                                offload_experts=offload_experts)
         attach_vision(model, raw_config(path), path, [e.name for e in entries])  # multimodal checkpoints
         params = dict(model.named_parameters())
+        quantized_linears = held_linears(model, held.names) if keep else {}
         loaded: set[str] = set()
         experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         host_experts: dict[str, set[tuple[int, str]]] = {}  # prefix -> (expert, part) written in place
@@ -120,7 +134,12 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
             if tuple(tensor.shape) != tuple(p.shape):
                 raise ModelError(f"tensor {source} has shape {tuple(tensor.shape)}, the config needs {tuple(p.shape)}",
                                  hint="the checkpoint does not match its config.json")
-            p.data.copy_(tensor.to(device=p.device, dtype=p.dtype))
+            if p.is_meta:  # a Linear weight built deferred: it gets its own tensor on the model's device
+                owner, attr = name.rsplit(".", 1)
+                setattr(model.get_submodule(owner), attr, nn.Parameter(
+                    tensor.to(device=model.device, dtype=p.dtype).contiguous(), requires_grad=False))
+            else:
+                p.data.copy_(tensor.to(device=p.device, dtype=p.dtype))
             loaded.add(name)
 
         advance = stack.enter_context(steps.step(f"loading {path} ({len(entries)} tensors)", len(entries),
@@ -138,6 +157,9 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
                         host_experts.setdefault(m.group(1), set()).add((e, part))
                 elif m and m.group(1) + ".gate_up_proj" in params:
                     experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = entry.read()
+                elif name in quantized_linears and entry.read_stored is not None:
+                    quantized_linears[name].hold_quantized(quantized_weight(entry.read_stored(), model.device))
+                    loaded.add(name)
                 elif name in params:
                     put(name, entry.read(), entry.source)
             advance(1)

@@ -248,14 +248,39 @@ class TensorFile(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class StoredFP8:
+    """An FP8 weight as stored: float8_e4m3fn ``[out, in]`` and float32 block scales."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor  # [ceil(out / block[0]), ceil(in / block[1])], or one value without blocks
+    block: tuple[int, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredNVFP4:
+    """An NVFP4 weight as stored: packed e2m1 ``[out, in / 2]``, e4m3 group scales ``[out, in /
+    group]`` and the global factor the weight is multiplied by."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    factor: float
+    group: int
+
+
+StoredQuantized = StoredFP8 | StoredNVFP4
+
+
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One tensor as the model sees it: its checkpoint name (``X.weight`` also for packed NVFP4)
-    and how to read it, dequantised when it is stored quantized."""
+    and how to read it, dequantised when it is stored quantized; ``read_stored`` reads a
+    quantized tensor as stored (for weights kept quantized in memory)."""
 
     name: str
     source: str  # "name (file)" for messages
     read: Callable[[], torch.Tensor]
     quantized: bool = False
+    read_stored: Callable[[], StoredQuantized] | None = None
 
 
 _COMPANIONS = {
@@ -348,8 +373,12 @@ def _fp8_entry(key: str, shape: tuple[int, ...], dt: str, scheme: QuantScheme, s
             raise ModelError(f"tensor {stored.label(scale_key)} has shape {sshape}; the fp8 weight {key} of shape "
                              f"{shape} needs {want} for {b0}x{b1} blocks", hint=_MISMATCH_HINT)
     block = scheme.block
+
+    def raw() -> StoredFP8:
+        return StoredFP8(stored.tensor(key), stored.tensor(scale_key).to(torch.float32), block)
+
     return TensorEntry(key, stored.label(key),
-                       lambda: dequantize_fp8(stored.tensor(key), stored.tensor(scale_key), block, dtype), True)
+                       lambda: dequantize_fp8(stored.tensor(key), stored.tensor(scale_key), block, dtype), True, raw)
 
 
 def _nvfp4_entry(name: str, key: str, scale_key: str, global_key: str, reciprocal: bool, shape: tuple[int, ...],
@@ -381,12 +410,31 @@ def _nvfp4_entry(name: str, key: str, scale_key: str, global_key: str, reciproca
         raise ModelError(f"tensor {label(global_key)} has shape {gshape}; the nvfp4 weight {key} takes one global "
                          "scale", hint=_MISMATCH_HINT)
 
-    def read() -> torch.Tensor:
+    def factor() -> float:  # computed in float32, as the dequantisation always has
         glob = stored.tensor(global_key).to(torch.float32).reshape(())
-        factor = 1.0 / glob if reciprocal else glob
-        return dequantize_nvfp4(stored.tensor(key), stored.tensor(scale_key), factor, g, dtype)
+        return float(1.0 / glob if reciprocal else glob)
 
-    return TensorEntry(name, label(key), read, True)
+    def read() -> torch.Tensor:
+        return dequantize_nvfp4(stored.tensor(key), stored.tensor(scale_key), factor(), g, dtype)
+
+    def raw() -> StoredNVFP4:
+        return StoredNVFP4(stored.tensor(key), stored.tensor(scale_key), factor(), g)
+
+    return TensorEntry(name, label(key), read, True, raw)
+
+
+def quantized_weight_names(scheme: QuantScheme, keys: list[str]) -> list[str]:
+    """The checkpoint names (``X.weight``) of the quantized weights among ``keys``, from the
+    names alone (a safetensors header): those stored with their scale tensors."""
+    present = set(keys)
+    if scheme.layout is Layout.FP8_SCALE_INV:
+        return [k for k in keys if k + "_scale_inv" in present]
+    if scheme.layout is Layout.COMPRESSED_TENSORS:
+        bases = (k[:-len("_packed")] for k in keys if k.endswith(".weight_packed"))
+        return [b for b in bases if b + "_scale" in present]
+    if scheme.layout is Layout.MODELOPT:
+        return [k for k in keys if k.endswith(".weight") and k + "_scale" in present and k + "_scale_2" in present]
+    return []
 
 
 _NOT_CONVERT_SPLIT = re.compile(r"\.(weight|weight_packed)$")

@@ -102,6 +102,6 @@ def test_a_quantized_checkpoint_counts_its_dequantised_weights(hf_dense, tmp_pat
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["weights"] == {
         "format": "fp8", "description": "fp8 e4m3, 32x32 blocks", "stored_bytes": on_disk, "resident_bytes": held,
-        "resident_dtype": "float32", "dequantized_on_load": True}
+        "resident_dtype": "float32", "dequantized_on_load": True, "device": "cpu", "held_quantized": False}
     text = CliRunner().invoke(cli, ["kv", "table", "--model", str(out)]).output
     assert "weights on disk: fp8 e4m3, 32x32 blocks" in text and "(dequantised on load)" in text

@@ -1,0 +1,212 @@
+"""Quantized weights held as stored (hpc_cli.model.quant_linear): the Linear layers of a FP8 or
+NVFP4 checkpoint keep codes and scales, the memory count before loading matches what is held,
+and the products equal the dequantised model's. On the CPU the product runs the reference path
+(the weight dequantised for the one product), so a held model's logits equal the
+dequantised-on-load model's exactly; the Triton kernels are checked in Triton's interpreter
+(fp32) where triton is installed, and compiled on CUDA (tests marked gpu)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from hpc_cli.cli import cli
+from hpc_cli.model import HybridModel
+from hpc_cli.model.footprint import HeldQuantized, check_fits, checkpoint_weights
+from hpc_cli.model.layers import Linear
+from hpc_cli.model.quant_linear import FP8Weight, NVFP4Weight, Residency, residency
+from hpc_cli.model.quant_weights import UNQUANTIZED, Layout, QuantScheme, WeightFormat
+
+from .helpers import F32
+
+TOKENS = torch.randint(0, 300, (70,), generator=torch.Generator().manual_seed(5))
+HERE = Path(__file__).resolve()
+
+
+def _quantized(src: Path, out: Path, fmt: str) -> Path:
+    res = CliRunner().invoke(cli, ["quantize", str(src), str(out), "--format", fmt, "--block-size", "32"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def _load(path: Path, weights: Residency) -> HybridModel:
+    from hpc_cli.model.loader import load_checkpoint
+
+    return load_checkpoint(path, dtype=torch.float32, progress=False, weights=weights)
+
+
+def _held_bytes(model: HybridModel) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+@pytest.mark.parametrize("fmt,kind", [("fp8", FP8Weight), ("nvfp4", NVFP4Weight)])
+def test_held_weights_give_the_dequantised_models_logits_in_less_memory(hf_dense, tmp_path, fmt, kind):
+    _, path = hf_dense
+    out = _quantized(path, tmp_path / fmt, fmt)
+    plain = _load(out, Residency.DEQUANTIZED)
+    held = _load(out, Residency.QUANTIZED)
+    linears = {n: m for n, m in held.named_modules() if isinstance(m, Linear)}
+    quantized = {n for n, m in linears.items() if m.quant is not None}
+    # every Linear the checkpoint stores quantized holds it as stored; lm_head, gates stay plain
+    assert quantized and all(isinstance(linears[n].quant, kind) and linears[n].weight is None for n in quantized)
+    assert "lm_head" not in quantized and not any(n.endswith(("in_proj_a", "in_proj_b")) for n in quantized)
+    assert {n for n in linears if n.endswith(("q_proj", "out_proj", "down_proj"))} <= quantized
+    assert not any(p.is_meta for p in held.parameters()), "a deferred weight was left unloaded"
+    assert _held_bytes(held) < _held_bytes(plain)
+    a = plain.forward_tokens(TOKENS, kv_profile=F32)
+    b = held.forward_tokens(TOKENS, kv_profile=F32)
+    assert torch.equal(a, b), f"held weights moved the logits by {(a - b).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_the_footprint_before_loading_is_what_the_held_model_holds(hf_dense, tmp_path, fmt):
+    _, path = hf_dense
+    out = _quantized(path, tmp_path / fmt, fmt)
+    held = _load(out, Residency.QUANTIZED)
+    weights = checkpoint_weights(out, torch.float32, device="cuda")
+    assert weights.held_quantized and not weights.dequantized_on_load
+    assert weights.resident_bytes == _held_bytes(held)
+    assert weights.resident_bytes < checkpoint_weights(out, torch.float32).resident_bytes
+    # the capacity check counts the same bytes, and names the held format when they do not fit
+    from hpc_cli.errors import CapacityError
+    from hpc_cli.model.config import ModelConfig
+
+    config = ModelConfig.from_dir(out)
+    names = frozenset(n for n, m in held.named_modules() if isinstance(m, Linear) and m.quant is not None)
+    scheme = QuantScheme(WeightFormat.FP8, Layout.FP8_SCALE_INV, block=(32, 32)) if fmt == "fp8" else \
+        QuantScheme(WeightFormat.NVFP4, Layout.COMPRESSED_TENSORS)
+    spec = HeldQuantized(scheme, frozenset(n + ".weight" for n in names))
+    need = _held_bytes(held)
+    with pytest.raises(CapacityError, match=re.escape(f"for its {scheme.describe()} Linear and float32 weights")):
+        check_fits("m", config, torch.float32, "cuda", with_mtp=False, held=spec,
+                   available={"device": need - 1, "host": 1 << 40})
+    assert check_fits("m", config, torch.float32, "cuda", with_mtp=False, held=spec,
+                      available={"device": need, "host": 1 << 40}).device_bytes == need
+
+
+def test_kv_table_shows_what_cuda_holds(hf_dense, tmp_path):
+    _, path = hf_dense
+    out = _quantized(path, tmp_path / "fp8", "fp8")
+    res = CliRunner().invoke(cli, ["kv", "table", "--model", str(out), "--dtype", "float32", "--device", "cuda",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    w = json.loads(res.output)["weights"]
+    assert (w["device"], w["held_quantized"], w["dequantized_on_load"]) == ("cuda", True, False)
+    assert w["resident_bytes"] == _held_bytes(_load(out, Residency.QUANTIZED))
+    text = CliRunner().invoke(cli, ["kv", "table", "--model", str(out), "--device", "cuda"]).output
+    assert "held after loading on cuda" in text and "Linear weights kept as stored" in text
+    text = CliRunner().invoke(cli, ["kv", "table", "--model", str(out), "--device", "cpu"]).output
+    assert "(dequantised on load)" in text
+
+
+def test_where_weights_are_held():
+    fp8 = QuantScheme(WeightFormat.FP8, Layout.FP8_SCALE_INV, block=(128, 128))
+    assert residency(fp8, "cpu") is Residency.DEQUANTIZED
+    assert residency(UNQUANTIZED, "cuda") is Residency.DEQUANTIZED
+    odd = QuantScheme(WeightFormat.FP8, Layout.FP8_SCALE_INV, block=(128, 48))  # no kernel takes 48-wide blocks
+    assert residency(odd, "cuda") is Residency.DEQUANTIZED
+    per_tensor = QuantScheme(WeightFormat.FP8, Layout.FP8_SCALE_INV, block=None)
+    assert residency(per_tensor, "cuda") is Residency.DEQUANTIZED
+    expected = Residency.QUANTIZED if importlib.util.find_spec("triton") else Residency.DEQUANTIZED
+    assert residency(fp8, "cuda") is expected
+
+
+# -- the kernels in Triton's interpreter (a child process: TRITON_INTERPRET is read at import) ----
+
+SHAPES = [(1, 200, 320), (3, 130, 256), (16, 64, 64), (17, 96, 160), (40, 130, 256)]
+
+
+def _child() -> dict:
+    from hpc_cli.model.quant_weights import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
+    from hpc_kernels.quant_gemm import fp8_linear, nvfp4_linear
+
+    torch.manual_seed(0)
+    out = []
+    for m, n, k in SHAPES:
+        w = torch.randn(n, k)
+        x = torch.randn(m, k)
+        for block in ((128, 128), (32, 64)):
+            q, s = quantize_fp8(w, block)
+            ref = x @ dequantize_fp8(q, s, block, torch.float32).T
+            y = fp8_linear(x, q, s, block)
+            alone = _rows_alone(lambda r: fp8_linear(r, q, s, block), x, y)
+            out.append({"fmt": f"fp8 {block}", "shape": [m, n, k], "err": float((y - ref).abs().max()),
+                        "scale": float(ref.abs().max()), "rows_alone": alone})
+        p, sc, g = quantize_nvfp4(w)
+        ref = x @ dequantize_nvfp4(p, sc, float(1.0 / g), 16, torch.float32).T
+        y = nvfp4_linear(x, p, sc, float(1.0 / g), 16)
+        alone = _rows_alone(lambda r: nvfp4_linear(r, p, sc, float(1.0 / g), 16), x, y)
+        out.append({"fmt": "nvfp4", "shape": [m, n, k], "err": float((y - ref).abs().max()),
+                    "scale": float(ref.abs().max()), "rows_alone": alone})
+    return {"cases": out}
+
+
+def _rows_alone(f, x: torch.Tensor, y: torch.Tensor) -> bool:
+    """A row's result does not depend on the other rows of its tile (the last row, run alone)."""
+    return bool(torch.equal(f(x[-1:]), y[-1:])) if x.shape[0] <= 16 else True
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_interpreted_kernels_equal_the_dequantised_product():
+    path = os.pathsep.join([str(HERE.parents[2])] + [p for p in sys.path if p])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, "-m", "tests.model.test_quant_linear"], cwd=HERE.parents[2], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-6000:]}"
+    cases = json.loads(proc.stdout.strip().splitlines()[-1])["cases"]
+    assert len(cases) == 3 * len(SHAPES)
+    # fp32 in, IEEE dot: only the summation order differs from the reference product
+    bad = [c for c in cases if c["err"] > 1e-5 * max(1.0, c["scale"]) or not c["rows_alone"]]
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_kernels_on_cuda(dtype):
+    from hpc_cli.model.quant_weights import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
+    from hpc_kernels.quant_gemm import fp8_linear, nvfp4_linear
+
+    torch.manual_seed(0)
+    for m, n, k in SHAPES + [(16, 5120, 5120), (512, 1024, 5120)]:
+        w = torch.randn(n, k, device="cuda")
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        q, s = quantize_fp8(w, (128, 128))
+        ref = x.float() @ dequantize_fp8(q, s, (128, 128), torch.float32).T
+        y = fp8_linear(x, q, s, (128, 128))
+        assert (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max(), ("fp8", m, n, k)
+        assert torch.equal(fp8_linear(x[-1:], q, s, (128, 128)), y[-1:]) or m > 16
+        p, sc, g = quantize_nvfp4(w)
+        ref = x.float() @ dequantize_nvfp4(p, sc, float(1.0 / g), 16, torch.float32).T
+        y = nvfp4_linear(x, p, sc, float(1.0 / g), 16)
+        assert (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max(), ("nvfp4", m, n, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_held_model_on_cuda_agrees_with_the_dequantised_one(hf_dense, tmp_path, fmt):
+    from hpc_cli.model.loader import load_checkpoint
+
+    _, path = hf_dense
+    out = _quantized(path, tmp_path / fmt, fmt)
+    plain = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False, weights=Residency.DEQUANTIZED)
+    held = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False)
+    assert any(isinstance(m, Linear) and m.quant is not None for m in held.modules())
+    a = plain.forward_tokens(TOKENS.cuda(), kv_profile="bf16").float()
+    b = held.forward_tokens(TOKENS.cuda(), kv_profile="bf16").float()
+    assert (a - b).abs().max() <= 5e-2 * a.abs().max()
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (it sets TRITON_INTERPRET=1)"
+    print(json.dumps(_child()))
