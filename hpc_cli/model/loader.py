@@ -106,7 +106,7 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
     scheme = scheme_from_config(raw_config(path), str(path))
     files = shard_files(path)
     model_dtype = resolve_dtype(dtype, torch.device(device))
-    keep = (weights or residency(scheme, device)) is Residency.QUANTIZED and scheme.quantized
+    keep = (weights or residency(scheme, device, model_dtype)) is Residency.QUANTIZED and scheme.quantized
     with ExitStack() as stack:
         # quantized weights are checked against their scales here, then dequantised as they are
         # read or (``keep``) held as stored by the Linear layers that take them

@@ -11,7 +11,9 @@ tower load as the checkpoint stores them or dequantised, as before (docs/quantiz
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 from enum import Enum
 
 import torch
@@ -20,6 +22,9 @@ from torch import nn
 from hpc_cli.model.layers import Linear
 from hpc_cli.model.quant_weights import (NVFP4_GROUP, QuantScheme, StoredFP8, StoredNVFP4, StoredQuantized,
                                          WeightFormat, dequantize_fp8, dequantize_nvfp4)
+
+
+log = logging.getLogger(__name__)
 
 
 class Residency(str, Enum):
@@ -42,12 +47,43 @@ def supports(scheme: QuantScheme) -> bool:
     return False
 
 
-def residency(scheme: QuantScheme, device: torch.device | str) -> Residency:
-    """Quantized on CUDA when the kernels take the scheme; dequantised otherwise (the CPU)."""
-    if (scheme.quantized and torch.device(device).type == "cuda" and supports(scheme)
-            and kernels_available()):
+def residency(scheme: QuantScheme, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> Residency:
+    """Quantized on CUDA when the kernels take the scheme (and pass their check on this device,
+    :func:`kernels_check`); dequantised otherwise (the CPU)."""
+    dev = torch.device(device)
+    if (scheme.quantized and dev.type == "cuda" and supports(scheme) and kernels_available()
+            and kernels_check(scheme.format, dev, dtype)):
         return Residency.QUANTIZED
     return Residency.DEQUANTIZED
+
+
+@functools.cache
+def kernels_check(fmt: WeightFormat, device: torch.device, dtype: torch.dtype) -> bool:
+    """Compile the format's kernel for both tiles on ``device`` and compare a small product with
+    the dequantised reference. A kernel that does not build or disagrees leaves the weights
+    dequantised on load (a warning says so) rather than failing or serving wrong numbers."""
+    from hpc_cli.model.quant_weights import quantize_fp8, quantize_nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=g)
+    try:
+        if fmt is WeightFormat.FP8:
+            q, s = quantize_fp8(w, (128, 128))
+            held: QuantizedWeight = FP8Weight(StoredFP8(q, s, (128, 128)), device)
+        else:
+            p, sc, glob = quantize_nvfp4(w)
+            held = NVFP4Weight(StoredNVFP4(p, sc, float(1.0 / glob), NVFP4_GROUP), device)
+        for rows in (3, 40):  # the decode tile and the prefill tile
+            x = torch.randn(rows, 256, generator=g).to(device=device, dtype=dtype)
+            ref = x.float() @ held.dequantized(torch.float32).T
+            err = float((held.matmul(x).float() - ref).abs().max())
+            if not err <= 2e-2 * float(ref.abs().max()):
+                raise ValueError(f"{rows} rows: max error {err:.3g} against {float(ref.abs().max()):.3g}")
+    except Exception as exc:  # any failure to build or to agree: keep the dequantised path
+        log.warning("the %s weight kernel failed its check on %s (%s): weights are dequantised on load",
+                    fmt.value, device, exc)
+        return False
+    return True
 
 
 def resident_bytes(scheme: QuantScheme, out_features: int, in_features: int) -> int:

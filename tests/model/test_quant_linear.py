@@ -116,8 +116,20 @@ def test_where_weights_are_held():
     assert residency(odd, "cuda") is Residency.DEQUANTIZED
     per_tensor = QuantScheme(WeightFormat.FP8, Layout.FP8_SCALE_INV, block=None)
     assert residency(per_tensor, "cuda") is Residency.DEQUANTIZED
-    expected = Residency.QUANTIZED if importlib.util.find_spec("triton") else Residency.DEQUANTIZED
-    assert residency(fp8, "cuda") is expected
+    usable = importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+    assert residency(fp8, "cuda") is (Residency.QUANTIZED if usable else Residency.DEQUANTIZED)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels build on CUDA")
+def test_a_kernel_that_cannot_run_leaves_the_weights_dequantised(caplog):
+    """Where the check cannot build or run the kernel (here: no CUDA device), the weights are
+    dequantised on load, with a warning, instead of a load that fails."""
+    from hpc_cli.model.quant_linear import kernels_check
+
+    kernels_check.cache_clear()
+    with caplog.at_level("WARNING", logger="hpc_cli.model.quant_linear"):
+        assert kernels_check(WeightFormat.NVFP4, torch.device("cuda"), torch.bfloat16) is False
+    assert "nvfp4 weight kernel failed its check" in caplog.text and "dequantised on load" in caplog.text
 
 
 # -- the kernels in Triton's interpreter (a child process: TRITON_INTERPRET is read at import) ----
