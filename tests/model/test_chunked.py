@@ -143,3 +143,27 @@ def test_padded_prefill_equals_unpadded(tiny, tokens, cuts):
     # nothing was written past the prompt: the pages' remaining slots are still zero
     tail_k, _ = kv64.gather(0, TABLE, len(TABLE) * 64, torch.float32)
     assert not tail_k[N:].any(), "a padded row wrote K/V into the pages"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 3, 64, 517])
+def test_cpu_time_major_conv_matches_grouped_conv1d(dtype, t):
+    """The CPU's causal conv (k multiply-adds over [T, C] slices) gives the grouped conv1d's
+    numbers: the same sums in the same order in fp32, accumulated in fp32 and rounded once for
+    bf16 (conv1d's result, and the exactly rounded sum, for these inputs)."""
+    import torch.nn.functional as F
+
+    from hpc_cli.model.gdn import causal_conv_time_major
+
+    g = torch.Generator().manual_seed(t)
+    c = 96
+    w = torch.randn(c, 1, 4, generator=g).to(dtype)
+    state, mixed = torch.randn(c, 3, generator=g).to(dtype), torch.randn(t, c, generator=g).to(dtype)
+    window = torch.cat([state, mixed.t()], dim=-1)
+    ref = F.conv1d(window.unsqueeze(0), w, groups=c)[0]
+    got = causal_conv_time_major(state, mixed, w).t()
+    assert got.dtype == dtype
+    exact = F.conv1d(window.unsqueeze(0).double(), w.double(), groups=c)[0].to(dtype)
+    assert torch.allclose(got.double(), ref.double(), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, exact), "bf16 is accumulated in fp32 and rounded once"
