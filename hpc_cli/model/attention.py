@@ -48,10 +48,20 @@ class GatedAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                causal: bool = False) -> torch.Tensor:
         """``q`` ``[B, H, T, d]``, ``k, v`` ``[B, H_kv, S, d]``, boolean ``mask`` ``[B|1, 1, T, S]`` (True = read)."""
+        k, v = self.repeat_kv(k, v)
+        return self.attend_heads(q, k, v, mask, causal)
+
+    def repeat_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k, v`` ``[B, H_kv, S, d]`` -> ``[B, H, S, d]``: each KV head repeated for the query heads it serves."""
         rep = self.n_heads // self.n_kv
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
+        return k, v
+
+    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     causal: bool = False) -> torch.Tensor:
+        """:meth:`attend` over K/V already repeated to every query head (:meth:`repeat_kv`)."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                               scale=self.scale)
 
