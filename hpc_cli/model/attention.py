@@ -37,9 +37,14 @@ class GatedAttention(nn.Module):
         q, gate = torch.chunk(self.q_proj(x).view(n, self.n_heads, 2 * self.head_dim), 2, dim=-1)
         gate = gate.reshape(n, -1)
         q = self.q_norm(q)
+        k, v = self.kv(x, cos, sin)
+        return apply_rotary(q, cos, sin), gate, k, v
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[N, hidden]`` -> the K (normed, rotated) and V ``[N, H_kv, d]`` that :meth:`qkv` gives."""
+        n = x.shape[0]
         k = self.k_norm(self.k_proj(x).view(n, self.n_kv, self.head_dim))
-        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
-        return apply_rotary(q, cos, sin), gate, apply_rotary(k, cos, sin), v
+        return apply_rotary(k, cos, sin), self.v_proj(x).view(n, self.n_kv, self.head_dim)
 
     def finish(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``attn`` ``[N, H, d]`` -> ``o_proj(attn * sigmoid(gate))``."""
