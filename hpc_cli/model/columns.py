@@ -59,8 +59,8 @@ def blocks(fn: Callable, R: int, *xs: torch.Tensor):
 
 
 def _groups(tables: Sequence[Sequence[int]], positions: Sequence[int], page: int) -> list[tuple[tuple[int, ...], int]]:
-    """Lanes grouped by their own key span: ``(lane indices, pages)``, by pages. A lane reads
-    exactly its own pages up to its position, never a span widened by other lanes."""
+    """Lanes grouped by their own key span: ``(lane indices, pages read)``, fewest pages first. A
+    lane reads exactly its own pages up to its position, never a span widened by other lanes."""
     by: dict[int, list[int]] = {}
     for b, (p, bt) in enumerate(zip(positions, tables)):
         n = p // page + 1
@@ -185,7 +185,7 @@ class _GroupKV:
         self.attn, self.kv, self.layer, self.tables, self.dtype = attn, kv, layer, tables, dtype
         self.held: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def get(self, lanes: tuple[int, ...], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, lanes: tuple[int, ...], width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (lanes, width)
         if key not in self.held:
             attn, page = self.attn, self.kv.page_tokens
