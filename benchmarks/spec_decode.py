@@ -14,6 +14,11 @@ to the default ``per_token`` one.
 Python standard library rendered with the model's chat template (``builtin:tiny`` answers them),
 each answered until its end-of-turn token or --max-tokens.
 
+Every backend's engine is built and warmed up first; then ``--repeat`` timed passes run
+interleaved over the backends (none, mtp, ..., none, mtp, ...) and each backend reports its
+fastest pass, so the ratios to none come from the same run and the same spells of a shared
+machine. ``--k-for mtp=2,dflash=1`` gives a backend its own k.
+
     python benchmarks/spec_decode.py                                   # CPU, builtin:tiny, random prompts
     python benchmarks/spec_decode.py --model builtin:tiny --traffic chat --rollback per_token
     python benchmarks/spec_decode.py --model builtin:qwen3.5-27b-shape@8 --prompt-len 512
@@ -60,23 +65,25 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(1, min(250, vocab)) for _ in range(length)] for _ in range(n)]
 
 
-def _run(model, spec, prompts, args, rollback="per_token"):
+def _engine(model, spec, prompts, args, rollback="per_token", k=None) -> Engine:
+    """A started engine for one backend, warmed up (allocator, kernels); "full" warm-up runs every
+    prompt once first, so every CUDA graph shape the timed passes meet is captured already (short
+    chat answers meet many shapes once each)."""
     kv_pages = args.concurrency * (-(-(args.prompt_len + args.max_tokens + 64) // 64)) + 8
     e = Engine(model, kv_pages=kv_pages, prefill_chunk=args.prefill_chunk, max_concurrency=args.concurrency,
-               reuse=False, speculative=spec, num_draft_tokens=args.k, spec_rollback=rollback).start()
-    chat = args.traffic == "chat"
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=not chat)
-    # warm-up (allocator, kernels); "full" runs every prompt once first, so every CUDA graph shape
-    # the timed pass meets is captured already (short chat answers meet many shapes once each)
+               reuse=False, speculative=spec, num_draft_tokens=args.k if k is None else k,
+               spec_rollback=rollback).start()
     e.generate(GenerationRequest(list(prompts[0][:64]), SamplingParams(max_tokens=4, temperature=0.0,
                                                                         ignore_eos=True)))
     if args.warmup == "full":
-        for i in range(0, len(prompts), args.concurrency):
-            for h in [e.submit(GenerationRequest(list(p), sp)) for p in prompts[i:i + args.concurrency]]:
-                h.result(timeout=3600)
-    if e.spec is not None:
-        e.spec.counters.clear()
-        e.spec.accept_hist.clear()
+        _pass(e, prompts, args)
+    return e
+
+
+def _pass(e: Engine, prompts, args) -> tuple[list[list[int]], int, float]:
+    """One timed pass over ``prompts``: (outputs, decode tokens, decode seconds)."""
+    chat = args.traffic == "chat"
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=not chat)
     outs, decode_tokens, decode_s = [], 0, 0.0
     for i in range(0, len(prompts), args.concurrency):
         batch = prompts[i:i + args.concurrency]
@@ -90,9 +97,29 @@ def _run(model, spec, prompts, args, rollback="per_token"):
             outs.append([t.token_id for t in toks])
             decode_tokens += len(toks) - 1
         decode_s += end - max(first)
-    stats = e.spec.stats() if e.spec is not None else None
-    e.stop()
-    return outs, decode_tokens / decode_s, stats
+    return outs, decode_tokens, decode_s
+
+
+def _timed(engines: dict[str, Engine], prompts, args) -> dict[str, tuple[list[list[int]], float, dict | None]]:
+    """``--repeat`` timed passes of every engine, interleaved (engine A, B, ..., A, B, ...), so a
+    slow spell of a shared machine hits every backend alike; each keeps its fastest pass. The
+    speculative counters cover every timed pass (acceptance does not depend on the timing)."""
+    for e in engines.values():
+        if e.spec is not None:
+            e.spec.counters.clear()
+            e.spec.accept_hist.clear()
+    best: dict[str, tuple[list[list[int]], float]] = {}
+    for _ in range(max(1, args.repeat)):
+        for key, e in engines.items():
+            outs, n, s = _pass(e, prompts, args)
+            assert key not in best or outs == best[key][0], f"{key}: greedy output changed between passes"
+            if key not in best or n / s > best[key][1]:
+                best[key] = (outs, n / s)
+    result = {}
+    for key, e in engines.items():
+        result[key] = (*best[key], e.spec.stats() if e.spec is not None else None)
+        e.stop()
+    return result
 
 
 def main(argv=None) -> dict:
@@ -105,6 +132,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("-k", type=int, default=3, help="drafts per round")
+    ap.add_argument("--k-for", default="", help="per-backend k overriding -k, e.g. mtp=2,dflash=1")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="timed passes per backend, interleaved across backends; each reports its fastest")
     ap.add_argument("--backends", default="none,mtp,dflash,dflash2,oracle")
     ap.add_argument("--rollback", default="both", choices=["per_token", "recompute", "both"])
     ap.add_argument("--traffic", default="random", choices=["random", "chat"],
@@ -124,27 +154,32 @@ def main(argv=None) -> dict:
         prompts = chat_prompts(model, args.prompts)
     else:
         prompts = _prompts(args.prompts, args.prompt_len, model.config.vocab_size)
-    ref, none_tps, _ = _run(model, None, prompts, args)
-    refs = {tuple(p): r for p, r in zip(prompts, ref)}
-    runs = {"none": {"decode_tok_s": none_tps, "speedup": 1.0, "mean_acceptance_length": 1.0,
-                     "generated_tokens": sum(len(o) for o in ref)}}
+    engines = {"none": _engine(model, None, prompts, args)}
+    refs = {tuple(p): r for p, r in zip(prompts, _pass(engines["none"], prompts, args)[0])}
+    ks = {b: int(v) for b, v in (x.split("=") for x in args.k_for.split(",") if x)} if args.k_for else {}
     for b in [x for x in args.backends.split(",") if x and x != "none"]:
         modes = ["per_token", "recompute"] if args.rollback == "both" and b in ("mtp", "oracle") else \
             [args.rollback if args.rollback != "both" else "per_token"]
         for mode in modes:
             spec = OracleBackend(refs) if b == "oracle" else b
-            outs, tps, st = _run(model, spec, prompts, args, rollback=mode)
             key = b if mode == "per_token" else f"{b}+recompute"
-            runs[key] = {"decode_tok_s": tps, "speedup": tps / none_tps,
-                         "mean_acceptance_length": st["mean_acceptance_length"],
-                         "acceptance_rate": st["acceptance_rate"], "rollback": mode,
-                         "matches_none": outs == ref, "generated_tokens": sum(len(o) for o in outs),
-                         "propose_s": st["propose_s"], "verify_s": st["verify_s"],
-                         "rollback_s": st["rollback_s"], "recomputed_columns": st["recomputed_columns"]}
+            engines[key] = _engine(model, spec, prompts, args, rollback=mode, k=ks.get(b, args.k))
+    timed = _timed(engines, prompts, args)
+    ref, none_tps, _ = timed.pop("none")
+    runs = {"none": {"decode_tok_s": none_tps, "speedup": 1.0, "mean_acceptance_length": 1.0,
+                     "generated_tokens": sum(len(o) for o in ref)}}
+    for key, (outs, tps, st) in timed.items():
+        runs[key] = {"decode_tok_s": tps, "speedup": tps / none_tps, "k": st["k"],
+                     "mean_acceptance_length": st["mean_acceptance_length"],
+                     "acceptance_rate": st["acceptance_rate"], "rollback": st["rollback"],
+                     "matches_none": outs == ref, "generated_tokens": sum(len(o) for o in outs),
+                     "accepted_histogram": st["accepted_histogram"],
+                     "propose_s": st["propose_s"], "verify_s": st["verify_s"],
+                     "rollback_s": st["rollback_s"], "recomputed_columns": st["recomputed_columns"]}
     doc = {"benchmark": "spec_decode", "model": name, "dtype": dtype,
            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "model_load_s": load_s,
-           "k": args.k, "traffic": args.traffic, "warmup": args.warmup, "prompts": args.prompts,
+           "k": args.k, "repeat": args.repeat, "traffic": args.traffic, "warmup": args.warmup, "prompts": args.prompts,
            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
            "concurrency": args.concurrency, "runs": runs}
     text = json.dumps(doc, indent=1)

@@ -37,9 +37,14 @@ class GatedAttention(nn.Module):
         q, gate = torch.chunk(self.q_proj(x).view(n, self.n_heads, 2 * self.head_dim), 2, dim=-1)
         gate = gate.reshape(n, -1)
         q = self.q_norm(q)
+        k, v = self.kv(x, cos, sin)
+        return apply_rotary(q, cos, sin), gate, k, v
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[N, hidden]`` -> the K (normed, rotated) and V ``[N, H_kv, d]`` that :meth:`qkv` gives."""
+        n = x.shape[0]
         k = self.k_norm(self.k_proj(x).view(n, self.n_kv, self.head_dim))
-        v = self.v_proj(x).view(n, self.n_kv, self.head_dim)
-        return apply_rotary(q, cos, sin), gate, apply_rotary(k, cos, sin), v
+        return apply_rotary(k, cos, sin), self.v_proj(x).view(n, self.n_kv, self.head_dim)
 
     def finish(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``attn`` ``[N, H, d]`` -> ``o_proj(attn * sigmoid(gate))``."""
@@ -48,10 +53,20 @@ class GatedAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                causal: bool = False) -> torch.Tensor:
         """``q`` ``[B, H, T, d]``, ``k, v`` ``[B, H_kv, S, d]``, boolean ``mask`` ``[B|1, 1, T, S]`` (True = read)."""
+        k, v = self.repeat_kv(k, v)
+        return self.attend_heads(q, k, v, mask, causal)
+
+    def repeat_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k, v`` ``[B, H_kv, S, d]`` -> ``[B, H, S, d]``: each KV head repeated for the query heads it serves."""
         rep = self.n_heads // self.n_kv
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
+        return k, v
+
+    def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     causal: bool = False) -> torch.Tensor:
+        """:meth:`attend` over K/V already repeated to every query head (:meth:`repeat_kv`)."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                               scale=self.scale)
 

@@ -58,17 +58,15 @@ def blocks(fn: Callable, R: int, *xs: torch.Tensor):
     return torch.cat(parts)
 
 
-def _groups(tables: Sequence[Sequence[int]], positions: Sequence[int], page: int, device):
-    """Lanes grouped by their own key span: ``(lane indices, page table [G * width], width)``.
-    A lane reads exactly its own pages up to its position, never a span widened by other lanes."""
+def _groups(tables: Sequence[Sequence[int]], positions: Sequence[int], page: int) -> list[tuple[tuple[int, ...], int]]:
+    """Lanes grouped by their own key span: ``(lane indices, pages read)``, fewest pages first. A
+    lane reads exactly its own pages up to its position, never a span widened by other lanes."""
     by: dict[int, list[int]] = {}
     for b, (p, bt) in enumerate(zip(positions, tables)):
         n = p // page + 1
         assert len(bt) >= n, f"block table has {len(bt)} pages, position {p} needs {n}"
         by.setdefault(n, []).append(b)
-    return [(torch.tensor(lanes, dtype=torch.long, device=device),
-             torch.tensor([tables[b][i] for b in lanes for i in range(n)], dtype=torch.long, device=device), n)
-            for n, lanes in sorted(by.items())]
+    return [(tuple(lanes), n) for n, lanes in sorted(by.items())]
 
 
 def table_width(tables: Sequence[Sequence[int]], starts: Sequence[int], T: int, page: int) -> int:
@@ -177,29 +175,59 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec0:
     return out, window, (torch.stack(states, dim=1) if keep_all else state)
 
 
+class _GroupKV:
+    """The gathered K/V of one layer for a lane group and span (pages), built the way decode
+    builds it (one gather of the group's pages, KV heads repeated) and reused by every column of
+    the pass that reads that group and span: decode and verify feed attention identical
+    tensors, while a verify pass gathers once per layer instead of once per column."""
+
+    def __init__(self, attn, kv, layer: int, tables: Sequence[Sequence[int]], dtype: torch.dtype) -> None:
+        self.attn, self.kv, self.layer, self.tables, self.dtype = attn, kv, layer, tables, dtype
+        self.held: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, lanes: tuple[int, ...], width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (lanes, width)
+        if key not in self.held:
+            attn, page = self.attn, self.kv.page_tokens
+            G, span = len(lanes), width * page
+            pages = torch.tensor([self.tables[b][i] for b in lanes for i in range(width)], dtype=torch.long,
+                                 device=device)
+            keys, values = self.kv.gather(self.layer, pages, G * span, self.dtype)
+            keys = keys.view(G, span, attn.n_kv, attn.head_dim).transpose(1, 2)
+            values = values.view(G, span, attn.n_kv, attn.head_dim).transpose(1, 2)
+            self.held[key] = attn.repeat_kv(keys, values)
+        return self.held[key]
+
+
 def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, paged: bool):
     """``paged``: read the pages with the paged decode kernel (else gather + SDPA per span group)."""
     q, gate, k, v = blocks(attn.qkv, R, h, cos, sin)
-    page = kv.page_tokens
     o_rows = q.new_zeros(q.shape)
-    for t in range(idx.T):  # column t's K/V is written just before column t reads the pages, as in decode
-        rows = idx.rows[t]
-        kv.write(layer, idx.write[t], k.index_select(0, rows), v.index_select(0, rows))
-        if paged:  # straight from the pages; one launch pair whatever the lanes' spans
+    if paged:
+        for t in range(idx.T):  # column t's K/V is written just before column t reads the pages, as in decode
+            rows = idx.rows[t]
+            kv.write(layer, idx.write[t], k.index_select(0, rows), v.index_select(0, rows))
             o = kv.decode_attention(layer, q.index_select(0, rows), idx.tables, idx.seqlens[t], attn.scale)
             o_rows.index_copy_(0, rows, o)
-            continue
-        starts, tables = idx.host
+        return blocks(attn.finish, R, o_rows, gate)
+    # every column's K/V written at once: column t reads keys up to its own position only, so the
+    # later columns' K/V sit in masked slots exactly where decode has stale ones (a masked key
+    # adds exp(-inf) * v = 0 either way)
+    rows = idx.rows.reshape(-1)
+    kv.write(layer, idx.write.reshape(-1), k.index_select(0, rows), v.index_select(0, rows))
+    starts, tables = idx.host
+    gathered = _GroupKV(attn, kv, layer, tables, q.dtype)
+    page, dev = kv.page_tokens, h.device
+    for t in range(idx.T):
         positions = [s + t for s in starts]
-        pos = idx.seqlens[t] - 1
-        for sel, pages, width in _groups(tables, positions, page, h.device):
-            G, span = sel.shape[0], width * page
-            keys, values = kv.gather(layer, pages, G * span, q.dtype)
-            keys = keys.view(G, span, attn.n_kv, attn.head_dim).transpose(1, 2)
-            values = values.view(G, span, attn.n_kv, attn.head_dim).transpose(1, 2)
-            mask = (torch.arange(span, device=h.device)[None, :] <= pos.index_select(0, sel)[:, None])[:, None, None]
-            sel_rows = rows.index_select(0, sel)
-            o = attn.attend(q.index_select(0, sel_rows)[:, :, None, :], keys, values, mask)  # [G, H, 1, d]
+        for lanes, width in _groups(tables, positions, page):
+            span = width * page
+            keys, values = gathered.get(lanes, width, dev)
+            sel = torch.tensor(lanes, dtype=torch.long, device=dev)
+            pos = torch.tensor([positions[b] for b in lanes], dtype=torch.long, device=dev)
+            mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None]
+            sel_rows = idx.rows[t].index_select(0, sel)
+            o = attn.attend_heads(q.index_select(0, sel_rows)[:, :, None, :], keys, values, mask)  # [G, H, 1, d]
             o_rows.index_copy_(0, sel_rows, o[:, :, 0, :])
     return blocks(attn.finish, R, o_rows, gate)
 

@@ -255,11 +255,14 @@ class DFlashDrafter:
             valid = torch.arange(span, device=dev)[None] < torch.tensor([l_.pos for l_ in lanes], device=dev)[:, None]
             return k, v, valid
         W = self.cfg.window
+        # ring slot j holds position j until the ring wraps: only the first max(pos) slots are read
+        # (a context shorter than the window neither copies nor attends to the empty rest)
+        used = min(W, max(1, max(l_.pos for l_ in lanes)))
         slots = torch.tensor([l_.state_slot for l_ in lanes], dtype=torch.long, device=dev)
-        ring = self.states.extra[RING_PART].index_select(0, slots)[:, l]  # [B, 2, W, heads, dim]
+        ring = self.states.extra[RING_PART][:, l, :, :used].index_select(0, slots)  # [B, 2, used, heads, dim]
         k, v = ring[:, 0].transpose(1, 2).to(dtype), ring[:, 1].transpose(1, 2).to(dtype)
         pos = torch.tensor([l_.pos for l_ in lanes], device=dev)[:, None]
-        j = torch.arange(W, device=dev)[None]
+        j = torch.arange(used, device=dev)[None]
         held = pos - 1 - torch.remainder(pos - 1 - j, W)  # the position ring slot j holds
         return k, v, held >= 0
 

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from hpc_cli.kv_profile import PAGE_TOKENS
-from hpc_cli.speculative.ops import paged_attention
+from hpc_cli.speculative.ops import paged_attention, write_kv
 
 
 class MTPDrafter:
@@ -55,8 +55,7 @@ class MTPDrafter:
         """``tokens``/``pos`` ``[B, T]``, ``hidden`` ``[B, T, H]`` -> (logits ``[B, T, V]``, MTP hidden)."""
         m, mtp = self.model, self.mtp
         B, T = tokens.shape
-        x = mtp.combine(m._embed(tokens.reshape(-1)), hidden.reshape(B * T, -1).to(m.dtype))
-        cos, sin = m.rotary.cos_sin(pos.reshape(-1), m.dtype)
+        x, cos, sin = self._input(tokens, hidden, pos)
         for l, layer in enumerate(mtp.layers):
             h = layer.input_layernorm(x)
             x = x + paged_attention(layer.self_attn, h, pos, tables, self.storage, self.base_layer + l, cos, sin,
@@ -64,6 +63,27 @@ class MTPDrafter:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         g = mtp.norm(x)
         return m.lm_head(g).view(B, T, -1), g.view(B, T, -1)
+
+    def _input(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
+        m, B, T = self.model, *tokens.shape
+        x = self.mtp.combine(m._embed(tokens.reshape(-1)), hidden.reshape(B * T, -1).to(m.dtype))
+        cos, sin = m.rotary.cos_sin(pos.reshape(-1), m.dtype)
+        return x, cos, sin
+
+    @torch.inference_mode()
+    def _write_kv(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+                  tables: Sequence[Sequence[int]]) -> None:
+        """The MTP K/V of positions ``pos`` only, as :meth:`_run` writes them: the last layer's
+        attention output, MLP, norm and ``lm_head`` (whose logits nobody reads) are skipped."""
+        x, cos, sin = self._input(tokens, hidden, pos)
+        layers = self.mtp.layers
+        for l, layer in enumerate(layers):
+            h = layer.input_layernorm(x)
+            if l == len(layers) - 1:
+                write_kv(layer.self_attn, h, pos, tables, self.storage, self.base_layer + l, cos, sin)
+                return
+            x = x + paged_attention(layer.self_attn, h, pos, tables, self.storage, self.base_layer + l, cos, sin)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
 
     # ------------------------------------------------------------------ frontier upkeep
     def admitted(self, lane) -> None:
@@ -88,7 +108,7 @@ class MTPDrafter:
         hid = torch.stack(rows)[None]
         toks = torch.tensor(lane.tokens[f + 1:limit + 1], dtype=torch.long, device=dev)[None]
         pos = torch.arange(f, limit, device=dev)[None]
-        self._run(toks, hid, pos, [lane.pages[:math.ceil(limit / PAGE_TOKENS)]])
+        self._write_kv(toks, hid, pos, [lane.pages[:math.ceil(limit / PAGE_TOKENS)]])
         lane.backend_frontier = limit
 
     # ------------------------------------------------------------------ drafting

@@ -37,6 +37,27 @@ def _table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int, 
     return torch.tensor(rows, dtype=torch.long, device=device), width
 
 
+def _write(kv, layer: int, table: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           write: torch.Tensor | None) -> None:
+    page = kv.page_tokens
+    slots = (table.gather(1, pos // page) * page + pos % page).reshape(-1)
+    if write is None:
+        kv.write(layer, slots, k, v)
+    else:
+        keep = write.reshape(-1)
+        if bool(keep.any()):
+            kv.write(layer, slots[keep], k[keep], v[keep])
+
+
+def write_kv(attn, h: torch.Tensor, pos: torch.Tensor, tables: Sequence[Sequence[int]], kv, layer: int,
+             cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The K/V :func:`paged_attention` writes for ``h`` at ``pos`` ``[B, T]``, without its queries
+    and attention (a drafter catching its K/V up to committed positions)."""
+    k, v = attn.kv(h, cos, sin)
+    table, _ = _table(tables, pos[:, -1].tolist(), kv.page_tokens, h.device)
+    _write(kv, layer, table, pos, k, v, None)
+
+
 def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, tables: Sequence[Sequence[int]], kv, layer: int,
                     cos: torch.Tensor, sin: torch.Tensor, write: torch.Tensor | None = None) -> torch.Tensor:
     """A gated attention layer for ``B`` lanes x ``T`` queries at positions ``pos`` ``[B, T]``:
@@ -47,13 +68,7 @@ def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, tables: Sequence[S
     page = kv.page_tokens
     q, gate, k, v = attn.qkv(h, cos, sin)
     table, width = _table(tables, pos[:, -1].tolist(), page, h.device)
-    slots = (table.gather(1, pos // page) * page + pos % page).reshape(-1)
-    if write is None:
-        kv.write(layer, slots, k, v)
-    else:
-        keep = write.reshape(-1)
-        if bool(keep.any()):
-            kv.write(layer, slots[keep], k[keep], v[keep])
+    _write(kv, layer, table, pos, k, v, write)
     span = width * page
     keys, values = kv.gather(layer, table.reshape(-1), B * span, q.dtype)
     keys = keys.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
@@ -89,17 +104,19 @@ def verify_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Sequ
 def commit_states(states, out: VerifyOut, slots: Sequence[int], keep: Sequence[int]) -> None:
     """Write into each lane's slot the state after column ``keep[b]`` (the last accepted one)."""
     dev = out.logits.device
+    B, T = out.hidden.shape[:2]
     slot_t = torch.tensor(list(slots), dtype=torch.long, device=dev)
     j = torch.tensor(list(keep), dtype=torch.long, device=dev)
-    ar = torch.arange(len(slots), device=dev)
+    flat = torch.arange(B, device=dev) * T + j  # row b * T + keep[b] of the [B * T, ...] views
     for g, (window, st) in enumerate(zip(out.windows, out.states)):
         conv = states.conv[g]
         K1 = conv.shape[-1]
         idx = (j[:, None] + 1 + torch.arange(K1, device=dev)[None])  # [B, K-1] columns of the window
         sel = window.gather(2, idx[:, None, :].expand(-1, window.shape[1], -1))
         conv.index_copy_(0, slot_t, sel.to(conv.dtype))
-        states.recurrent[g].index_copy_(0, slot_t, st[ar, j])
-    states.hidden.index_copy_(0, slot_t, out.hidden[ar, j].to(states.hidden.dtype))
+        # index_select of the flattened rows: the same values as st[ar, j], several times cheaper on CPU
+        states.recurrent[g].index_copy_(0, slot_t, st.flatten(0, 1).index_select(0, flat))
+    states.hidden.index_copy_(0, slot_t, out.hidden.flatten(0, 1).index_select(0, flat).to(states.hidden.dtype))
 
 
 class Snapshot:

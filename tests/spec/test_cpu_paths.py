@@ -1,0 +1,105 @@
+"""The CPU fast paths of a speculative round: the MTP catch-up writes only K/V, DFlash2 reads only
+the ring slots that hold positions, and the benchmark's interleaved repeats (docs/speculative.md)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from hpc_cli.memory.kv_pool import PagedKVStorage
+from hpc_cli.plugins import kv_profile
+from hpc_cli.speculative.dflash import RING_PART, DFlashDrafter, DFlashNet, default_config, seed_weights
+from hpc_cli.speculative.mtp import MTPDrafter
+
+
+def test_mtp_catch_up_writes_the_kv_its_full_step_writes(model):
+    """``_write_kv`` (observe's K/V-only catch-up) stores the very bytes ``_run`` stores."""
+    drafter = MTPDrafter(model)
+    n, base = 70, len(model.config.attention_layers)
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(1, 250, (1, n), generator=g)
+    hid = torch.randn(1, n, model.config.hidden_size, generator=g)
+    pos = torch.arange(n)[None]
+    tables = [[0, 1]]
+    pools = []
+    for write_only in (False, True):
+        c = model.config
+        kv = PagedKVStorage(kv_profile("bf16"), base + len(model.mtp.layers), c.num_key_value_heads, c.head_dim, 4)
+        drafter.bind(kv, None, None)
+        (drafter._write_kv if write_only else drafter._run)(toks, hid, pos, tables)
+        pools.append(kv)
+    for l in range(len(model.mtp.layers)):
+        full = pools[0].gather(base + l, [0, 1], n, torch.float32)
+        only = pools[1].gather(base + l, [0, 1], n, torch.float32)
+        assert all(torch.equal(a, b) for a, b in zip(full, only)), "catch-up K/V differs from the full step's"
+
+
+def _dflash2(model, window: int):
+    cfg = default_config("dflash2", model, 1, window=window)
+    net = DFlashNet(cfg, dtype=model.dtype)
+    seed_weights(net, 1)
+    drafter = DFlashDrafter(model, net)
+    ring = (cfg.num_layers, 2, window, cfg.num_kv_heads, cfg.head_dim)
+    states = model.new_state_slots(3, extra_parts={RING_PART: (ring, torch.bfloat16)})
+    states.extra[RING_PART].normal_()
+    drafter.bind(None, None, states)
+    return drafter, states
+
+
+def test_dflash2_context_reads_only_held_ring_slots(model):
+    drafter, states = _dflash2(model, window=16)
+    ring = states.extra[RING_PART]
+    lanes = [SimpleNamespace(pos=5, state_slot=2), SimpleNamespace(pos=9, state_slot=0)]
+    k, v, valid = drafter._context(lanes, 0, torch.float32)
+    assert k.shape[2] == v.shape[2] == valid.shape[1] == 9, "a short context reads max(pos) slots, not the window"
+    assert valid.tolist() == [[True] * 5 + [False] * 4, [True] * 9]
+    assert torch.equal(k[0], ring[2, 0, 0, :9].transpose(0, 1).float())
+    assert torch.equal(v[1], ring[0, 0, 1, :9].transpose(0, 1).float())
+    # a wrapped ring holds a position in every slot
+    k, _, valid = drafter._context([SimpleNamespace(pos=40, state_slot=1)], 0, torch.float32)
+    assert k.shape[2] == 16 and bool(valid.all())
+    assert torch.equal(k[0], ring[1, 0, 0].transpose(0, 1).float())
+
+
+class _WholeWindow(DFlashDrafter):
+    """The reference: attention over every slot of the ring, the empty ones masked."""
+
+    def _context(self, lanes, l: int, dtype):
+        W = self.cfg.window
+        slots = torch.tensor([l_.state_slot for l_ in lanes], dtype=torch.long)
+        ring = self.states.extra[RING_PART].index_select(0, slots)[:, l]
+        k, v = ring[:, 0].transpose(1, 2).to(dtype), ring[:, 1].transpose(1, 2).to(dtype)
+        pos = torch.tensor([l_.pos for l_ in lanes])[:, None]
+        held = pos - 1 - torch.remainder(pos - 1 - torch.arange(W)[None], W)
+        return k, v, held >= 0
+
+
+def test_dflash2_drafts_equal_with_and_without_the_empty_slots(model):
+    """Attention over the held slots only drafts what attention over the whole window drafts."""
+    drafter, states = _dflash2(model, window=2048)
+    whole = _WholeWindow(model, drafter.net)
+    whole.bind(None, None, states)
+    lanes = [SimpleNamespace(pos=30, state_slot=0, next_token=7), SimpleNamespace(pos=44, state_slot=1, next_token=9)]
+    short = drafter.propose(lanes, 3, states)
+    assert len(short) == 2 and all(len(d) == 3 for d in short)
+    assert whole.propose(lanes, 3, states) == short
+
+
+def test_benchmark_repeats_interleaved_with_per_backend_k(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import spec_decode
+
+    doc = spec_decode.main(["--model", "builtin:random", "--prompts", "2", "--prompt-len", "40", "--max-tokens", "6",
+                            "--backends", "none,mtp,oracle", "--rollback", "per_token", "-k", "3",
+                            "--k-for", "mtp=2", "--repeat", "2", "--out", str(tmp_path / "out.json")])
+    runs = doc["runs"]
+    assert doc["repeat"] == 2 and set(runs) == {"none", "mtp", "oracle"}
+    assert runs["mtp"]["k"] == 2 and runs["oracle"]["k"] == 3
+    assert runs["mtp"]["matches_none"] and runs["oracle"]["matches_none"]
+    assert runs["oracle"]["mean_acceptance_length"] > 1.0
+    assert math.isclose(runs["mtp"]["speedup"], runs["mtp"]["decode_tok_s"] / runs["none"]["decode_tok_s"])
+    assert (tmp_path / "out.json").is_file()
