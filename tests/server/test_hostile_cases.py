@@ -77,7 +77,7 @@ def test_case01_tiny_temperature_samples_as_greedy():
 
 def test_case01_a_sampling_failure_fails_that_request_only(world, monkeypatch):
     engine, srv, _ = world
-    import hpc_cli.engine.engine as engine_module
+    import hpc_cli.engine.decode_step as engine_module
 
     real = engine_module.sample
 
@@ -127,7 +127,7 @@ def test_case02_edge_seeds_sample(world):
 
 def test_case02_a_generator_failure_fails_that_request_only(world, monkeypatch):
     engine, srv, _ = world
-    import hpc_cli.engine.engine as engine_module
+    import hpc_cli.engine.worker as engine_module
 
     def broken(params, index, base_seed=0):
         raise OverflowError("Overflow when unpacking long")

@@ -146,7 +146,6 @@ def attach_shared_cache(engine: "Engine", url: str, *, timeout_ms: int = 2000, q
     from hpc_cli.engine.persistence import engine_fingerprint, engine_geometry
 
     from hpc_cli.engine.hybrid import HybridBinding
-    from hpc_cli.engine.lane import Lane
 
     cache = engine.cache
     if not isinstance(cache, HybridBinding) or not cache.reuse:
