@@ -13,7 +13,7 @@ import pytest
 from hpc_cli.cache import stats as cache_stats
 from hpc_cli.cache.host import HostSlabPool
 from hpc_cli.cache.tree import BlockTree
-from hpc_cli.engine import hybrid
+from hpc_cli.engine.hybrid import binding as hybrid
 from hpc_cli.engine.api import GenerationRequest, SamplingParams
 from hpc_cli.engine.engine import Engine
 from hpc_cli.memory.host_slabs import HostSlabStorage
