@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from hpc_cli.engine.binding import Admission, BindingContext, Blocked, Residency, entitlement
 from hpc_cli.errors import EngineError
-from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage
+from hpc_cli.memory.bundle import BundleLayout
+from hpc_cli.memory.host_slabs import HostSlabStorage
 from hpc_cli.memory.pools import DeviceKVPool, PageState
 
 if TYPE_CHECKING:

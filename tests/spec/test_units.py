@@ -10,7 +10,7 @@ import torch
 
 from hpc_cli import plugins
 from hpc_cli.engine.api import SamplingParams
-from hpc_cli.memory.host_slabs import BundleLayout, round_up
+from hpc_cli.memory.bundle import BundleLayout, round_up
 from hpc_cli.memory.kv_pool import PagedKVStorage
 from hpc_cli.memory.state_pool import StateSlots
 from hpc_cli.shapes import preset

@@ -26,7 +26,8 @@ from hpc_cli.engine.hybrid.commit import Commit
 from hpc_cli.engine.hybrid.publish import Publish
 from hpc_cli.engine.hybrid.restore import Restore
 from hpc_cli.engine.hybrid.transfers import Transfers
-from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage
+from hpc_cli.memory.bundle import BundleLayout
+from hpc_cli.memory.host_slabs import HostSlabStorage
 from hpc_cli.memory.pools import DeviceKVPool
 from hpc_cli.memory.transfer.engine import TransferEngine
 

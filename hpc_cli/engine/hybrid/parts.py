@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_cli.cache.index import PrefixIndex
 from hpc_cli.cache.taps import TapPlanner
-from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage
+from hpc_cli.memory.bundle import BundleLayout
+from hpc_cli.memory.host_slabs import HostSlabStorage
 from hpc_cli.memory.pools import DeviceKVPool
 from hpc_cli.memory.transfer.engine import TransferEngine
 from hpc_cli.memory.transfer.records import RestoreTicket

@@ -33,7 +33,8 @@ from hpc_cli.engine.legacy.config import LegacyConfig
 from hpc_cli.engine.legacy.owners import Owners
 from hpc_cli.engine.legacy.parts import LanePlan
 from hpc_cli.errors import ConfigError
-from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage, image_slab_count
+from hpc_cli.memory.bundle import BundleLayout, image_slab_count
+from hpc_cli.memory.host_slabs import HostSlabStorage
 from hpc_cli.memory.pools import DeviceKVPool, PageState
 
 if TYPE_CHECKING:
