@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from hpc_cli.engine.api import AdmittedEvent
+from hpc_cli.engine.api import AdmittedEvent, FinishReason
 from hpc_cli.engine.binding import Blocked
 from hpc_cli.engine.core import EngineCore
 from hpc_cli.errors import HpcError
@@ -17,7 +17,7 @@ class Admission(EngineCore):
     def _admit(self) -> None:
         while self._waiting:
             head = self._waiting[0]
-            if head.finish_reason == "cancelled":
+            if head.finish_reason == FinishReason.CANCELLED:
                 self._waiting.popleft()
                 self._emit_finish(head)
                 continue
@@ -32,7 +32,7 @@ class Admission(EngineCore):
                 return  # the FIFO head is never overtaken (spec §6.3)
             except HpcError as exc:
                 self._waiting.popleft()
-                head.finish_reason, head.error = "error", exc.message
+                head.finish_reason, head.error = FinishReason.ERROR, exc.message
                 self._emit_finish(head)
                 continue
             self._waiting.popleft()

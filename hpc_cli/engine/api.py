@@ -14,8 +14,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
+# the stats' types, re-exported: the server reads them through this module only
+from hpc_cli.engine.stats_types import CacheStats as CacheStats, EngineStats as EngineStats
+from hpc_cli.engine.stats_types import RequestCounts as RequestCounts, Residency as Residency
+from hpc_cli.engine.stats_types import RunSettings as RunSettings, to_json as to_json
 from hpc_cli.errors import RequestError
 
 if TYPE_CHECKING:
@@ -180,9 +185,19 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+class FinishReason(StrEnum):
+    """Why a request ended (a ``str``: it compares, formats and serialises as its value)."""
+
+    STOP = "stop"  # an end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens (or the context) reached
+    CANCELLED = "cancelled"  # the client cancelled it
+    ERROR = "error"  # it failed in the engine (alone, or the engine stopped after an error)
+    UNAVAILABLE = "unavailable"  # the server is stopping
+
+
 @dataclass(slots=True)
 class FinishEvent:
-    reason: str  # "stop" | "length" | "cancelled" | "error" | "unavailable"
+    reason: FinishReason
     usage: Usage
     error: str | None = None
     stop_text: str | None = None  # the stop string that ended it, if any
@@ -248,7 +263,7 @@ class RequestHandle:
 class Engine(Protocol):
     """What the server needs of an engine (:class:`hpc_cli.engine.engine.Engine`; the tests'
     ``FakeEngine``): a tokenizer, the model's name and context length, ``submit``, ``stop`` and
-    the published ``stats()`` document.
+    the published ``stats()`` (an :class:`EngineStats`, JSON by :func:`to_json` at the edge).
 
     The server also reads, where an engine has them (``getattr`` with a default, so a small
     engine may leave them out): ``fatal`` (why the worker stopped after an error, else None),
@@ -267,4 +282,4 @@ class Engine(Protocol):
 
     def stop(self, timeout: float | None = ...) -> None: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> EngineStats | None: ...

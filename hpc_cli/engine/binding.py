@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, ru
 from pydantic import BaseModel, ValidationError
 
 from hpc_cli.cache.keys import BLOCK_TOKENS
+from hpc_cli.engine.stats_types import CacheStats, Residency
 from hpc_cli.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -67,21 +68,6 @@ class Admission:
 
 class Blocked(Exception):
     """Admission must wait (TemporarilyBlocked): active entitlements hold the pages."""
-
-
-@dataclass(frozen=True, slots=True)
-class Residency:
-    """What a cache holds right now, in bytes, and how many reusable entries (snapshots,
-    checkpoints): the same figures for every mode (``hpc-cli bench`` plots them)."""
-
-    device_kv_bytes: int = 0
-    device_state_bytes: int = 0
-    host_bytes: int = 0
-    entries: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {"device_kv_bytes": self.device_kv_bytes, "device_state_bytes": self.device_state_bytes,
-                "host_bytes": self.host_bytes, "entries": self.entries}
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +142,7 @@ class CacheBinding(Protocol):
 
     def drain(self) -> None: ...
 
-    def stats(self, *, detailed: bool = False) -> dict[str, Any]: ...
+    def stats(self, *, detailed: bool = False) -> CacheStats: ...
 
     def residency(self) -> Residency: ...
 

@@ -10,7 +10,7 @@ import time
 import torch
 
 from hpc_cli.cache.keys import BLOCK_TOKENS
-from hpc_cli.engine.api import TokenEvent
+from hpc_cli.engine.api import FinishReason, TokenEvent
 from hpc_cli.engine.core import EngineCore
 from hpc_cli.engine.lane import Lane
 from hpc_cli.engine.media import decode_offsets
@@ -63,7 +63,7 @@ class DecodeStep(EngineCore):
         lane.usage.completion_tokens += 1
         self.counters["generated_tokens"] += 1
         if (tok in self.eos or tok in sp.stop_token_ids) and not sp.ignore_eos:
-            lane.finish_reason = "stop"
+            lane.finish_reason = FinishReason.STOP
             return
         lane.tokens.append(tok)
         lane.handle.put(ev)
@@ -71,10 +71,10 @@ class DecodeStep(EngineCore):
             lane.text += lane.decoder.push(tok)
             for s in sp.stop:
                 if s and s in lane.text:
-                    lane.finish_reason = "stop"
+                    lane.finish_reason = FinishReason.STOP
                     lane.stop_text = s
                     return
         if len(lane.generated) >= sp.max_tokens:
-            lane.finish_reason = "length"
+            lane.finish_reason = FinishReason.LENGTH
             return
         lane.next_token = tok

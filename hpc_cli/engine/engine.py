@@ -36,6 +36,7 @@ from hpc_cli.engine.lane import Lane
 from hpc_cli.engine.media import check_images, media_items
 from hpc_cli.engine.prefill_step import PrefillStep
 from hpc_cli.engine.stats import StatsPublisher, StatsRequest
+from hpc_cli.engine.stats_types import EngineStats
 from hpc_cli.engine.worker import Worker
 from hpc_cli.errors import EngineError, RequestError, UnavailableError
 
@@ -124,7 +125,7 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         self.on_fatal: list[Callable[["Engine"], None]] = []  # run by the worker once it stopped on an error
         self.seed = c.seed  # [engine] seed: the base seed of requests that name none
         self._stats_lock = threading.Lock()
-        self._stats_snapshot: dict[str, Any] = {}
+        self._stats_snapshot: EngineStats | None = None
         self._serving = False  # lanes or waiting requests (the host tier pins between, not during)
         # a host chunk finished pinning: wake the worker, which hands its slabs to the index
         self.cache.host.on_ready = lambda _ready: self._wake.set()
@@ -302,13 +303,14 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
             self._thread.join(timeout)
         self._stopped.set()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats | None:
         """The engine's stats as the worker last published them: a few times a second while it
-        works, and once more before it sleeps (running counts only, O(1) to take; /metrics)."""
+        works, and once more before it sleeps (running counts only, O(1) to take; /metrics);
+        None before the worker first published them. Each publication is a new object."""
         with self._stats_lock:
-            return dict(self._stats_snapshot) if self._stats_snapshot else {}
+            return self._stats_snapshot
 
-    def detailed_stats(self, timeout: float = 2.0) -> dict[str, Any]:
+    def detailed_stats(self, timeout: float = 2.0) -> EngineStats | None:
         """Fresh stats with what takes a walk of the cache (the snapshot table), for a client that
         asks (/v1/cache/stats, ``hpc-cli top``). The worker, the cache's only mutator (spec
         §10.9), makes them between two steps; this waits up to ``timeout`` seconds and falls back

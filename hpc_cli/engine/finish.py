@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from hpc_cli.engine.api import FinishEvent
+from hpc_cli.engine.api import FinishEvent, FinishReason
 from hpc_cli.engine.core import EngineCore
 from hpc_cli.engine.lane import Lane
 from hpc_cli.errors import HpcError
@@ -22,7 +22,7 @@ class Finish(EngineCore):
         message = exc.message if isinstance(exc, HpcError) else f"{type(exc).__name__}: {exc}"
         log.warning("request %s failed: %s", lane.request.request_id, message,
                     exc_info=None if isinstance(exc, HpcError) else exc)
-        lane.finish_reason, lane.error = "error", f"the request failed in the engine: {message}"
+        lane.finish_reason, lane.error = FinishReason.ERROR, f"the request failed in the engine: {message}"
         lane.next_token = None
 
     def _finish(self, lane: Lane, *, publish: bool = True) -> None:
@@ -36,7 +36,7 @@ class Finish(EngineCore):
 
     def _emit_finish(self, lane: Lane) -> None:
         self._by_id.pop(lane.request.request_id, None)
-        reason = lane.finish_reason or "stop"
+        reason = lane.finish_reason or FinishReason.STOP
         self.counters[f"finished_{reason}"] += 1
         self.counters["prompt_tokens"] += lane.n_prompt
         self.counters["reuse_tokens"] += lane.usage.reuse_tokens
@@ -46,7 +46,7 @@ class Finish(EngineCore):
                                     prompt_logprobs=lane.prompt_logprobs,
                                     prompt_top_logprobs=lane.prompt_top_logprobs))
 
-    def _shutdown(self, reason: str, message: str, *, publish: bool = True) -> None:
+    def _shutdown(self, reason: FinishReason, message: str, *, publish: bool = True) -> None:
         self._drain_inbox()
         for lane in list(self._lanes):
             lane.finish_reason, lane.error = reason, message

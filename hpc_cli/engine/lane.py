@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hpc_cli.engine.api import GenerationRequest, RequestHandle, Usage
+from hpc_cli.engine.api import FinishReason, GenerationRequest, RequestHandle, Usage
 from hpc_cli.engine.progress import after_prefill_pass
 
 
@@ -40,7 +40,7 @@ class Lane:
     next_token: int | None = None  # sampled but not yet processed
     backend_frontier: int | None = None  # speculative backend's committed frontier (MTP K/V), None: pos
     vision: Any = None  # hpc_cli.engine.media.LaneVision of a request with images (at its first pass)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     stop_text: str | None = None
     prefill_started_at: float | None = None  # perf_counter at its first prefill pass (progress lines)

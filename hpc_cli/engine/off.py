@@ -7,9 +7,10 @@ do not cache (disabled requests) through :meth:`OffBinding.admit_plain` and :met
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from hpc_cli.engine.binding import Admission, BindingContext, Blocked, Residency, entitlement
+from hpc_cli.engine.binding import Admission, BindingContext, Blocked, entitlement
+from hpc_cli.engine.stats_types import CacheStats, Residency
 from hpc_cli.errors import EngineError
 from hpc_cli.memory.bundle import BundleLayout
 from hpc_cli.memory.host_slabs import HostSlabStorage
@@ -126,8 +127,8 @@ class OffBinding:
     def residency(self) -> Residency:
         return Residency()
 
-    def stats(self, *, detailed: bool = False) -> dict[str, Any]:
-        return {"mode": self.mode, "pool": self.pool.counts(), "pages": self.pool.num_pages,
-                "lanes_free": len(self.free_active), "host_slabs": 0, "slab_bytes": self.host.slab_bytes,
-                "page_bytes": self.storage.page_bytes, "image_bytes": self.states.image_bytes,
-                "transfers_pending": 0, "residency": self.residency().as_dict(), **self.counters}
+    def stats(self, *, detailed: bool = False) -> CacheStats:
+        return CacheStats(mode=self.mode, pool=self.pool.counts(), pages=self.pool.num_pages,
+                          lanes_free=len(self.free_active), host_slabs=0, slab_bytes=self.host.slab_bytes,
+                          page_bytes=self.storage.page_bytes, image_bytes=self.states.image_bytes,
+                          transfers_pending=0, residency=self.residency(), counters=dict(self.counters))

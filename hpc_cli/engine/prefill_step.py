@@ -8,7 +8,7 @@ import math
 import time
 
 from hpc_cli.cache.keys import BLOCK_TOKENS
-from hpc_cli.engine.api import PrefillPass
+from hpc_cli.engine.api import FinishReason, PrefillPass
 from hpc_cli.engine.core import EngineCore
 from hpc_cli.engine.lane import Lane
 from hpc_cli.engine.media import prefill_media
@@ -59,7 +59,7 @@ class PrefillStep(EngineCore):
         tapped += timing.add_taps(time.perf_counter() - t, self.cache.counters.get("taps", 0) - taps)
         if lane.pos == lane.n_prompt and not lane.finish_reason:
             if sp.max_tokens == 0:
-                lane.finish_reason = "length"
+                lane.finish_reason = FinishReason.LENGTH
             else:
                 self._sample(lane, logits)
         t_end = time.perf_counter()

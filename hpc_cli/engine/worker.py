@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from hpc_cli.engine.api import FinishReason
 from hpc_cli.engine.core import EngineCore
 from hpc_cli.engine.lane import Lane
 from hpc_cli.engine.sampling import make_generator
@@ -66,7 +67,7 @@ class Worker(EngineCore):
                 last_stats = now
                 self._wake.wait()
                 self._wake.clear()
-            self._shutdown("unavailable", "the server is stopping")
+            self._shutdown(FinishReason.UNAVAILABLE, "the server is stopping")
             self.cache.drain()
             self.cache.host.stop_growth()
             self._take_stats()
@@ -76,7 +77,7 @@ class Worker(EngineCore):
             self.fatal = f"{type(exc).__name__}: {exc}" if not isinstance(exc, HpcError) else exc.message
             log.error("the engine stopped after an error: %s (every request fails from now on; the prefix "
                       "cache is not saved)", self.fatal, exc_info=exc)
-            self._shutdown("error", self.fatal, publish=False)
+            self._shutdown(FinishReason.ERROR, self.fatal, publish=False)
             try:  # land (or abandon) the transfers still queued so that their pins drop
                 self.cache.drain()
             except Exception:  # pragma: no cover - a broken device may fail the wait too
@@ -127,7 +128,7 @@ class Worker(EngineCore):
             elif kind == "cancel":
                 lane = self._by_id.get(item)
                 if lane is not None:
-                    lane.finish_reason = lane.finish_reason or "cancelled"
+                    lane.finish_reason = lane.finish_reason or FinishReason.CANCELLED
             elif kind == "stats":
                 self._answer_stats(item)
 
@@ -153,7 +154,7 @@ class Worker(EngineCore):
     def _step(self) -> bool:
         worked = False
         for lane in [l for l in self._lanes if l.finish_reason]:
-            self._finish(lane, publish=lane.finish_reason != "error")  # a failed lane leaves nothing
+            self._finish(lane, publish=lane.finish_reason != FinishReason.ERROR)  # a failed lane leaves nothing
             worked = True
         prefilling = [l for l in self._lanes if l.prefilling]
         if prefilling:

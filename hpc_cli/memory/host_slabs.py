@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Callable, Sequence
 
 import torch
@@ -59,6 +60,16 @@ def _cudart():
 HOST_REGISTER_FLAGS = 0x01 | 0x02
 
 
+class HostTierState(StrEnum):
+    """Where the host tier's allocation stands (a ``str``: it compares and formats as its value)."""
+
+    PINNING = "pinning"  # chunks are still being allocated and pinned
+    READY = "ready"  # every slab is ready
+    FAILED = "failed"  # a chunk failed: the tier keeps the chunks it has (``error`` says why)
+    STOPPED = "stopped"  # growth ended early (the engine stopped)
+    CLOSED = "closed"  # the memory is released
+
+
 @dataclass(frozen=True, slots=True)
 class PinProgress:
     """How far the host tier's allocation (and pinning) has come."""
@@ -68,7 +79,7 @@ class PinProgress:
     ready_chunks: int
     total_chunks: int
     slab_bytes: int
-    state: str  # "pinning" | "ready" | "failed" | "stopped" (growth ended early) | "closed"
+    state: HostTierState
     seconds: float  # since the allocation began (until it ended, once it has)
     error: str | None = None
 
@@ -81,7 +92,7 @@ class PinProgress:
         return self.total_slabs * self.slab_bytes
 
     def as_dict(self) -> dict:
-        return {"state": self.state, "ready_bytes": self.ready_bytes, "total_bytes": self.total_bytes,
+        return {"state": self.state.value, "ready_bytes": self.ready_bytes, "total_bytes": self.total_bytes,
                 "ready_slabs": self.ready_slabs, "ready_chunks": self.ready_chunks,
                 "chunks": self.total_chunks, "seconds": round(self.seconds, 3), "error": self.error}
 
@@ -230,9 +241,9 @@ class HostSlabStorage:
     def progress(self) -> PinProgress:
         """Ready and total slabs and chunks, the state and the seconds it took (any thread)."""
         end = self._t_end
-        state = ("closed" if self._closed else "failed" if self.error is not None
-                 else "ready" if self.ready_slabs == self.num_slabs
-                 else "stopped" if self._stop_growth else "pinning")
+        state = (HostTierState.CLOSED if self._closed else HostTierState.FAILED if self.error is not None
+                 else HostTierState.READY if self.ready_slabs == self.num_slabs
+                 else HostTierState.STOPPED if self._stop_growth else HostTierState.PINNING)
         return PinProgress(self.ready_slabs, self.num_slabs, len(self.chunks), len(self.chunk_sizes()),
                            self.slab_bytes, state, (end if end is not None else time.monotonic()) - self._t0,
                            self.error)

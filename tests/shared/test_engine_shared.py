@@ -18,7 +18,7 @@ from hpc_cli.cache.shared import ROOT_PATH, BlockEntry
 from hpc_cli.engine import shared as shared_mod
 from hpc_cli.engine.shared import find as shared_find
 from hpc_cli.engine.shared.writer import SlabRead, Write
-from hpc_cli.engine.api import GenerationRequest, SamplingParams
+from hpc_cli.engine.api import GenerationRequest, SamplingParams, to_json
 from hpc_cli.engine.engine import Engine
 from hpc_cli.engine.shared import attach_shared_cache
 
@@ -59,7 +59,7 @@ def settle(engine: Engine) -> dict:
     engine.stop()
     engine.check_invariants()
     assert engine.fatal is None
-    return tier.stats() if tier is not None else {}
+    return to_json(tier.stats()) if tier is not None else {}
 
 
 def _redis_values(redis_server):
@@ -168,7 +168,7 @@ def test_entries_are_written_once_by_key(model, redis_server):
     a = make(model, redis_server.url)
     run(a, p)
     a.cache.shared.flush()
-    queued = a.stats()["cache"]["shared"]["writes_queued"]
+    queued = a.stats().cache.shared.counts["writes_queued"]
     run(a, p)  # the same prompt again: nothing new to write
     ns = a.cache.shared.ns
     sa = settle(a)

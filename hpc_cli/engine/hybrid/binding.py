@@ -21,7 +21,7 @@ from hpc_cli.cache.keys import BLOCK_TOKENS
 from hpc_cli.cache.records import CacheGeometry
 from hpc_cli.cache.stats import snapshot_rows
 from hpc_cli.cache.taps import TapPlanner
-from hpc_cli.engine.binding import Residency
+from hpc_cli.engine.stats_types import HybridCacheStats, InflightBytes, Residency
 from hpc_cli.engine.hybrid.commit import Commit
 from hpc_cli.engine.hybrid.publish import Publish
 from hpc_cli.engine.hybrid.restore import Restore
@@ -106,25 +106,18 @@ class HybridBinding(Restore, Commit, Publish, Transfers):
         self.index.check_invariants()
         self.pool.check_invariants()
 
-    def stats(self, *, detailed: bool = False) -> dict[str, Any]:
+    def stats(self, *, detailed: bool = False) -> HybridCacheStats:
         """The cache's stats from running counts (O(1): the worker publishes them a few times a
         second and /metrics exports them). ``detailed`` adds what takes a walk, the snapshot
         table (``top_snapshots``): only for a client's request, served by the worker."""
         t = self.index.tally
-        out = {"index": self.index.stats(), "pool": self.pool.counts(), "pages": self.pool.num_pages,
-               "snapshot_slots": self.D, "lanes_free": len(self.free_active),
-               "host_slabs": self.host.num_slabs, "slab_bytes": self.host.slab_bytes,
-               "host_tier": self.host.progress().as_dict(),
-               "page_bytes": self.storage.page_bytes, "image_bytes": self.image_bytes,
-               "transfers_pending": self.transfer.pending,
-               "inflight": {"restore_bytes": t.restore_bytes, "write_bytes": t.write_bytes},
-               **self.counters}
-        if self.shared is not None:
-            out["shared"] = self.shared.stats()
-        out["residency"] = self.residency().as_dict()
-        if detailed:
-            out["top_snapshots"] = snapshot_rows(self.index, 16)
-        return out
+        return HybridCacheStats(
+            index=self.index.stats(), pool=self.pool.counts(), pages=self.pool.num_pages, snapshot_slots=self.D,
+            lanes_free=len(self.free_active), host_slabs=self.host.num_slabs, slab_bytes=self.host.slab_bytes,
+            host_tier=self.host.progress(), page_bytes=self.storage.page_bytes, image_bytes=self.image_bytes,
+            transfers_pending=self.transfer.pending, inflight=InflightBytes(t.restore_bytes, t.write_bytes),
+            counters=dict(self.counters), shared=self.shared.stats() if self.shared is not None else None,
+            residency=self.residency(), top_snapshots=snapshot_rows(self.index, 16) if detailed else None)
 
     def residency(self) -> Residency:
         """Bytes held on the device (cached blocks, snapshot images) and the host, and the

@@ -23,11 +23,12 @@ admission is :mod:`.admission`, publishing and evicting owners :mod:`.owners`, t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from hpc_cli.cache.catalog import Checkpoint, CheckpointCatalog, CheckpointKind, Owner, Residency
 from hpc_cli.cache.keys import BLOCK_TOKENS
-from hpc_cli.engine.binding import BindingContext, Residency as Held
+from hpc_cli.engine.binding import BindingContext
+from hpc_cli.engine.stats_types import LegacyCacheStats, Residency as Held
 from hpc_cli.engine.legacy.admission import LegacyAdmission
 from hpc_cli.engine.legacy.config import LegacyConfig
 from hpc_cli.engine.legacy.owners import Owners
@@ -253,19 +254,18 @@ class LegacyBinding(LegacyAdmission, Owners):
                     device_state_bytes=used_slots * self.states.image_bytes,
                     host_bytes=host_used * self.host.slab_bytes, entries=entries)
 
-    def stats(self, *, detailed: bool = False) -> dict[str, Any]:
-        out = {"mode": self.mode, "catalog": self.catalog.counts(), "pool": self.pool.counts(),
-               "pages": self.pool.num_pages, "page_bytes": self.storage.page_bytes,
-               "image_bytes": self.states.image_bytes, "lanes_free": len(self.free_active),
-               "device_state_slots": self.config.device_state_slots,
-               "device_state_slots_used": self.config.device_state_slots - len(self.free_slots),
-               "host_slabs": self.host.num_slabs, "slab_bytes": self.host.slab_bytes,
-               "host_kv_slabs": self.kv_slabs, "host_kv_slabs_used": self.kv_slabs_used,
-               "host_state_slots": self.host_images, "host_state_slots_used": self.images_used,
-               "host_tier": self.host.progress().as_dict(), "transfers_pending": self.transfer.pending,
-               "residency": self.residency().as_dict(), **self.counters}
+    def stats(self, *, detailed: bool = False) -> LegacyCacheStats:
+        out = LegacyCacheStats(
+            mode=self.mode, catalog=self.catalog.counts(), pool=self.pool.counts(), pages=self.pool.num_pages,
+            page_bytes=self.storage.page_bytes, image_bytes=self.states.image_bytes,
+            lanes_free=len(self.free_active), device_state_slots=self.config.device_state_slots,
+            device_state_slots_used=self.config.device_state_slots - len(self.free_slots),
+            host_slabs=self.host.num_slabs, slab_bytes=self.host.slab_bytes, host_kv_slabs=self.kv_slabs,
+            host_kv_slabs_used=self.kv_slabs_used, host_state_slots=self.host_images,
+            host_state_slots_used=self.images_used, host_tier=self.host.progress(),
+            transfers_pending=self.transfer.pending, residency=self.residency(), counters=dict(self.counters))
         if detailed:  # the checkpoints of the 16 most recently used owners, as the snapshot table's rows
-            out["top_snapshots"] = [{"id": o.id, "frontier": c.frontier, "kind": c.kind.value,
+            out.top_snapshots = [{"id": o.id, "frontier": c.frontier, "kind": c.kind.value,
                                      "residency": o.residency.value, "tail": "-", "hits": c.hits, "gdsf": None,
                                      "superseded": False}
                                     for o in sorted(self.catalog.owners.values(), key=lambda o: -o.last_used)[:16]

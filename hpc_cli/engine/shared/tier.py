@@ -20,6 +20,7 @@ from hpc_cli.engine.shared.find import StoreSearch
 from hpc_cli.engine.shared.health import Health
 from hpc_cli.engine.shared.lookup import Landing, Lookup, Lookups
 from hpc_cli.engine.shared.writer import Write, Writes
+from hpc_cli.engine.stats_types import SharedTierStats
 from hpc_cli.errors import ConfigError
 from hpc_cli.shared_store import SharedStore
 
@@ -87,15 +88,15 @@ class SharedTier(Lookups, StoreSearch, Writes):
         with self._lock:
             self.counts[key] += n
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> SharedTierStats:
         with self._lock:
             counts = dict(self.counts)
             queued = self._queued_bytes
-        return {"where": self.where, "namespace": self.ns, "available": not self.health.down,
-                "outages": self.health.outages, "last_error": self.health.last_error,
-                "timeout_s": self.config.timeout_s, "queued_bytes": queued,
-                "lookups": counts.pop("lookups", 0), "hits": counts.pop("hits", 0),
-                "misses": dict(self.misses), "lookup_seconds": round(self.lookup_seconds, 6), **counts}
+        return SharedTierStats(where=self.where, namespace=self.ns, available=not self.health.down,
+                               outages=self.health.outages, last_error=self.health.last_error,
+                               timeout_s=self.config.timeout_s, queued_bytes=queued,
+                               lookups=counts.pop("lookups", 0), hits=counts.pop("hits", 0),
+                               misses=dict(self.misses), lookup_seconds=round(self.lookup_seconds, 6), counts=counts)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued entry was stored (or dropped); True when the queue emptied."""
