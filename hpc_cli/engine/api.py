@@ -17,14 +17,15 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
-# the stats' types, re-exported: the server reads them through this module only
+# re-exported: the server reads the engine through this module only (tests/test_layers.py)
+from hpc_cli.engine.cache_path import check_cache_path as check_cache_path, remove_stale_temps as remove_stale_temps
 from hpc_cli.engine.stats_types import CacheStats as CacheStats, EngineStats as EngineStats
 from hpc_cli.engine.stats_types import RequestCounts as RequestCounts, Residency as Residency
 from hpc_cli.engine.stats_types import RunSettings as RunSettings, to_json as to_json
 from hpc_cli.errors import RequestError
 
 if TYPE_CHECKING:
-    from hpc_cli.engine.media import PromptImage
+    import numpy as np
 
 _ids = itertools.count(1)
 
@@ -33,6 +34,24 @@ _ids = itertools.count(1)
 GREEDY_BELOW = 1e-5
 #: the seeds a torch generator takes: [-2^63, 2^64)
 SEED_MIN, SEED_END = -(1 << 63), 1 << 64
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptImage:
+    """One image of a prompt: its patches (``[t*h*w, patch_dim]`` float32, merge-block order),
+    its grid (t, h, w) in patches, the sha256 ``digest`` of what the tower sees, and its
+    placeholder span ``[begin, begin + length)`` in the prompt tokens (the server makes them,
+    :mod:`hpc_cli.server.vision_prompt`; :mod:`hpc_cli.engine.media` feeds them to the model)."""
+
+    pixels: "np.ndarray"
+    grid: tuple[int, int, int]
+    digest: bytes
+    begin: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.begin + self.length
 
 
 @dataclass(slots=True)
@@ -258,6 +277,19 @@ class RequestHandle:
             elif isinstance(ev, FinishEvent):
                 return tokens, ev
         raise AssertionError("event stream ended without a FinishEvent")
+
+
+class HostTier(Protocol):
+    """What the server reads of the engine's host tier (``engine.cache.host``, a
+    :class:`~hpc_cli.memory.host_slabs.HostSlabStorage`): whether its first chunk could be
+    allocated before it serves."""
+
+    num_slabs: int
+    slabs_per_chunk: int
+    ready_slabs: int
+    error: str | None
+
+    def wait_ready(self, slabs: int, timeout: float | None = None) -> int: ...
 
 
 class Engine(Protocol):
