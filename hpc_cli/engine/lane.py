@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from hpc_cli.cache.ids import StateSlot
 from hpc_cli.engine.api import FinishReason, GenerationRequest, RequestHandle, Usage
 from hpc_cli.engine.progress import after_prefill_pass
 
@@ -21,7 +22,7 @@ class Lane:
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     n_prompt: int = 0
     pos: int = 0  # tokens whose KV and state are in the lane (processed)
-    state_slot: int = -1
+    state_slot: StateSlot = StateSlot(-1)  # its own recurrent-state slot; -1 before admission
     pages: list[int] = field(default_factory=list)  # block table: page of block b
     owned: list[bool] = field(default_factory=list)  # the lane frees page b at finish
     seq: Any = None  # hpc_cli.cache.records.SequencePath, or None for a disabled/off lane

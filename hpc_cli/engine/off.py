@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from hpc_cli.cache.ids import StateSlot
 from hpc_cli.engine.binding import Admission, BindingContext, Blocked, entitlement
 from hpc_cli.engine.stats_types import CacheStats, Residency
 from hpc_cli.errors import EngineError
@@ -34,7 +35,7 @@ class OffBinding:
         self.pool = DeviceKVPool(context.storage)
         # a host tier of no slabs: the engine pins and stops it like any other
         self.host = HostSlabStorage(BundleLayout.for_storage(context.storage, context.backend_storage).slab_bytes, 0)
-        self.free_active = list(range(self.C - 1, -1, -1))
+        self.free_active = [StateSlot(s) for s in range(self.C - 1, -1, -1)]
         self.counters: dict[str, int] = {"taps": 0, "blocked": 0}
         self.failed: str | None = None
 
@@ -101,7 +102,7 @@ class OffBinding:
         lane.pages, lane.owned = [], []
         if lane.state_slot >= 0:
             self.free_active.append(lane.state_slot)
-            lane.state_slot = -1
+            lane.state_slot = StateSlot(-1)
 
     # ------------------------------------------------------------------ transfers (none)
     @property

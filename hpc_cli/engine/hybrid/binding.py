@@ -21,6 +21,7 @@ from hpc_cli.cache.keys import BLOCK_TOKENS
 from hpc_cli.cache.records import CacheGeometry
 from hpc_cli.cache.stats import snapshot_rows
 from hpc_cli.cache.taps import TapPlanner
+from hpc_cli.cache.ids import StateSlot
 from hpc_cli.engine.stats_types import HybridCacheStats, InflightBytes, Residency
 from hpc_cli.engine.hybrid.commit import Commit
 from hpc_cli.engine.hybrid.publish import Publish
@@ -85,8 +86,8 @@ class HybridBinding(Restore, Commit, Publish, Transfers):
 
         self.transfer = make(storage, self.host, state=states, layer_order=layer_order_for_shape(model.shape()),
                              **({"backend": backend_storage} if backend_storage is not None else {}))
-        self.free_active = list(range(lanes - 1, -1, -1))
-        self.snap_phys = [lanes + k for k in range(self.D)]  # index snapshot slot -> state slot
+        self.free_active = [StateSlot(s) for s in range(lanes - 1, -1, -1)]
+        self.snap_phys = [StateSlot(lanes + k) for k in range(self.D)]  # index snapshot slot -> state slot
         self.jobs: dict[int, tuple[str, Any]] = {}  # transfer job id -> (kind, index batch)
         self.failed: str | None = None
         self.counters = {"restored_host_bytes": 0, "taps": 0, "taps_skipped": 0, "endpoints": 0,

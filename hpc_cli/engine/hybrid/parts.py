@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_cli.cache.index import PrefixIndex
 from hpc_cli.cache.taps import TapPlanner
+from hpc_cli.cache.ids import StateSlot
 from hpc_cli.memory.bundle import BundleLayout
 from hpc_cli.memory.host_slabs import HostSlabStorage
 from hpc_cli.memory.pools import DeviceKVPool
@@ -38,8 +39,8 @@ class BindingParts:
     index: PrefixIndex
     pool: DeviceKVPool
     transfer: TransferEngine
-    free_active: list[int]
-    snap_phys: list[int]
+    free_active: list[StateSlot]  # the lanes' own state slots not in use
+    snap_phys: list[StateSlot]  # index snapshot slot -> the state slot holding its image
     jobs: dict[int, tuple[str, Any]]
     failed: str | None
     counters: dict[str, int]

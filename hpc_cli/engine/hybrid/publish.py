@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hpc_cli.cache.ids import StateSlot
 from hpc_cli.cache.keys import BLOCK_TOKENS, token_bytes
 from hpc_cli.cache.snapshot import SnapshotKind
 from hpc_cli.engine.hybrid.parts import BindingParts
@@ -104,4 +105,4 @@ class Publish(BindingParts):
         lane.pages, lane.owned = [], []
         if lane.state_slot >= 0:
             self.free_active.append(lane.state_slot)
-            lane.state_slot = -1
+            lane.state_slot = StateSlot(-1)

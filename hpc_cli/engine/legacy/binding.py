@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from hpc_cli.cache.catalog import Checkpoint, CheckpointCatalog, CheckpointKind, Owner, Residency
 from hpc_cli.cache.keys import BLOCK_TOKENS
+from hpc_cli.cache.ids import StateSlot
 from hpc_cli.engine.binding import BindingContext
 from hpc_cli.engine.stats_types import LegacyCacheStats, Residency as Held
 from hpc_cli.engine.legacy.admission import LegacyAdmission
@@ -66,8 +67,8 @@ class LegacyBinding(LegacyAdmission, Owners):
         self.catalog = CheckpointCatalog(config.limits)
         self.pool = DeviceKVPool(context.storage)
         self.refs = [0] * self.pool.num_pages  # holders of each page: owners and lanes
-        self.free_active = list(range(self.C - 1, -1, -1))
-        self.free_slots = list(range(self.C + config.device_state_slots - 1, self.C - 1, -1))
+        self.free_active = [StateSlot(s) for s in range(self.C - 1, -1, -1)]
+        self.free_slots = [StateSlot(s) for s in range(self.C + config.device_state_slots - 1, self.C - 1, -1)]
         layout = BundleLayout.for_storage(context.storage)
         self.image_slabs = image_slab_count(self.states.image_bytes, layout.slab_bytes)
         self.kv_slabs = (config.host_kv_mib * MiB) // layout.slab_bytes
@@ -114,7 +115,7 @@ class LegacyBinding(LegacyAdmission, Owners):
             self._evict(victim)
         return True
 
-    def _slot(self, exclude: Sequence[Owner] = ()) -> int | None:
+    def _slot(self, exclude: Sequence[Owner] = ()) -> StateSlot | None:
         """A free device state slot, demoting the least recently used owner for one if needed."""
         if not self.free_slots:
             victim = next(self.catalog.lru(Residency.DEVICE, exclude), None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hpc_cli.cache.catalog import Checkpoint, CheckpointKind, Owner, Residency
+from hpc_cli.cache.ids import StateSlot
 from hpc_cli.cache.keys import BLOCK_TOKENS
 from hpc_cli.engine.legacy.parts import LanePlan, LegacyParts
 
@@ -30,7 +31,7 @@ class Owners(LegacyParts):
         lane.pages, lane.owned = [], []
         if lane.state_slot >= 0:
             self.free_active.append(lane.state_slot)
-            lane.state_slot = -1
+            lane.state_slot = StateSlot(-1)
 
     def _publish(self, lane: "Lane", plan: LanePlan) -> None:
         """The lane's new private continuation: its anchors, the anchors it inherits from the

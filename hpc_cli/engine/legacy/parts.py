@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hpc_cli.cache.catalog import Checkpoint, CheckpointCatalog, CheckpointKind, Owner
+from hpc_cli.cache.ids import StateSlot
 from hpc_cli.engine.binding import BindingContext
 from hpc_cli.engine.legacy.config import LegacyConfig
 from hpc_cli.memory.host_slabs import HostSlabStorage
@@ -42,8 +43,8 @@ class LegacyParts:
     catalog: CheckpointCatalog
     pool: DeviceKVPool
     refs: list[int]
-    free_active: list[int]
-    free_slots: list[int]
+    free_active: list[StateSlot]  # the lanes' own state slots not in use
+    free_slots: list[StateSlot]  # the mode's checkpoint slots not in use
     image_slabs: int
     kv_slabs: int
     host_images: int
