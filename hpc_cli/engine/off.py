@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from hpc_cli.cache.ids import StateSlot
-from hpc_cli.engine.binding import Admission, BindingContext, Blocked, entitlement
+from hpc_cli.engine.binding import Admission, BindingContext, Blocked, admissible_pages, start_from_root
 from hpc_cli.engine.stats_types import CacheStats, Residency
-from hpc_cli.errors import EngineError
 from hpc_cli.memory.bundle import BundleLayout
 from hpc_cli.memory.host_slabs import HostSlabStorage
 from hpc_cli.memory.pools import DeviceKVPool, PageState
@@ -46,23 +45,12 @@ class OffBinding:
     def admit_plain(self, lane: "Lane") -> Admission:
         """Private pages for the lane's whole entitlement and a reset state; Blocked when the
         pages or lanes are taken."""
-        if not self.free_active:
-            raise Blocked("no free lane")
-        ent = entitlement(lane.n_prompt, lane.max_tokens)
-        if ent > self.pool.num_pages:
-            raise EngineError(f"the request needs {ent} KV pages ({lane.n_prompt} prompt + {lane.max_tokens} "
-                              f"output tokens), the device pool holds {self.pool.num_pages}",
-                              hint="lower max_tokens or the prompt, or raise engine.kv_capacity")
+        ent = admissible_pages(lane, len(self.free_active), self.pool.num_pages)
         self.make_room(ent)
         if ent > self.pool.num_free:
             self.counters["blocked"] += 1
             raise Blocked("pages held by active lanes")
-        lane.pages = self.pool.alloc(ent, PageState.ACTIVE)
-        lane.owned = [True] * ent
-        lane.state_slot = self.free_active.pop()
-        self.states.reset(lane.state_slot)
-        lane.pos = 0
-        lane.taps = []
+        start_from_root(lane, self.pool.alloc(ent, PageState.ACTIVE), self.free_active.pop(), self.states)
         return Admission(0, 0, 0)
 
     def make_room(self, pages: int) -> None:

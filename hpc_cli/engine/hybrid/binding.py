@@ -13,11 +13,9 @@ committed or published: lanes get private pages and a reset state.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 from hpc_cli.cache.index import PrefixIndex
-from hpc_cli.cache.keys import BLOCK_TOKENS
 from hpc_cli.cache.records import CacheGeometry
 from hpc_cli.cache.stats import snapshot_rows
 from hpc_cli.cache.taps import TapPlanner
@@ -100,8 +98,6 @@ class HybridBinding(Restore, Commit, Publish, Transfers):
     def image_bytes(self) -> int:
         return self.states.image_bytes
 
-    def entitlement(self, n_prompt: int, max_tokens: int) -> int:
-        return max(1, math.ceil((n_prompt + max_tokens) / BLOCK_TOKENS))
     # ------------------------------------------------------------------ checks and stats
     def check_invariants(self) -> None:
         self.index.check_invariants()

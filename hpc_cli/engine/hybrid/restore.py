@@ -11,7 +11,7 @@ from hpc_cli.cache.keys import BLOCK_TOKENS
 from hpc_cli.cache.records import Readiness, StaleQuote
 from hpc_cli.cache.taps import Placement, Tap, TapHint as PlannerHint, TapSource
 from hpc_cli.engine.api import TapHint
-from hpc_cli.engine.binding import Admission, Blocked
+from hpc_cli.engine.binding import Admission, Blocked, admissible_pages, entitlement, start_from_root
 from hpc_cli.engine.hybrid.parts import BindingParts
 from hpc_cli.engine.lane import Lane
 from hpc_cli.errors import EngineError
@@ -58,13 +58,7 @@ class Restore(BindingParts):
         ``siblings``: lanes still prefilling, for in-flight coalescing (spec §12.2)."""
         self.settle_prefetch()
         self.poll()
-        if not self.free_active:
-            raise Blocked("no free lane")
-        ent = self.entitlement(lane.n_prompt, lane.max_tokens)
-        if ent > self.pool.num_pages:
-            raise EngineError(f"the request needs {ent} KV pages ({lane.n_prompt} prompt + {lane.max_tokens} "
-                              f"output tokens), the device pool holds {self.pool.num_pages}",
-                              hint="lower max_tokens or the prompt, or raise engine.kv_capacity")
+        ent = admissible_pages(lane, len(self.free_active), self.pool.num_pages)
         if not (self.reuse and lane.request.cache_enabled):
             return self._admit_plain(lane, ent)
         if lane.request.sampling.prompt_logprobs:
@@ -194,7 +188,7 @@ class Restore(BindingParts):
         if self._prefetch_last == key:
             return 0
         self._prefetch_last = key
-        ent = self.entitlement(lane.n_prompt, lane.max_tokens)
+        ent = entitlement(lane.n_prompt, lane.max_tokens)
         q = self.index.quote(lane.prepared, entitlement_pages=ent, free_pages=self.pool.num_free,
                              total_pages=self.pool.num_pages)
         nodes = self.index.prefetch_candidates(q, limit)
@@ -230,10 +224,5 @@ class Restore(BindingParts):
             raise Blocked("pages held by active lanes")
         if ent > self.pool.num_free:
             self._free_pages(self.index.evict_device(ent - self.pool.num_free).pages)
-        lane.pages = self.pool.alloc(ent, PageState.ACTIVE)
-        lane.owned = [True] * ent
-        lane.state_slot = self.free_active.pop()
-        self.states.reset(lane.state_slot)
-        lane.pos = 0
-        lane.taps = []
+        start_from_root(lane, self.pool.alloc(ent, PageState.ACTIVE), self.free_active.pop(), self.states)
         return Admission(0, 0, 0)

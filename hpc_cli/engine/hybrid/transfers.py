@@ -50,20 +50,12 @@ class Transfers(BindingParts):
             if not c.ok:
                 self.counters["transfer_failures"] += 1
                 self.failed = f"{kind} transfer {c.job_id} failed: {c.error}"
-                self._abandon(kind, batch)
-                continue
-            if kind == "restore":
-                self.index.land_restore(batch)
-                self.pool.land([bt.pages[0] for bt in batch.blocks])
-                if batch.snapshot is not None and batch.snapshot.tail_pages is not None:
-                    self.pool.land([batch.snapshot.tail_pages[0]])
-            else:
-                self.index.land_write(batch)
-                if self.shared is not None:
-                    self.shared.written(batch)  # write-behind to the shared tier, once per key
+            self._land(kind, batch)  # a failed one lands too: its pins drop, its copies are dropped
+            if c.ok and kind != "restore" and self.shared is not None:
+                self.shared.written(batch)  # write-behind to the shared tier, once per key
 
-    def _abandon(self, kind: str, batch) -> None:
-        """A failed transfer: land it so its pins drop, then drop the copies it was making."""
+    def _land(self, kind: str, batch) -> None:
+        """Land a finished (or failed) copy in the index and the device pool."""
         if kind == "restore":
             self.index.land_restore(batch)
             self.pool.land([bt.pages[0] for bt in batch.blocks])

@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from hpc_cli.cache.catalog import CheckpointKind, Owner, Residency
 from hpc_cli.cache.keys import BLOCK_TOKENS
-from hpc_cli.engine.binding import Admission, Blocked, entitlement
+from hpc_cli.engine.binding import Admission, Blocked, admissible_pages, start_from_root
 from hpc_cli.engine.legacy.parts import LanePlan, LegacyParts
-from hpc_cli.errors import EngineError
 from hpc_cli.memory.pools import PageState
 from hpc_cli.memory.transfer.records import RestoreBatch
 
@@ -23,13 +22,7 @@ class LegacyAdmission(LegacyParts):
 
     def admit(self, lane: "Lane", siblings: Sequence["Lane"] = ()) -> Admission:
         self.poll()
-        if not self.free_active:
-            raise Blocked("no free lane")
-        ent = entitlement(lane.n_prompt, lane.max_tokens)
-        if ent > self.pool.num_pages:
-            raise EngineError(f"the request needs {ent} KV pages ({lane.n_prompt} prompt + {lane.max_tokens} "
-                              f"output tokens), the device pool holds {self.pool.num_pages}",
-                              hint="lower max_tokens or the prompt, or raise engine.kv_capacity")
+        ent = admissible_pages(lane, len(self.free_active), self.pool.num_pages)
         req = lane.request
         if not req.cache_enabled or req.sampling.prompt_logprobs or lane.prepared.media:
             return self._admit_plain(lane, ent, LanePlan(cached=False))
@@ -96,13 +89,9 @@ class LegacyAdmission(LegacyParts):
         if not self._make_room(ent):
             self.counters["blocked"] += 1
             raise Blocked("pages held by active lanes")
-        lane.pages = self.pool.alloc(ent, PageState.ACTIVE)
-        self._incref(lane.pages)
-        lane.owned = [True] * ent
-        lane.state_slot = self.free_active.pop()
-        self.states.reset(lane.state_slot)
-        lane.pos = 0
-        lane.taps = []
+        pages = self.pool.alloc(ent, PageState.ACTIVE)
+        self._incref(pages)
+        start_from_root(lane, pages, self.free_active.pop(), self.states)
         self.plans[lane] = plan
         return Admission(0, cached, 0)
 
