@@ -45,7 +45,8 @@ import torch
 
 from hpc_cli import plugins
 from hpc_cli.errors import EngineError
-from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage, MiB, image_slab_count
+from hpc_cli.memory.bundle import BundleLayout, image_slab_count
+from hpc_cli.memory.host_slabs import HostSlabStorage, MiB
 from hpc_cli.memory.kv_pool import PagedKVStorage
 from hpc_cli.memory.state_pool import StateSlots
 from hpc_cli.memory.transfer.engine import TransferEngine

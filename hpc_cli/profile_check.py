@@ -56,7 +56,7 @@ def _value_problems(merged: dict, layers: dict, path: Path | None) -> tuple[list
     try:
         st.HpcSettings(**merged)
     except ValidationError as exc:
-        problems: list[HpcError] = [st._validation_error(_OneError(e), layers, path) for e in exc.errors()]
+        problems: list[HpcError] = [st.validation_error(_OneError(e), layers, path) for e in exc.errors()]
         keys = {".".join(str(p) for p in e["loc"] if not isinstance(p, int)) for e in exc.errors()}
         return problems, keys
     return [], set()
@@ -77,7 +77,7 @@ def _plugin_problems(merged: dict, layers: dict, path: Path | None) -> list[HpcE
         try:
             registry.canonical(value)
         except HpcError as exc:
-            where = st._describe_origin(key, st._origin(key, layers), path)
+            where = st.describe_origin(key, st.origin(key, layers), path)
             problems.append(ConfigError(f"{key} = {value!r}: {exc.message} ({where})", hint=exc.hint))
     return problems
 
@@ -131,12 +131,12 @@ def check_profile(profile: str | os.PathLike, environ: Mapping[str, str] | None 
 
     try:
         path = st.resolve_profile_path(profile)
-        layers = {"profile": st.read_profile(path), "env": st._env_layer(environ), "cli": {}}
+        layers = {"profile": st.read_profile(path), "env": st.env_layer(environ), "cli": {}}
     except HpcError as exc:
         return [exc]
     merged: dict[str, Any] = {}
     for layer in ("profile", "env"):
-        merged = st._merge(merged, layers[layer])
+        merged = st.merge(merged, layers[layer])
     problems, bad_keys = _value_problems(merged, layers, path)
     problems += _plugin_problems(merged, layers, path)
     problems += [p for p in _path_problems(merged) if not any(k in p.message for k in bad_keys)]

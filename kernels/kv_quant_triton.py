@@ -31,6 +31,11 @@ Rows are (token, KV head) pairs; a program takes ``BLOCK_R`` rows of ``D`` value
 slot skips its token (padding): its input is loaded (so the load need not wait for the slots)
 but masked out of the group maxima, the exact path and the stores. The pool planes are ``uint8`` ``[slots, H, plane_bytes]``
 contiguous; scale planes of fp16 scales are passed viewed as ``float16``.
+
+Why one file of over 450 lines: it is one kernel family. The quantise, NVFP4 and dequantise
+kernels share the ``@triton.jit`` helpers above them (the fast quotient and the proof it rests
+on, the code grids, the group maxima), and the bit-exactness argument reads top to bottom beside
+the code it covers; split, each kernel would import half of the others' helpers.
 """
 
 from __future__ import annotations

@@ -34,9 +34,6 @@ ALLOWED = {
 
 #: arrows that break the layering today, with why; none may be added, each removed once fixed
 KNOWN = {
-    ("server", "engine.cache_path"): "startup checks the prefix cache file's path before the engine exists",
-    ("server", "engine.media"): "a Vision prompt's images are handed to the engine as PromptImage",
-    ("server", "memory"): "startup waits for the host tier's first pinned chunk (HostSlabStorage, a type)",
     ("server", "model"): "the streaming detokenizer (IncrementalDecoder) and the image preprocessor",
     ("speculative", "engine.sampling"): "the verify pass samples with the engine's sampler",
 }

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from hpc_cli.bench.generate import TraceRequest
-from hpc_cli.engine.binding import Residency
+from hpc_cli.engine.api import FinishReason, Residency, to_json
 from hpc_cli.errors import ConfigError, HpcError
 
 if TYPE_CHECKING:
@@ -121,15 +121,18 @@ class EngineTarget:
         result.prompt_tokens, result.cached_tokens = u.prompt_tokens, u.reuse_tokens
         result.completion_tokens, result.ttft_s = u.completion_tokens, u.time_to_first_token
         result.finish_reason = fin.reason
-        if fin.reason == "error":
+        if fin.reason == FinishReason.ERROR:
             result.error = fin.error
 
     def residency(self) -> Residency:
-        r = (self.engine.stats().get("cache") or {}).get("residency") or {}
-        return Residency(**{k: int(v) for k, v in r.items()})
+        st = self.engine.stats()
+        return st.cache.residency if st is not None else Residency()
 
     def cache_stats(self) -> dict[str, object]:
-        return dict(self.engine.stats().get("cache") or {})
+        st = self.engine.stats()
+        doc = to_json(st.cache) if st is not None else {}
+        assert isinstance(doc, dict), "a cache's stats are an object"
+        return doc
 
     def close(self) -> None:
         """Stop the engine and let its pools go before the next mode's engine sizes its own."""

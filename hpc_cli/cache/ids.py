@@ -7,7 +7,8 @@ its own name so a seam says which one it takes (all are plain ``int`` at run tim
   tokens) in one device pool; a :data:`PageBundle` has one per pool, in pool order;
 - :data:`SlabId`: a host slab of :class:`~hpc_cli.cache.host.HostSlabPool`;
 - :data:`SnapshotSlot`: a device snapshot slot (one state image);
-- :data:`StateSlot`: a lane's own recurrent-state slot in the memory layer.
+- :data:`StateSlot`: a slot of the memory layer's recurrent-state slots: a lane's own, or the one
+  a snapshot slot's image lives in (the engine's bindings map one to the other).
 """
 
 from __future__ import annotations

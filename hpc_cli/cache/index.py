@@ -46,7 +46,7 @@ from hpc_cli.cache.snapshot import Snapshot, SnapshotKind
 from hpc_cli.cache.stats import Counters, Tally
 from hpc_cli.cache.supersession import Lineage
 from hpc_cli.cache.transfers import Transfers
-from hpc_cli.cache.tree import ABSENT, RESIDENT, BlockNode, BlockTree, MatchResult
+from hpc_cli.cache.tree import ABSENT, RESIDENT, BlockTree, MatchResult
 from hpc_cli.errors import CapacityError
 
 

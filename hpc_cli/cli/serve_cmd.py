@@ -161,10 +161,12 @@ def report_host_tier(host, echo, *, follow: bool = True, every_s: float = 5.0):
     a daemon thread, which it returns). ``host``: the engine's HostSlabStorage."""
     import threading
 
+    from hpc_cli.memory.host_slabs import HostTierState
+
     p = host.progress()
     if p.total_slabs == 0:
         return None
-    if p.state != "pinning":
+    if p.state != HostTierState.PINNING:
         _echo_host_end(p, echo)
         return None
     echo(f"host tier {_gib(p.total_bytes)}: allocating and pinning {p.total_chunks} chunks in the background, "
@@ -176,7 +178,7 @@ def report_host_tier(host, echo, *, follow: bool = True, every_s: float = 5.0):
         while True:
             host.wait_ready(host.num_slabs, timeout=every_s)
             q = host.progress()
-            if q.state != "pinning":
+            if q.state != HostTierState.PINNING:
                 _echo_host_end(q, echo)
                 return
             echo(f"host tier {_gib(q.ready_bytes)} of {_gib(q.total_bytes)} ready "
@@ -188,9 +190,11 @@ def report_host_tier(host, echo, *, follow: bool = True, every_s: float = 5.0):
 
 
 def _echo_host_end(p, echo) -> None:
-    if p.state == "ready":
+    from hpc_cli.memory.host_slabs import HostTierState
+
+    if p.state == HostTierState.READY:
         echo(f"host tier {_gib(p.total_bytes)} ready ({p.total_chunks} chunks in {p.seconds:.1f} s)")
-    elif p.state == "failed":
+    elif p.state == HostTierState.FAILED:
         echo(f"warning: host tier stopped at {_gib(p.ready_bytes)} of {_gib(p.total_bytes)}: {p.error}")
 
 

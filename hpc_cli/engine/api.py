@@ -14,12 +14,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
+# re-exported: the server reads the engine through this module only (tests/test_layers.py)
+from hpc_cli.engine.cache_path import check_cache_path as check_cache_path, remove_stale_temps as remove_stale_temps
+from hpc_cli.engine.stats_types import CacheStats as CacheStats, EngineStats as EngineStats
+from hpc_cli.engine.stats_types import RequestCounts as RequestCounts, Residency as Residency
+from hpc_cli.engine.stats_types import RunSettings as RunSettings, to_json as to_json
 from hpc_cli.errors import RequestError
 
 if TYPE_CHECKING:
-    from hpc_cli.engine.media import PromptImage
+    import numpy as np
 
 _ids = itertools.count(1)
 
@@ -28,6 +34,24 @@ _ids = itertools.count(1)
 GREEDY_BELOW = 1e-5
 #: the seeds a torch generator takes: [-2^63, 2^64)
 SEED_MIN, SEED_END = -(1 << 63), 1 << 64
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptImage:
+    """One image of a prompt: its patches (``[t*h*w, patch_dim]`` float32, merge-block order),
+    its grid (t, h, w) in patches, the sha256 ``digest`` of what the tower sees, and its
+    placeholder span ``[begin, begin + length)`` in the prompt tokens (the server makes them,
+    :mod:`hpc_cli.server.vision_prompt`; :mod:`hpc_cli.engine.media` feeds them to the model)."""
+
+    pixels: "np.ndarray"
+    grid: tuple[int, int, int]
+    digest: bytes
+    begin: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.begin + self.length
 
 
 @dataclass(slots=True)
@@ -180,9 +204,19 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+class FinishReason(StrEnum):
+    """Why a request ended (a ``str``: it compares, formats and serialises as its value)."""
+
+    STOP = "stop"  # an end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens (or the context) reached
+    CANCELLED = "cancelled"  # the client cancelled it
+    ERROR = "error"  # it failed in the engine (alone, or the engine stopped after an error)
+    UNAVAILABLE = "unavailable"  # the server is stopping
+
+
 @dataclass(slots=True)
 class FinishEvent:
-    reason: str  # "stop" | "length" | "cancelled" | "error" | "unavailable"
+    reason: FinishReason
     usage: Usage
     error: str | None = None
     stop_text: str | None = None  # the stop string that ended it, if any
@@ -245,10 +279,23 @@ class RequestHandle:
         raise AssertionError("event stream ended without a FinishEvent")
 
 
+class HostTier(Protocol):
+    """What the server reads of the engine's host tier (``engine.cache.host``, a
+    :class:`~hpc_cli.memory.host_slabs.HostSlabStorage`): whether its first chunk could be
+    allocated before it serves."""
+
+    num_slabs: int
+    slabs_per_chunk: int
+    ready_slabs: int
+    error: str | None
+
+    def wait_ready(self, slabs: int, timeout: float | None = None) -> int: ...
+
+
 class Engine(Protocol):
     """What the server needs of an engine (:class:`hpc_cli.engine.engine.Engine`; the tests'
     ``FakeEngine``): a tokenizer, the model's name and context length, ``submit``, ``stop`` and
-    the published ``stats()`` document.
+    the published ``stats()`` (an :class:`EngineStats`, JSON by :func:`to_json` at the edge).
 
     The server also reads, where an engine has them (``getattr`` with a default, so a small
     engine may leave them out): ``fatal`` (why the worker stopped after an error, else None),
@@ -267,4 +314,4 @@ class Engine(Protocol):
 
     def stop(self, timeout: float | None = ...) -> None: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> EngineStats | None: ...

@@ -38,8 +38,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, ru
 
 from pydantic import BaseModel, ValidationError
 
+from hpc_cli.cache.ids import StateSlot
 from hpc_cli.cache.keys import BLOCK_TOKENS
-from hpc_cli.errors import ConfigError
+from hpc_cli.engine.stats_types import CacheStats, Residency
+from hpc_cli.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
     from hpc_cli.model.model import TapImage
@@ -67,21 +69,6 @@ class Admission:
 
 class Blocked(Exception):
     """Admission must wait (TemporarilyBlocked): active entitlements hold the pages."""
-
-
-@dataclass(frozen=True, slots=True)
-class Residency:
-    """What a cache holds right now, in bytes, and how many reusable entries (snapshots,
-    checkpoints): the same figures for every mode (``hpc-cli bench`` plots them)."""
-
-    device_kv_bytes: int = 0
-    device_state_bytes: int = 0
-    host_bytes: int = 0
-    entries: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {"device_kv_bytes": self.device_kv_bytes, "device_state_bytes": self.device_state_bytes,
-                "host_bytes": self.host_bytes, "entries": self.entries}
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +143,7 @@ class CacheBinding(Protocol):
 
     def drain(self) -> None: ...
 
-    def stats(self, *, detailed: bool = False) -> dict[str, Any]: ...
+    def stats(self, *, detailed: bool = False) -> CacheStats: ...
 
     def residency(self) -> Residency: ...
 
@@ -168,6 +155,30 @@ class CacheBinding(Protocol):
 def entitlement(n_prompt: int, max_tokens: int) -> int:
     """Pages a request may grow to: its prompt and every output token, in 64-token pages."""
     return max(1, math.ceil((n_prompt + max_tokens) / BLOCK_TOKENS))
+
+
+def admissible_pages(lane: "Lane", free_lanes: int, pool_pages: int) -> int:
+    """The pages ``lane`` may grow to (:func:`entitlement`), checked the same in every mode:
+    :class:`Blocked` while no lane is free, EngineError when the device pool could never hold them."""
+    if not free_lanes:
+        raise Blocked("no free lane")
+    ent = entitlement(lane.n_prompt, lane.max_tokens)
+    if ent > pool_pages:
+        raise EngineError(f"the request needs {ent} KV pages ({lane.n_prompt} prompt + {lane.max_tokens} "
+                          f"output tokens), the device pool holds {pool_pages}",
+                          hint="lower max_tokens or the prompt, or raise engine.kv_capacity")
+    return ent
+
+
+def start_from_root(lane: "Lane", pages: list[int], slot: StateSlot, states: Any) -> None:
+    """Start ``lane`` from the root: ``pages`` all its own, state ``slot`` reset, no taps (a
+    plain admission in every mode)."""
+    lane.pages = pages
+    lane.owned = [True] * len(pages)
+    lane.state_slot = slot
+    states.reset(slot)
+    lane.pos = 0
+    lane.taps = []
 
 
 # ---------------------------------------------------------------------------------------------

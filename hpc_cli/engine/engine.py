@@ -5,6 +5,10 @@
 admission (a blocked head is never overtaken, spec §6.3), one prefill pass per step for the
 oldest prefilling lane (chunked, split at exact taps), then one batched decode round over every
 decoding lane. Cancellation takes effect at the next unit boundary.
+
+The worker's parts are one module each: :mod:`.worker` (its loop and step), :mod:`.admission`,
+:mod:`.prefill_step`, :mod:`.decode_step`, :mod:`.finish` and :mod:`.stats`, over the state in
+:mod:`.core`; this module builds the engine and is its public API (any thread).
 """
 
 from __future__ import annotations
@@ -12,40 +16,37 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import sys
 import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from hpc_cli import plugins
 from hpc_cli.cache.keys import BLOCK_TOKENS, prepare_prompt
-from hpc_cli.engine.api import (AdmittedEvent, FinishEvent, GenerationRequest, PrefillPass, RequestHandle,
-                                SamplingParams, TokenEvent)
-from hpc_cli.engine.binding import BindingContext, Blocked, CacheBinding, mode_options
+from hpc_cli.engine.admission import Admission
+from hpc_cli.engine.api import FinishEvent, GenerationRequest, RequestHandle, SamplingParams
+from hpc_cli.engine.binding import BindingContext, CacheBinding, mode_options
 from hpc_cli.engine.config import EngineConfig
+from hpc_cli.engine.decode_step import DecodeStep
+from hpc_cli.engine.finish import Finish
 from hpc_cli.engine.lane import Lane
-from hpc_cli.engine.media import check_images, decode_offsets, media_items, prefill_media
-from hpc_cli.engine.sampling import make_generator, prompt_logprobs, sample
-from hpc_cli.errors import EngineError, HpcError, RequestError, UnavailableError
+from hpc_cli.engine.media import check_images, media_items
+from hpc_cli.engine.prefill_step import PrefillStep
+from hpc_cli.engine.stats import StatsPublisher, StatsRequest
+from hpc_cli.engine.stats_types import EngineStats
+from hpc_cli.engine.worker import Worker
+from hpc_cli.errors import EngineError, RequestError, UnavailableError
 
 MiB = 1 << 20
 log = logging.getLogger("hpc_cli.engine")
 
 
-@dataclass(slots=True, eq=False)
-class StatsRequest:
-    """A client's request for detailed stats, answered by the worker between two steps."""
+class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher):
+    """The engine (see the module doc): built here, its worker's parts mixed in from their modules."""
 
-    done: threading.Event = field(default_factory=threading.Event)
-    result: dict[str, Any] | None = None
-
-
-class Engine:
     def __init__(self, model: Any, config: EngineConfig | None = None, **overrides: Any) -> None:
         """An engine for ``model`` built with ``config`` (keyword arguments override its fields), or
         with ``EngineConfig(**overrides)`` when no config is given."""
@@ -124,7 +125,7 @@ class Engine:
         self.on_fatal: list[Callable[["Engine"], None]] = []  # run by the worker once it stopped on an error
         self.seed = c.seed  # [engine] seed: the base seed of requests that name none
         self._stats_lock = threading.Lock()
-        self._stats_snapshot: dict[str, Any] = {}
+        self._stats_snapshot: EngineStats | None = None
         self._serving = False  # lanes or waiting requests (the host tier pins between, not during)
         # a host chunk finished pinning: wake the worker, which hands its slabs to the index
         self.cache.host.on_ready = lambda _ready: self._wake.set()
@@ -302,13 +303,14 @@ class Engine:
             self._thread.join(timeout)
         self._stopped.set()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats | None:
         """The engine's stats as the worker last published them: a few times a second while it
-        works, and once more before it sleeps (running counts only, O(1) to take; /metrics)."""
+        works, and once more before it sleeps (running counts only, O(1) to take; /metrics);
+        None before the worker first published them. Each publication is a new object."""
         with self._stats_lock:
-            return dict(self._stats_snapshot) if self._stats_snapshot else {}
+            return self._stats_snapshot
 
-    def detailed_stats(self, timeout: float = 2.0) -> dict[str, Any]:
+    def detailed_stats(self, timeout: float = 2.0) -> EngineStats | None:
         """Fresh stats with what takes a walk of the cache (the snapshot table), for a client that
         asks (/v1/cache/stats, ``hpc-cli top``). The worker, the cache's only mutator (spec
         §10.9), makes them between two steps; this waits up to ``timeout`` seconds and falls back
@@ -323,380 +325,6 @@ class Engine:
         if req.done.wait(timeout) and req.result is not None:
             return req.result
         return self.stats()
-
-    # ------------------------------------------------------------------ the worker
-    #: the published stats are refreshed at most this often while the engine works
-    STATS_PERIOD_S = 0.2
-    #: nothing to step but transfers in flight: how often they are polled
-    TRANSFER_POLL_S = 0.001
-    #: lanes or waiting requests but no step possible this round: when to look again
-    RECHECK_S = 0.05
-
-    def _run(self) -> None:
-        last_stats = 0.0
-        # Subnormal floats are handled in microcode on x86 CPUs, 10-100x slower than normal ones,
-        # and a GDN state's decayed entries fall into that range: on the CPU a cold 2.4k-token
-        # prefill took 4.8 s with them and 3.1 s flushed to zero (values below 1.2e-38). The flag
-        # is per thread: the worker, which runs every pass, sets it for itself.
-        if self.model.device.type == "cpu":
-            torch.set_flush_denormal(True)
-        try:
-            while not self._stopping.is_set():
-                self._drain_inbox()
-                self.cache.poll()
-                if self.cache.failed:
-                    raise EngineError(self.cache.failed, hint="check the device; restart the server")
-                self._admit()
-                worked = self._step()
-                busy = bool(self._lanes or self._waiting)
-                self._serve_or_pin(busy)
-                now = time.monotonic()
-                if worked or busy or self.cache.transfers_pending:
-                    if now - last_stats > self.STATS_PERIOD_S:
-                        self._take_stats()
-                        last_stats = now
-                    if not worked:  # poll transfers only while some are pending
-                        self._wake.wait(self.TRANSFER_POLL_S if self.cache.transfers_pending else self.RECHECK_S)
-                        self._wake.clear()
-                    continue
-                # idle: publish the stats as they are, then sleep until submit, cancel, stop, a
-                # stats request or a host chunk wakes the worker (no polling: an idle server
-                # uses no CPU)
-                self._take_stats()
-                last_stats = now
-                self._wake.wait()
-                self._wake.clear()
-            self._shutdown("unavailable", "the server is stopping")
-            self.cache.drain()
-            self.cache.host.stop_growth()
-            self._take_stats()
-            for hook in self.on_stop:
-                hook(self)
-        except Exception as exc:  # a fatal error: fail everything, release everything, save nothing
-            self.fatal = f"{type(exc).__name__}: {exc}" if not isinstance(exc, HpcError) else exc.message
-            log.error("the engine stopped after an error: %s (every request fails from now on; the prefix "
-                      "cache is not saved)", self.fatal, exc_info=exc)
-            self._shutdown("error", self.fatal, publish=False)
-            try:  # land (or abandon) the transfers still queued so that their pins drop
-                self.cache.drain()
-            except Exception:  # pragma: no cover - a broken device may fail the wait too
-                pass
-            self.cache.host.stop_growth()
-            self._take_stats()
-        finally:
-            self._stopping.set()
-            pending = sys.exc_info()[1]  # a BaseException, or the error path itself failed
-            if self.fatal is None and pending is not None:
-                self.fatal = f"the worker stopped: {type(pending).__name__}: {pending}"
-                log.error("the engine stopped after an error: %s", self.fatal)  # never silently
-            if self.fatal is not None:
-                self._run_fatal_hooks()
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "submit":
-                handle, prepared = item
-                self._count += 1
-                req = handle.request
-                lane = Lane(req, handle, prepared, self._count, tokens=list(req.prompt_tokens),
-                            n_prompt=len(req.prompt_tokens))
-                try:
-                    lane.generator = make_generator(req.sampling, self._count, self.seed)
-                except Exception as exc:  # this request's own parameters: it fails alone
-                    self._fail_lane(lane, exc)
-                    self._emit_finish(lane)
-                    continue
-                if self.tokenizer is not None and req.sampling.stop:
-                    from hpc_cli.model.tokenizer import IncrementalDecoder
-
-                    lane.decoder = IncrementalDecoder(self.tokenizer)
-                self._by_id[req.request_id] = lane
-                self._waiting.append(lane)
-                self.counters["requests"] += 1
-            elif kind == "call":
-                fn, fut = item
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except BaseException as exc:  # handed to the caller, not fatal to the worker
-                        fut.set_exception(exc)
-            elif kind == "cancel":
-                lane = self._by_id.get(item)
-                if lane is not None:
-                    lane.finish_reason = lane.finish_reason or "cancelled"
-            elif kind == "stats":
-                self._answer_stats(item)
-
-    def _answer_stats(self, req: "StatsRequest") -> None:
-        """A client's detailed stats, made between steps; a failure answers None (the caller
-        falls back to the published stats) and never stops the worker."""
-        try:
-            req.result = self._take_stats(detailed=True)
-        except Exception:  # noqa: BLE001 - stats must never take the engine down
-            log.exception("detailed stats failed")
-        finally:
-            req.done.set()
-
-    def _serve_or_pin(self, busy: bool) -> None:
-        """The host tier pins its next chunk only while nothing is served (a registration stalls
-        every CUDA call of the process); tell it when that changes."""
-        if busy != self._serving:
-            self._serving = busy
-            if busy:
-                self.cache.host.may_pin.clear()
-            else:
-                self.cache.host.may_pin.set()
-
-    def _admit(self) -> None:
-        while self._waiting:
-            head = self._waiting[0]
-            if head.finish_reason == "cancelled":
-                self._waiting.popleft()
-                self._emit_finish(head)
-                continue
-            if len(self._lanes) >= self.C or (not self.concurrent_prefill
-                                              and any(l.prefilling for l in self._lanes)):
-                self.cache.prefetch(head)  # spec §6.6: restore the waiting head's path meanwhile
-                return
-            try:
-                adm = self.cache.admit(head, [l for l in self._lanes if l.prefilling])
-            except Blocked:
-                self.cache.prefetch(head)
-                return  # the FIFO head is never overtaken (spec §6.3)
-            except HpcError as exc:
-                self._waiting.popleft()
-                head.finish_reason, head.error = "error", exc.message
-                self._emit_finish(head)
-                continue
-            self._waiting.popleft()
-            head.admitted_at = time.monotonic()
-            u = head.usage
-            u.prompt_tokens = head.n_prompt
-            u.reuse_tokens = adm.reuse_tokens
-            u.cached_prefix_tokens = adm.cached_prefix_tokens
-            u.queue_seconds = head.admitted_at - head.handle.submitted_at
-            u.timing.admission = u.queue_seconds
-            head.handle.put(AdmittedEvent(adm.reuse_tokens, adm.cached_prefix_tokens))
-            self._lanes.append(head)
-
-    def _step(self) -> bool:
-        worked = False
-        for lane in [l for l in self._lanes if l.finish_reason]:
-            self._finish(lane, publish=lane.finish_reason != "error")  # a failed lane leaves nothing
-            worked = True
-        prefilling = [l for l in self._lanes if l.prefilling]
-        if prefilling:
-            try:
-                self._prefill(prefilling[0])
-            except Exception as exc:  # this request's pass failed: it alone ends (a broken device
-                self._fail_lane(prefilling[0], exc)  # fails the next decode round, which is fatal)
-            worked = True
-        decoding = [l for l in self._lanes if not l.prefilling and l.next_token is not None and not l.finish_reason]
-        if decoding:
-            self._decode(decoding)
-            worked = True
-        return worked
-
-    def _prefill(self, lane: Lane) -> None:
-        timing = lane.usage.timing  # phase seconds (RequestTiming): host time, no device syncs
-        t_start = time.perf_counter()
-        waited = timing.restore_wait
-        start = lane.pos
-        end = self.cache.next_stop(lane, min(lane.n_prompt, start + self.chunk))
-        taps, t = self.cache.counters.get("taps", 0), time.perf_counter()
-        self.cache.before_pass(lane, end)
-        tapped = timing.add_taps(time.perf_counter() - t, self.cache.counters.get("taps", 0) - taps)
-        sp = lane.request.sampling
-        want_all = sp.prompt_logprobs
-        spec_kw = self.spec.prefill_kwargs() if self.spec is not None else {}
-        pre_hidden = self.spec.pre_hidden(lane) if self.spec is not None else None
-        ready = self.cache.layer_ready(lane)
-        in_pass = self.cache.pass_taps(lane, end)  # exact taps the pass takes itself (no split)
-        out = self.model.prefill(lane.tokens[start:end], start, lane.pages[:math.ceil(end / BLOCK_TOKENS)],
-                                 lane.state_slot, self.storage, self.states,
-                                 layer_ready=timing.timed_wait(ready) if ready is not None else None,
-                                 all_logits=want_all, **spec_kw, **prefill_media(self.model, lane, start, end),
-                                 **({"taps": in_pass} if in_pass else {}))
-        if self.spec is not None:
-            self.spec.after_prefill(lane, start, end, out, pre_hidden)
-        lane.pos = end
-        lane.usage.prefill_tokens += end - start
-        self.counters["prefill_tokens"] += end - start
-        logits = out.logits
-        if want_all:  # prompt_logprobs requests always prefill from the root (see HybridBinding.admit)
-            if lane.prompt_logprobs is None:
-                lane.prompt_logprobs, lane.prompt_top_logprobs = [None], [None]
-            lps, tops = prompt_logprobs(logits, lane.tokens[:lane.n_prompt], start, top=sp.logprobs or 0)
-            lane.prompt_logprobs += lps
-            lane.prompt_top_logprobs += tops
-            logits = logits[-1]
-        taps, t = self.cache.counters.get("taps", 0), time.perf_counter()
-        if in_pass:
-            self.cache.after_pass(lane, out.taps)
-        else:
-            self.cache.after_pass(lane)
-        tapped += timing.add_taps(time.perf_counter() - t, self.cache.counters.get("taps", 0) - taps)
-        if lane.pos == lane.n_prompt and not lane.finish_reason:
-            if sp.max_tokens == 0:
-                lane.finish_reason = "length"
-            else:
-                self._sample(lane, logits)
-        t_end = time.perf_counter()
-        timing.passes.append(PrefillPass(t_end - t_start - tapped - (timing.restore_wait - waited), end - start))
-        if lane.pos == lane.n_prompt:
-            timing.decode_from = t_end
-        lane.prefill_pass_done(t_start, t_end)  # progress lines of a long prefill
-
-    def _decode(self, lanes: list[Lane]) -> None:
-        if self.spec is not None:  # propose + verify per lane (docs/speculative.md)
-            self.spec.round(self._round_host, lanes)
-            self.counters["decode_rounds"] += 1
-            return
-        t0 = time.monotonic()
-        tokens = [l.next_token for l in lanes]
-        positions = [l.pos for l in lanes]
-        tables = [l.pages[:math.ceil((l.pos + 1) / BLOCK_TOKENS)] for l in lanes]
-        logits = self.model.decode(tokens, positions, tables, [l.state_slot for l in lanes],
-                                   self.storage, self.states, **decode_offsets(lanes))
-        dt = time.monotonic() - t0
-        for i, lane in enumerate(lanes):
-            lane.pos += 1
-            lane.next_token = None
-            self.cache.commit_blocks(lane)
-            if not lane.finish_reason:
-                self._sample(lane, logits[i])
-            self.itl.append(dt)
-        self.counters["decode_rounds"] += 1
-
-    def _sample(self, lane: Lane, logits: torch.Tensor) -> None:
-        try:
-            event = sample(logits, lane.request.sampling, lane.generator)
-        except Exception as exc:  # this request's sampling failed: it alone ends
-            self._fail_lane(lane, exc)
-            return
-        self._emit(lane, event)
-
-    def _fail_lane(self, lane: Lane, exc: Exception) -> None:
-        """End ``lane`` with reason "error" at the next step (published: nothing), keep serving."""
-        message = exc.message if isinstance(exc, HpcError) else f"{type(exc).__name__}: {exc}"
-        log.warning("request %s failed: %s", lane.request.request_id, message,
-                    exc_info=None if isinstance(exc, HpcError) else exc)
-        lane.finish_reason, lane.error = "error", f"the request failed in the engine: {message}"
-        lane.next_token = None
-
-    def _run_fatal_hooks(self) -> None:
-        for hook in self.on_fatal:
-            try:
-                hook(self)
-            except Exception:  # a hook's failure must not hide the engine's
-                log.exception("an engine fatal-error hook failed")
-
-    def _emit(self, lane: Lane, ev: TokenEvent) -> None:
-        """Hand one chosen token to the lane: usage, stop conditions, the event, ``next_token``."""
-        sp = lane.request.sampling
-        now = time.monotonic()
-        lane.usage.timing.last_token_at = time.perf_counter()
-        if lane.first_token_at is None:
-            lane.first_token_at = now
-            lane.usage.time_to_first_token = now - lane.handle.submitted_at
-            self.ttft.append((now, lane.usage.time_to_first_token))
-        tok = ev.token_id
-        lane.generated.append(tok)
-        lane.usage.completion_tokens += 1
-        self.counters["generated_tokens"] += 1
-        if (tok in self.eos or tok in sp.stop_token_ids) and not sp.ignore_eos:
-            lane.finish_reason = "stop"
-            return
-        lane.tokens.append(tok)
-        lane.handle.put(ev)
-        if lane.decoder is not None:
-            lane.text += lane.decoder.push(tok)
-            for s in sp.stop:
-                if s and s in lane.text:
-                    lane.finish_reason = "stop"
-                    lane.stop_text = s
-                    return
-        if len(lane.generated) >= sp.max_tokens:
-            lane.finish_reason = "length"
-            return
-        lane.next_token = tok
-
-    def _finish(self, lane: Lane, *, publish: bool = True) -> None:
-        t0 = time.perf_counter()
-        if self.spec is not None and publish:
-            self.spec.before_finish(lane)
-        self.cache.finish(lane, publish=publish)
-        self._lanes.remove(lane)
-        lane.usage.timing.finish = time.perf_counter() - t0
-        self._emit_finish(lane)
-
-    def _emit_finish(self, lane: Lane) -> None:
-        self._by_id.pop(lane.request.request_id, None)
-        reason = lane.finish_reason or "stop"
-        self.counters[f"finished_{reason}"] += 1
-        self.counters["prompt_tokens"] += lane.n_prompt
-        self.counters["reuse_tokens"] += lane.usage.reuse_tokens
-        self.counters["cached_prefix_tokens"] += lane.usage.cached_prefix_tokens
-        lane.handle.put(FinishEvent(reason, lane.usage, error=lane.error,
-                                    stop_text=getattr(lane, "stop_text", None),
-                                    prompt_logprobs=lane.prompt_logprobs,
-                                    prompt_top_logprobs=lane.prompt_top_logprobs))
-
-    def _shutdown(self, reason: str, message: str, *, publish: bool = True) -> None:
-        self._drain_inbox()
-        for lane in list(self._lanes):
-            lane.finish_reason, lane.error = reason, message
-            try:
-                self._finish(lane, publish=publish)
-            except Exception:  # never leave a caller waiting
-                if lane in self._lanes:
-                    self._lanes.remove(lane)
-                self._emit_finish(lane)
-        while self._waiting:
-            lane = self._waiting.popleft()
-            lane.finish_reason, lane.error = reason, message
-            self._emit_finish(lane)
-
-    # ------------------------------------------------------------------ stats
-    def _take_stats(self, *, detailed: bool = False) -> dict[str, Any]:
-        """Publish the stats (running counts: O(1) in the size of the cache) and return them;
-        ``detailed`` returns them with the snapshot table as well (a walk; clients only)."""
-        cache = self.cache.stats(detailed=detailed)
-        now = time.monotonic()
-        recent = [t for at, t in self.ttft if now - at <= 60]
-        snap = {
-            "model": self.model_name, "kv_profile": self.kv_profile.name,
-            "max_concurrency": self.C, "prefill_chunk": self.chunk, "uptime_s": time.time() - self.started_at,
-            "requests": {"running": len(self._lanes), "waiting": len(self._waiting),
-                         "prefilling": sum(1 for l in self._lanes if l.prefilling)},
-            "counters": dict(self.counters), "cache": cache,
-            "ttft_recent_s": recent, "fatal": self.fatal,
-            "compilations": self.compile_counts.since_warm,
-            "kernel_compilations": self.compile_counts.as_dict(),
-        }
-        if getattr(self.model, "expert_tier", None) is not None:
-            snap["experts"] = self.model.expert_tier.stats()
-        if self.spec is not None:
-            snap["speculative"] = self.spec.stats()
-        snap["settings"] = self._settings_meta()
-        published = snap
-        if detailed:
-            published = dict(snap, cache={k: v for k, v in cache.items() if k != "top_snapshots"})
-        with self._stats_lock:
-            self._stats_snapshot = published
-        return snap
-
-    def _settings_meta(self) -> dict[str, Any]:
-        """The names a client shows next to the stats (``hpc-cli top``'s header)."""
-        path = getattr(self.settings, "profile_path", None)
-        return {"kv_profile": self.kv_profile.name,
-                "speculative_backend": getattr(self.spec_backend, "name", None) or "none",
-                "cache_mode": self.cache_mode.name,
-                "profile_path": str(path) if path is not None else None}
 
     # ------------------------------------------------------------------ tests
     def check_invariants(self) -> None:

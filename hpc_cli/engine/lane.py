@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from hpc_cli.engine.api import GenerationRequest, RequestHandle, Usage
+from hpc_cli.cache.ids import StateSlot
+from hpc_cli.engine.api import FinishReason, GenerationRequest, RequestHandle, Usage
 from hpc_cli.engine.progress import after_prefill_pass
 
 
@@ -21,7 +22,7 @@ class Lane:
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     n_prompt: int = 0
     pos: int = 0  # tokens whose KV and state are in the lane (processed)
-    state_slot: int = -1
+    state_slot: StateSlot = StateSlot(-1)  # its own recurrent-state slot; -1 before admission
     pages: list[int] = field(default_factory=list)  # block table: page of block b
     owned: list[bool] = field(default_factory=list)  # the lane frees page b at finish
     seq: Any = None  # hpc_cli.cache.records.SequencePath, or None for a disabled/off lane
@@ -40,7 +41,7 @@ class Lane:
     next_token: int | None = None  # sampled but not yet processed
     backend_frontier: int | None = None  # speculative backend's committed frontier (MTP K/V), None: pos
     vision: Any = None  # hpc_cli.engine.media.LaneVision of a request with images (at its first pass)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     stop_text: str | None = None
     prefill_started_at: float | None = None  # perf_counter at its first prefill pass (progress lines)

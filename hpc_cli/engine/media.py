@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from hpc_cli.cache.keys import MediaItem
+from hpc_cli.engine.api import PromptImage
 from hpc_cli.errors import RequestError
 from hpc_cli.model.mrope import VisionSpan, rope_positions
 from hpc_cli.model.vision import IMAGE, PrefillMedia
@@ -26,23 +27,6 @@ if TYPE_CHECKING:
     from hpc_cli.engine.api import GenerationRequest
     from hpc_cli.engine.lane import Lane
     from hpc_cli.model.model import HybridModel
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class PromptImage:
-    """One image of a prompt: its patches (``[t*h*w, patch_dim]`` float32, merge-block order),
-    its grid (t, h, w) in patches, the sha256 ``digest`` of what the tower sees, and its
-    placeholder span ``[begin, begin + length)`` in the prompt tokens."""
-
-    pixels: np.ndarray
-    grid: tuple[int, int, int]
-    digest: bytes
-    begin: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.begin + self.length
 
 
 def media_items(images: Sequence[PromptImage]) -> list[MediaItem]:

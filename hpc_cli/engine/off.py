@@ -7,11 +7,13 @@ do not cache (disabled requests) through :meth:`OffBinding.admit_plain` and :met
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from hpc_cli.engine.binding import Admission, BindingContext, Blocked, Residency, entitlement
-from hpc_cli.errors import EngineError
-from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage
+from hpc_cli.cache.ids import StateSlot
+from hpc_cli.engine.binding import Admission, BindingContext, Blocked, admissible_pages, start_from_root
+from hpc_cli.engine.stats_types import CacheStats, Residency
+from hpc_cli.memory.bundle import BundleLayout
+from hpc_cli.memory.host_slabs import HostSlabStorage
 from hpc_cli.memory.pools import DeviceKVPool, PageState
 
 if TYPE_CHECKING:
@@ -32,7 +34,7 @@ class OffBinding:
         self.pool = DeviceKVPool(context.storage)
         # a host tier of no slabs: the engine pins and stops it like any other
         self.host = HostSlabStorage(BundleLayout.for_storage(context.storage, context.backend_storage).slab_bytes, 0)
-        self.free_active = list(range(self.C - 1, -1, -1))
+        self.free_active = [StateSlot(s) for s in range(self.C - 1, -1, -1)]
         self.counters: dict[str, int] = {"taps": 0, "blocked": 0}
         self.failed: str | None = None
 
@@ -43,23 +45,12 @@ class OffBinding:
     def admit_plain(self, lane: "Lane") -> Admission:
         """Private pages for the lane's whole entitlement and a reset state; Blocked when the
         pages or lanes are taken."""
-        if not self.free_active:
-            raise Blocked("no free lane")
-        ent = entitlement(lane.n_prompt, lane.max_tokens)
-        if ent > self.pool.num_pages:
-            raise EngineError(f"the request needs {ent} KV pages ({lane.n_prompt} prompt + {lane.max_tokens} "
-                              f"output tokens), the device pool holds {self.pool.num_pages}",
-                              hint="lower max_tokens or the prompt, or raise engine.kv_capacity")
+        ent = admissible_pages(lane, len(self.free_active), self.pool.num_pages)
         self.make_room(ent)
         if ent > self.pool.num_free:
             self.counters["blocked"] += 1
             raise Blocked("pages held by active lanes")
-        lane.pages = self.pool.alloc(ent, PageState.ACTIVE)
-        lane.owned = [True] * ent
-        lane.state_slot = self.free_active.pop()
-        self.states.reset(lane.state_slot)
-        lane.pos = 0
-        lane.taps = []
+        start_from_root(lane, self.pool.alloc(ent, PageState.ACTIVE), self.free_active.pop(), self.states)
         return Admission(0, 0, 0)
 
     def make_room(self, pages: int) -> None:
@@ -99,7 +90,7 @@ class OffBinding:
         lane.pages, lane.owned = [], []
         if lane.state_slot >= 0:
             self.free_active.append(lane.state_slot)
-            lane.state_slot = -1
+            lane.state_slot = StateSlot(-1)
 
     # ------------------------------------------------------------------ transfers (none)
     @property
@@ -125,8 +116,8 @@ class OffBinding:
     def residency(self) -> Residency:
         return Residency()
 
-    def stats(self, *, detailed: bool = False) -> dict[str, Any]:
-        return {"mode": self.mode, "pool": self.pool.counts(), "pages": self.pool.num_pages,
-                "lanes_free": len(self.free_active), "host_slabs": 0, "slab_bytes": self.host.slab_bytes,
-                "page_bytes": self.storage.page_bytes, "image_bytes": self.states.image_bytes,
-                "transfers_pending": 0, "residency": self.residency().as_dict(), **self.counters}
+    def stats(self, *, detailed: bool = False) -> CacheStats:
+        return CacheStats(mode=self.mode, pool=self.pool.counts(), pages=self.pool.num_pages,
+                          lanes_free=len(self.free_active), host_slabs=0, slab_bytes=self.host.slab_bytes,
+                          page_bytes=self.storage.page_bytes, image_bytes=self.states.image_bytes,
+                          transfers_pending=0, residency=self.residency(), counters=dict(self.counters))

@@ -21,6 +21,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,22 @@ class SaveControl:
     saved_bytes: int = 0
 
 
+class LoadStatus(StrEnum):
+    """What loading the prefix cache file came to (a ``str``: it compares and formats as its value)."""
+
+    RESTORED = "restored"  # every snapshot of the file is in the host tier
+    PARTIAL = "partial"  # some of them (the host tier is smaller than the file)
+    NOT_RESTORED = "not_restored"  # none fit
+    MISSING = "missing"  # no file yet
+    MISMATCH = "mismatch"  # the file is for another engine (fingerprint or geometry)
+    DAMAGED = "damaged"  # the file does not read (checksum, truncation, format)
+    DISABLED = "disabled"  # no host tier to load into
+
+
 @dataclass
 class LoadReport:
     path: Path
-    status: str  # "restored", "partial", "not_restored", "missing", "mismatch", "damaged", "disabled"
+    status: LoadStatus
     reason: str | None = None
     error: CacheFileError | None = None
     blocks: int = 0
@@ -74,7 +87,7 @@ class LoadReport:
 
     @property
     def loaded(self) -> bool:
-        return self.status in ("restored", "partial")
+        return self.status in (LoadStatus.RESTORED, LoadStatus.PARTIAL)
 
 
 # ------------------------------------------------------------------ fingerprint
@@ -156,14 +169,14 @@ def load_cache_file(engine: Any, path: str | Path, *, progress: bool = True) -> 
     path = Path(path)
     cache = engine.cache
     index = cache.index
-    report = LoadReport(path, "missing")
+    report = LoadReport(path, LoadStatus.MISSING)
     t0 = time.perf_counter()
     cf = open_cache_file(path)
     diff = fingerprint_diff(cf.fingerprint, engine_fingerprint(engine))
     gdiff = geometry_diff(cf.geometry, engine_geometry(engine))
     report.saved_snapshots = len(cf.snapshots)
     if diff or gdiff:
-        report.status = "mismatch"
+        report.status = LoadStatus.MISMATCH
         report.reason = ("fingerprint differs in " + ", ".join(diff)) if diff else \
             ("host geometry differs in " + ", ".join(gdiff))
         return report
@@ -177,7 +190,7 @@ def load_cache_file(engine: Any, path: str | Path, *, progress: bool = True) -> 
         plan = plan_host_restore(cf, free, index.cost)
     report.need_host_bytes = plan.total_slabs * cf.geometry.slab_bytes
     if not plan.snapshots:
-        report.status = "not_restored"
+        report.status = LoadStatus.NOT_RESTORED
         report.reason = f"the host tier ({free} slabs) holds none of the snapshots; the file needs {_need(cf, plan.total_slabs)}"
         return report
     host = cache.host
@@ -206,7 +219,7 @@ def load_cache_file(engine: Any, path: str | Path, *, progress: bool = True) -> 
     report.blocks, report.snapshots = adopt_plan(index, cf, plan, mapping)
     report.bytes_read = total
     report.seconds = time.perf_counter() - t0
-    report.status = "restored" if plan.complete else "partial"
+    report.status = LoadStatus.RESTORED if plan.complete else LoadStatus.PARTIAL
     if not plan.complete:
         report.reason = (f"kept {report.snapshots} of {report.saved_snapshots} snapshots; "
                          f"the file needs {_need(cf, plan.total_slabs)}")
@@ -231,7 +244,7 @@ def attach_cache_file(engine: Any, path: str | Path, *, progress: bool = True,
         raise ConfigError(f"cache mode {cache.mode!r} keeps no prefix cache file",
                           hint="remove cache.prefix_cache_file, or set cache.mode = 'hybrid'")
     if not cache.reuse or cache.host.num_slabs == 0:
-        report = LoadReport(path, "disabled", reason="no host tier (cache.host_cache_mib is 0 or reuse is off)",
+        report = LoadReport(path, LoadStatus.DISABLED, reason="no host tier (cache.host_cache_mib is 0 or reuse is off)",
                             control=control)
         log.warning("prefix cache file %s not used: %s", path, report.reason)
         return report
@@ -239,9 +252,9 @@ def attach_cache_file(engine: Any, path: str | Path, *, progress: bool = True,
         if path.exists():
             report = load_cache_file(engine, path, progress=progress)
         else:
-            report = LoadReport(path, "missing", reason="no file yet; the orderly stop writes it")
+            report = LoadReport(path, LoadStatus.MISSING, reason="no file yet; the orderly stop writes it")
     except CacheFileError as exc:
-        report = LoadReport(path, "damaged", reason=exc.message, error=exc)
+        report = LoadReport(path, LoadStatus.DAMAGED, reason=exc.message, error=exc)
     report.control = control
     _log_load(report)
     if save:
@@ -257,13 +270,13 @@ def _log_load(r: LoadReport) -> None:
     if r.loaded:
         log.info("prefix cache read | %d MiB | %.2f s | %s", r.bytes_read // MiB, r.seconds,
                  _rate(r.bytes_read, r.seconds))
-    if r.status == "restored":
+    if r.status == LoadStatus.RESTORED:
         log.info("prefix cache restored: %d snapshots, %d blocks from %s", r.snapshots, r.blocks, r.path)
-    elif r.status == "partial":
+    elif r.status == LoadStatus.PARTIAL:
         log.warning("prefix cache partly restored: %s", r.reason)
-    elif r.status == "not_restored":
+    elif r.status == LoadStatus.NOT_RESTORED:
         log.warning("prefix cache not restored: %s; the save at shutdown keeps the file aside", r.reason)
-    elif r.status in ("mismatch", "damaged"):
+    elif r.status in (LoadStatus.MISMATCH, LoadStatus.DAMAGED):
         log.warning("prefix cache not restored from %s: %s; the save at shutdown keeps the file aside",
                     r.path, r.reason)
         if r.error is not None and r.error.hint:
@@ -323,7 +336,7 @@ def _save_hook(engine: Any, *, path: Path, control: SaveControl, aside: Path | N
 # ------------------------------------------------------------------ files that are not ours
 #: load outcomes whose file the save keeps aside instead of replacing (another fingerprint or
 #: geometry, a damaged or other-format file, a cache none of which fitted the host tier)
-KEEP_ASIDE = ("mismatch", "damaged", "not_restored")
+KEEP_ASIDE = (LoadStatus.MISMATCH, LoadStatus.DAMAGED, LoadStatus.NOT_RESTORED)
 
 
 def holds_other_data(path: Path) -> bool:

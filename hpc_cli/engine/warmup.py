@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from hpc_cli.cache.keys import BLOCK_TOKENS
+
 if TYPE_CHECKING:
     from hpc_cli.engine.engine import Engine
 
@@ -55,7 +57,7 @@ def plan(engine: "Engine") -> WarmupPlan:
                           *([top] if top % pad else [])})
     else:  # unpadded (MoE): the lengths a pass can have are too many; warm the chunk and short passes
         lengths = sorted({*(n for n in SHORT_LENGTHS if n <= top), top})
-    widest = 1 << max(3, (-(-engine.max_model_len // 64) - 1).bit_length())
+    widest = 1 << max(3, (-(-engine.max_model_len // BLOCK_TOKENS) - 1).bit_length())
     widths = []
     w = 8
     while w <= widest:
@@ -92,7 +94,7 @@ def run_shapes(engine: "Engine", shapes: WarmupPlan,
     slots = min(graphs.tap_slots, getattr(engine.cache, "in_pass_taps", 0)) if graphs is not None else 0
     for n in shapes.prefill_lengths:
         tokens = [(7 * i + 3) % max(2, vocab - 1) + 1 for i in range(n)]
-        table = [i % num_pages for i in range(-(-n // 64))]
+        table = [i % num_pages for i in range(-(-n // BLOCK_TOKENS))]
         variants = [[]] + ([[n * (j + 1) // (slots + 1) for j in range(slots)]] if slots and n > slots else [])
         for tapped in variants:
             for _ in range(2 if graphs is not None else 1):  # eager, then the capture of its graph
@@ -109,8 +111,8 @@ def run_shapes(engine: "Engine", shapes: WarmupPlan,
     report.prefill_s = t1 - t0 - report.first_prefill_s
     for B in shapes.decode_batches:
         for W in shapes.decode_widths:
-            p = min(W * 64, engine.max_model_len) - 1
-            need = p // 64 + 1
+            p = min(W * BLOCK_TOKENS, engine.max_model_len) - 1
+            need = p // BLOCK_TOKENS + 1
             tables = [[(b * need + i) % num_pages for i in range(need)] for b in range(B)]
             slots = list(range(B))
             for s in slots:

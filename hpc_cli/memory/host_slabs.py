@@ -17,21 +17,14 @@ registration held a concurrent matmul loop for 1.3 s), so between chunks the thr
 registrations (the driver refuses it), so one chunk is one registration. A failed chunk ends
 the growth: the tier keeps the chunks it has, ``error`` says why and a warning is logged.
 
-A slab holds one *block bundle* (:class:`BundleLayout`): the main pool's page, every layer's
-planes back to back (layer-major, planes in profile order), then the backend pool's page at the
-next 4 KiB boundary; ``slab_bytes`` is that record rounded up to 4 KiB. A state image takes
-``ceil(image_bytes / slab_bytes)`` slabs wherever they are free; the image's packed byte ``o``
-lives in its ``o // slab_bytes``-th slab at offset ``o % slab_bytes``.
+A slab holds one *block bundle* (:class:`~hpc_cli.memory.bundle.BundleLayout`); a state image
+takes ``ceil(image_bytes / slab_bytes)`` slabs wherever they are free, and the image's packed
+byte ``o`` lives in its ``o // slab_bytes``-th slab at offset ``o % slab_bytes``. Copy runs
+between device pages and slabs are planned by :func:`~hpc_cli.memory.slab_runs.plan_runs`.
 
 Which slab ids are free or owned is accounted by ``hpc_cli.cache.host.HostSlabPool``; this module
 holds the bytes and plans copies given ids. Its chunk geometry (``slabs_per_chunk =
 chunk_bytes // slab_bytes``) is the same as the index's.
-
-:func:`plan_runs` groups ``(page, slab)`` pairs into runs that one ``cudaMemcpy2DAsync`` per
-plane can move: consecutive entries whose pages and slabs each advance by one constant positive
-stride, inside one chunk, with both pitches within the device's maximum copy pitch. Any two
-records form a candidate run, so records in different chunks, or gigabytes apart in one, are
-split explicitly (a 52 GB host tier otherwise produced an invalid 2-D copy: spec §5.4).
 """
 
 from __future__ import annotations
@@ -40,139 +33,20 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from enum import StrEnum
+from typing import Callable, Sequence
 
 import torch
 
 from hpc_cli.errors import CapacityError
+from hpc_cli.memory.bundle import SLAB_ALIGN, image_slab_count
 from hpc_cli.memory.cudart import mapped_device_pointer
-
-if TYPE_CHECKING:
-    from hpc_cli.memory.kv_pool import PagedKVStorage
 
 log = logging.getLogger("hpc_cli.memory")
 
 MiB = 1 << 20
 GiB = 1 << 30
 CHUNK_BYTES = 4 * GiB
-SLAB_ALIGN = 4096
-#: cudaDevAttrMaxPitch of current NVIDIA GPUs (2^31 - 1); the CUDA engine reads the real value.
-DEFAULT_MAX_PITCH = (1 << 31) - 1
-
-
-def round_up(n: int, align: int = SLAB_ALIGN) -> int:
-    return -(-n // align) * align
-
-
-def image_slab_count(image_bytes: int, slab_bytes: int) -> int:
-    """Slabs one state image occupies: ``ceil(image_bytes / slab_bytes)``."""
-    return -(-image_bytes // slab_bytes)
-
-
-# -- bundle layout ---------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class BundleLayout:
-    """Where each (pool, layer, plane) page of one block lives inside its slab.
-
-    ``main_plane_bytes[j]`` is the bytes of one page of plane ``j`` (the same in every layer);
-    the main page is ``main_layers`` layers of those planes back to back, layer-major. The
-    backend page (its own pool, ``backend_*``) starts at the next 4 KiB boundary.
-    """
-
-    main_plane_bytes: tuple[int, ...]
-    main_layers: int
-    backend_plane_bytes: tuple[int, ...] = ()
-    backend_layers: int = 0
-
-    @classmethod
-    def for_storage(cls, main: "PagedKVStorage", backend: "PagedKVStorage | None" = None) -> "BundleLayout":
-        return cls(tuple(main.plane_page_bytes), main.num_layers,
-                   tuple(backend.plane_page_bytes) if backend is not None else (),
-                   backend.num_layers if backend is not None else 0)
-
-    @property
-    def main_bytes(self) -> int:
-        return sum(self.main_plane_bytes) * self.main_layers
-
-    @property
-    def backend_offset(self) -> int:
-        return round_up(self.main_bytes)
-
-    @property
-    def backend_bytes(self) -> int:
-        return sum(self.backend_plane_bytes) * self.backend_layers
-
-    @property
-    def record_bytes(self) -> int:
-        return self.backend_offset + self.backend_bytes if self.backend_layers else self.main_bytes
-
-    @property
-    def slab_bytes(self) -> int:
-        return round_up(self.record_bytes)
-
-    def main_offset(self, layer: int, plane: int) -> int:
-        """Byte offset of main layer ``layer``'s plane ``plane`` inside the slab."""
-        return layer * sum(self.main_plane_bytes) + sum(self.main_plane_bytes[:plane])
-
-    def backend_plane_offset(self, layer: int, plane: int) -> int:
-        return (self.backend_offset + layer * sum(self.backend_plane_bytes)
-                + sum(self.backend_plane_bytes[:plane]))
-
-    @property
-    def max_plane_bytes(self) -> int:
-        return max((*self.main_plane_bytes, *self.backend_plane_bytes))
-
-
-# -- runs --------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Run:
-    """``count`` pairs ``(page0 + i * page_stride, slab0 + i * slab_stride)``; strides are 1
-    when ``count == 1``."""
-
-    page0: int
-    slab0: int
-    count: int
-    page_stride: int = 1
-    slab_stride: int = 1
-
-    def pairs(self) -> list[tuple[int, int]]:
-        return [(self.page0 + i * self.page_stride, self.slab0 + i * self.slab_stride)
-                for i in range(self.count)]
-
-
-def plan_runs(pairs: Iterable[tuple[int, int]], *, slab_bytes: int, slabs_per_chunk: int,
-              page_bytes: int, max_pitch: int = DEFAULT_MAX_PITCH, sort: bool = True) -> list[Run]:
-    """Split ``(page_id, slab_id)`` pairs into runs that one 2-D copy per plane can move.
-
-    A run grows while the next pair advances page and slab by the run's strides (set by its
-    first two pairs; both must be positive), its slab stays in the run's chunk, and the host
-    pitch ``slab_stride * slab_bytes`` and the device pitch ``page_stride * page_bytes`` (the
-    largest plane's page bytes) stay within ``max_pitch``. With ``sort`` the pairs are ordered
-    by page first (the order inside one layer does not matter to a copy).
-    """
-    items = sorted(pairs) if sort else list(pairs)
-    runs: list[Run] = []
-    i, n = 0, len(items)
-    while i < n:
-        p0, s0 = items[i]
-        chunk = s0 // slabs_per_chunk
-        count, dp, ds = 1, 1, 1
-        if i + 1 < n:
-            p1, s1 = items[i + 1]
-            dp, ds = p1 - p0, s1 - s0
-            if (dp > 0 and ds > 0 and s1 // slabs_per_chunk == chunk
-                    and ds * slab_bytes <= max_pitch and dp * page_bytes <= max_pitch):
-                count = 2
-                while i + count < n:
-                    p, s = items[i + count]
-                    if p - p0 != count * dp or s - s0 != count * ds or s // slabs_per_chunk != chunk:
-                        break
-                    count += 1
-        if count == 1:
-            dp, ds = 1, 1
-        runs.append(Run(p0, s0, count, dp, ds))
-        i += count
-    return runs
 
 
 # -- storage -----------------------------------------------------------------------------------
@@ -186,6 +60,16 @@ def _cudart():
 HOST_REGISTER_FLAGS = 0x01 | 0x02
 
 
+class HostTierState(StrEnum):
+    """Where the host tier's allocation stands (a ``str``: it compares and formats as its value)."""
+
+    PINNING = "pinning"  # chunks are still being allocated and pinned
+    READY = "ready"  # every slab is ready
+    FAILED = "failed"  # a chunk failed: the tier keeps the chunks it has (``error`` says why)
+    STOPPED = "stopped"  # growth ended early (the engine stopped)
+    CLOSED = "closed"  # the memory is released
+
+
 @dataclass(frozen=True, slots=True)
 class PinProgress:
     """How far the host tier's allocation (and pinning) has come."""
@@ -195,7 +79,7 @@ class PinProgress:
     ready_chunks: int
     total_chunks: int
     slab_bytes: int
-    state: str  # "pinning" | "ready" | "failed" | "stopped" (growth ended early) | "closed"
+    state: HostTierState
     seconds: float  # since the allocation began (until it ended, once it has)
     error: str | None = None
 
@@ -208,7 +92,7 @@ class PinProgress:
         return self.total_slabs * self.slab_bytes
 
     def as_dict(self) -> dict:
-        return {"state": self.state, "ready_bytes": self.ready_bytes, "total_bytes": self.total_bytes,
+        return {"state": self.state.value, "ready_bytes": self.ready_bytes, "total_bytes": self.total_bytes,
                 "ready_slabs": self.ready_slabs, "ready_chunks": self.ready_chunks,
                 "chunks": self.total_chunks, "seconds": round(self.seconds, 3), "error": self.error}
 
@@ -357,9 +241,9 @@ class HostSlabStorage:
     def progress(self) -> PinProgress:
         """Ready and total slabs and chunks, the state and the seconds it took (any thread)."""
         end = self._t_end
-        state = ("closed" if self._closed else "failed" if self.error is not None
-                 else "ready" if self.ready_slabs == self.num_slabs
-                 else "stopped" if self._stop_growth else "pinning")
+        state = (HostTierState.CLOSED if self._closed else HostTierState.FAILED if self.error is not None
+                 else HostTierState.READY if self.ready_slabs == self.num_slabs
+                 else HostTierState.STOPPED if self._stop_growth else HostTierState.PINNING)
         return PinProgress(self.ready_slabs, self.num_slabs, len(self.chunks), len(self.chunk_sizes()),
                            self.slab_bytes, state, (end if end is not None else time.monotonic()) - self._t0,
                            self.error)

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from hpc_cli.engine.api import EngineStats, to_json
 from hpc_cli.server.state import ServerState
 
 log = logging.getLogger("hpc_cli.server")
@@ -66,9 +67,10 @@ def register(app: FastAPI, state: ServerState) -> None:
 
 
 def engine_stats(state: ServerState) -> dict | None:
-    """The engine's published ``stats()``; None when it fails (logged)."""
+    """The engine's published ``stats()`` as JSON (the HTTP edge: :func:`to_json`); None when
+    there are none yet or taking them fails (logged)."""
     try:
-        return state.engine.stats()
+        return _json(state.engine.stats())
     except Exception as exc:  # stats must never take /metrics down
         log.warning("engine.stats() failed: %s", exc)
         return None
@@ -81,7 +83,13 @@ def detailed_stats(state: ServerState) -> dict | None:
     if detailed is None:
         return engine_stats(state)
     try:
-        return detailed()
+        return _json(detailed())
     except Exception as exc:  # stats must never take the route down
         log.warning("engine.detailed_stats() failed: %s", exc)
         return engine_stats(state)
+
+
+def _json(stats: EngineStats | None) -> dict | None:
+    doc = to_json(stats)
+    assert doc is None or isinstance(doc, dict), "the engine's stats are an object"
+    return doc

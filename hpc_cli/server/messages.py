@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from hpc_cli.engine.api import FinishEvent, GenerationRequest, SamplingParams, Usage
+from hpc_cli.engine.api import FinishEvent, FinishReason, GenerationRequest, SamplingParams, Usage
 from hpc_cli.errors import RequestError
 from hpc_cli.server.chat import PreparedChat, prepare_chat
 from hpc_cli.server.common import ReasoningSplitter, TextAssembler, anthropic_error_body
@@ -30,7 +30,7 @@ from hpc_cli.server.tools import ToolParser, ToolStream, tools_enabled
 from hpc_cli.server.tracking import tracked
 from hpc_cli.server.vision_prompt import anthropic_sources, media_limits, prepare_images, require_vision
 
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens"}
 
 
 def register(app: FastAPI, state: ServerState) -> None:
@@ -95,7 +95,7 @@ def _tool_use_id() -> str:
 
 
 def _stop_reason(fin: FinishEvent, asm: TextAssembler, tool_use: bool) -> tuple[str, str | None]:
-    if tool_use and fin.reason != "length":
+    if tool_use and fin.reason != FinishReason.LENGTH:
         return "tool_use", None
     if asm.stopped is not None:
         return "stop_sequence", asm.stopped

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 from fastapi import Request
 
-from hpc_cli.engine.api import FinishEvent, SamplingParams
+from hpc_cli.engine.api import FinishEvent, FinishReason, SamplingParams
 from hpc_cli.errors import RequestError
 from hpc_cli.server.common import TextAssembler, openai_error_body
 from hpc_cli.server.schemas import SamplingBody
@@ -70,12 +70,12 @@ def openai_usage(prompt: int, completion: int, cached: int, reasoning: int = 0) 
 
 
 def finish_reason(fin: FinishEvent, asm: TextAssembler, tool_calls: bool = False) -> str:
-    if tool_calls and fin.reason != "length":
+    if tool_calls and fin.reason != FinishReason.LENGTH:
         return "tool_calls"
     if asm.stopped is not None:
         return "stop"
-    if fin.reason in ("stop", "length"):
-        return fin.reason
+    if fin.reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return fin.reason.value
     return "stop"
 
 

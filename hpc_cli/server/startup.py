@@ -1,7 +1,7 @@
 """Checks ``serve`` makes before it listens, and what it does once the engine has failed.
 
 - :func:`prepare_cache_file`: the prefix cache file's path is absent or a regular file, and the
-  temporary files of saves a kill interrupted are removed (:mod:`hpc_cli.engine.cache_path`).
+  temporary files of saves a kill interrupted are removed (:mod:`hpc_cli.engine.cache_path`, through :mod:`hpc_cli.engine.api`).
 - :func:`check_host_tier`: a host tier of which not one chunk could be allocated refuses the
   start (a CapacityError, exit status 2) instead of serving without it, and above all instead of
   replacing a saved cache file with an empty one at the stop. A tier that stops short keeps
@@ -13,13 +13,9 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
-from hpc_cli.engine.cache_path import check_cache_path, remove_stale_temps
+from hpc_cli.engine.api import HostTier, check_cache_path, remove_stale_temps
 from hpc_cli.errors import CapacityError, EngineFatalError
-
-if TYPE_CHECKING:
-    from hpc_cli.memory.host_slabs import HostSlabStorage
 
 #: how long the start waits for the host tier's first chunk (pinning 4 GiB takes ~1.5 s on an H200)
 FIRST_CHUNK_TIMEOUT_S = 60.0
@@ -30,7 +26,7 @@ def prepare_cache_file(path: str | os.PathLike) -> None:
     remove_stale_temps(path)
 
 
-def check_host_tier(host: "HostSlabStorage", timeout_s: float = FIRST_CHUNK_TIMEOUT_S) -> None:
+def check_host_tier(host: HostTier, timeout_s: float = FIRST_CHUNK_TIMEOUT_S) -> None:
     """Raise CapacityError when the host tier has slabs to allocate and none could be."""
     if host.num_slabs == 0:
         return

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from hpc_cli.engine.api import AdmittedEvent, FinishEvent, RequestHandle, TokenEvent
+from hpc_cli.engine.api import AdmittedEvent, FinishEvent, FinishReason, RequestHandle, TokenEvent
 from hpc_cli.errors import EngineError
 from hpc_cli.server.common import ClientDisconnected, TextAssembler, Unavailable, iterate_events
 from hpc_cli.server.tracking import RequestTracker
@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from hpc_cli.server.state import ServerState
 
 #: a failed finish's reason -> the HTTP status and the message when the engine gave none
-FAILURES: dict[str, tuple[int, str]] = {
-    "unavailable": (503, "the server is stopping; the request was not completed"),
-    "error": (500, "the engine failed this request"),
+FAILURES: dict[FinishReason, tuple[int, str]] = {
+    FinishReason.UNAVAILABLE: (503, "the server is stopping; the request was not completed"),
+    FinishReason.ERROR: (500, "the engine failed this request"),
 }
 DONE = "data: [DONE]\n\n"
 
@@ -55,16 +55,16 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
 
 def raise_for_finish(fin: FinishEvent) -> None:
     """A failed finish as the error the exception handlers answer (503 or 500, no traceback)."""
-    if fin.reason == "unavailable":
-        raise Unavailable(fin.error or FAILURES["unavailable"][1])
-    if fin.reason == "error":
-        raise EngineError(fin.error or FAILURES["error"][1])
+    if fin.reason == FinishReason.UNAVAILABLE:
+        raise Unavailable(fin.error or FAILURES[FinishReason.UNAVAILABLE][1])
+    if fin.reason == FinishReason.ERROR:
+        raise EngineError(fin.error or FAILURES[FinishReason.ERROR][1])
 
 
 def settle_reason(fin: FinishEvent, asm: TextAssembler) -> None:
     """A request the server cancelled because a stop string ended its text finished by ``stop``."""
-    if fin.reason == "cancelled" and asm.stopped is not None:
-        fin.reason = "stop"
+    if fin.reason == FinishReason.CANCELLED and asm.stopped is not None:
+        fin.reason = FinishReason.STOP
 
 
 class StreamWriter:

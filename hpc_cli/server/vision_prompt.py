@@ -7,7 +7,7 @@ stands; text-only messages keep their string content. After the one rendering an
 (:func:`hpc_cli.server.chat.prepare_chat`), each image's single ``<|image_pad|>`` token is
 expanded to the image's token count and every position after it (tap hints, boundaries) moves
 with it (:func:`expand_images`). The images are decoded and preprocessed off the event loop
-(:func:`load_images`); the result, :class:`hpc_cli.engine.media.PromptImage`, carries the
+(:func:`load_images`); the result, :class:`hpc_cli.engine.api.PromptImage`, carries the
 patches, the content digest the cache keys on, and the placeholder span.
 """
 
@@ -16,14 +16,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Sequence
 
-from hpc_cli.engine.api import TapHint
+from hpc_cli.engine.api import PromptImage, TapHint
 from hpc_cli.errors import RequestError
 from hpc_cli.server.chat import PreparedChat
 from hpc_cli.server.media import ImageSource, MediaError, MediaLimits, from_anthropic, from_url, load
 
 if TYPE_CHECKING:
     from hpc_cli.engine.api import Engine
-    from hpc_cli.engine.media import PromptImage
     from hpc_cli.model.image_processor import ImageProcessorConfig, ImagePatches
     from hpc_cli.server.schemas import ContentPart, MessagesRequest
     from hpc_cli.server.state import ServerState
@@ -113,8 +112,6 @@ def load_images(sources: Sequence[ImageSource], limits: MediaLimits,
 def expand_images(prepared: PreparedChat, patches: Sequence["ImagePatches"], image_token_id: int, merge: int
                   ) -> tuple[PreparedChat, list["PromptImage"]]:
     """Expand each image's ``<|image_pad|>`` token to its token count; move every position after it."""
-    from hpc_cli.engine.media import PromptImage
-
     if not patches:
         return prepared, []
     tokens = prepared.prompt_tokens

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from hpc_cli.engine.api import to_json
 from hpc_cli.tui.stats import (EngineStats, ExpertStats, HostStats, PoolStats, SnapshotRow, SpecStats, TransferStats,
                                parse_cache)
 
@@ -194,7 +195,8 @@ def engine_source(engine: Any, settings: Any = None, *, rows: int = 12,
     def read() -> dict:
         nonlocal last_rows
         detailed = getattr(engine, "detailed_stats", None)
-        stats = dict((detailed(timeout) if detailed is not None else engine.stats()) or {})
+        stats = to_json((detailed(timeout) if detailed is not None else engine.stats()) or {})
+        assert isinstance(stats, dict), "the engine's stats are an object"
         if meta:
             stats.setdefault("settings", meta)
         cache = stats.get("cache")

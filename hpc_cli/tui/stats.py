@@ -1,8 +1,8 @@
 """The engine's stats document as the terminal view reads it: typed, parsed once
 (:meth:`EngineStats.parse`).
 
-The document is the engine's (``engine.stats()``, ``engine.detailed_stats()``, the JSON of
-``/v1/cache/stats``); this module only reads it and changes nothing in it. Every field an older
+The document is the JSON of the engine's :class:`~hpc_cli.engine.stats_types.EngineStats`
+(``to_json(engine.stats())``, ``/v1/cache/stats``); this module only reads it and changes nothing in it. Every field an older
 server or a cache mode of ``off`` lacks becomes 0, ``None`` or empty, and where a field has
 more than one home (``settings.kv_profile`` or a top-level ``kv_profile``, ``free_slabs`` or
 ``slabs_by_use.free``, ...) the fallbacks are here and nowhere else. A section that is present

@@ -9,7 +9,7 @@ import pytest
 import hpc_cli
 from hpc_cli import plugins
 from hpc_cli.cache_mode import CacheMode
-from hpc_cli.engine.api import GenerationRequest, SamplingParams, TapHint
+from hpc_cli.engine.api import GenerationRequest, SamplingParams, TapHint, to_json
 from hpc_cli.engine.binding import CacheBinding
 from hpc_cli.engine.engine import Engine
 from hpc_cli.engine.off import OffBinding
@@ -24,7 +24,7 @@ def test_builtin_modes_build_their_binding_through_the_registry(model, mode, per
     assert isinstance(e.cache, CacheBinding) and e.cache.mode == mode == e.cache_mode.name
     assert e.cache.persistent is persistent and e.cache.reuse is (mode != "off")
     assert not any(e.cache.leftovers().values())
-    assert set(e.cache.stats()["residency"]) == {"device_kv_bytes", "device_state_bytes", "host_bytes", "entries"}
+    assert set(to_json(e.cache.stats())["residency"]) == {"device_kv_bytes", "device_state_bytes", "host_bytes", "entries"}
     assert e.states.num_slots == e.C + e.cache_mode.snapshot_slots(e.cache_mode.options_model(), lanes=e.C, host=True)
     e.check_invariants()
 
@@ -93,7 +93,7 @@ def test_a_plugin_mode_is_selected_by_name_and_runs_the_engine(model):
         assert fin.reason == "length" and fin.usage.reuse_tokens == 0
     finally:
         e.stop()
-    assert e.cache.counters["admitted"] == 1 and e.stats()["settings"]["cache_mode"] == "counting"
+    assert e.cache.counters["admitted"] == 1 and e.stats().settings.cache_mode == "counting"
 
 
 def test_legacy_demotes_to_the_host_and_restores_exactly(model):
@@ -104,7 +104,7 @@ def test_legacy_demotes_to_the_host_and_restores_exactly(model):
     a, b = list(range(1, 200)), list(range(3, 230))
     for p in (a, b):
         e.submit(GenerationRequest(p, sp)).result(60)
-    assert e.cache.stats()["catalog"]["checkpoints"]["by_residency"] == {"device": 1, "host": 1}
+    assert e.cache.stats().catalog["checkpoints"]["by_residency"] == {"device": 1, "host": 1}
     ext = a + [7] * 30
     toks, fin = e.submit(GenerationRequest(ext, SamplingParams(max_tokens=6, temperature=0,
                                                                ignore_eos=True))).result(60)
@@ -126,5 +126,5 @@ def test_legacy_shared_prefix_is_published_where_two_sessions_meet(model):
             for i in range(3)]
     assert [f.usage.reuse_tokens for f in fins] == [0, 0, 128]
     e.stop()
-    st = e.cache.stats()
+    st = to_json(e.cache.stats())
     assert st["catalog"]["shared_prefixes"] == 1 and st["prefill_splits"] >= 1

@@ -16,7 +16,7 @@ import torch
 
 from hpc_cli.cache.keys import BLOCK_TOKENS
 from hpc_cli.cache.snapshot import SnapshotKind
-from hpc_cli.engine.api import GenerationRequest, TapHint
+from hpc_cli.engine.api import GenerationRequest, TapHint, to_json
 from hpc_cli.engine.engine import Engine
 from hpc_cli.memory.transfer.fake import FakeTransferEngine
 
@@ -84,7 +84,7 @@ def settle(engine: Engine, *, fatal_ok: bool = False) -> dict:
     cache = engine.cache
     held = {k: v for k, v in cache.leftovers().items() if v}
     assert not held, held
-    return cache.index.stats() if cache.mode == "hybrid" else cache.stats()
+    return cache.index.stats() if cache.mode == "hybrid" else to_json(cache.stats())
 
 
 PROFILES = ["bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"]
@@ -196,7 +196,7 @@ def test_multi_turn_exact_endpoint_reuse(model, mode):
             assert ends[0].tail_pages == (seen["tail_page"],)
             assert e.cache.snap_phys[ends[0].device_slot] == seen["slot"]
         else:  # the session's continuation moved on: one, its endpoint the deepest checkpoint
-            assert e.cache.stats()["catalog"]["private_continuations"] == 1
+            assert e.cache.stats().catalog["private_continuations"] == 1
         prompt = prompt + gen + tokens(30, seed=10 + turn)
     # the reference: the last prompt from the root gives the same greedy output
     last, _ = run(e, prompt, 20)

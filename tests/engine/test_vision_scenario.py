@@ -13,7 +13,7 @@ import torch
 from hpc_cli.cache.keys import BLOCK_TOKENS
 from hpc_cli.engine.api import GenerationRequest, SamplingParams, TapHint
 from hpc_cli.engine.engine import Engine
-from hpc_cli.engine.hybrid import _common_prefix
+from hpc_cli.engine.hybrid import common_prefix
 from hpc_cli.engine.media import PromptImage, check_images
 from hpc_cli.engine.persistence import attach_cache_file
 from hpc_cli.errors import RequestError
@@ -186,5 +186,5 @@ def test_vision_prompts_do_not_coalesce(model):
             self.prepared = prepare_prompt(toks, media_items(media))
             self.tokens, self.n_prompt = toks, len(toks)
 
-    assert _common_prefix(_L(images), _L(images)) == 0
-    assert _common_prefix(_L([]), _L([])) == len(toks)
+    assert common_prefix(_L(images), _L(images)) == 0
+    assert common_prefix(_L([]), _L([])) == len(toks)

@@ -10,8 +10,9 @@ import torch
 from hpc_cli import plugins
 from hpc_cli.errors import CapacityError
 from hpc_cli.memory import host_slabs
-from hpc_cli.memory.host_slabs import (DEFAULT_MAX_PITCH, GiB, MiB, BundleLayout, HostSlabStorage, Run,
-                                       image_slab_count, plan_runs)
+from hpc_cli.memory.bundle import BundleLayout, image_slab_count
+from hpc_cli.memory.host_slabs import GiB, MiB, HostSlabStorage
+from hpc_cli.memory.slab_runs import DEFAULT_MAX_PITCH, Run, plan_runs
 from hpc_cli.shapes import preset
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from hpc_cli import plugins
-from hpc_cli.memory.host_slabs import BundleLayout, HostSlabStorage
+from hpc_cli.memory.bundle import BundleLayout
+from hpc_cli.memory.host_slabs import HostSlabStorage
 from hpc_cli.memory.kv_pool import PagedKVStorage
 from hpc_cli.memory.state_pool import StateSlots
 from hpc_cli.memory.transfer.engine import TransferEngine

@@ -12,11 +12,21 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
-from hpc_cli.engine.api import (AdmittedEvent, Engine, FinishEvent, GenerationRequest, RequestHandle, TokenEvent,
-                                Usage)
+from hpc_cli.engine.api import (AdmittedEvent, CacheStats, Engine, EngineStats, FinishEvent, FinishReason,
+                                GenerationRequest, RequestCounts, RequestHandle, Residency, RunSettings, TokenEvent, Usage)
 from hpc_cli.errors import UnavailableError
 from hpc_cli.model.tokenizer import ByteTokenizer
+
+
+@dataclass(slots=True, kw_only=True)
+class FakeCacheStats(CacheStats):
+    """The fake cache's stats: the figures every binding has plus its own sections, as a cache
+    mode's binding adds them."""
+
+    snapshots: int
+    device: dict[str, int]
 
 
 class FakeEngine(Engine):
@@ -68,9 +78,19 @@ class FakeEngine(Engine):
     def save_prefix_cache(self, path, abort=None) -> None:
         self.saved.append(path)
 
-    def stats(self) -> dict:
-        return {"cache": {"snapshots": len(self.snapshots), "device": {"blocks": 3, "bytes": 1024}},
-                "requests": {"submitted": len(self.submitted)}, "ok": True}
+    def stats(self) -> EngineStats:
+        with self._lock:
+            running = len(self._active)
+        cache = FakeCacheStats(mode="fake", pool={"cached": len(self.snapshots)}, pages=0, lanes_free=0,
+                               host_slabs=0, slab_bytes=0, page_bytes=0, image_bytes=0, transfers_pending=0,
+                               residency=Residency(entries=len(self.snapshots)), snapshots=len(self.snapshots),
+                               device={"blocks": 3, "bytes": 1024})
+        return EngineStats(model=self.model_name, kv_profile="bf16", max_concurrency=1, prefill_chunk=0, uptime_s=0.0,
+                           requests=RequestCounts(running=running, waiting=0, prefilling=0),
+                           counters={"requests": len(self.submitted)}, cache=cache, ttft_recent_s=[], fatal=None,
+                           compilations=0, kernel_compilations={},
+                           settings=RunSettings(kv_profile="bf16", speculative_backend="none", cache_mode="fake",
+                                                profile_path=None))
 
     # worker ------------------------------------------------------------------------------------
     def _reuse(self, prompt: list[int]) -> int:
@@ -93,7 +113,7 @@ class FakeEngine(Engine):
             active, self._active = list(self._active), []
         for h in active:
             if h.finished is None:
-                h.put(FinishEvent("unavailable", Usage(prompt_tokens=len(h.request.prompt_tokens)),
+                h.put(FinishEvent(FinishReason.UNAVAILABLE, Usage(prompt_tokens=len(h.request.prompt_tokens)),
                                   error="the server is stopping"))
 
     def _run(self, handle: RequestHandle) -> None:
@@ -106,16 +126,16 @@ class FakeEngine(Engine):
         usage = Usage(prompt_tokens=len(prompt), reuse_tokens=reuse, cached_prefix_tokens=reuse,
                       prefill_tokens=len(prompt) - reuse)
         text = ""
-        reason = "length"
+        reason = FinishReason.LENGTH
         for i in range(sp.max_tokens):
             if self.stopped or "unavailable:" + req.request_id in self.cancelled:
                 with self._lock:
                     if handle in self._active:
                         self._active.remove(handle)
-                handle.put(FinishEvent("unavailable", usage, error="the server is stopping"))
+                handle.put(FinishEvent(FinishReason.UNAVAILABLE, usage, error="the server is stopping"))
                 return
             if req.request_id in self.cancelled:
-                reason = "cancelled"
+                reason = FinishReason.CANCELLED
                 break
             if self.token_delay:
                 time.sleep(self.token_delay)
@@ -123,7 +143,7 @@ class FakeEngine(Engine):
                 tid = sp.stop_token_ids[0]
                 handle.put(TokenEvent(tid, -0.1, [(tid, -0.1)] if sp.logprobs else None))
                 usage.completion_tokens += 1
-                reason = "stop"
+                reason = FinishReason.STOP
                 break
             tid = self.text_ids[i % len(self.text_ids)]
             tops = [(tid, -0.25), (ord("x"), -2.0), (ord("y"), -3.0)][:sp.logprobs] if sp.logprobs else None
@@ -133,7 +153,7 @@ class FakeEngine(Engine):
                 usage.time_to_first_token = time.monotonic() - t0
             text += chr(tid)
             if any(s in text for s in sp.stop):
-                reason = "stop"
+                reason = FinishReason.STOP
                 break
         if req.cache_enabled:
             for hint in req.tap_hints:

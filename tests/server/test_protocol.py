@@ -53,7 +53,7 @@ def test_models_health_and_stats(server):
     engine, _, url = server
     assert [m.id for m in oai(url).models.list().data] == ["builtin:random"]
     assert httpx.get(url + "/health").json()["status"] == "ok"
-    assert httpx.get(url + "/v1/cache/stats").json() == engine.stats()
+    assert httpx.get(url + "/v1/cache/stats").json() == engine.stats().to_json()
 
 
 def test_three_turn_chat_reports_reuse(server):

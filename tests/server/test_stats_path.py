@@ -13,7 +13,7 @@ import pytest
 from hpc_cli.cache import stats as cache_stats
 from hpc_cli.cache.host import HostSlabPool
 from hpc_cli.cache.tree import BlockTree
-from hpc_cli.engine import hybrid
+from hpc_cli.engine.hybrid import binding as hybrid
 from hpc_cli.engine.api import GenerationRequest, SamplingParams
 from hpc_cli.engine.engine import Engine
 from hpc_cli.memory.host_slabs import HostSlabStorage
@@ -64,7 +64,7 @@ def test_no_walk_until_a_client_asks_and_then_on_the_worker(walks, serve):
         for k in range(3):
             _ask(engine, [250 + k] * 40)
         time.sleep(0.3)
-        st = engine.stats()  # the published stats (and /metrics) are running counts
+        st = engine.stats().to_json()  # the published stats (and /metrics) are running counts
         host = st["cache"]["index"]["host"]
         assert st["counters"]["requests"] == 3 and st["cache"]["index"]["snapshots"]["total"] >= 1
         assert host["slabs_by_use"]["node"] >= 3 and st["cache"]["host_tier"]["state"] == "ready"
@@ -95,7 +95,7 @@ def test_idle_worker_sleeps_until_woken(monkeypatch):
         before = len(rounds)
         time.sleep(0.5)
         assert len(rounds) == before, "the idle worker polled"
-        assert engine.detailed_stats(timeout=5)["cache"]["top_snapshots"] is not None  # a stats request wakes it
+        assert engine.detailed_stats(timeout=5).cache.top_snapshots is not None  # a stats request wakes it
         _ask(engine, [8] * 20)  # so does a submit
         assert len(rounds) > before + 1
     finally:
@@ -118,18 +118,18 @@ def test_engine_serves_while_the_host_tier_pins_then_uses_it(monkeypatch):
     engine = Engine.from_settings(settings).start()
     try:
         fin = _ask(engine, [5] * 30)
-        st = engine.detailed_stats(timeout=5)
+        st = engine.detailed_stats(timeout=5).to_json()
         host = st["cache"]["index"]["host"]
         assert fin.usage.completion_tokens == 6 and host["ready_slabs"] == 0 and host["slabs"] > 0
         assert st["cache"]["host_tier"]["state"] == "pinning" and st["cache"]["host_tier"]["ready_bytes"] == 0
         assert st["cache"]["index"]["counters"]["block_writes_refused"] >= 1
         gate.set()  # the chunk is ready: the worker is woken and hands its slabs to the index
         deadline = time.monotonic() + 10
-        while engine.stats()["cache"]["index"]["host"]["ready_slabs"] == 0 and time.monotonic() < deadline:
+        while engine.stats().cache.index["host"]["ready_slabs"] == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert engine.stats()["cache"]["host_tier"]["state"] == "ready"
+        assert engine.stats().cache.host_tier.state == "ready"
         _ask(engine, [6] * 30)
-        assert engine.detailed_stats(timeout=5)["cache"]["index"]["host"]["slabs_by_use"].get("node", 0) >= 3
+        assert engine.detailed_stats(timeout=5).cache.index["host"]["slabs_by_use"].get("node", 0) >= 3
     finally:
         gate.set()
         engine.stop()

@@ -14,9 +14,11 @@ import torch
 
 from hpc_cli.cache.host import SlabUse
 from hpc_cli.cache.records import ADOPTING
-from hpc_cli.cache.shared import ROOT_PATH
+from hpc_cli.cache.shared import ROOT_PATH, BlockEntry
 from hpc_cli.engine import shared as shared_mod
-from hpc_cli.engine.api import GenerationRequest, SamplingParams
+from hpc_cli.engine.shared import find as shared_find
+from hpc_cli.engine.shared.writer import SlabRead, Write
+from hpc_cli.engine.api import GenerationRequest, SamplingParams, to_json
 from hpc_cli.engine.engine import Engine
 from hpc_cli.engine.shared import attach_shared_cache
 
@@ -57,7 +59,7 @@ def settle(engine: Engine) -> dict:
     engine.stop()
     engine.check_invariants()
     assert engine.fatal is None
-    return tier.stats() if tier is not None else {}
+    return to_json(tier.stats()) if tier is not None else {}
 
 
 def _redis_values(redis_server):
@@ -134,7 +136,7 @@ def test_large_hits_are_read_by_the_lookup_thread_while_the_head_waits(model, re
     a = make(model, redis_server.url)
     out_a, _ = run(a, first)
     settle(a)
-    monkeypatch.setattr(shared_mod, "SYNC_FETCH_BYTES", 0)
+    monkeypatch.setattr(shared_find, "SYNC_FETCH_BYTES", 0)
     b = make(model, redis_server.url)
     follow = first + out_a + tokens(70, 8)
     out_b, usage = run(b, follow)
@@ -166,7 +168,7 @@ def test_entries_are_written_once_by_key(model, redis_server):
     a = make(model, redis_server.url)
     run(a, p)
     a.cache.shared.flush()
-    queued = a.stats()["cache"]["shared"]["writes_queued"]
+    queued = a.stats().cache.shared.counts["writes_queued"]
     run(a, p)  # the same prompt again: nothing new to write
     ns = a.cache.shared.ns
     sa = settle(a)
@@ -192,9 +194,9 @@ def test_a_slab_freed_before_the_writer_reads_it_is_never_stored(model, redis_se
         def probe():
             (slab,) = pool.alloc(1, SlabUse.NODE, owner="test")
             host.slab_view(slab).numpy()[:16] = 7
-            read = shared_mod._SlabRead(slab, pool.generation(slab), 16, "payload")
-            entry = shared_mod.BlockEntry(1, 0, 0, b"\0" * 256, ROOT_PATH, b"")
-            w = shared_mod._Write(("k",), entry, 16, (read,))
+            read = SlabRead(slab, pool.generation(slab), 16, "payload")
+            entry = BlockEntry(1, 0, 0, b"\0" * 256, ROOT_PATH, b"")
+            w = Write(("k",), entry, 16, (read,))
             kept = tier._read(w)
             pool.free([slab])  # the slab changes hands: a later read of the queued value must drop it
             return kept, tier._read(w)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import random
 
-from hpc_cli.engine.api import GenerationRequest, SamplingParams
+from hpc_cli.engine.api import GenerationRequest, SamplingParams, to_json
 from hpc_cli.engine.engine import Engine
 
 BACKENDS = ["mtp", "dflash", "dflash2", "oracle"]
@@ -49,4 +49,4 @@ def settle(engine: Engine) -> dict:
     cache = engine.cache
     held = {k: v for k, v in cache.leftovers().items() if v}  # pins, sequences, pages, lanes, transfers
     assert not held, held
-    return cache.index.stats() if cache.mode == "hybrid" else cache.stats()
+    return cache.index.stats() if cache.mode == "hybrid" else to_json(cache.stats())

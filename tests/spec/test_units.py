@@ -10,7 +10,7 @@ import torch
 
 from hpc_cli import plugins
 from hpc_cli.engine.api import SamplingParams
-from hpc_cli.memory.host_slabs import BundleLayout, round_up
+from hpc_cli.memory.bundle import BundleLayout, round_up
 from hpc_cli.memory.kv_pool import PagedKVStorage
 from hpc_cli.memory.state_pool import StateSlots
 from hpc_cli.shapes import preset
@@ -108,16 +108,16 @@ def test_acceptance_statistics_in_usage_and_stats(model):
     # 29 tokens after the first: rounds of 5 (4 drafts + bonus), the last rounds shorter
     assert u.accepted_draft_tokens == u.draft_tokens > 0, u
     e._take_stats()
-    st = e.stats()["speculative"]
+    st = e.stats().speculative
     assert st["backend"] == "oracle" and st["k"] == 4
     assert st["accepted_draft_tokens"] == u.accepted_draft_tokens
     assert st["mean_acceptance_length"] > 4.0, st
-    assert e.stats()["counters"]["generated_tokens"] == 30
+    assert e.stats().counters["generated_tokens"] == 30
     settle(e)
     e = make(model, "mtp")
     _, fin = run(e, p, 20)
     e._take_stats()
-    st = e.stats()["speculative"]
+    st = e.stats().speculative
     assert st["draft_tokens"] == fin.usage.draft_tokens and 1.0 <= st["mean_acceptance_length"] <= 4.0
     settle(e)
 

@@ -37,13 +37,13 @@ def default_fixtures() -> dict[str, dict]:
                              "engine.max_concurrency": 2}, environ={})
     e = Engine.from_settings(r).start()
     _warm(e)
-    idle = e.stats()
+    idle = e.stats().to_json()
     handles = [e.submit(GenerationRequest(PROMPT[: 300 + 40 * i] + [i + 1] * 70,
                                           SamplingParams(max_tokens=40, temperature=0))) for i in range(6)]
     busy = None
     deadline = time.time() + 60
     while time.time() < deadline:
-        s = e.stats()
+        s = e.stats().to_json()
         if s["requests"]["running"] >= 2 and s["requests"]["waiting"] >= 1 and s["cache"]["top_snapshots"]:
             busy = s
             break
@@ -62,7 +62,7 @@ def spec_moe_fixture() -> dict:
                              "experts.admission": "first-routed", "speculative.backend": "mtp"}, environ={})
     e = Engine.from_settings(r).start()
     _warm(e, 16)
-    s = e.stats()
+    s = e.stats().to_json()
     e.stop()
     assert "speculative" in s and "experts" in s, sorted(s)
     return s

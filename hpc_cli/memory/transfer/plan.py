@@ -1,5 +1,5 @@
 """DMA planning of the transfer engine's jobs (spec §6.4-6.5, §7.4, §7.6-7.7): the ``(page,
-slab)`` pairs of a batch are grouped by :func:`~hpc_cli.memory.host_slabs.plan_runs` and every
+slab)`` pairs of a batch are grouped by :func:`~hpc_cli.memory.slab_runs.plan_runs` and every
 run moves as ONE copy per (layer, plane); image parts move as one copy per part piece (pieces
 split only where the image crosses into a non-adjacent slab).
 
@@ -21,7 +21,9 @@ from typing import Sequence
 
 import torch
 
-from hpc_cli.memory.host_slabs import DEFAULT_MAX_PITCH, BundleLayout, HostSlabStorage, Run, plan_runs
+from hpc_cli.memory.bundle import BundleLayout
+from hpc_cli.memory.host_slabs import HostSlabStorage
+from hpc_cli.memory.slab_runs import DEFAULT_MAX_PITCH, Run, plan_runs
 from hpc_cli.memory.kv_pool import PagedKVStorage
 from hpc_cli.memory.state_pool import StateSlots
 from hpc_cli.memory.transfer.records import BlockRef, CopyOp, ImageRef, Mark, RestoreBatch

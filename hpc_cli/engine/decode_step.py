@@ -1,0 +1,80 @@
+"""One decode round over the decoding lanes (one column each, or a speculative round through
+:class:`~hpc_cli.speculative.runtime.RoundHost`), and a chosen token's way to its lane: usage,
+stop conditions, the event, the next column's token."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from hpc_cli.cache.keys import BLOCK_TOKENS
+from hpc_cli.engine.api import FinishReason, TokenEvent
+from hpc_cli.engine.core import EngineCore
+from hpc_cli.engine.lane import Lane
+from hpc_cli.engine.media import decode_offsets
+from hpc_cli.engine.sampling import sample
+
+
+class DecodeStep(EngineCore):
+    """Runs one decode round and hands out its tokens (mixed into the engine)."""
+
+    def _decode(self, lanes: list[Lane]) -> None:
+        if self.spec is not None:  # propose + verify per lane (docs/speculative.md)
+            self.spec.round(self._round_host, lanes)
+            self.counters["decode_rounds"] += 1
+            return
+        t0 = time.monotonic()
+        tokens = [l.next_token for l in lanes]
+        positions = [l.pos for l in lanes]
+        tables = [l.pages[:math.ceil((l.pos + 1) / BLOCK_TOKENS)] for l in lanes]
+        logits = self.model.decode(tokens, positions, tables, [l.state_slot for l in lanes],
+                                   self.storage, self.states, **decode_offsets(lanes))
+        dt = time.monotonic() - t0
+        for i, lane in enumerate(lanes):
+            lane.pos += 1
+            lane.next_token = None
+            self.cache.commit_blocks(lane)
+            if not lane.finish_reason:
+                self._sample(lane, logits[i])
+            self.itl.append(dt)
+        self.counters["decode_rounds"] += 1
+
+    def _sample(self, lane: Lane, logits: torch.Tensor) -> None:
+        try:
+            event = sample(logits, lane.request.sampling, lane.generator)
+        except Exception as exc:  # this request's sampling failed: it alone ends
+            self._fail_lane(lane, exc)
+            return
+        self._emit(lane, event)
+
+    def _emit(self, lane: Lane, ev: TokenEvent) -> None:
+        """Hand one chosen token to the lane: usage, stop conditions, the event, ``next_token``."""
+        sp = lane.request.sampling
+        now = time.monotonic()
+        lane.usage.timing.last_token_at = time.perf_counter()
+        if lane.first_token_at is None:
+            lane.first_token_at = now
+            lane.usage.time_to_first_token = now - lane.handle.submitted_at
+            self.ttft.append((now, lane.usage.time_to_first_token))
+        tok = ev.token_id
+        lane.generated.append(tok)
+        lane.usage.completion_tokens += 1
+        self.counters["generated_tokens"] += 1
+        if (tok in self.eos or tok in sp.stop_token_ids) and not sp.ignore_eos:
+            lane.finish_reason = FinishReason.STOP
+            return
+        lane.tokens.append(tok)
+        lane.handle.put(ev)
+        if lane.decoder is not None:
+            lane.text += lane.decoder.push(tok)
+            for s in sp.stop:
+                if s and s in lane.text:
+                    lane.finish_reason = FinishReason.STOP
+                    lane.stop_text = s
+                    return
+        if len(lane.generated) >= sp.max_tokens:
+            lane.finish_reason = FinishReason.LENGTH
+            return
+        lane.next_token = tok

@@ -1,0 +1,62 @@
+"""A lane's end: the binding publishes and releases it (spec §7.7), the finish event goes out
+with its usage; a failed request ends alone; a stop or a fatal error ends every lane."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from hpc_cli.engine.api import FinishEvent, FinishReason
+from hpc_cli.engine.core import EngineCore
+from hpc_cli.engine.lane import Lane
+from hpc_cli.errors import HpcError
+
+log = logging.getLogger("hpc_cli.engine")
+
+
+class Finish(EngineCore):
+    """Ends lanes (mixed into the engine)."""
+
+    def _fail_lane(self, lane: Lane, exc: Exception) -> None:
+        """End ``lane`` with reason "error" at the next step (published: nothing), keep serving."""
+        message = exc.message if isinstance(exc, HpcError) else f"{type(exc).__name__}: {exc}"
+        log.warning("request %s failed: %s", lane.request.request_id, message,
+                    exc_info=None if isinstance(exc, HpcError) else exc)
+        lane.finish_reason, lane.error = FinishReason.ERROR, f"the request failed in the engine: {message}"
+        lane.next_token = None
+
+    def _finish(self, lane: Lane, *, publish: bool = True) -> None:
+        t0 = time.perf_counter()
+        if self.spec is not None and publish:
+            self.spec.before_finish(lane)
+        self.cache.finish(lane, publish=publish)
+        self._lanes.remove(lane)
+        lane.usage.timing.finish = time.perf_counter() - t0
+        self._emit_finish(lane)
+
+    def _emit_finish(self, lane: Lane) -> None:
+        self._by_id.pop(lane.request.request_id, None)
+        reason = lane.finish_reason or FinishReason.STOP
+        self.counters[f"finished_{reason}"] += 1
+        self.counters["prompt_tokens"] += lane.n_prompt
+        self.counters["reuse_tokens"] += lane.usage.reuse_tokens
+        self.counters["cached_prefix_tokens"] += lane.usage.cached_prefix_tokens
+        lane.handle.put(FinishEvent(reason, lane.usage, error=lane.error,
+                                    stop_text=getattr(lane, "stop_text", None),
+                                    prompt_logprobs=lane.prompt_logprobs,
+                                    prompt_top_logprobs=lane.prompt_top_logprobs))
+
+    def _shutdown(self, reason: FinishReason, message: str, *, publish: bool = True) -> None:
+        self._drain_inbox()
+        for lane in list(self._lanes):
+            lane.finish_reason, lane.error = reason, message
+            try:
+                self._finish(lane, publish=publish)
+            except Exception:  # never leave a caller waiting
+                if lane in self._lanes:
+                    self._lanes.remove(lane)
+                self._emit_finish(lane)
+        while self._waiting:
+            lane = self._waiting.popleft()
+            lane.finish_reason, lane.error = reason, message
+            self._emit_finish(lane)

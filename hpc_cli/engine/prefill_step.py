@@ -1,0 +1,69 @@
+"""One prefill pass of a lane: up to a chunk of prompt tokens, split at the binding's stops,
+with the taps the pass takes itself (spec §7.1-7.3), prompt logprobs when asked, and the first
+token sampled once the prompt is in."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from hpc_cli.cache.keys import BLOCK_TOKENS
+from hpc_cli.engine.api import FinishReason, PrefillPass
+from hpc_cli.engine.core import EngineCore
+from hpc_cli.engine.lane import Lane
+from hpc_cli.engine.media import prefill_media
+from hpc_cli.engine.sampling import prompt_logprobs
+
+
+class PrefillStep(EngineCore):
+    """Runs one prefill pass (mixed into the engine)."""
+
+    def _prefill(self, lane: Lane) -> None:
+        timing = lane.usage.timing  # phase seconds (RequestTiming): host time, no device syncs
+        t_start = time.perf_counter()
+        waited = timing.restore_wait
+        start = lane.pos
+        end = self.cache.next_stop(lane, min(lane.n_prompt, start + self.chunk))
+        taps, t = self.cache.counters.get("taps", 0), time.perf_counter()
+        self.cache.before_pass(lane, end)
+        tapped = timing.add_taps(time.perf_counter() - t, self.cache.counters.get("taps", 0) - taps)
+        sp = lane.request.sampling
+        want_all = sp.prompt_logprobs
+        spec_kw = self.spec.prefill_kwargs() if self.spec is not None else {}
+        pre_hidden = self.spec.pre_hidden(lane) if self.spec is not None else None
+        ready = self.cache.layer_ready(lane)
+        in_pass = self.cache.pass_taps(lane, end)  # exact taps the pass takes itself (no split)
+        out = self.model.prefill(lane.tokens[start:end], start, lane.pages[:math.ceil(end / BLOCK_TOKENS)],
+                                 lane.state_slot, self.storage, self.states,
+                                 layer_ready=timing.timed_wait(ready) if ready is not None else None,
+                                 all_logits=want_all, **spec_kw, **prefill_media(self.model, lane, start, end),
+                                 **({"taps": in_pass} if in_pass else {}))
+        if self.spec is not None:
+            self.spec.after_prefill(lane, start, end, out, pre_hidden)
+        lane.pos = end
+        lane.usage.prefill_tokens += end - start
+        self.counters["prefill_tokens"] += end - start
+        logits = out.logits
+        if want_all:  # prompt_logprobs requests always prefill from the root (see HybridBinding.admit)
+            if lane.prompt_logprobs is None:
+                lane.prompt_logprobs, lane.prompt_top_logprobs = [None], [None]
+            lps, tops = prompt_logprobs(logits, lane.tokens[:lane.n_prompt], start, top=sp.logprobs or 0)
+            lane.prompt_logprobs += lps
+            lane.prompt_top_logprobs += tops
+            logits = logits[-1]
+        taps, t = self.cache.counters.get("taps", 0), time.perf_counter()
+        if in_pass:
+            self.cache.after_pass(lane, out.taps)
+        else:
+            self.cache.after_pass(lane)
+        tapped += timing.add_taps(time.perf_counter() - t, self.cache.counters.get("taps", 0) - taps)
+        if lane.pos == lane.n_prompt and not lane.finish_reason:
+            if sp.max_tokens == 0:
+                lane.finish_reason = FinishReason.LENGTH
+            else:
+                self._sample(lane, logits)
+        t_end = time.perf_counter()
+        timing.passes.append(PrefillPass(t_end - t_start - tapped - (timing.restore_wait - waited), end - start))
+        if lane.pos == lane.n_prompt:
+            timing.decode_from = t_end
+        lane.prefill_pass_done(t_start, t_end)  # progress lines of a long prefill
