@@ -6,24 +6,20 @@ one sequence, private), Cached (owned by a node or snapshot tail) or Filling (a 
 destination). ``available = free + evictable cached``; what is evictable is the cache index's
 knowledge, asked through the ``evictable`` callback.
 
-:class:`StatePool` splits a :class:`StateSlots` into C active slots and D snapshot slots; a tap
-(one image into a snapshot slot) is :meth:`StatePool.copy_image`, a handful of device copies.
-The engine does not use it: the cache binding keeps the lanes' free slots and the index hands
-out the snapshot slots.
+State slots have no pool of their own: the cache binding keeps the lanes' free slots and the
+index hands out the snapshot slots (``acquire_snapshot_slot``); a tap is one
+:meth:`StateSlots.copy_slot`.
 
-Both free lists are index stacks: alloc and free are O(1) per id; the lowest id goes first.
+The free list is an index stack: alloc and free are O(1) per id; the lowest id goes first.
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Callable, Iterable, Sequence
-
-import torch
+from typing import Callable, Iterable
 
 from hpc_cli.errors import CapacityError
 from hpc_cli.memory.kv_pool import PagedKVStorage
-from hpc_cli.memory.state_pool import StateSlots
 
 
 class PageState(IntEnum):
@@ -144,73 +140,3 @@ class DeviceKVPool:
         assert counts == self._counts, f"pool {self.name}: counts {self._counts} != {counts}"
         assert len(self._free) == counts[PageState.FREE] == len(set(self._free)), "free stack broken"
         assert all(self._state[p] == PageState.FREE for p in self._free), "a used page on the free stack"
-
-
-class StatePool:
-    """C active slots (``0..C-1``) and D snapshot slots (``C..C+D-1``) of one StateSlots."""
-
-    def __init__(self, slots: StateSlots, active: int, snapshot: int) -> None:
-        assert active >= 1 and snapshot >= 0, f"need C >= 1 and D >= 0, got C={active} D={snapshot}"
-        assert slots.num_slots == active + snapshot, \
-            f"StateSlots has {slots.num_slots} slots, C + D = {active + snapshot}"
-        self.slots = slots
-        self.num_active = active
-        self.num_snapshot = snapshot
-        self._free_active = list(range(active - 1, -1, -1))
-        self._free_snapshot = list(range(active + snapshot - 1, active - 1, -1))
-        self._used: set[int] = set()
-
-    @classmethod
-    def create(cls, *, num_gdn_layers: int, conv_dim: int, conv_width: int, num_v_heads: int,
-               key_head_dim: int, value_head_dim: int, hidden_size: int, active: int, snapshot: int,
-               dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-               extra_parts=None) -> "StatePool":
-        try:
-            slots = StateSlots(num_gdn_layers, conv_dim, conv_width, num_v_heads, key_head_dim,
-                               value_head_dim, hidden_size, active + snapshot, dtype, device, extra_parts)
-        except (RuntimeError, torch.OutOfMemoryError) as exc:
-            raise CapacityError(f"cannot allocate {active + snapshot} state slots on {device}: {exc}",
-                                hint="lower device_snapshot_slots or the concurrency") from exc
-        return cls(slots, active, snapshot)
-
-    @property
-    def free_active(self) -> int:
-        return len(self._free_active)
-
-    @property
-    def free_snapshot(self) -> int:
-        return len(self._free_snapshot)
-
-    def is_snapshot_slot(self, slot: int) -> bool:
-        return self.num_active <= slot < self.num_active + self.num_snapshot
-
-    def alloc_active(self) -> int:
-        if not self._free_active:
-            raise CapacityError(f"all {self.num_active} active state slots are in use",
-                                hint="lanes are limited by the concurrency setting")
-        s = self._free_active.pop()
-        self._used.add(s)
-        return s
-
-    def alloc_snapshot(self) -> int | None:
-        """A free snapshot slot, or None (the caller evicts a device snapshot, spec §9.2)."""
-        if not self._free_snapshot:
-            return None
-        s = self._free_snapshot.pop()
-        self._used.add(s)
-        return s
-
-    def free(self, slot: int) -> None:
-        assert slot in self._used, f"state slot {slot} is not in use"
-        self._used.discard(slot)
-        (self._free_snapshot if self.is_snapshot_slot(slot) else self._free_active).append(slot)
-
-    def copy_image(self, src: int, dst: int) -> None:
-        """Copy one image between slots on the current stream (a tap or a resume)."""
-        self.slots.copy_slot(src, dst)
-
-    def reset(self, slot: int) -> None:
-        self.slots.reset(slot)
-
-    def used(self) -> Sequence[int]:
-        return sorted(self._used)

@@ -8,7 +8,7 @@ import torch
 from hpc_cli import plugins
 from hpc_cli.errors import CapacityError
 from hpc_cli.memory.kv_pool import PagedKVStorage
-from hpc_cli.memory.pools import DeviceKVPool, PageState, StatePool
+from hpc_cli.memory.pools import DeviceKVPool, PageState
 from hpc_cli.memory.state_pool import StateSlots
 
 
@@ -73,35 +73,18 @@ def _slots(n, **kw):
     return StateSlots(3, 8, 3, 2, 4, 4, 16, n, dtype=torch.bfloat16, **kw)
 
 
-def test_state_pool_active_and_snapshot_slots():
-    sp = StatePool(_slots(5), active=2, snapshot=3)
-    a0, a1 = sp.alloc_active(), sp.alloc_active()
-    assert {a0, a1} == {0, 1}
-    with pytest.raises(CapacityError):
-        sp.alloc_active()
-    snaps = [sp.alloc_snapshot() for _ in range(3)]
-    assert sorted(snaps) == [2, 3, 4] and sp.alloc_snapshot() is None
-    sp.free(snaps[1])
-    assert sp.alloc_snapshot() == snaps[1]
-    sp.free(a0)
-    assert sp.free_active == 1
-    with pytest.raises(AssertionError):
-        sp.free(a0)
-
-
 def test_tap_copies_the_whole_image_and_only_it():
     slots = _slots(4, extra_parts={"ring": ((2, 5), torch.bfloat16)})
-    sp = StatePool(slots, active=1, snapshot=3)
     for t in slots.parts():
         t.copy_(torch.randn(t.shape).to(t.dtype))
     before = [t.clone() for t in slots.parts()]
-    sp.copy_image(0, 2)
+    slots.copy_slot(0, 2)
     slots.copy_slot(0, 3, "per_layer")
     for t, b in zip(slots.parts(), before):
         assert torch.equal(t[3], b[0])
         assert torch.equal(t[2], b[0])
         assert torch.equal(t[1], b[1])
-    sp.reset(2)
+    slots.reset(2)
     assert all(not t[2].any() for t in slots.parts())
     # per-layer views stay contiguous and alias the stacked storage
     assert all(c.is_contiguous() and r.is_contiguous() for c, r in zip(slots.conv, slots.recurrent))
