@@ -17,7 +17,9 @@ each answered until its end-of-turn token or --max-tokens.
 Every backend's engine is built and warmed up first; then ``--repeat`` timed passes run
 interleaved over the backends (none, mtp, ..., none, mtp, ...) and each backend reports its
 fastest pass, so the ratios to none come from the same run and the same spells of a shared
-machine. ``--k-for mtp=2,dflash=1`` gives a backend its own k.
+machine. ``--k-for mtp=2,dflash=1`` gives a backend its own k. ``--drafters new=DIR`` runs dflash
+and dflash2 a second time with the drafters in ``DIR/dflash`` and ``DIR/dflash2`` (keys
+``dflash@new``, ``dflash2@new``), to compare drafters in one run.
 
     python benchmarks/spec_decode.py                                   # CPU, builtin:tiny, random prompts
     python benchmarks/spec_decode.py --model builtin:tiny --traffic chat --rollback per_token
@@ -31,6 +33,7 @@ import json
 import platform
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -65,14 +68,14 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(1, min(250, vocab)) for _ in range(length)] for _ in range(n)]
 
 
-def _engine(model, spec, prompts, args, rollback="per_token", k=None) -> Engine:
+def _engine(model, spec, prompts, args, rollback="per_token", k=None, drafter=None) -> Engine:
     """A started engine for one backend, warmed up (allocator, kernels); "full" warm-up runs every
     prompt once first, so every CUDA graph shape the timed passes meet is captured already (short
     chat answers meet many shapes once each)."""
     kv_pages = args.concurrency * (-(-(args.prompt_len + args.max_tokens + 64) // 64)) + 8
     e = Engine(model, kv_pages=kv_pages, prefill_chunk=args.prefill_chunk, max_concurrency=args.concurrency,
                reuse=False, speculative=spec, num_draft_tokens=args.k if k is None else k,
-               spec_rollback=rollback).start()
+               spec_rollback=rollback, drafter=drafter).start()
     e.generate(GenerationRequest(list(prompts[0][:64]), SamplingParams(max_tokens=4, temperature=0.0,
                                                                         ignore_eos=True)))
     if args.warmup == "full":
@@ -141,8 +144,12 @@ def main(argv=None) -> dict:
                     help="random token prompts, or chat questions answered until end of turn")
     ap.add_argument("--warmup", default=None, choices=["short", "full"],
                     help="short: one 4-token request; full: every prompt once (default for chat traffic)")
+    ap.add_argument("--drafters", action="append", default=[], metavar="LABEL=DIR",
+                    help="also run dflash / dflash2 with the drafters in DIR/dflash, DIR/dflash2 (reported as "
+                         "dflash@LABEL, dflash2@LABEL), next to the default ones; repeatable")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    others = [tuple(x.split("=", 1)) for x in args.drafters]
     args.warmup = args.warmup or ("full" if args.traffic == "chat" else "short")
     cuda = torch.cuda.is_available()
     name = args.model or ("builtin:qwen3.5-27b-shape@8" if cuda else "builtin:tiny")
@@ -164,6 +171,10 @@ def main(argv=None) -> dict:
             spec = OracleBackend(refs) if b == "oracle" else b
             key = b if mode == "per_token" else f"{b}+recompute"
             engines[key] = _engine(model, spec, prompts, args, rollback=mode, k=ks.get(b, args.k))
+        if b in ("dflash", "dflash2"):  # the same backend with other drafters, in the same run
+            for label, path in others:
+                engines[f"{b}@{label}"] = _engine(model, b, prompts, args, k=ks.get(b, args.k),
+                                                 drafter=str(Path(path) / b))
     timed = _timed(engines, prompts, args)
     ref, none_tps, _ = timed.pop("none")
     runs = {"none": {"decode_tok_s": none_tps, "speedup": 1.0, "mean_acceptance_length": 1.0,

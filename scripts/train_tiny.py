@@ -85,11 +85,18 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- data
-def load_data(data: Path, seq: int, chat_only: bool = False):
+def load_data(data: Path, seq: int, chat_only: bool = False, tokenizer: Path | None = None,
+              hold_out: tuple[str, ...] = ()):
+    """The corpus packed into rows; ``tokenizer`` (default: the data's own) encodes it; chat
+    examples that contain a ``hold_out`` question, and every other chat example about the same
+    objects, are left out (:func:`held_out`)."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(tokenizer or data / "tokenizer.json"))
     records = [json.loads(line) for line in gzip.open(data / "corpus.jsonl.gz")]
+    if hold_out:
+        names = held_out(records, hold_out)
+        records = [r for r in records if not (r["kind"] == "chat" and r["name"] in names)]
     if chat_only:
         records = [r for r in records if r["kind"] == "chat"]
     eot = tok.token_to_id("<|endoftext|>")
@@ -100,7 +107,98 @@ def load_data(data: Path, seq: int, chat_only: bool = False):
         rng.shuffle(texts)
         ids = [e.ids + [eot] for e in tok.encode_batch(texts, add_special_tokens=False)]
         out[split] = pack(ids, seq)
-    return tok, out
+    return tok, out, records
+
+
+def benchmark_questions() -> tuple[str, ...]:
+    """The chat questions benchmarks/spec_decode.py measures acceptance on (its CHAT_QUESTIONS)."""
+    import ast
+
+    src = (Path(__file__).resolve().parents[1] / "benchmarks" / "spec_decode.py").read_text()
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CHAT_QUESTIONS" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise LookupError("CHAT_QUESTIONS not found in benchmarks/spec_decode.py")
+
+
+def records_all(data: Path) -> list[dict]:
+    return [json.loads(line) for line in gzip.open(data / "corpus.jsonl.gz")]
+
+
+def held_out(records: list[dict], questions: tuple[str, ...]) -> set[str]:
+    """The objects some chat example asks one of ``questions`` about (its user turn is the
+    question), and the objects the questions name."""
+    import re
+
+    turns = {f"<|im_start|>user\n{q}<|im_end|>" for q in questions}
+    names = {r["name"] for r in records if r["kind"] == "chat" and any(t in r["text"] for t in turns)}
+    known = {r["name"] for r in records}  # and every object a question names (json.dumps, base64)
+    return names | {w for q in questions for w in re.findall(r"[A-Za-z_][\w.]*\w", q) if w in known}
+
+
+#: where a chat example's first answer starts: the generation prompt with the closed reasoning block
+_ANSWER = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def chat_prompts(records: list[dict], split: str, n: int, seed: int) -> list[str]:
+    """``n`` distinct first-turn chat prompts of ``split`` (system prompt kept where there is one),
+    each ending in the generation prompt the shipped template renders (thinking closed), as a chat
+    request to the model starts; drawn in a seeded order."""
+    seen, out = set(), []
+    for r in records:
+        if r["kind"] != "chat" or r["split"] != split:
+            continue
+        text = r["text"].replace("<|im_start|>assistant\n<think>\n</think>\n\n", _ANSWER)
+        text = text.replace("<|im_start|>assistant\n<think>\n\n</think>\n\n", _ANSWER)
+        i = text.find(_ANSWER)
+        if i < 0:
+            continue
+        prompt = text[:i + len(_ANSWER)]
+        if prompt not in seen:
+            seen.add(prompt)
+            out.append(prompt)
+    random.Random(seed).shuffle(out)
+    return out[:n]
+
+
+def greedy_answers(model_dir: Path, prompts: list[list[int]], max_new: int, lanes: int = 8) -> list[list[int]]:
+    """The model's greedy answer to each prompt, decoded by the serving engine (the checkpoint in
+    ``model_dir`` loaded as ``hpc-cli serve --model`` loads it, fp32, CPU, ``lanes`` requests at a
+    time): the answer up to its end-of-turn token (included) or ``max_new`` tokens, the tokens a
+    chat request's draft rounds see."""
+    from hpc_cli.engine.api import GenerationRequest, SamplingParams
+    from hpc_cli.engine.engine import Engine
+
+    m = HybridModel.from_name_or_path(str(model_dir), dtype=torch.float32, device="cpu")
+    longest = max(len(p) for p in prompts) + max_new
+    e = Engine(m, kv_pages=lanes * (-(-(longest + 64) // 64)) + 8, prefill_chunk=512, max_concurrency=lanes,
+               reuse=False).start()
+    sp = SamplingParams(max_tokens=max_new, temperature=0.0)
+    out = []
+    try:
+        for i in range(0, len(prompts), lanes):
+            handles = [e.submit(GenerationRequest(list(p), sp)) for p in prompts[i:i + lanes]]
+            for h in handles:
+                toks, fin = h.result(timeout=3600)
+                assert fin.reason in ("stop", "length"), (fin.reason, fin.error)
+                out.append([t.token_id for t in toks])
+    finally:
+        e.stop()
+    return out
+
+
+def answer_rows(prompts: list[list[int]], answers: list[list[int]], seq: int):
+    """One conversation per row (position 0 is its first token, as in a served request): ``[B,
+    seq + 1]`` tokens (the end repeats the last token) and ``[B, 2]`` spans: the position of the
+    answer's first token and the row's length."""
+    rows, spans = [], []
+    for p, a in zip(prompts, answers):
+        t = (p + a)[:seq + 1]
+        if len(t) - len(p) < 2:  # a draft block needs an answer token to draft from and one to draft
+            continue
+        rows.append(t + [t[-1]] * (seq + 1 - len(t)))
+        spans.append([len(p), len(t)])
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(spans, dtype=torch.long)
 
 
 def pack(docs: list[list[int]], seq: int) -> torch.Tensor:
@@ -407,9 +505,14 @@ def _main_step(model, opt, rows, dev, lr):
 
 
 def train_drafters(model, nets, data, args, dev, report):
+    """Phase 2: the MTP head (unless ``args.no_mtp``) and the block drafters ``nets`` on the frozen
+    model's greedy token at every position. With ``data["answers"]`` (rows of one conversation and
+    their answer spans: the model's own answers to chat prompts) the block drafters' anchors lie in
+    the answers, where a chat request's draft rounds start, and columns past the answer's end weigh
+    nothing."""
     for p in model.parameters():
         p.requires_grad_(False)
-    mtp_params = list(model.mtp.parameters())
+    mtp_params = [] if args.no_mtp else list(model.mtp.parameters())
     for p in mtp_params:
         p.requires_grad_(True)
     params = mtp_params + [p for n in nets.values() for p in n.parameters()]
@@ -418,7 +521,12 @@ def train_drafters(model, nets, data, args, dev, report):
     opt = adamw(params, args.draft_lr, dev.type == "cuda")
     capture = tuple(nets["dflash"].cfg.target_layers)
     rotaries = {k: Rotary(n.cfg.head_dim, n.cfg.rope_theta, device=dev) for k, n in nets.items()}
-    it = batches(data["train"], args.batch, SEED + 7)
+    answers = data.get("answers")
+    if answers is not None:
+        rows_all, spans_all = answers
+        it = batches(torch.cat([rows_all, spans_all], dim=1), args.batch, SEED + 7)
+    else:
+        it = batches(data["train"], args.batch, SEED + 7)
     gen = torch.Generator().manual_seed(SEED + 11)
     t0, curve, total = time.time(), [], args.draft_steps
     step = 0
@@ -431,7 +539,11 @@ def train_drafters(model, nets, data, args, dev, report):
         lr = args.draft_lr * (min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1, frac)))))
         for g in opt.param_groups:
             g["lr"] = lr
-        b = next(it).to(dev)
+        b = next(it)
+        spans = None
+        if answers is not None:
+            b, spans = b[:, :-2], b[:, -2:]
+        b = b.to(dev)
         tokens = b[:, :-1]
         B, T = tokens.shape
         with torch.no_grad(), autocast(dev):
@@ -441,26 +553,38 @@ def train_drafters(model, nets, data, args, dev, report):
         with autocast(dev):
             # MTP: position p reads (token p+1, h[p]) and predicts the model's token at p+2; the second
             # step reads (token p+2, its own hidden at p) at position p+1
-            g1 = mtp_forward(model, tokens[:, 1:], h[:, :-1].detach(), 0)
-            l1 = model.lm_head(g1).float()
-            losses["mtp"] = F.cross_entropy(l1.reshape(-1, l1.shape[-1]), labels[:, 1:].reshape(-1))
-            g2 = mtp_forward(model, tokens[:, 2:], g1[:, :-1], 1)
-            l2 = model.lm_head(g2).float()
-            losses["mtp2"] = 0.5 * F.cross_entropy(l2.reshape(-1, l2.shape[-1]), labels[:, 2:].reshape(-1))
+            if not args.no_mtp:
+                g1 = mtp_forward(model, tokens[:, 1:], h[:, :-1].detach(), 0)
+                l1 = model.lm_head(g1).float()
+                losses["mtp"] = F.cross_entropy(l1.reshape(-1, l1.shape[-1]), labels[:, 1:].reshape(-1))
+                g2 = mtp_forward(model, tokens[:, 2:], g1[:, :-1], 1)
+                l2 = model.lm_head(g2).float()
+                losses["mtp2"] = 0.5 * F.cross_entropy(l2.reshape(-1, l2.shape[-1]), labels[:, 2:].reshape(-1))
             k = args.block_sizes[step % len(args.block_sizes)]
-            anchors = torch.stack([torch.randperm(T - k - 1, generator=gen)[:args.anchors] + 1
-                                   for _ in range(B)]).to(dev)
+            if spans is None:
+                anchors = torch.stack([torch.randperm(T - k - 1, generator=gen)[:args.anchors] + 1
+                                       for _ in range(B)]).to(dev)
+            else:  # anywhere from the answer's first token to its last but one (with repeats)
+                lo, hi = spans[:, :1], spans[:, 1:] - 1
+                u = torch.rand(B, args.anchors, generator=gen)
+                anchors = (lo + (u * (hi - lo)).long()).clamp(max=T - k).to(dev)
             # column i (1..k) drafts the token at p+i: the model's argmax at position p+i-1
             idx = anchors[:, :, None] + torch.arange(k, device=dev)
             lab = labels.gather(1, idx.reshape(B, -1)).view(B, -1, k)
             wts = (0.85 ** torch.arange(k, device=dev, dtype=torch.float32)).expand_as(lab)
+            if spans is not None:  # a draft of the token after the answer's last one is not a draft
+                wts = wts * (idx + 1 < spans[:, 1:].to(dev)[:, :, None]).float()
             for name, net in nets.items():
                 hid = drafter_forward(net, model, rotaries[name], feats.detach(), tokens, anchors, k)
                 logits = model.lm_head(hid).float()
                 ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), reduction="none")
                 losses[name] = (ce * wts.reshape(-1)).sum() / wts.sum()
                 if net.cfg.kind == "dflash2":
-                    losses["selector"] = 0.1 * selector_loss(net, model, hid, logits, lab)
+                    if spans is None:
+                        losses["selector"] = 0.1 * selector_loss(net, model, hid, logits, lab)
+                    else:
+                        keep = wts > 0
+                        losses["selector"] = 0.1 * selector_loss(net, model, hid[keep], logits[keep], lab[keep])
         loss = sum(losses.values())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -474,6 +598,10 @@ def train_drafters(model, nets, data, args, dev, report):
     report["drafters"] = {"steps": step, "seconds": time.time() - t0, "curve": curve,
                           "block_sizes": args.block_sizes, "anchors": args.anchors,
                           "val_first_draft_accuracy": draft_accuracy(model, nets, rotaries, data["val"], dev, args)}
+    if data.get("val_answers") is not None:
+        report["drafters"]["val_chat_answer_accuracy"] = answer_accuracy(model, nets, data["val_answers"], dev)
+        print("chat answers (validation objects)", json.dumps(report["drafters"]["val_chat_answer_accuracy"]),
+              flush=True)
     print("drafters done", json.dumps(report["drafters"]["val_first_draft_accuracy"]), flush=True)
     for p in params:
         p.requires_grad_(False)
@@ -502,14 +630,45 @@ def draft_accuracy(model, nets, rotaries, rows, dev, args) -> dict:
     return out
 
 
+@torch.no_grad()
+def answer_accuracy(model, nets, answers, dev, k: int = 3) -> dict:
+    """On rows of the model's own answers to chat prompts: how often each drafter's first draft
+    (and all ``k``) equals the model's greedy token, with a draft block at every answer position
+    that has ``k`` answer tokens after it; MTP's first draft at the same positions."""
+    rows, spans = answers
+    capture = tuple(nets["dflash"].cfg.target_layers)
+    rotaries = {n: Rotary(net.cfg.head_dim, net.cfg.rope_theta, device=dev) for n, net in nets.items()}
+    hits = {n: 0 for n in ("mtp", *nets, *(x + "_all3" for x in nets))}
+    count = 0
+    for i in range(rows.shape[0]):
+        s, L = (int(x) for x in spans[i])
+        tokens = rows[i:i + 1, :L].to(dev)
+        if L - s < k + 1:
+            continue
+        with autocast(dev):
+            h, feats = forward(model, tokens, capture)
+            labels = model.lm_head(h).argmax(-1)
+            anchors = torch.arange(s, L - k, device=dev)[None]
+            lab = labels.gather(1, (anchors[:, :, None] + torch.arange(k, device=dev)).reshape(1, -1)).view(1, -1, k)
+            g1 = mtp_forward(model, tokens[:, 1:], h[:, :-1], 0)
+            mtp = model.lm_head(g1).argmax(-1)  # at position p-1: the draft of the token at p+1
+            hits["mtp"] += int((mtp[0, anchors[0] - 1] == lab[0, :, 0]).sum())
+            for name, net in nets.items():
+                pred = model.lm_head(drafter_forward(net, model, rotaries[name], feats, tokens, anchors, k)).argmax(-1)
+                hits[name] += int((pred[..., 0] == lab[..., 0]).sum())
+                hits[name + "_all3"] += int((pred == lab).all(-1).sum())
+        count += anchors.shape[1]
+    return {n: v / max(1, count) for n, v in hits.items()} | {"blocks": count}
+
+
 # ---------------------------------------------------------------------------------------- export
-def export(model: HybridModel, nets: dict, tok_dir: Path, out: Path, tok) -> Path:
+def export(model: HybridModel, nets: dict, tok_file: Path, out: Path, tok) -> Path:
     from safetensors.torch import save_file
 
     d = out / "tiny"
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(hf_config(model.config), indent=1) + "\n")
-    shutil.copy(tok_dir / "tokenizer.json", d / "tokenizer.json")
+    shutil.copy(tok_file, d / "tokenizer.json")
     specials = {str(i): t for i, t in sorted(tok.get_added_tokens_decoder().items())}
     tcfg = {"tokenizer_class": "Qwen2Tokenizer", "model_max_length": model.config.max_position_embeddings,
             "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
@@ -577,6 +736,16 @@ def main(argv=None) -> dict:
                     help="a trained checkpoint directory: skip phase 1, train the MTP head and drafters")
     ap.add_argument("--init-drafters", default=None, help="start the drafters from this directory's dflash/, dflash2/")
     ap.add_argument("--chat-only", action="store_true", help="train on the chat examples only")
+    ap.add_argument("--chat-answers", type=int, default=0,
+                    help="train the drafters on the model's own greedy answers to this many chat prompts of the "
+                         "training split (one conversation per row of --seq tokens), anchors in the answers")
+    ap.add_argument("--answer-tokens", type=int, default=96, help="longest generated answer (--chat-answers)")
+    ap.add_argument("--val-answers", type=int, default=64,
+                    help="with --chat-answers: chat prompts of the validation split answered to measure drafts")
+    ap.add_argument("--hold-out", default="benchmark",
+                    help="'benchmark': leave out the chat examples about the objects benchmarks/spec_decode.py "
+                         "asks about (its CHAT_QUESTIONS); 'none': keep every example")
+    ap.add_argument("--no-mtp", action="store_true", help="phase 2 leaves the MTP head as it is")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     args.block_sizes = [int(x) for x in args.block_sizes.split(",")]
@@ -588,7 +757,10 @@ def main(argv=None) -> dict:
     data_dir, out = Path(args.data), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    tok, data = load_data(data_dir, args.seq, args.chat_only)
+    # a trained model keeps its own tokenizer (a rebuilt corpus's tokenizer may differ from it)
+    tok_file = Path(args.init_from) / "tokenizer.json" if args.init_from else data_dir / "tokenizer.json"
+    hold = benchmark_questions() if args.hold_out == "benchmark" else ()
+    tok, data, records = load_data(data_dir, args.seq, args.chat_only, tok_file, hold)
     manifest = json.loads((data_dir / "manifest.json").read_text())
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
     cfg = tiny_config(manifest["vocab_size"], eos)
@@ -596,7 +768,9 @@ def main(argv=None) -> dict:
               "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()},
               "train_rows": data["train"].shape[0], "val_rows": data["val"].shape[0],
               "train_tokens": data["train"].numel(), "val_tokens": data["val"].numel(),
-              "data_s": time.time() - t0}
+              "data_s": time.time() - t0, "tokenizer_sha256": hashlib.sha256(tok_file.read_bytes()).hexdigest(),
+              "corpus_sha256": hashlib.sha256((data_dir / "corpus.jsonl.gz").read_bytes()).hexdigest(),
+              "held_out_objects": sorted(held_out(records_all(data_dir), hold)) if hold else []}
     print(json.dumps({k: v for k, v in report.items() if k != "data"}), flush=True)
     if args.init_from:  # a trained model: train its MTP head and the drafters only
         from hpc_cli.model.loader import load_checkpoint
@@ -614,6 +788,19 @@ def main(argv=None) -> dict:
         model.train()
         train_main(model, data, args, dev, report)
     report["parameters"] = sum(p.numel() for p in model.parameters())
+    if args.chat_answers:  # self-distillation on chat traffic: the model answers chat prompts greedily
+        t1 = time.time()
+        assert args.init_from, "--chat-answers answers with the --init-from model"
+        for split, n, key in (("train", args.chat_answers, "answers"), ("val", args.val_answers, "val_answers")):
+            prompts = [e.ids for e in tok.encode_batch(chat_prompts(records, split, n, SEED + 13),
+                                                       add_special_tokens=False)]
+            answers = greedy_answers(Path(args.init_from), prompts, args.answer_tokens)
+            data[key] = answer_rows(prompts, answers, args.seq)
+            report[key] = {"prompts": len(prompts), "rows": int(data[key][0].shape[0]),
+                           "answer_tokens": int((data[key][1][:, 1] - data[key][1][:, 0]).sum()),
+                           "sha256": hashlib.sha256(data[key][0].numpy().tobytes()).hexdigest()}
+            print(key, json.dumps(report[key]), f"{time.time() - t1:.0f} s", flush=True)
+        report["answers_s"] = time.time() - t1
     nets = {}
     gen_seed = SEED + 3
     for kind in ("dflash", "dflash2"):
@@ -630,10 +817,14 @@ def main(argv=None) -> dict:
                 net.selector_b.weight.zero_()  # the selector starts as the plain argmax
         nets[kind] = net
         gen_seed += 1
-    d = export(model, nets, data_dir, out, tok)  # the model alone first: usable if the drafters do not finish
+    d = export(model, nets, tok_file, out, tok)  # the model alone first: usable if the drafters do not finish
+    if data.get("val_answers") is not None:
+        report["val_chat_answer_accuracy_before"] = answer_accuracy(model, nets, data["val_answers"], dev)
+        print("chat answers before (validation objects)", json.dumps(report["val_chat_answer_accuracy_before"]),
+              flush=True)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     train_drafters(model, nets, data, args, dev, report)
-    d = export(model, nets, data_dir, out, tok)
+    d = export(model, nets, tok_file, out, tok)
     report["runtime_check"] = check_against_runtime(d, data["val"], ())
     report["files"] = {p.relative_to(d).as_posix(): {"bytes": p.stat().st_size,
                                                     "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}

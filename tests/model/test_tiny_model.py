@@ -110,3 +110,28 @@ def test_trained_drafters_accept_and_keep_greedy_output(tiny, spec):
     got, fin = _generate(tiny, spec, prompt)
     assert got == ref
     assert fin.usage.accepted_draft_tokens > 0, fin.usage
+
+
+def test_drafter_chat_data_holds_out_the_benchmark_questions():
+    """The drafters' chat data (scripts/train_tiny.py --chat-answers) leaves out every conversation
+    about an object the speculative benchmark asks about; a prompt ends where the answer starts
+    (the generation prompt with the closed reasoning block) and an answer row starts at position 0."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny
+
+    questions = train_tiny.benchmark_questions()
+    assert "What does json.dumps do?" in questions
+    tpl = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n{}<|im_end|>\n"
+    chats = [("json.dumps", "What does json.dumps do?"), ("json.dumps", "Explain json.dumps."),
+             ("base64", "Tell me about base64."), ("json.loads", "Explain json.loads.")]
+    records = [{"kind": "chat", "name": n, "split": "train", "text": tpl.format(q, "a")} for n, q in chats]
+    records.append({"kind": "doc", "name": "json.loads", "split": "train", "text": "json.loads\n\nDeserialize."})
+    held = train_tiny.held_out(records, questions)
+    assert held == {"json.dumps", "base64"}
+    kept = [r for r in records if not (r["kind"] == "chat" and r["name"] in held)]
+    prompts = train_tiny.chat_prompts(kept, "train", 10, 0)
+    assert prompts == ["<|im_start|>user\nExplain json.loads.<|im_end|>\n"
+                       "<|im_start|>assistant\n<think>\n\n</think>\n\n"]
+    rows, spans = train_tiny.answer_rows([[1, 2, 3], [4, 5], [6]], [[7, 8, 9], [10], [11, 12]], 4)
+    assert rows.tolist() == [[1, 2, 3, 7, 8], [6, 11, 12, 12, 12]]  # [4, 5] + [10]: nothing to draft
+    assert spans.tolist() == [[3, 5], [1, 3]]
