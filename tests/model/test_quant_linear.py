@@ -68,6 +68,23 @@ def test_held_weights_give_the_dequantised_models_logits_in_less_memory(hf_dense
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_held_moe_model_keeps_its_experts_dequantised(hf_moe, tmp_path, fmt):
+    """Routed experts (fused parameters, not Linear layers) and the router are dequantised even
+    when the dense Linear layers are held; the logits equal the dequantised model's."""
+    _, path = hf_moe
+    out = _quantized(path, tmp_path / fmt, fmt)
+    plain = _load(out, Residency.DEQUANTIZED)
+    held = _load(out, Residency.QUANTIZED)
+    linears = {n: m for n, m in held.named_modules() if isinstance(m, Linear)}
+    assert any(n.endswith("self_attn.q_proj") and m.quant is not None for n, m in linears.items())
+    experts = [p for n, p in held.named_parameters() if n.endswith("experts.gate_up_proj")]
+    assert experts and all(p.dtype == torch.float32 and not p.is_meta for p in experts)
+    a = plain.forward_tokens(TOKENS, kv_profile=F32)
+    b = held.forward_tokens(TOKENS, kv_profile=F32)
+    assert torch.equal(a, b), f"held weights moved the logits by {(a - b).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_the_footprint_before_loading_is_what_the_held_model_holds(hf_dense, tmp_path, fmt):
     _, path = hf_dense
     out = _quantized(path, tmp_path / fmt, fmt)
