@@ -78,7 +78,7 @@ def _e2m1(code):
 
 
 @triton.jit(do_not_specialize=["M", "N", "K"])
-def _nvfp4_kernel(x_ptr, p_ptr, s_ptr, y_ptr, factor, M, N, K, stride_xm, stride_pn, stride_sn, stride_ym,
+def _nvfp4_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, M, N, K, stride_xm, stride_pn, stride_sn, stride_ym,
                   GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   DOT: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -114,11 +114,24 @@ def _nvfp4_kernel(x_ptr, p_ptr, s_ptr, y_ptr, factor, M, N, K, stride_xm, stride
              mask=mmask[:, None] & nmask[None, :])
 
 
-def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+def _launch(kernel, x: torch.Tensor, n: int, k: int, weights: tuple, weight_strides: tuple, bk: int,
+            **meta) -> torch.Tensor:
+    """``x [..., K]`` as contiguous rows, ``y [..., N]`` in ``x``'s dtype, and one launch of
+    ``kernel`` over the tile the row count picks (``weights``: the kernel's tensors and scalars
+    between ``x`` and ``y``)."""
     assert x.shape[-1] == k, f"input has {x.shape[-1]} features, the weight takes {k}"
     assert x.dtype in _DOT_DTYPES, f"quantized matmuls take bf16, fp16 or fp32 inputs, not {x.dtype}"
     x2 = x.reshape(-1, k)
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m:
+        tile = _tile(m)
+        grid = (triton.cdiv(m, tile["BM"]), triton.cdiv(n, tile["BN"]))
+        kernel[grid](x2, *weights, y, m, n, k, x2.stride(0), *weight_strides, y.stride(0), BM=tile["BM"],
+                     BN=tile["BN"], BK=bk, DOT=_DOT_DTYPES[x.dtype], IEEE=x.dtype == torch.float32,
+                     num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
+    return y.reshape(*x.shape[:-1], n)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -128,19 +141,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     sb_n, sb_k = block
     assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32, "fp8 weight, float32 scales"
     assert weight.stride(-1) == 1 and scale.stride(-1) == 1, "weight and scale rows must be contiguous"
-    x2 = _rows(x, k)
-    m = x2.shape[0]
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if m == 0:
-        return y.reshape(*x.shape[:-1], n)
-    tile = _tile(m)
     bk = min(128, sb_k)  # a K step stays inside one scale block
     assert sb_k % bk == 0 and bk >= 16, f"fp8 scale blocks of {sb_k} inputs are not supported"
-    grid = (triton.cdiv(m, tile["BM"]), triton.cdiv(n, tile["BN"]))
-    _fp8_kernel[grid](x2, weight, scale, y, m, n, k, x2.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
-                      SB_N=sb_n, SB_K=sb_k, BM=tile["BM"], BN=tile["BN"], BK=bk, DOT=_DOT_DTYPES[x.dtype],
-                      IEEE=x.dtype == torch.float32, num_warps=tile["num_warps"], num_stages=tile["num_stages"])
-    return y.reshape(*x.shape[:-1], n)
+    return _launch(_fp8_kernel, x, n, k, (weight, scale), (weight.stride(0), scale.stride(0)), bk,
+                   SB_N=sb_n, SB_K=sb_k)
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, factor: float,
@@ -148,20 +152,9 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, fac
     """``x [..., K] @ W^T`` for NVFP4 ``packed [N, K / 2]`` uint8 with float8_e4m3fn group scales
     ``[N, K / group]`` and the global ``factor`` (the weight is ``e2m1 * scale * factor``)."""
     n, half = packed.shape
-    k = 2 * half
     assert packed.dtype == torch.uint8 and scale.dtype == torch.float8_e4m3fn, "uint8 codes, e4m3 scales"
     assert packed.stride(-1) == 1 and scale.stride(-1) == 1, "code and scale rows must be contiguous"
-    x2 = _rows(x, k)
-    m = x2.shape[0]
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if m == 0:
-        return y.reshape(*x.shape[:-1], n)
-    tile = _tile(m)
     bk = 128 if group <= 128 and 128 % group == 0 else group
     assert bk % group == 0 and bk >= 32, f"nvfp4 groups of {group} inputs are not supported"
-    grid = (triton.cdiv(m, tile["BM"]), triton.cdiv(n, tile["BN"]))
-    _nvfp4_kernel[grid](x2, packed, scale, y, float(factor), m, n, k, x2.stride(0), packed.stride(0),
-                        scale.stride(0), y.stride(0), GROUP=group, BM=tile["BM"], BN=tile["BN"], BK=bk,
-                        DOT=_DOT_DTYPES[x.dtype], IEEE=x.dtype == torch.float32,
-                        num_warps=tile["num_warps"], num_stages=tile["num_stages"])
-    return y.reshape(*x.shape[:-1], n)
+    return _launch(_nvfp4_kernel, x, n, 2 * half, (packed, scale, float(factor)),
+                   (packed.stride(0), scale.stride(0)), bk, GROUP=group)
