@@ -107,18 +107,18 @@ def chunk_states(q, k, v, g, beta, initial_state, chunk: int, keep: Sequence[int
     return out.to(out_dtype), state, [kept[c] for c in keep]
 
 
-def causal_conv_time_major(conv_state: torch.Tensor, mixed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The GDN layer's depthwise causal conv on the CPU, time-major: ``conv_state`` ``[C, k-1]``
-    (the previous pre-conv columns), ``mixed`` ``[T, C]``, ``weight`` ``[C, 1, k]`` -> ``[T, C]`` in
-    the weight's dtype (accumulated in fp32 for narrower ones). ``k`` multiply-adds over contiguous
-    ``[T, C]`` slices, vectorised along the channels: several times faster on the CPU than the
-    grouped ``conv1d`` (oneDNN's depthwise kernel over ``[C, T]``), with the same sums in the same
-    order (equal results in fp32)."""
+def causal_conv_time_major(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The GDN layer's depthwise causal conv on the CPU, time-major: ``rows`` ``[k-1+T, C]`` (the
+    previous conv state's columns, then the run's pre-conv rows), ``weight`` ``[C, 1, k]`` ->
+    ``[T, C]`` in the weight's dtype (accumulated in fp32 for narrower ones). ``k`` multiply-adds
+    over contiguous ``[T, C]`` slices, vectorised along the channels: several times faster on the
+    CPU than the grouped ``conv1d`` (oneDNN's depthwise kernel over ``[C, T]``), with the same sums
+    in the same order (equal results in fp32)."""
     k = weight.shape[-1]
-    t = mixed.shape[0]
+    t = rows.shape[0] - (k - 1)
     acc = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
     taps = weight[:, 0, :].to(acc).t().contiguous()  # [k, C]
-    rows = torch.cat([conv_state.to(weight.dtype).t(), mixed.to(weight.dtype)], dim=0).to(acc)  # [k-1+T, C]
+    rows = rows.to(weight.dtype).to(acc)
     out = rows[0:t] * taps[0]
     for j in range(1, k):
         out.addcmul_(rows[j:j + t], taps[j])
@@ -248,11 +248,13 @@ class GatedDeltaNet(nn.Module):
         run's pre-conv columns) and the gated delta rule's inputs of a run of ``T`` tokens."""
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
-        window = torch.cat([conv_state.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)  # [C, k-1+T]
-        if x.device.type == "cpu":
-            conv = causal_conv_time_major(conv_state, mixed, self.conv1d.weight).transpose(0, 1)  # [C, T]
+        w = self.conv1d.weight
+        if x.device.type == "cpu":  # time-major: the window is a view of the rows the conv reads
+            rows = torch.cat([conv_state.to(mixed.dtype).t(), mixed], dim=0)  # [k-1+T, C]
+            window = rows.t()
+            conv = causal_conv_time_major(rows, w).t()  # [C, T]
         else:
-            w = self.conv1d.weight
+            window = torch.cat([conv_state.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)  # [C, k-1+T]
             conv = F.conv1d(window.unsqueeze(0).to(w.dtype), w, groups=self.conv_dim)[0]  # [C, T]
         mixed = F.silu(conv).to(mixed.dtype).transpose(0, 1)
         q, k, v, g, beta = self._heads(mixed, b, a, (1, t))
