@@ -17,8 +17,10 @@ def test_cuda_resume_and_host_restore_match_cold(profile):
     from hpc_cli.model.model import HybridModel
 
     model = HybridModel.from_name_or_path("builtin:random", dtype=torch.float32, device="cuda")
-    eng = Engine(model, kv_profile=profile, kv_pages=600, host_cache_mib=256, prefill_chunk=256,
-                 max_model_len=8192).start()
+    # few pages and snapshot slots, so that the unrelated prompts below push the prompt's device
+    # copies out (with 600 pages and the default slots they all stayed on the device)
+    eng = Engine(model, kv_profile=profile, kv_pages=160, snapshot_slots=4, host_cache_mib=256,
+                 prefill_chunk=256, max_model_len=4096).start()
     prompt = list(range(10, 250)) * 8  # 1920 tokens: the final chunk starts at 1792, where the tail tap is taken
     sp = SamplingParams(max_tokens=24, temperature=0)
     try:

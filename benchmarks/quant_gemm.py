@@ -1,0 +1,81 @@
+"""The quantized-weight matmul kernels (``kernels/quant_gemm.py``) at the 27B model's Linear
+shapes, against bf16 ``F.linear`` on the same device: each tile of a small sweep, timed with
+``triton.testing.do_bench``, for decode-sized (1, 8 rows) and prefill-sized passes. A component
+benchmark: it explains the model's figures (``benchmarks/model_throughput.py``), it does not
+prove them. Prints JSON, then a table of the best tile per (rows, format) as time against bf16
+summed over the shapes of one layer set.
+
+    python benchmarks/quant_gemm.py [--rows 1,8,512,2048] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+#: (name, N, K) of the Linears of one full-attention and one GDN layer with their MLPs, at the
+#: 27B widths (hidden 5120, intermediate 17408, 24 query heads of 256 gated, 4 KV heads, GDN 16
+#: key and 48 value heads of 128)
+SHAPES = [("attn.q", 12288, 5120), ("attn.kv", 1024, 5120), ("attn.o", 5120, 6144),
+          ("gdn.qkv", 10240, 5120), ("gdn.z", 6144, 5120), ("gdn.out", 5120, 6144),
+          ("mlp.gate", 17408, 5120), ("mlp.up", 17408, 5120), ("mlp.down", 5120, 17408)]
+DECODE_TILES = [{"BM": 16, "BN": bn, "num_warps": w, "num_stages": s}
+                for bn, w, s in itertools.product((32, 64, 128), (4,), (3, 5))]
+PREFILL_TILES = [{"BM": bm, "BN": bn, "num_warps": 8, "num_stages": s}
+                 for bm, bn, s in ((64, 128, 3), (128, 128, 3), (128, 128, 4), (128, 256, 3))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1,8,512,2048")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    from triton.testing import do_bench
+
+    from hpc_cli.model.quant_weights import quantize_fp8, quantize_nvfp4
+    from hpc_kernels import quant_gemm
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    weights = {}
+    for name, n, k in SHAPES:
+        w = torch.randn(n, k, device=dev, generator=gen, dtype=torch.float32) * 0.02
+        packed, scale, glob = quantize_nvfp4(w)
+        weights[name] = (w.bfloat16(), quantize_fp8(w, (128, 128)), (packed, scale, 1.0 / float(glob), 16))
+    results = []
+    for m in (int(r) for r in args.rows.split(",")):
+        kind = "decode" if m <= quant_gemm.DECODE_ROWS else "prefill"
+        tiles = DECODE_TILES if kind == "decode" else PREFILL_TILES
+        for name, n, k in SHAPES:
+            x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
+            bf, fp8, nv = weights[name]
+            row = {"rows": m, "shape": name, "N": n, "K": k, "bf16_ms": do_bench(lambda: F.linear(x, bf))}
+            for tile in tiles:
+                quant_gemm.TILES[kind] = tile
+                key = "BM{BM}_BN{BN}_w{num_warps}_s{num_stages}".format(**tile)
+                row[f"fp8_{key}"] = do_bench(lambda: quant_gemm.fp8_linear(x, fp8[0], fp8[1], (128, 128)))
+                row[f"nvfp4_{key}"] = do_bench(lambda: quant_gemm.nvfp4_linear(x, *nv))
+            results.append(row)
+    doc = {"device": torch.cuda.get_device_name(), "results": results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(json.dumps(doc)[:200])
+    for m in sorted({r["rows"] for r in results}):
+        rows = [r for r in results if r["rows"] == m]
+        bf = sum(r["bf16_ms"] for r in rows)
+        for fmt in ("fp8", "nvfp4"):
+            keys = [key for key in rows[0] if key.startswith(fmt + "_")]
+            best = min(keys, key=lambda key: sum(r[key] for r in rows))
+            total = sum(r[best] for r in rows)
+            per_shape = "  ".join(f"{r['shape']} {r['bf16_ms'] / r[best]:.2f}" for r in rows)
+            print(f"rows {m:5d} {fmt:5s} best {best[len(fmt) + 1:]:22s} {total:8.3f} ms vs bf16 {bf:8.3f} ms "
+                  f"= {bf / total:.2f}x   [{per_shape}]")
+
+
+if __name__ == "__main__":
+    main()
