@@ -471,6 +471,13 @@ def _phases(records: Sequence[RequestRecord]) -> dict[str, float] | None:
         return None
     out = {p: _p50([float(t.get(p) or 0.0) for t in timed]) for p in PHASES}
     out["passes"] = _p50([float(len(t.get("prefill_passes") or ())) for t in timed], 1)
+    # the engine's submit-to-first-token, and what the client waited beyond it (the HTTP exchange,
+    # the template and the tokenizer, the stream's first chunk)
+    engine = [(r, float(r.timing["time_to_first_token"])) for r in records
+              if r.timing and r.timing.get("time_to_first_token") is not None and r.ttft_s is not None]
+    if engine:
+        out["engine_ttft"] = _p50([e for _, e in engine])
+        out["server_overhead"] = _p50([r.ttft_s - e for r, e in engine])
     return out
 
 

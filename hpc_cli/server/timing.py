@@ -5,7 +5,9 @@ A request asks with ``"hpc": {"timing": true}`` in its body (the openai client's
 ``[server] debug_timing`` (``HPC_SERVER__DEBUG_TIMING``, ``serve --debug-timing``) adds it to
 every response, and ``"hpc": {"timing": false}`` turns it off for one request. The value is
 :meth:`hpc_cli.engine.api.RequestTiming.phases` (seconds per phase, disjoint, so they add up to
-no more than the request's wall time) plus the prefill passes and the number of taps.
+no more than the request's wall time) plus the prefill passes, the number of taps and
+``time_to_first_token``: the engine's seconds from submit to the first token (what the client
+waits beyond it is the server's own part: the HTTP exchange, the template and the tokenizer).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, StrictBool
 
-from hpc_cli.engine.api import RequestTiming, Usage
+from hpc_cli.engine.api import Usage
 
 if TYPE_CHECKING:
     from hpc_cli.server.app import ServerState
@@ -38,16 +40,20 @@ def wants_timing(state: "ServerState", options: HpcOptions | None) -> bool:
     return bool(state.settings.server.debug_timing)
 
 
-def timing_doc(timing: RequestTiming) -> TimingDoc:
-    """``usage.hpc_timing``: seconds per phase, then the passes and the taps."""
+def timing_doc(usage: Usage) -> TimingDoc:
+    """``usage.hpc_timing``: seconds per phase, then the passes, the taps and the engine's time
+    to the first token."""
+    timing = usage.timing
     doc: TimingDoc = dict(timing.phases())
     doc["prefill_passes"] = [{"seconds": p.seconds, "tokens": p.tokens} for p in timing.passes]
     doc["taps"] = timing.taps
+    if usage.time_to_first_token is not None:
+        doc["time_to_first_token"] = usage.time_to_first_token
     return doc
 
 
 def with_timing(usage_doc: dict[str, object], usage: Usage | None, on: bool) -> dict[str, object]:
     """``usage_doc`` with ``hpc_timing`` added when ``on`` (and the engine's usage is known)."""
     if on and usage is not None:
-        usage_doc["hpc_timing"] = timing_doc(usage.timing)
+        usage_doc["hpc_timing"] = timing_doc(usage)
     return usage_doc

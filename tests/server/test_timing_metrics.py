@@ -61,6 +61,8 @@ def check_timing(timing: dict, wall: float, prompt_tokens: int, cached_tokens: i
     assert passes and sum(p["tokens"] for p in passes) == prompt_tokens - cached_tokens
     assert sum(p["seconds"] for p in passes) == pytest.approx(timing["prefill"])
     assert isinstance(timing["taps"], int) and timing["taps"] >= 0
+    # the engine's submit-to-first-token: after the admission, within the wall
+    assert timing["admission"] <= timing["time_to_first_token"] <= wall, (timing, wall)
 
 
 def chat(client, content: str, **kw):
