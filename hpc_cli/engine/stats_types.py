@@ -6,9 +6,18 @@ only (:func:`to_json`: ``/v1/cache/stats``, ``/metrics``, and ``hpc-cli top`` re
 in its own process), with the keys clients read. ``hpc-cli top`` parses that JSON back into its
 own view types (:mod:`hpc_cli.tui.stats`), which also read older servers' documents.
 
-Two field markers shape the JSON: :data:`FLAT` (a mapping whose keys join its parent's, as a
-binding's running counters do) and :data:`OPTIONAL` (left out while None: a section a cache mode
-or an engine does not have). A dataclass with an ``as_dict()`` of its own (the host tier's
+The sections come from the code that makes them: the index's counts
+(:class:`~hpc_cli.cache.stats.IndexStats`), the checkpoint catalog's
+(:class:`~hpc_cli.cache.catalog.CatalogStats`), the page pool's
+(:class:`~hpc_cli.memory.pools.PoolCounts`), the kernel compilations
+(:class:`~hpc_cli.model.compile_watch.CompileStats`), the expert tier's
+(:class:`~hpc_cli.experts.tier.ExpertTierStats`) and the speculative runtime's
+(:class:`~hpc_cli.speculative.runtime.SpecStats`).
+
+Two field markers shape the JSON (defined in :mod:`hpc_cli.cache.stats`, the lowest layer with
+stats types): :data:`FLAT` (a mapping whose keys join its parent's, as a binding's running
+counters do) and :data:`OPTIONAL` (left out while None: a section a cache mode or an engine does
+not have). A dataclass with an ``as_dict()`` of its own (the host tier's
 :class:`~hpc_cli.memory.host_slabs.PinProgress`) is written by it."""
 
 from __future__ import annotations
@@ -18,15 +27,14 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
+from hpc_cli.cache.stats import FLAT, OPTIONAL, IndexStats, InflightBytes
+
 if TYPE_CHECKING:
     from hpc_cli.memory.host_slabs import PinProgress
 
+
 #: a JSON value as :func:`to_json` writes it
 JSON = Union[None, bool, int, float, str, list["JSON"], dict[str, "JSON"]]
-#: field metadata: the mapping's keys join the parent's in the JSON
-FLAT = {"flat": True}
-#: field metadata: the key is left out of the JSON while the value is None
-OPTIONAL = {"optional": True}
 #: one row of the snapshot table (``cache.top_snapshots``: id, frontier, kind, residency, ...)
 SnapshotRow = dict[str, JSON]
 
@@ -72,14 +80,6 @@ class Residency:
                 "host_bytes": self.host_bytes, "entries": self.entries}
 
 
-@dataclass(frozen=True, slots=True)
-class InflightBytes:
-    """Bytes of the copies in flight (running counts of the index)."""
-
-    restore_bytes: int
-    write_bytes: int
-
-
 @dataclass(slots=True, kw_only=True)
 class SharedTierStats:
     """The shared tier's (L3) figures (:meth:`hpc_cli.engine.shared.SharedTier.stats`)."""
@@ -123,7 +123,7 @@ class HybridCacheStats(CacheStats):
     """The hybrid binding's: the index's own document (:mod:`hpc_cli.cache.stats`), its
     snapshot slots, the host tier's pinning, the copies in flight and the shared tier."""
 
-    index: dict[str, JSON]
+    index: IndexStats
     snapshot_slots: int
     host_tier: "PinProgress"
     inflight: InflightBytes
