@@ -12,7 +12,7 @@ The sections come from the code that makes them: the index's counts
 (:class:`~hpc_cli.memory.pools.PoolCounts`), the kernel compilations
 (:class:`~hpc_cli.model.compile_watch.CompileStats`), the expert tier's
 (:class:`~hpc_cli.experts.tier.ExpertTierStats`) and the speculative runtime's
-(:class:`~hpc_cli.speculative.runtime.SpecStats`).
+(:class:`~hpc_cli.speculative.runtime.SpeculativeStats`).
 
 Two field markers shape the JSON (defined in :mod:`hpc_cli.cache.stats`, the lowest layer with
 stats types): :data:`FLAT` (a mapping whose keys join its parent's, as a binding's running
@@ -27,10 +27,16 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
-from hpc_cli.cache.stats import FLAT, OPTIONAL, IndexStats, InflightBytes
+from hpc_cli.cache.stats import FLAT, OPTIONAL
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the sections' types, for annotations only (this module stays light: ``hpc-cli top`` reads it)
+    from hpc_cli.cache.catalog import CatalogStats
+    from hpc_cli.cache.stats import IndexStats, InflightBytes
+    from hpc_cli.experts.tier import ExpertTierStats
     from hpc_cli.memory.host_slabs import PinProgress
+    from hpc_cli.memory.pools import PoolCounts
+    from hpc_cli.model.compile_watch import CompileStats
+    from hpc_cli.speculative.runtime import SpeculativeStats
 
 
 #: a JSON value as :func:`to_json` writes it
@@ -93,7 +99,7 @@ class SharedTierStats:
     queued_bytes: int
     lookups: int
     hits: int
-    misses: dict[str, int]
+    misses: dict[str, int]  # by reason, only those seen ("timeout", "block_<why>", ...): open-ended
     lookup_seconds: float
     counts: dict[str, int] = field(default_factory=dict, metadata=FLAT)  # writes_*, hit_tokens, ...
 
@@ -105,7 +111,7 @@ class CacheStats:
     ``detailed``, the snapshot table. ``mode`` is named by the modes other than hybrid."""
 
     mode: str | None = field(default=None, metadata=OPTIONAL)
-    pool: dict[str, int]
+    pool: PoolCounts
     pages: int
     lanes_free: int
     host_slabs: int
@@ -113,6 +119,7 @@ class CacheStats:
     page_bytes: int
     image_bytes: int
     transfers_pending: int
+    #: the binding's events since start; each cache mode (a plugin's included) names its own, so a mapping
     counters: dict[str, int] = field(default_factory=dict, metadata=FLAT)
     residency: Residency
     top_snapshots: list[SnapshotRow] | None = field(default=None, metadata=OPTIONAL)
@@ -135,7 +142,7 @@ class LegacyCacheStats(CacheStats):
     """Cache mode legacy's: the checkpoint catalog's counts and the state slots and host slabs
     it uses."""
 
-    catalog: dict[str, JSON]
+    catalog: CatalogStats
     device_state_slots: int
     device_state_slots_used: int
     host_kv_slabs: int
@@ -172,14 +179,14 @@ class EngineStats:
     prefill_chunk: int
     uptime_s: float
     requests: RequestCounts
-    counters: dict[str, int]  # since start: requests, tokens, finished_<reason>, decode_rounds, ...
+    counters: dict[str, int]  # since start: requests, tokens, finished_<reason>, ...: a key per finish reason seen
     cache: CacheStats
     ttft_recent_s: list[float]
     fatal: str | None
     compilations: int  # Triton compilations and autotune runs after the warm-up
-    kernel_compilations: dict[str, JSON]
-    experts: dict[str, JSON] | None = field(default=None, metadata=OPTIONAL)  # the expert tier's
-    speculative: dict[str, JSON] | None = field(default=None, metadata=OPTIONAL)  # the speculative runtime's
+    kernel_compilations: CompileStats
+    experts: ExpertTierStats | None = field(default=None, metadata=OPTIONAL)  # the expert tier's
+    speculative: SpeculativeStats | None = field(default=None, metadata=OPTIONAL)  # the speculative runtime's
     settings: RunSettings
 
     def to_json(self) -> dict[str, JSON]:

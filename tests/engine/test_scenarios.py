@@ -196,7 +196,7 @@ def test_multi_turn_exact_endpoint_reuse(model, mode):
             assert ends[0].tail_pages == (seen["tail_page"],)
             assert e.cache.snap_phys[ends[0].device_slot] == seen["slot"]
         else:  # the session's continuation moved on: one, its endpoint the deepest checkpoint
-            assert e.cache.stats().catalog["private_continuations"] == 1
+            assert e.cache.stats().catalog.private_continuations == 1
         prompt = prompt + gen + tokens(30, seed=10 + turn)
     # the reference: the last prompt from the root gives the same greedy output
     last, _ = run(e, prompt, 20)
@@ -409,7 +409,7 @@ def test_pressure_with_active_growth(model, mode):
     e = make(model, mode, host_cache_mib=16, kv_pages=16, max_concurrency=2)
     for i in range(4):  # fill the pool with cached entries
         run(e, tokens(200, seed=20 + i), 2)
-    assert e.cache.pool.counts()["cached"] > 4
+    assert e.cache.pool.counts().cached > 4
     pa, pb = tokens(180, seed=30), tokens(150, seed=31)
     ha = e.submit(GenerationRequest(pa, greedy(200)))  # grows to ceil(380/64) = 6 pages
     hb = e.submit(GenerationRequest(pb, greedy(200)))  # 6 pages

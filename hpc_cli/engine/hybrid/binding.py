@@ -128,9 +128,9 @@ class HybridBinding(Restore, Commit, Publish, Transfers):
     def leftovers(self) -> dict[str, int]:
         """What is still held (all zero once the engine stopped): pins, sequences, active and
         filling pages, restore pins of snapshots, lanes out, transfers in flight."""
-        st, counts = self.index.stats(), self.pool.counts()
+        st = self.index.stats()
         return {"pinned_nodes": st.nodes.pinned, "sequences": st.sequences,
-                "filling_nodes": sum(st.nodes.filling.values()), "active_pages": counts["active"],
-                "filling_pages": counts["filling"], "lanes_out": self.C - len(set(self.free_active)),
+                "filling_nodes": sum(st.nodes.filling.values()), "active_pages": self.pool.num_active,
+                "filling_pages": self.pool.num_filling, "lanes_out": self.C - len(set(self.free_active)),
                 "snapshot_restore_pins": sum(s.restore_pins for s in self.index.snapshots.values()),
                 "transfers_pending": self.transfer.pending}
