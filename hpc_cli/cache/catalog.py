@@ -127,14 +127,14 @@ class CheckpointCounts:
 class CatalogCounters:
     """The catalog's events since construction (:attr:`CheckpointCatalog.counters`, counted by name)."""
 
-    matches: int = 0
-    misses: int = 0
-    published_endpoints: int = 0
-    published_anchors: int = 0
-    published_shared: int = 0
-    replaced: int = 0
-    evicted: int = 0
-    demoted: int = 0
+    matches: int
+    misses: int
+    published_endpoints: int
+    published_anchors: int
+    published_shared: int
+    replaced: int
+    evicted: int
+    demoted: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,14 +133,6 @@ class TransferCounts:
 
 
 @dataclass(frozen=True, slots=True)
-class InflightBytes:
-    """Bytes of the copies in flight (running counts of the index)."""
-
-    restore_bytes: int
-    write_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
 class IndexStats:
     """The index's counts (:func:`summary`, :func:`stats`); its JSON is ``cache.index`` of the
     engine's stats."""
@@ -304,6 +296,14 @@ def write_batch_bytes(batch: WriteBatch, block_bytes: int, image_bytes: int) -> 
     for t in batch.snapshots:
         n += (image_bytes if t.slabs else 0) + (block_bytes if t.tail_pages is not None else 0)
     return n
+
+
+@dataclass(frozen=True, slots=True)
+class InflightBytes:
+    """Bytes of the copies in flight: :func:`inflight_bytes`, or the tally's running sums."""
+
+    restore_bytes: int
+    write_bytes: int
 
 
 def inflight_bytes(index: PrefixIndex) -> InflightBytes:
