@@ -173,17 +173,17 @@ def main() -> None:
         exp_h, exp_hl, _ = ep.hit_rates(held[a.warmup * a.batch:], profile.resident_mask(slots))
         rate = decode_rate(model, replay, 0, a.batch, a.steps, a.warmup, a.context)
         st = tier.stats()
-        bpt = st["host_bytes_per_token"] or 0.0
+        bpt = st.host_bytes_per_token or 0.0
         steps = a.steps  # stats were reset after the warm-up
         row = {"config": f"offloaded, {frac:.0%} of slots", "slots": slots, "tokens_per_s": rate,
                "vs_all_resident": rate / base,
-               "hit_rate": st["hit_rate"], "trace_h_expert": exp_h, "trace_h_layer": exp_hl,
-               "hit_rate_per_layer": st["hit_rate_per_layer"],
+               "hit_rate": st.hit_rate, "trace_h_expert": exp_h, "trace_h_layer": exp_hl,
+               "hit_rate_per_layer": st.hit_rate_per_layer,
                "host_bytes_per_token": bpt,
                "host_bytes_per_token_vs_header_scaled": bpt / header_scaled,
                "host_ms_per_token_at_40GBps": bpt / HEADER_BW * 1e3,
                "host_bytes_per_token_full_model": bpt * FULL_LAYERS_35B / L if "35b" in cfg.name else None,
-               "device_reads_per_step": st["syncs"] / steps, "miss_layer_calls_per_step": st["miss_calls"] / steps,
+               "device_reads_per_step": st.syncs / steps, "miss_layer_calls_per_step": st.miss_calls / steps,
                "slot_gib": tier.cache.gib, "tier_build_s": round(fill_s, 2)}
         result["configs"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "hit_rate_per_layer"}), flush=True)

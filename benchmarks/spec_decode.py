@@ -180,13 +180,13 @@ def main(argv=None) -> dict:
     runs = {"none": {"decode_tok_s": none_tps, "speedup": 1.0, "mean_acceptance_length": 1.0,
                      "generated_tokens": sum(len(o) for o in ref)}}
     for key, (outs, tps, st) in timed.items():
-        runs[key] = {"decode_tok_s": tps, "speedup": tps / none_tps, "k": st["k"],
-                     "mean_acceptance_length": st["mean_acceptance_length"],
-                     "acceptance_rate": st["acceptance_rate"], "rollback": st["rollback"],
+        runs[key] = {"decode_tok_s": tps, "speedup": tps / none_tps, "k": st.k,
+                     "mean_acceptance_length": st.mean_acceptance_length,
+                     "acceptance_rate": st.acceptance_rate, "rollback": st.rollback,
                      "matches_none": outs == ref, "generated_tokens": sum(len(o) for o in outs),
-                     "accepted_histogram": st["accepted_histogram"],
-                     "propose_s": st["propose_s"], "verify_s": st["verify_s"],
-                     "rollback_s": st["rollback_s"], "recomputed_columns": st["recomputed_columns"]}
+                     "accepted_histogram": st.accepted_histogram,
+                     "propose_s": st.propose_s, "verify_s": st.verify_s,
+                     "rollback_s": st.rollback_s, "recomputed_columns": st.recomputed_columns}
     doc = {"benchmark": "spec_decode", "model": name, "dtype": dtype,
            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "model_load_s": load_s,

@@ -102,13 +102,28 @@ def _answer(lexicon: Lexicon, rng: random.Random, cfg: GenerateConfig, counter: 
     return compose(lexicon, rng, rng.randint(*cfg.answer_tokens), counter)
 
 
+def _user(lexicon: Lexicon, rng: random.Random, cfg: GenerateConfig, counter: TokenCounter) -> str:
+    return compose(lexicon, rng, rng.randint(*cfg.user_tokens), counter)
+
+
+def _session_rng(cfg: GenerateConfig, session: int) -> random.Random:
+    return random.Random(cfg.seed * 7919 + session)
+
+
+def _with_system(cfg: GenerateConfig, intro: str) -> tuple[TokenCounter, Lexicon, str]:
+    """A token counter, the lexicon and a system prompt: ``intro``, then ``cfg.preamble_tokens``
+    of text drawn with the trace's seed."""
+    counter, lexicon = TokenCounter(None), Lexicon.make()
+    return counter, lexicon, intro + compose(lexicon, random.Random(cfg.seed), cfg.preamble_tokens, counter)
+
+
 def _chat(cfg: GenerateConfig) -> list[list[TraceRequest]]:
     counter, lexicon = TokenCounter(None), Lexicon.make()
     trace = build_trace(TraceConfig(cfg.seed, cfg.sessions, cfg.turns, cfg.preamble_tokens, cfg.user_tokens,
                                     edits=cfg.kind == "edits", edit_prob=0.5), 0, counter, lexicon)
     out = []
     for session in trace.sessions:
-        rng = random.Random(cfg.seed * 7919 + session.index)
+        rng = _session_rng(cfg, session.index)
         users: list[str] = []
         answers: list[str] = []
         reqs = []
@@ -124,15 +139,12 @@ def _chat(cfg: GenerateConfig) -> list[list[TraceRequest]]:
 
 
 def _agent_loop(cfg: GenerateConfig) -> list[list[TraceRequest]]:
-    counter, lexicon = TokenCounter(None), Lexicon.make()
-    rng = random.Random(cfg.seed)
-    system = "You are an agent. Use the tools to answer.\n\n" + compose(lexicon, rng, cfg.preamble_tokens, counter)
+    counter, lexicon, system = _with_system(cfg, "You are an agent. Use the tools to answer.\n\n")
     out = []
     for s in range(cfg.sessions):
-        srng = random.Random(cfg.seed * 7919 + s)
+        srng = _session_rng(cfg, s)
         history: list[dict[str, object]] = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": compose(lexicon, srng, srng.randint(*cfg.user_tokens), counter)}]
+            {"role": "system", "content": system}, {"role": "user", "content": _user(lexicon, srng, cfg, counter)}]
         reqs = []
         for t in range(cfg.turns):
             reqs.append(TraceRequest(f"s{s}-t{t}", f"s{s}", [dict(m) for m in history], cfg.max_tokens, tools=TOOLS))
@@ -145,14 +157,11 @@ def _agent_loop(cfg: GenerateConfig) -> list[list[TraceRequest]]:
 
 
 def _shared_preamble(cfg: GenerateConfig) -> list[list[TraceRequest]]:
-    counter, lexicon = TokenCounter(None), Lexicon.make()
-    rng = random.Random(cfg.seed)
-    system = "You answer questions about the notes below.\n\n" + compose(lexicon, rng, cfg.preamble_tokens, counter)
+    counter, lexicon, system = _with_system(cfg, "You answer questions about the notes below.\n\n")
     n = cfg.sessions * cfg.turns  # single-turn sessions
     out = []
     for s in range(n):
-        srng = random.Random(cfg.seed * 7919 + s)
-        user = compose(lexicon, srng, srng.randint(*cfg.user_tokens), counter)
+        user = _user(lexicon, _session_rng(cfg, s), cfg, counter)
         out.append([TraceRequest(f"s{s}-t0", f"s{s}", [{"role": "system", "content": system},
                                                       {"role": "user", "content": user}], cfg.max_tokens, tools=TOOLS)])
     return out

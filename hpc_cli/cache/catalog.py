@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Iterable, Iterator, Sequence
 
 from hpc_cli.cache.keys import BLOCK_TOKENS
@@ -113,15 +113,48 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointCounts:
+    """The checkpoints: all of them, by kind and by their owner's residency (those with none left
+    out)."""
+
+    total: int
+    by_kind: dict[str, int]
+    by_residency: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogCounters:
+    """The catalog's events since construction (:attr:`CheckpointCatalog.counters`, counted by name)."""
+
+    matches: int
+    misses: int
+    published_endpoints: int
+    published_anchors: int
+    published_shared: int
+    replaced: int
+    evicted: int
+    demoted: int
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogStats:
+    """The catalog's counts (:meth:`CheckpointCatalog.counts`); its JSON is ``cache.catalog`` of
+    cache mode legacy's stats."""
+
+    private_continuations: int
+    shared_prefixes: int
+    checkpoints: CheckpointCounts
+    counters: CatalogCounters
+
+
 class CheckpointCatalog:
     def __init__(self, limits: CatalogLimits) -> None:
         self.limits = limits
         self.owners: dict[int, Owner] = {}
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
-        self.counters: dict[str, int] = {"matches": 0, "misses": 0, "published_endpoints": 0,
-                                         "published_anchors": 0, "published_shared": 0, "replaced": 0,
-                                         "evicted": 0, "demoted": 0}
+        self.counters: dict[str, int] = dict.fromkeys((f.name for f in fields(CatalogCounters)), 0)
 
     # ------------------------------------------------------------------ lookup
     def match(self, prompt: tuple[int, ...], salt: int, limit: int) -> Match:
@@ -213,17 +246,18 @@ class CheckpointCatalog:
                           key=lambda o: o.last_used)
 
     # ------------------------------------------------------------------ counts
-    def counts(self) -> dict[str, object]:
+    def counts(self) -> CatalogStats:
         by_kind: dict[str, int] = {}
         by_res: dict[str, int] = {}
         for o in self.owners.values():
             for cp in o.checkpoints:
                 by_kind[cp.kind.value] = by_kind.get(cp.kind.value, 0) + 1
                 by_res[o.residency.value] = by_res.get(o.residency.value, 0) + 1
-        return {"private_continuations": sum(1 for o in self.owners.values() if not o.shared),
-                "shared_prefixes": sum(1 for o in self.owners.values() if o.shared),
-                "checkpoints": {"total": sum(by_kind.values()), "by_kind": by_kind, "by_residency": by_res},
-                "counters": dict(self.counters)}
+        return CatalogStats(private_continuations=sum(1 for o in self.owners.values() if not o.shared),
+                            shared_prefixes=sum(1 for o in self.owners.values() if o.shared),
+                            checkpoints=CheckpointCounts(total=sum(by_kind.values()), by_kind=by_kind,
+                                                         by_residency=by_res),
+                            counters=CatalogCounters(**self.counters))
 
     def check_invariants(self) -> None:
         for o in self.owners.values():

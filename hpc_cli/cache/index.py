@@ -43,7 +43,7 @@ from hpc_cli.cache.records import Release, RestoreBatch, SequencePath, SlotGrant
 from hpc_cli.cache.residency import DeadKv, ResidencyLedger
 from hpc_cli.cache.slots import SlotGrants, SlotTable
 from hpc_cli.cache.snapshot import Snapshot, SnapshotKind
-from hpc_cli.cache.stats import Counters, Tally
+from hpc_cli.cache.stats import Counters, IndexStats, Tally
 from hpc_cli.cache.supersession import Lineage
 from hpc_cli.cache.transfers import Transfers
 from hpc_cli.cache.tree import ABSENT, RESIDENT, BlockTree, MatchResult
@@ -341,8 +341,8 @@ class PrefixIndex:
         from hpc_cli.cache.invariants import check_invariants
         check_invariants(self)
 
-    def stats(self, *, recount: bool = False) -> dict:
-        """The index as a JSON-able dict (:func:`hpc_cli.cache.stats.summary`, O(1)); with
-        ``recount`` every count is taken by a full walk instead (tests, debugging)."""
+    def stats(self, *, recount: bool = False) -> IndexStats:
+        """The index's counts (:func:`hpc_cli.cache.stats.summary`, O(1)); with ``recount`` every
+        count is taken by a full walk instead (tests, debugging)."""
         from hpc_cli.cache import stats
         return stats.stats(self) if recount else stats.summary(self)

@@ -87,12 +87,7 @@ def media_key(block: int, items: Sequence[MediaItem]) -> int:
             break
         if len(it.content_digest) != 32:
             raise ValueError("media content_digest must be 32 bytes")
-        h.update(it.content_digest)
-        h.update(it.modality.to_bytes(4, "little"))
-        for g in it.grid:
-            h.update(int(g).to_bytes(8, "little"))
-        h.update(it.begin.to_bytes(8, "little"))
-        h.update(it.length.to_bytes(8, "little"))
+        _hash_item(h, it)
     return h.intdigest() or 1  # 0 is reserved for "no Vision item"
 
 
@@ -108,13 +103,18 @@ def tail_media_key(begin: int, end: int, items: Sequence[MediaItem]) -> int:
             continue
         if h is None:
             h = xxhash.xxh3_64(b"HPC-TAIL")
-        h.update(it.content_digest)
-        h.update(it.modality.to_bytes(4, "little"))
-        for g in it.grid:
-            h.update(int(g).to_bytes(8, "little"))
-        h.update(it.begin.to_bytes(8, "little"))
-        h.update(it.length.to_bytes(8, "little"))
+        _hash_item(h, it)
     return 0 if h is None else (h.intdigest() or 1)
+
+
+def _hash_item(h: "xxhash.xxh3_64", it: MediaItem) -> None:
+    """One item into a media key: its content digest, modality, grid and placeholder span."""
+    h.update(it.content_digest)
+    h.update(it.modality.to_bytes(4, "little"))
+    for g in it.grid:
+        h.update(int(g).to_bytes(8, "little"))
+    h.update(it.begin.to_bytes(8, "little"))
+    h.update(it.length.to_bytes(8, "little"))
 
 
 def salt_key(salt: str) -> int:

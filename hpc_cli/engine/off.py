@@ -109,8 +109,7 @@ class OffBinding:
         assert len(set(self.free_active)) == len(self.free_active) <= self.C, "lane slots broken"
 
     def leftovers(self) -> dict[str, int]:
-        counts = self.pool.counts()
-        return {"active_pages": counts["active"], "filling_pages": counts["filling"],
+        return {"active_pages": self.pool.num_active, "filling_pages": self.pool.num_filling,
                 "lanes_out": self.C - len(self.free_active), "transfers_pending": self.transfers_pending}
 
     def residency(self) -> Residency:

@@ -43,7 +43,7 @@ class StatsPublisher(EngineCore):
                                    prefilling=sum(1 for l in self._lanes if l.prefilling)),
             counters=dict(self.counters), cache=cache, ttft_recent_s=[t for at, t in self.ttft if now - at <= 60],
             fatal=self.fatal, compilations=self.compile_counts.since_warm,
-            kernel_compilations=self.compile_counts.as_dict(),
+            kernel_compilations=self.compile_counts.stats(),
             experts=expert_tier.stats() if expert_tier is not None else None,
             speculative=self.spec.stats() if self.spec is not None else None,
             settings=self._settings_meta())

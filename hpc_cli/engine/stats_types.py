@@ -6,9 +6,18 @@ only (:func:`to_json`: ``/v1/cache/stats``, ``/metrics``, and ``hpc-cli top`` re
 in its own process), with the keys clients read. ``hpc-cli top`` parses that JSON back into its
 own view types (:mod:`hpc_cli.tui.stats`), which also read older servers' documents.
 
-Two field markers shape the JSON: :data:`FLAT` (a mapping whose keys join its parent's, as a
-binding's running counters do) and :data:`OPTIONAL` (left out while None: a section a cache mode
-or an engine does not have). A dataclass with an ``as_dict()`` of its own (the host tier's
+The sections come from the code that makes them: the index's counts
+(:class:`~hpc_cli.cache.stats.IndexStats`), the checkpoint catalog's
+(:class:`~hpc_cli.cache.catalog.CatalogStats`), the page pool's
+(:class:`~hpc_cli.memory.pools.PoolCounts`), the kernel compilations
+(:class:`~hpc_cli.model.compile_watch.CompileStats`), the expert tier's
+(:class:`~hpc_cli.experts.tier.ExpertTierStats`) and the speculative runtime's
+(:class:`~hpc_cli.speculative.runtime.SpeculativeStats`).
+
+Two field markers shape the JSON (defined in :mod:`hpc_cli.cache.stats`, the lowest layer with
+stats types): :data:`FLAT` (a mapping whose keys join its parent's, as a binding's running
+counters do) and :data:`OPTIONAL` (left out while None: a section a cache mode or an engine does
+not have). A dataclass with an ``as_dict()`` of its own (the host tier's
 :class:`~hpc_cli.memory.host_slabs.PinProgress`) is written by it."""
 
 from __future__ import annotations
@@ -18,15 +27,20 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
-if TYPE_CHECKING:
+from hpc_cli.cache.stats import FLAT, OPTIONAL
+
+if TYPE_CHECKING:  # the sections' types, for annotations only (this module stays light: ``hpc-cli top`` reads it)
+    from hpc_cli.cache.catalog import CatalogStats
+    from hpc_cli.cache.stats import IndexStats, InflightBytes
+    from hpc_cli.experts.tier import ExpertTierStats
     from hpc_cli.memory.host_slabs import PinProgress
+    from hpc_cli.memory.pools import PoolCounts
+    from hpc_cli.model.compile_watch import CompileStats
+    from hpc_cli.speculative.runtime import SpeculativeStats
+
 
 #: a JSON value as :func:`to_json` writes it
 JSON = Union[None, bool, int, float, str, list["JSON"], dict[str, "JSON"]]
-#: field metadata: the mapping's keys join the parent's in the JSON
-FLAT = {"flat": True}
-#: field metadata: the key is left out of the JSON while the value is None
-OPTIONAL = {"optional": True}
 #: one row of the snapshot table (``cache.top_snapshots``: id, frontier, kind, residency, ...)
 SnapshotRow = dict[str, JSON]
 
@@ -72,14 +86,6 @@ class Residency:
                 "host_bytes": self.host_bytes, "entries": self.entries}
 
 
-@dataclass(frozen=True, slots=True)
-class InflightBytes:
-    """Bytes of the copies in flight (running counts of the index)."""
-
-    restore_bytes: int
-    write_bytes: int
-
-
 @dataclass(slots=True, kw_only=True)
 class SharedTierStats:
     """The shared tier's (L3) figures (:meth:`hpc_cli.engine.shared.SharedTier.stats`)."""
@@ -93,7 +99,7 @@ class SharedTierStats:
     queued_bytes: int
     lookups: int
     hits: int
-    misses: dict[str, int]
+    misses: dict[str, int]  # by reason, only those seen ("timeout", "block_<why>", ...): open-ended
     lookup_seconds: float
     counts: dict[str, int] = field(default_factory=dict, metadata=FLAT)  # writes_*, hit_tokens, ...
 
@@ -105,7 +111,7 @@ class CacheStats:
     ``detailed``, the snapshot table. ``mode`` is named by the modes other than hybrid."""
 
     mode: str | None = field(default=None, metadata=OPTIONAL)
-    pool: dict[str, int]
+    pool: PoolCounts
     pages: int
     lanes_free: int
     host_slabs: int
@@ -113,6 +119,7 @@ class CacheStats:
     page_bytes: int
     image_bytes: int
     transfers_pending: int
+    #: the binding's events since start; each cache mode (a plugin's included) names its own, so a mapping
     counters: dict[str, int] = field(default_factory=dict, metadata=FLAT)
     residency: Residency
     top_snapshots: list[SnapshotRow] | None = field(default=None, metadata=OPTIONAL)
@@ -123,7 +130,7 @@ class HybridCacheStats(CacheStats):
     """The hybrid binding's: the index's own document (:mod:`hpc_cli.cache.stats`), its
     snapshot slots, the host tier's pinning, the copies in flight and the shared tier."""
 
-    index: dict[str, JSON]
+    index: IndexStats
     snapshot_slots: int
     host_tier: "PinProgress"
     inflight: InflightBytes
@@ -135,7 +142,7 @@ class LegacyCacheStats(CacheStats):
     """Cache mode legacy's: the checkpoint catalog's counts and the state slots and host slabs
     it uses."""
 
-    catalog: dict[str, JSON]
+    catalog: CatalogStats
     device_state_slots: int
     device_state_slots_used: int
     host_kv_slabs: int
@@ -172,14 +179,14 @@ class EngineStats:
     prefill_chunk: int
     uptime_s: float
     requests: RequestCounts
-    counters: dict[str, int]  # since start: requests, tokens, finished_<reason>, decode_rounds, ...
+    counters: dict[str, int]  # since start: requests, tokens, finished_<reason>, ...: a key per finish reason seen
     cache: CacheStats
     ttft_recent_s: list[float]
     fatal: str | None
     compilations: int  # Triton compilations and autotune runs after the warm-up
-    kernel_compilations: dict[str, JSON]
-    experts: dict[str, JSON] | None = field(default=None, metadata=OPTIONAL)  # the expert tier's
-    speculative: dict[str, JSON] | None = field(default=None, metadata=OPTIONAL)  # the speculative runtime's
+    kernel_compilations: CompileStats
+    experts: ExpertTierStats | None = field(default=None, metadata=OPTIONAL)  # the expert tier's
+    speculative: SpeculativeStats | None = field(default=None, metadata=OPTIONAL)  # the speculative runtime's
     settings: RunSettings
 
     def to_json(self) -> dict[str, JSON]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hpc_cli.experts.tier import ExpertTier
+    from hpc_cli.experts.tier import ExpertTier, ExpertTierStats
 
 
 def moe_layers(model: Any) -> list[int]:
@@ -26,7 +26,7 @@ def hook_model(model: Any, tier: "ExpertTier") -> None:
     model.expert_tier = tier
 
 
-def expert_stats(model: Any) -> dict[str, Any] | None:
+def expert_stats(model: Any) -> ExpertTierStats | None:
     """The expert tier's stats for the engine's snapshot (None when no tier is attached)."""
     tier = getattr(model, "expert_tier", None)
     return tier.stats() if tier is not None else None

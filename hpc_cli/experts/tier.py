@@ -6,6 +6,7 @@ some of them, filled at startup from a profile or as experts are first routed; i
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,28 @@ from hpc_cli.experts.trace import Recorder
 #: at startup), ``first-routed`` (the first distinct pairs routed, one counter for all layers)
 #: and ``per-layer-first-routed`` (each layer its own range of slots)
 POLICIES = ("profile", "first-routed", "per-layer-first-routed")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertTierStats:
+    """The tier's figures (:meth:`ExpertTier.stats`); its JSON is ``experts`` of the engine's
+    stats."""
+
+    offload: bool
+    admission: str
+    slots: int
+    resident: int  # slots holding an expert
+    slot_bytes: int
+    fills: int
+    expert_bytes: int  # one expert's bytes (the largest layer's)
+    hit_rate: float | None  # routed picks served from a device slot (None: no pick yet)
+    hit_rate_per_layer: list[float | None]
+    tokens: int
+    host_bytes: int  # bytes the misses read on the host
+    host_bytes_per_token: float | None
+    recording: bool  # a routing trace is being written
+    syncs: int
+    miss_calls: int
 
 
 class ExpertTier(ExpertSplit):
@@ -170,23 +193,22 @@ class ExpertTier(ExpertSplit):
     def blob_bytes(self) -> int:
         return max((h.blob for h in self.host.values()), default=0)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ExpertTierStats:
         picks = self.hits + self.misses
         per_layer = [float(h / p) if p else None for h, p in zip(self.hits.tolist(), picks.tolist())]
         total = int(picks.sum())
         c = self.cache
-        return {
-            "offload": self.offload, "admission": self.admission,
-            "slots": c.slots if c else 0, "resident": c.resident if c else 0,
-            "slot_bytes": c.bytes if c else 0, "fills": c.fills if c else 0,
-            "expert_bytes": self.blob_bytes(),
-            "hit_rate": (int(self.hits.sum()) / total) if total else None,
-            "hit_rate_per_layer": per_layer,
-            "tokens": self.tokens, "host_bytes": self.host_bytes,
-            "host_bytes_per_token": (self.host_bytes / self.tokens) if self.tokens else None,
-            "recording": self.recorder is not None,
-            "syncs": self.syncs, "miss_calls": self.miss_calls,
-        }
+        return ExpertTierStats(
+            offload=self.offload, admission=self.admission,
+            slots=c.slots if c else 0, resident=c.resident if c else 0,
+            slot_bytes=c.bytes if c else 0, fills=c.fills if c else 0,
+            expert_bytes=self.blob_bytes(),
+            hit_rate=(int(self.hits.sum()) / total) if total else None,
+            hit_rate_per_layer=per_layer,
+            tokens=self.tokens, host_bytes=self.host_bytes,
+            host_bytes_per_token=(self.host_bytes / self.tokens) if self.tokens else None,
+            recording=self.recorder is not None,
+            syncs=self.syncs, miss_calls=self.miss_calls)
 
     def reset_stats(self) -> None:
         self.hits[:] = 0

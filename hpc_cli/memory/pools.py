@@ -15,6 +15,7 @@ The free list is an index stack: alloc and free are O(1) per id; the lowest id g
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable, Iterable
 
@@ -35,6 +36,17 @@ _TRANSITIONS: dict[PageState, frozenset[PageState]] = {
     PageState.FILLING: frozenset({PageState.CACHED}),   # the restore landed
     PageState.CACHED: frozenset({PageState.FILLING}),   # a cached page re-filled from the host
 }
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCounts:
+    """Pages by state (:meth:`DeviceKVPool.counts`), in :class:`PageState`'s order; its JSON is
+    ``cache.pool`` of the engine's stats."""
+
+    free: int
+    active: int
+    cached: int
+    filling: int
 
 
 class DeviceKVPool:
@@ -77,8 +89,8 @@ class DeviceKVPool:
         assert 0 <= ev <= self.num_cached, f"pool {self.name}: {ev} evictable of {self.num_cached} cached"
         return self.num_free + ev
 
-    def counts(self) -> dict[str, int]:
-        return {s.name.lower(): self._counts[s] for s in PageState}
+    def counts(self) -> PoolCounts:
+        return PoolCounts(*self._counts)
 
     def state(self, page: int) -> PageState:
         return PageState(self._state[page])

@@ -17,6 +17,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class CompileStats:
+    """The counts as the engine's stats carry them (``kernel_compilations``)."""
+
+    after_warmup: int  # compilations plus autotune runs after the warm-up (0 before it ends)
+    total: int  # compilations since the process started
+    autotunes: int
+    warm: bool  # the warm-up ended
+    after_warmup_by_kernel: dict[str, int]  # kernel (``autotune:<name>`` for a tuning run) -> count
+
+
 @dataclass
 class CompileCounts:
     """Compilations and autotune runs since the process started and since :meth:`mark_warm`."""
@@ -56,11 +67,10 @@ class CompileCounts:
             return 0
         return (self.compilations - self.warm_compilations) + (self.autotunes - (self.warm_autotunes or 0))
 
-    def as_dict(self) -> dict:
+    def stats(self) -> CompileStats:
         with self.lock:
-            return {"after_warmup": self.since_warm, "total": self.compilations, "autotunes": self.autotunes,
-                    "warm": self.warm_compilations is not None,
-                    "after_warmup_by_kernel": dict(self.after_warm)}
+            return CompileStats(after_warmup=self.since_warm, total=self.compilations, autotunes=self.autotunes,
+                                warm=self.warm_compilations is not None, after_warmup_by_kernel=dict(self.after_warm))
 
 
 _COUNTS: CompileCounts | None = None  # process-wide, as Triton's hooks are

@@ -37,6 +37,27 @@ if TYPE_CHECKING:
 ROLLBACKS = ("per_token", "recompute")
 
 
+@dataclass(frozen=True, slots=True)
+class SpeculativeStats:
+    """The runtime's figures since it started (:meth:`SpecRuntime.stats`); its JSON is
+    ``speculative`` of the engine's stats."""
+
+    backend: str
+    k: int  # drafts per round
+    rollback: str
+    rounds: int
+    draft_tokens: int
+    accepted_draft_tokens: int
+    acceptance_rate: float  # accepted / drafted
+    mean_acceptance_length: float  # tokens committed per lane-round
+    #: lane-rounds by drafts accepted ("0", "1", ...): one key per count seen, so a mapping
+    accepted_histogram: dict[str, int]
+    propose_s: float
+    verify_s: float
+    rollback_s: float
+    recomputed_columns: int
+
+
 @dataclass(frozen=True)
 class RoundHost:
     """What a speculative round needs of the engine, and no more: its page pool, the cache
@@ -194,13 +215,14 @@ class SpecRuntime:
         return acc
 
     # ------------------------------------------------------------------ stats
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> SpeculativeStats:
         c = self.counters
         lr = max(1, c["lane_rounds"])
-        return {"backend": self.name, "k": self.k, "rollback": self.rollback, "rounds": c["rounds"],
-                "draft_tokens": c["draft_tokens"], "accepted_draft_tokens": c["accepted_draft_tokens"],
-                "acceptance_rate": c["accepted_draft_tokens"] / max(1, c["draft_tokens"]),
-                "mean_acceptance_length": c["committed_tokens"] / lr,
-                "accepted_histogram": {str(a): n for a, n in sorted(self.accept_hist.items())},
-                "propose_s": c["propose_us"] / 1e6, "verify_s": c["verify_us"] / 1e6,
-                "rollback_s": c["rollback_us"] / 1e6, "recomputed_columns": c["recomputed_columns"]}
+        return SpeculativeStats(
+            backend=self.name, k=self.k, rollback=self.rollback, rounds=c["rounds"],
+            draft_tokens=c["draft_tokens"], accepted_draft_tokens=c["accepted_draft_tokens"],
+            acceptance_rate=c["accepted_draft_tokens"] / max(1, c["draft_tokens"]),
+            mean_acceptance_length=c["committed_tokens"] / lr,
+            accepted_histogram={str(a): n for a, n in sorted(self.accept_hist.items())},
+            propose_s=c["propose_us"] / 1e6, verify_s=c["verify_us"] / 1e6,
+            rollback_s=c["rollback_us"] / 1e6, recomputed_columns=c["recomputed_columns"])

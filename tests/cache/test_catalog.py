@@ -95,6 +95,6 @@ def test_counts_and_invariants():
     continuation(cat, seq(300), 128, 300)
     continuation(cat, seq(64), 64, shared=True)
     c = cat.counts()
-    assert c["private_continuations"] == 1 and c["shared_prefixes"] == 1
-    assert c["checkpoints"]["by_kind"] == {"long_anchor": 1, "session_endpoint": 1, "shared_prefix": 1}
+    assert c.private_continuations == 1 and c.shared_prefixes == 1
+    assert c.checkpoints.by_kind == {"long_anchor": 1, "session_endpoint": 1, "shared_prefix": 1}
     cat.check_invariants()

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from hpc_cli.cache import CacheCostModel, PrefixIndex, preset
+from hpc_cli.engine.stats_types import to_json
 from hpc_cli.errors import ConfigError
 
 from .sim import TOKEN_COST, Sim, blocks_of, geometry
@@ -29,7 +30,7 @@ def test_stats_are_json_and_count_by_residency():
     ix = PrefixIndex(geometry(), TOKEN_COST)
     sim = Sim(ix)
     sim.run(blocks_of(1, 2, 3) + [0], taps=[128])
-    st = json.loads(json.dumps(ix.stats()))
+    st = json.loads(json.dumps(to_json(ix.stats())))  # the engine's stats carry it as cache.index
     assert st["nodes"]["total"] == 3 and st["nodes"]["both"] == 3
     assert st["snapshots"]["by_kind"] == {"tap": 1}
     assert st["host"]["slabs_by_use"]["node"] == 3 and st["host"]["slabs_by_use"]["image"] == 3
@@ -63,7 +64,7 @@ def test_running_tally_equals_a_full_recount_through_transfers_and_evictions():
     ix = PrefixIndex(geometry(host_slabs=24), TOKEN_COST)
     sim = Sim(ix, total_pages=12, auto_land=False)
 
-    def same() -> dict:
+    def same() -> stats.IndexStats:
         ix.check_invariants()  # compares ix.tally with stats.recount(ix)
         assert ix.stats() == ix.stats(recount=True)
         return ix.stats()
@@ -72,8 +73,8 @@ def test_running_tally_equals_a_full_recount_through_transfers_and_evictions():
     sim.tap(lane, 128)
     sim.finish(lane)
     st = same()
-    assert st["transfers"]["writes"] == 2 and st["nodes"]["filling"] == {"host": 3}
-    assert ix.tally.write_bytes == stats.inflight_bytes(ix)["write_bytes"] > 0
+    assert st.transfers.writes == 2 and st.nodes.filling == {"host": 3}
+    assert ix.tally.write_bytes == stats.inflight_bytes(ix).write_bytes > 0
     sim.land_all()
     same()
     for k in range(4, 9):  # more prompts than the device pages: backed evictions, host GDSF
@@ -84,15 +85,15 @@ def test_running_tally_equals_a_full_recount_through_transfers_and_evictions():
     lane, q = sim.admit(blocks_of(5, 6, 7) + [5])  # a host-only path and image: a restore in flight
     assert len(q.restore_blocks) == 2 and q.restore_image
     st = same()
-    assert st["nodes"]["filling"].get("device") == 2
-    assert ix.tally.restore_bytes == stats.inflight_bytes(ix)["restore_bytes"] > 0
-    c = st["counters"]
-    assert c["device_evictions_backed"] and c["host_gdsf_evictions"] and c["nodes_deleted"]
+    assert st.nodes.filling.get("device") == 2
+    assert ix.tally.restore_bytes == stats.inflight_bytes(ix).restore_bytes > 0
+    c = st.counters
+    assert c.device_evictions_backed and c.host_gdsf_evictions and c.nodes_deleted
     sim.land_all()
     sim.finish(lane)
     sim.land_all()
     st = same()
-    assert st["nodes"]["pinned"] == 0 and ix.tally.restore_bytes == ix.tally.write_bytes == 0
+    assert st.nodes.pinned == 0 and ix.tally.restore_bytes == ix.tally.write_bytes == 0
 
 
 def test_check_invariants_catches_a_drifted_tally():
@@ -126,4 +127,4 @@ def test_summary_reads_no_node_snapshot_or_slab(monkeypatch):
     monkeypatch.setattr(type(ix.host), "use_of", lambda self, s: walked.append("slab"))
     monkeypatch.setattr(type(ix.host), "recount_by_use", lambda self: walked.append("slabs"))
     st = stats.summary(ix)
-    assert walked == [] and st["nodes"]["total"] == 3 and st["snapshots"]["by_kind"] == {"tap": 1}
+    assert walked == [] and st.nodes.total == 3 and st.snapshots.by_kind == {"tap": 1}

@@ -91,7 +91,7 @@ def test_dead_kv_is_reclaimed_before_any_snapshot():
     s1 = publish_at(ix, sim, blocks_of(1, 2), 128)  # 2 nodes + 3 image slabs
     sim.run(blocks_of(7, 8, 9) + [0])  # 3 dead nodes (no snapshot below): host now full
     assert ix.host.free_slabs == 0
-    dead_before = ix.stats()["host"]["dead_kv_nodes"]
+    dead_before = ix.stats().host.dead_kv_nodes
     assert dead_before == 3
     sim.run(blocks_of(5, 6) + [0])  # needs 2 slabs
     assert s1.alive and s1.host_state.name == "RESIDENT"

@@ -104,7 +104,7 @@ def test_legacy_demotes_to_the_host_and_restores_exactly(model):
     a, b = list(range(1, 200)), list(range(3, 230))
     for p in (a, b):
         e.submit(GenerationRequest(p, sp)).result(60)
-    assert e.cache.stats().catalog["checkpoints"]["by_residency"] == {"device": 1, "host": 1}
+    assert e.cache.stats().catalog.checkpoints.by_residency == {"device": 1, "host": 1}
     ext = a + [7] * 30
     toks, fin = e.submit(GenerationRequest(ext, SamplingParams(max_tokens=6, temperature=0,
                                                                ignore_eos=True))).result(60)

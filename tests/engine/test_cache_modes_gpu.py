@@ -44,6 +44,6 @@ def test_cuda_legacy_resume_demote_restore_match_cold(profile):
 
     assert f1.usage.reuse_tokens == len(base) and f1.usage.restored_host_bytes == 0
     assert f2.usage.reuse_tokens == len(base) and f2.usage.restored_host_bytes > 0, f2.usage
-    assert eng.cache.stats().catalog["counters"]["demoted"] >= 1
+    assert eng.cache.stats().catalog.counters.demoted >= 1
     assert resumed[:8] == cold[:8] and agree(resumed, cold) >= 0.9
     assert restored[:8] == cold[:8] and agree(restored, cold) >= 0.9

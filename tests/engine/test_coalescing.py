@@ -32,7 +32,7 @@ def _run(model, coalesce: bool):
         eng.stop()
     eng.check_invariants()
     stats = eng.cache.index.stats()
-    assert stats["nodes"]["pinned"] == 0 and stats["sequences"] == 0
+    assert stats.nodes.pinned == 0 and stats.sequences == 0
     return eng, [[t.token_id for t in toks] for toks, _ in results], [fin.usage for _, fin in results]
 
 

@@ -41,4 +41,4 @@ def test_blocked_head_path_is_prefetched_and_admission_restores_less(model):
     assert fin.usage.restored_host_bytes <= (fin.usage.reuse_tokens // 64 - prefetched) * block_bytes \
         + eng.cache.image_bytes + block_bytes
     stats = eng.cache.index.stats()
-    assert stats["nodes"]["pinned"] == 0 and stats["sequences"] == 0
+    assert stats.nodes.pinned == 0 and stats.sequences == 0

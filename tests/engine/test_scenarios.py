@@ -84,7 +84,7 @@ def settle(engine: Engine, *, fatal_ok: bool = False) -> dict:
     cache = engine.cache
     held = {k: v for k, v in cache.leftovers().items() if v}
     assert not held, held
-    return cache.index.stats() if cache.mode == "hybrid" else to_json(cache.stats())
+    return to_json(cache.index.stats() if cache.mode == "hybrid" else cache.stats())
 
 
 PROFILES = ["bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"]
@@ -196,7 +196,7 @@ def test_multi_turn_exact_endpoint_reuse(model, mode):
             assert ends[0].tail_pages == (seen["tail_page"],)
             assert e.cache.snap_phys[ends[0].device_slot] == seen["slot"]
         else:  # the session's continuation moved on: one, its endpoint the deepest checkpoint
-            assert e.cache.stats().catalog["private_continuations"] == 1
+            assert e.cache.stats().catalog.private_continuations == 1
         prompt = prompt + gen + tokens(30, seed=10 + turn)
     # the reference: the last prompt from the root gives the same greedy output
     last, _ = run(e, prompt, 20)
@@ -263,7 +263,7 @@ def test_shared_preamble_stored_once_all_hit(model, mode):
     pre = tokens(256, seed=7)
     run(e, pre + [9], 1, tap_hints=[TapHint(256, 3)])
     if mode == "hybrid":
-        assert e.cache.index.stats()["nodes"]["total"] == 4
+        assert e.cache.index.stats().nodes.total == 4
     handles = [e.submit(GenerationRequest(pre + tokens(70, seed=100 + i), greedy(4))) for i in range(8)]
     fins = [h.result(timeout=120)[1] for h in handles]
     hits = [f.usage.reuse_tokens >= 256 for f in fins]
@@ -390,7 +390,7 @@ def test_cancel_mid_prefill_publishes_taps_and_blocks(model, mode):
     done = fin.usage.prefill_tokens
     assert 0 < done < len(p)
     if mode == "hybrid":
-        assert e.cache.index.stats()["nodes"]["total"] == done // BLOCK_TOKENS
+        assert e.cache.index.stats().nodes.total == done // BLOCK_TOKENS
     points = frontiers(e)
     assert points and max(points) <= done
     proxy.handle = None
@@ -409,7 +409,7 @@ def test_pressure_with_active_growth(model, mode):
     e = make(model, mode, host_cache_mib=16, kv_pages=16, max_concurrency=2)
     for i in range(4):  # fill the pool with cached entries
         run(e, tokens(200, seed=20 + i), 2)
-    assert e.cache.pool.counts()["cached"] > 4
+    assert e.cache.pool.counts().cached > 4
     pa, pb = tokens(180, seed=30), tokens(150, seed=31)
     ha = e.submit(GenerationRequest(pa, greedy(200)))  # grows to ceil(380/64) = 6 pages
     hb = e.submit(GenerationRequest(pb, greedy(200)))  # 6 pages
@@ -460,7 +460,7 @@ def test_disabled_requests_leave_nothing(model, mode):
     st1 = settle(e)
     assert e.cache.residency() == held0
     if mode == "hybrid":
-        assert st1["nodes"]["total"] == e.cache.index.stats()["nodes"]["total"]
+        assert st1["nodes"]["total"] == e.cache.index.stats().nodes.total
 
 
 def test_cache_mode_off_never_reuses(model):

@@ -74,7 +74,7 @@ def settle(engine) -> None:
     engine.stop()
     engine.check_invariants()
     st = engine.cache.index.stats()
-    assert st["nodes"]["pinned"] == 0 and st["sequences"] == 0, st
+    assert st.nodes.pinned == 0 and st.sequences == 0, st
 
 
 def _no_frontier_inside(engine, images) -> None:

@@ -107,6 +107,6 @@ def test_engine_serves_with_the_tier_and_records(files, tmp_path):
     # the experts were built in host memory and the tier adopted them (no device copy was made)
     assert e.model.offload_experts and all(h.adopted for h in e.model.expert_tier.host.values())
     st = e.stats().experts
-    assert st["slots"] == 40 and st["resident"] == 40 and st["admission"] == "profile"
-    assert 0 < st["hit_rate"] < 1 and st["host_bytes_per_token"] > 0 and len(st["hit_rate_per_layer"]) == 8
-    assert read_trace(tmp_path / "serve.bin").tokens == st["tokens"] == len(prompt) + 5
+    assert st.slots == 40 and st.resident == 40 and st.admission == "profile"
+    assert 0 < st.hit_rate < 1 and st.host_bytes_per_token > 0 and len(st.hit_rate_per_layer) == 8
+    assert read_trace(tmp_path / "serve.bin").tokens == st.tokens == len(prompt) + 5

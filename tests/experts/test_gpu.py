@@ -38,7 +38,7 @@ def test_split_on_cuda(policy, path):
         _close(m.forward_tokens(prompt), ref)
     tier.verify_all()
     st = tier.stats()
-    assert st["resident"] == 24 and st["hit_rate"] > 0
+    assert st.resident == 24 and st.hit_rate > 0
     slot = next(i for i, o in enumerate(tier.cache.owner) if o is not None)
     tier.cache.device_slot(slot)[3] ^= 1
     with pytest.raises(Exception, match="differs from the host copy"):
@@ -76,7 +76,7 @@ def test_all_resident_path_does_not_synchronize():
     for _ in range(2):
         _close(m.forward_tokens(prompt), ref)
     st = tier.stats()
-    assert st["syncs"] == 0 and st["miss_calls"] == 0 and st["hit_rate"] == 1.0 and st["host_bytes"] == 0
+    assert st.syncs == 0 and st.miss_calls == 0 and st.hit_rate == 1.0 and st.host_bytes == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -77,7 +77,7 @@ def test_builtin_offloaded_experts_are_host_tensors_the_tier_adopts():
         # hits are batched matmuls summed over top_k, not the plain layer's per-expert loop: fp32 rounding
         torch.testing.assert_close(m.forward_tokens(PROMPT), want, rtol=1e-4, atol=1e-4)
     st = tier.stats()
-    assert st["resident"] == 24 and st["hit_rate"] > 0
+    assert st.resident == 24 and st.hit_rate > 0
 
 
 def test_resident_model_is_still_copied_by_the_tier():

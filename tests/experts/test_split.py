@@ -56,15 +56,15 @@ def test_split_equals_all_resident(policy, fraction, path, reference):
         torch.testing.assert_close(m.forward_tokens(PROMPT), ref_prefill, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(_decode_logits(m, PROMPT), ref_decode, rtol=1e-4, atol=1e-4)
     st = expert_stats(m)
-    assert st["slots"] == slots and st["resident"] <= slots
+    assert st.slots == slots and st.resident <= slots
     if slots == 0:
-        assert st["hit_rate"] == 0.0
-        assert st["host_bytes_per_token"] > 0
+        assert st.hit_rate == 0.0
+        assert st.host_bytes_per_token > 0
     if fraction == 1.0:
-        assert st["resident"] > 0 and st["hit_rate"] > 0
+        assert st.resident > 0 and st.hit_rate > 0
         if policy == "profile":  # every ranked pair admitted before the first token
-            assert st["resident"] == _profile(m, slots).n_ranked
-    assert len(st["hit_rate_per_layer"]) == c.num_hidden_layers
+            assert st.resident == _profile(m, slots).n_ranked
+    assert len(st.hit_rate_per_layer) == c.num_hidden_layers
     tier.verify_all()
 
 
@@ -80,7 +80,7 @@ def test_all_slots_resident_reads_nothing_from_host():
     tier.verify_all()
     m.forward_tokens(PROMPT)
     st = tier.stats()
-    assert st["hit_rate"] == 1.0 and st["host_bytes"] == 0 and st["host_bytes_per_token"] == 0
+    assert st.hit_rate == 1.0 and st.host_bytes == 0 and st.host_bytes_per_token == 0
 
 
 def test_first_routed_fills_layer_by_layer_and_per_layer_spreads():
@@ -185,9 +185,9 @@ def test_all_resident_path_never_reads_the_device(reference, monkeypatch, chunke
     torch.testing.assert_close(_decode_logits(m, PROMPT), ref_decode, rtol=1e-4, atol=1e-4)
     assert mode.seen == []
     st = tier.stats()
-    assert st["syncs"] == 0 and st["miss_calls"] == 0
-    assert st["hit_rate"] == 1.0 and st["hit_rate_per_layer"] == [1.0] * c.num_hidden_layers
-    assert st["host_bytes"] == 0 and st["host_bytes_per_token"] == 0
+    assert st.syncs == 0 and st.miss_calls == 0
+    assert st.hit_rate == 1.0 and st.hit_rate_per_layer == [1.0] * c.num_hidden_layers
+    assert st.host_bytes == 0 and st.host_bytes_per_token == 0
     picks = (len(PROMPT) + len(PROMPT) + 4) * c.num_experts_per_tok  # forward_tokens, prefill, 4 decode steps
     assert tier.hits.tolist() == [picks] * c.num_hidden_layers and tier.misses.sum() == 0
 
@@ -220,8 +220,8 @@ def test_only_layers_with_non_resident_experts_read():
     assert ((tier.hits + tier.misses) == len(PROMPT) * k).all()
     assert tier.miss_calls == L - 1
     st = tier.stats()
-    assert st["hit_rate_per_layer"][0] == 1.0 and all(h < 1.0 for h in st["hit_rate_per_layer"][1:])
-    assert st["host_bytes"] > 0
+    assert st.hit_rate_per_layer[0] == 1.0 and all(h < 1.0 for h in st.hit_rate_per_layer[1:])
+    assert st.host_bytes > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

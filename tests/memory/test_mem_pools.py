@@ -8,7 +8,7 @@ import torch
 from hpc_cli import plugins
 from hpc_cli.errors import CapacityError
 from hpc_cli.memory.kv_pool import PagedKVStorage
-from hpc_cli.memory.pools import DeviceKVPool, PageState
+from hpc_cli.memory.pools import DeviceKVPool, PageState, PoolCounts
 from hpc_cli.memory.state_pool import StateSlots
 
 
@@ -26,7 +26,7 @@ def test_alloc_states_counts_and_available():
     assert [pool.state(p) for p in f] == [PageState.FILLING] * 2
     pool.set_state(a[:2], PageState.CACHED)  # block commit adopts the pages
     pool.land(f)  # restore landed
-    assert pool.counts() == {"free": 3, "active": 1, "cached": 4, "filling": 0}
+    assert pool.counts() == PoolCounts(free=3, active=1, cached=4, filling=0)
     assert pool.available == 3
     cached_evictable["n"] = 4
     assert pool.available == 7

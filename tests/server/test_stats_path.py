@@ -14,7 +14,7 @@ from hpc_cli.cache import stats as cache_stats
 from hpc_cli.cache.host import HostSlabPool
 from hpc_cli.cache.tree import BlockTree
 from hpc_cli.engine.hybrid import binding as hybrid
-from hpc_cli.engine.api import GenerationRequest, SamplingParams
+from hpc_cli.engine.api import GenerationRequest, SamplingParams, to_json
 from hpc_cli.engine.engine import Engine
 from hpc_cli.memory.host_slabs import HostSlabStorage
 from hpc_cli.server.app import create_app
@@ -76,7 +76,7 @@ def test_no_walk_until_a_client_asks_and_then_on_the_worker(walks, serve):
         rows = served["cache"]["top_snapshots"]
         assert rows and {r["id"] for r in rows} <= set(engine.cache.index.snapshots)
         assert walks == [("rows", "hpc-engine")], walks  # made by the worker, between two steps
-        assert served["cache"]["index"] == engine.cache.index.stats(recount=True)
+        assert served["cache"]["index"] == to_json(engine.cache.index.stats(recount=True))
     finally:
         engine.stop()
     engine.check_invariants()
@@ -125,11 +125,11 @@ def test_engine_serves_while_the_host_tier_pins_then_uses_it(monkeypatch):
         assert st["cache"]["index"]["counters"]["block_writes_refused"] >= 1
         gate.set()  # the chunk is ready: the worker is woken and hands its slabs to the index
         deadline = time.monotonic() + 10
-        while engine.stats().cache.index["host"]["ready_slabs"] == 0 and time.monotonic() < deadline:
+        while engine.stats().cache.index.host.ready_slabs == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert engine.stats().cache.host_tier.state == "ready"
         _ask(engine, [6] * 30)
-        assert engine.detailed_stats(timeout=5).cache.index["host"]["slabs_by_use"].get("node", 0) >= 3
+        assert engine.detailed_stats(timeout=5).cache.index.host.slabs_by_use.get("node", 0) >= 3
     finally:
         gate.set()
         engine.stop()

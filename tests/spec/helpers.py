@@ -49,4 +49,4 @@ def settle(engine: Engine) -> dict:
     cache = engine.cache
     held = {k: v for k, v in cache.leftovers().items() if v}  # pins, sequences, pages, lanes, transfers
     assert not held, held
-    return cache.index.stats() if cache.mode == "hybrid" else to_json(cache.stats())
+    return to_json(cache.index.stats() if cache.mode == "hybrid" else cache.stats())

@@ -109,16 +109,16 @@ def test_acceptance_statistics_in_usage_and_stats(model):
     assert u.accepted_draft_tokens == u.draft_tokens > 0, u
     e._take_stats()
     st = e.stats().speculative
-    assert st["backend"] == "oracle" and st["k"] == 4
-    assert st["accepted_draft_tokens"] == u.accepted_draft_tokens
-    assert st["mean_acceptance_length"] > 4.0, st
+    assert st.backend == "oracle" and st.k == 4
+    assert st.accepted_draft_tokens == u.accepted_draft_tokens
+    assert st.mean_acceptance_length > 4.0, st
     assert e.stats().counters["generated_tokens"] == 30
     settle(e)
     e = make(model, "mtp")
     _, fin = run(e, p, 20)
     e._take_stats()
     st = e.stats().speculative
-    assert st["draft_tokens"] == fin.usage.draft_tokens and 1.0 <= st["mean_acceptance_length"] <= 4.0
+    assert st.draft_tokens == fin.usage.draft_tokens and 1.0 <= st.mean_acceptance_length <= 4.0
     settle(e)
 
 

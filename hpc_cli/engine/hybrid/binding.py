@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_cli.cache.index import PrefixIndex
 from hpc_cli.cache.records import CacheGeometry
-from hpc_cli.cache.stats import snapshot_rows
+from hpc_cli.cache.stats import InflightBytes, snapshot_rows
 from hpc_cli.cache.taps import TapPlanner
 from hpc_cli.cache.ids import StateSlot
-from hpc_cli.engine.stats_types import HybridCacheStats, InflightBytes, Residency
+from hpc_cli.engine.stats_types import HybridCacheStats, Residency
 from hpc_cli.engine.hybrid.commit import Commit
 from hpc_cli.engine.hybrid.publish import Publish
 from hpc_cli.engine.hybrid.restore import Restore
@@ -120,17 +120,17 @@ class HybridBinding(Restore, Commit, Publish, Transfers):
         """Bytes held on the device (cached blocks, snapshot images) and the host, and the
         snapshots alive (running counts)."""
         doc = self.index.stats()
-        dev, host = doc["device"], doc["host"]
-        return Residency(device_kv_bytes=dev["block_bytes_cached"], device_state_bytes=dev["image_bytes_cached"],
-                         host_bytes=(host["ready_slabs"] - host["free_slabs"]) * host["slab_bytes"],
-                         entries=doc["snapshots"]["total"])
+        dev, host = doc.device, doc.host
+        return Residency(device_kv_bytes=dev.block_bytes_cached, device_state_bytes=dev.image_bytes_cached,
+                         host_bytes=(host.ready_slabs - host.free_slabs) * host.slab_bytes,
+                         entries=doc.snapshots.total)
 
     def leftovers(self) -> dict[str, int]:
         """What is still held (all zero once the engine stopped): pins, sequences, active and
         filling pages, restore pins of snapshots, lanes out, transfers in flight."""
-        st, counts = self.index.stats(), self.pool.counts()
-        return {"pinned_nodes": st["nodes"]["pinned"], "sequences": st["sequences"],
-                "filling_nodes": sum(st["nodes"]["filling"].values()), "active_pages": counts["active"],
-                "filling_pages": counts["filling"], "lanes_out": self.C - len(set(self.free_active)),
+        st = self.index.stats()
+        return {"pinned_nodes": st.nodes.pinned, "sequences": st.sequences,
+                "filling_nodes": sum(st.nodes.filling.values()), "active_pages": self.pool.num_active,
+                "filling_pages": self.pool.num_filling, "lanes_out": self.C - len(set(self.free_active)),
                 "snapshot_restore_pins": sum(s.restore_pins for s in self.index.snapshots.values()),
                 "transfers_pending": self.transfer.pending}

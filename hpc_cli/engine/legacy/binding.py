@@ -242,8 +242,7 @@ class LegacyBinding(LegacyAdmission, Owners):
         assert self.kv_slabs_used <= self.kv_slabs and self.images_used <= self.host_images
 
     def leftovers(self) -> dict[str, int]:
-        counts = self.pool.counts()
-        return {"active_pages": counts["active"], "filling_pages": counts["filling"], "lanes": len(self.plans),
+        return {"active_pages": self.pool.num_active, "filling_pages": self.pool.num_filling, "lanes": len(self.plans),
                 "lanes_out": self.C - len(self.free_active), "readers": sum(o.readers for o in self.catalog.owners.values()),
                 "zombies": len(self.zombies), "transfers_pending": self.transfer.pending}
 
