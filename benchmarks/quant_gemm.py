@@ -60,6 +60,9 @@ def main() -> None:
                 row[f"fp8_{key}"] = do_bench(lambda: quant_gemm.fp8_linear(x, fp8[0], fp8[1], (128, 128)))
                 row[f"nvfp4_{key}"] = do_bench(lambda: quant_gemm.nvfp4_linear(x, *nv))
             results.append(row)
+            best = {fmt: min((k for k in row if k.startswith(fmt + "_")), key=row.get) for fmt in ("fp8", "nvfp4")}
+            print(f"rows {m} {name}: bf16 {row['bf16_ms']:.4f} ms; " + "; ".join(
+                f"{b} {row[b]:.4f} ms ({row['bf16_ms'] / row[b]:.2f}x)" for b in best.values()), flush=True)
     doc = {"device": torch.cuda.get_device_name(), "results": results}
     if args.out:
         with open(args.out, "w") as f:
