@@ -126,7 +126,9 @@ def table_command(model: str, dtype: str, device: str, as_json: bool) -> None:
                       f"{r['mib_per_page']} MiB", f"{r['mib_per_page_with_mtp']} MiB")
     print_table(table)
     if weights is not None:
-        held = (f"{weights.format} Linear weights kept as stored, the rest {weights.dtype}" if weights.held_quantized
+        held = (f"{weights.format} Linear weights kept as stored, the rest {weights.dtype} (with "
+                f"model.quantized_weights = held, or auto where dequantised they would not fit)"
+                if weights.held_quantized
                 else weights.dtype + (" (dequantised on load)" if weights.dequantized_on_load else ""))
         click.echo(f"weights on disk: {weights.description}, {_size(weights.stored_bytes)}; held after "
                    f"loading on {weights.device}: {_size(weights.resident_bytes)}, {held}")

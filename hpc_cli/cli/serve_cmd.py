@@ -15,7 +15,7 @@ from hpc_cli.errors import ConfigError
 # flag -> dotted settings key (each also a profile key and an HPC_* variable)
 FLAG_KEYS = {
     "model": "model.name", "dtype": "model.dtype", "device": "model.device", "seed": "engine.seed",
-    "max_model_len": "model.max_model_len",
+    "max_model_len": "model.max_model_len", "quantized_weights": "model.quantized_weights",
     "host": "server.host", "port": "server.port", "api_key": "server.api_key",
     "served_model_name": "server.served_model_name", "tui": "server.tui",
     "debug_timing": "server.debug_timing",
@@ -85,6 +85,9 @@ def register(cli: click.Group) -> None:
     @click.option("--seed", default=None, type=int,
                   help="base seed of sampling for requests that name no seed [engine.seed]")
     @click.option("--max-model-len", default=None, type=int, help="context limit [model.max_model_len]")
+    @click.option("--quantized-weights", default=None, type=click.Choice(["auto", "held", "dequantized"]),
+                  help="a FP8/NVFP4 checkpoint's Linear weights on CUDA: held as stored, dequantized, or auto "
+                       "= held only when dequantized they would not fit [model.quantized_weights]")
     @click.option("--host", default=None, help="address to bind, default 127.0.0.1 [server.host]")
     @click.option("--port", default=None, type=int, help="port, default 8000 [server.port]")
     @click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY' [server.api_key]")

@@ -31,10 +31,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from hpc_cli.errors import ModelError
+from hpc_cli.errors import CapacityError, ModelError
 from hpc_cli.model.config import ModelConfig
 from hpc_cli.model.layers import deferred_linear_weights
-from hpc_cli.model.quant_linear import Residency, held_linears, quantized_weight, residency
+from hpc_cli.model.quant_linear import (Residency, WeightsChoice, held_linears, keep_quantized, quantized_weight,
+                                        residency)
 from hpc_cli.model.quant_weights import TensorFile, resolve_entries, scheme_from_config
 from hpc_cli.model.vision import attach_vision, vision_name
 
@@ -93,9 +94,10 @@ def _iter_tensors(files: list[Path], stack: ExitStack) -> Iterator[tuple[str, Te
 
 
 def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool = True,
-                    offload_experts: bool = False, weights: Residency | None = None):
-    """``weights``: how a quantized checkpoint's Linear weights are held (default: as stored on
-    CUDA where the kernels take the format, dequantised elsewhere; ``hpc_cli.model.quant_linear``)."""
+                    offload_experts: bool = False, weights: Residency | WeightsChoice | None = None):
+    """``weights``: how a quantized checkpoint's Linear weights are held (default ``auto``: as
+    stored on CUDA only when dequantised they would not fit; see
+    :func:`hpc_cli.model.quant_linear.keep_quantized`)."""
     from hpc_cli import progress as steps
     from hpc_cli.model.footprint import HeldQuantized, check_fits
     from hpc_cli.model.model import HybridModel, resolve_dtype
@@ -106,7 +108,6 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
     scheme = scheme_from_config(raw_config(path), str(path))
     files = shard_files(path)
     model_dtype = resolve_dtype(dtype, torch.device(device))
-    keep = (weights or residency(scheme, device, model_dtype)) is Residency.QUANTIZED and scheme.quantized
     with ExitStack() as stack:
         # quantized weights are checked against their scales here, then dequantised as they are
         # read or (``keep``) held as stored by the Linear layers that take them
@@ -114,6 +115,16 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
         names = {our_name(e.name) for e in entries}
         has_mtp = any(n and n.startswith("mtp.") for n in names)
         held = HeldQuantized(scheme, frozenset(n for e in entries if e.quantized and (n := our_name(e.name))))
+
+        def fits_dequantized() -> bool:
+            try:
+                check_fits(str(path), config, model_dtype, device, with_mtp=has_mtp, offload_experts=offload_experts)
+            except CapacityError:
+                return False
+            return True
+
+        holdable = scheme.quantized and residency(scheme, device, model_dtype) is Residency.QUANTIZED
+        keep = keep_quantized(weights, scheme, holdable, fits_dequantized)
         check_fits(str(path), config, model_dtype, device, with_mtp=has_mtp, offload_experts=offload_experts,
                    held=held if keep else None)  # before allocating anything
         with deferred_linear_weights() if keep else nullcontext():

@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import logging
 from enum import Enum
+from typing import Callable
 
 import torch
 from torch import nn
@@ -32,6 +33,21 @@ class Residency(str, Enum):
 
     DEQUANTIZED = "dequantized"  # in the model dtype (dequantised on load)
     QUANTIZED = "quantized"  # as stored, multiplied in place
+
+
+class WeightsChoice(str, Enum):
+    """``[model] quantized_weights``: how a quantized checkpoint's Linear weights are held on CUDA.
+
+    ``auto`` dequantises on load when the dequantised weights fit the device and holds them as
+    stored only when they do not: measured on an H200 at the 27B widths
+    (``benchmarks/quant_gemm.py``), the in-place kernels run a decode-sized product at 0.27-0.40x
+    the speed of bf16 ``F.linear`` and a 2,048-row one at 0.13-0.16x, so holding buys memory at a
+    cost in speed. ``held`` holds them as stored wherever the kernels take the format;
+    ``dequantized`` never does."""
+
+    AUTO = "auto"
+    HELD = "held"
+    DEQUANTIZED = "dequantized"
 
 
 def kernels_available() -> bool:
@@ -55,6 +71,33 @@ def residency(scheme: QuantScheme, device: torch.device | str, dtype: torch.dtyp
             and kernels_check(scheme.format, dev, dtype)):
         return Residency.QUANTIZED
     return Residency.DEQUANTIZED
+
+
+def keep_quantized(choice: "Residency | WeightsChoice | None", scheme: QuantScheme, holdable: bool,
+                   fits_dequantized: Callable[[], bool]) -> bool:
+    """Whether a checkpoint of ``scheme`` keeps its Linear weights as stored. ``choice``: the
+    user's :class:`WeightsChoice` (None: ``auto``), or a :class:`Residency` that forces one
+    (``Residency.QUANTIZED`` holds them even where only the reference path runs them, as tests
+    do); ``holdable``: whether the kernels can hold them on this device (:func:`residency`);
+    ``fits_dequantized()``: whether the dequantised weights fit the device (asked only when
+    ``auto`` has to decide)."""
+    if not scheme.quantized or choice in (Residency.DEQUANTIZED, WeightsChoice.DEQUANTIZED):
+        return False
+    if choice is Residency.QUANTIZED:
+        return True
+    if choice is WeightsChoice.HELD:
+        if not holdable:
+            log.warning("model.quantized_weights = 'held', but %s weights cannot be held as stored here: "
+                        "they are dequantised on load", scheme.describe())
+        return holdable
+    if not holdable:
+        return False
+    if fits_dequantized():
+        log.info("%s weights are dequantised on load (they fit, and held as stored they would be slower; "
+                 "model.quantized_weights = 'held' keeps them as stored)", scheme.describe())
+        return False
+    log.info("%s Linear weights are held as stored: dequantised they would not fit", scheme.describe())
+    return True
 
 
 @functools.cache

@@ -25,6 +25,10 @@ class ModelSettings(_Section):
         "auto", description="weights and activations; auto = bfloat16 on CUDA, float32 on CPU")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     max_model_len: int | None = Field(None, ge=64, description="context limit; default the model's")
+    quantized_weights: Literal["auto", "held", "dequantized"] = Field(
+        "auto", description="a FP8/NVFP4 checkpoint's Linear weights on CUDA: held as stored (less memory, slower "
+                            "kernels), dequantized on load, or auto = held only when the dequantized weights do "
+                            "not fit")
 
 
 class EngineSettings(_Section):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 import subprocess
@@ -23,7 +24,7 @@ from hpc_cli.cli import cli
 from hpc_cli.model import HybridModel
 from hpc_cli.model.footprint import HeldQuantized, check_fits, checkpoint_weights
 from hpc_cli.model.layers import Linear
-from hpc_cli.model.quant_linear import FP8Weight, NVFP4Weight, Residency, residency
+from hpc_cli.model.quant_linear import FP8Weight, NVFP4Weight, Residency, WeightsChoice, residency
 from hpc_cli.model.quant_weights import UNQUANTIZED, Layout, QuantScheme, WeightFormat
 
 from .helpers import F32
@@ -137,6 +138,37 @@ def test_where_weights_are_held():
     assert residency(fp8, "cuda") is (Residency.QUANTIZED if usable else Residency.DEQUANTIZED)
 
 
+def test_auto_holds_weights_only_when_dequantised_they_do_not_fit(caplog):
+    """[model] quantized_weights: auto dequantises what fits (the held kernels are slower) and holds
+    what does not; held holds where the kernels can; dequantized never holds; a forced Residency
+    wins; an unquantized checkpoint is never held."""
+    from hpc_cli.model.quant_linear import WeightsChoice, keep_quantized
+
+    fp8 = QuantScheme(WeightFormat.FP8, Layout.FP8_SCALE_INV, block=(128, 128))
+    asked = []
+
+    def fits(answer: bool):
+        def ask() -> bool:
+            asked.append(answer)
+            return answer
+        return ask
+
+    for choice in (None, WeightsChoice.AUTO):
+        assert keep_quantized(choice, fp8, True, fits(True)) is False
+        assert keep_quantized(choice, fp8, True, fits(False)) is True
+        assert keep_quantized(choice, fp8, False, fits(False)) is False  # nothing can hold them here
+    assert asked == [True, False, True, False]  # asked only when holding was possible
+    assert keep_quantized(WeightsChoice.HELD, fp8, True, fits(True)) is True
+    with caplog.at_level(logging.WARNING, logger="hpc_cli.model.quant_linear"):
+        assert keep_quantized(WeightsChoice.HELD, fp8, False, fits(True)) is False
+    assert "cannot be held as stored" in caplog.text
+    assert keep_quantized(WeightsChoice.DEQUANTIZED, fp8, True, fits(False)) is False
+    assert keep_quantized(Residency.QUANTIZED, fp8, False, fits(True)) is True
+    assert keep_quantized(Residency.DEQUANTIZED, fp8, True, fits(False)) is False
+    assert keep_quantized(WeightsChoice.HELD, UNQUANTIZED, True, fits(False)) is False
+    assert asked == [True, False, True, False]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels build on CUDA")
 def test_a_kernel_that_cannot_run_leaves_the_weights_dequantised(caplog):
     """Where the check cannot build or run the kernel (here: no CUDA device), the weights are
@@ -229,8 +261,11 @@ def test_a_held_model_on_cuda_agrees_with_the_dequantised_one(hf_dense, tmp_path
     _, path = hf_dense
     out = _quantized(path, tmp_path / fmt, fmt)
     plain = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False, weights=Residency.DEQUANTIZED)
-    held = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False)
+    held = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False, weights=WeightsChoice.HELD)
     assert any(isinstance(m, Linear) and m.quant is not None for m in held.modules())
+    # auto: the small model fits dequantised, so nothing is held (the held kernels are slower)
+    auto = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False)
+    assert not any(isinstance(m, Linear) and m.quant is not None for m in auto.modules())
     a = plain.forward_tokens(TOKENS.cuda(), kv_profile="bf16").float()
     b = held.forward_tokens(TOKENS.cuda(), kv_profile="bf16").float()
     assert (a - b).abs().max() <= 5e-2 * a.abs().max()
