@@ -337,9 +337,11 @@ class PrefixIndex:
         return gdsf.min_priority(self.snapshots.values(), self.priority)
 
     # ------------------------------------------------------------------ views
-    def check_invariants(self) -> None:
+    def check_invariants(self) -> list[set[int]]:
+        """Check every invariant (``hpc_cli.cache.invariants``); returns the device pages the
+        index owns (blocks and snapshot tails), one set per device pool."""
         from hpc_cli.cache.invariants import check_invariants
-        check_invariants(self)
+        return check_invariants(self)
 
     def stats(self, *, recount: bool = False) -> IndexStats:
         """The index's counts (:func:`hpc_cli.cache.stats.summary`, O(1)); with ``recount`` every

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from hpc_cli.cache.index import PrefixIndex
 
 
-def check_invariants(ix: PrefixIndex) -> None:
+def check_invariants(ix: PrefixIndex) -> list[set[int]]:
     tree = ix.tree
     root = tree.root
     npools = ix.geometry.num_pools
@@ -264,3 +264,4 @@ def check_invariants(ix: PrefixIndex) -> None:
 
     drift = ix.tally.differences(recount(ix))
     assert not drift, "index tally drifted from a full recount: " + "; ".join(drift)
+    return [set(seen) for seen in pages_seen]

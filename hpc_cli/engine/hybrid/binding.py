@@ -27,7 +27,7 @@ from hpc_cli.engine.hybrid.restore import Restore
 from hpc_cli.engine.hybrid.transfers import Transfers
 from hpc_cli.memory.bundle import BundleLayout
 from hpc_cli.memory.host_slabs import HostSlabStorage
-from hpc_cli.memory.pools import DeviceKVPool
+from hpc_cli.memory.pools import DeviceKVPool, PageState
 from hpc_cli.memory.transfer.engine import TransferEngine
 
 if TYPE_CHECKING:
@@ -100,8 +100,13 @@ class HybridBinding(Restore, Commit, Publish, Transfers):
 
     # ------------------------------------------------------------------ checks and stats
     def check_invariants(self) -> None:
-        self.index.check_invariants()
+        owned = self.index.check_invariants()
         self.pool.check_invariants()
+        # a cached or filling page belongs to the index (a block or a snapshot's tail): one it does
+        # not know is lost to admission for good
+        held = {p for p in range(self.pool.num_pages) if self.pool.state(p) in (PageState.CACHED, PageState.FILLING)}
+        lost = held - owned[0]
+        assert not lost, f"{len(lost)} device pages cached or filling in the pool but owned by no block or tail: {sorted(lost)[:16]}"
 
     def stats(self, *, detailed: bool = False) -> HybridCacheStats:
         """The cache's stats from running counts (O(1): the worker publishes them a few times a

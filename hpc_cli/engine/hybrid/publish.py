@@ -97,6 +97,9 @@ class Publish(BindingParts):
                 if lane.pos - self._deepest(lane) >= BLOCK_TOKENS and lane.pos >= 1:
                     self.take_snapshot(lane, SnapshotKind.ENDPOINT, endpoint=True)
             rel = self.index.release(seq, write_through=self.failed is None)
+            # making host room for the write-through may have deleted snapshots whose tails held
+            # device pages: they go back to the pool here (left out, each was lost for good)
+            self._free_pages(rel.freed.pages)
             self._write(rel.write)
             lane.seq = None
             if self.shared is not None:  # land what already finished now: the shared tier then has
