@@ -12,7 +12,8 @@
 # Writes OUT_DIR/serve_trace.json (serve_trace.py's document), OUT_DIR/hybrid.pyspy.txt (py-spy's
 # raw stacks, one line a stack with its count) and OUT_DIR/serve-hybrid.log (the server's log).
 # CKPT (default /tmp/q27) is where the checkpoint goes; PYSPY_SECONDS (default 90) how long py-spy
-# records; PORT (default 8123) the first server's port.
+# records; PORT (default 8123) the first server's port. Needs the official openai client on that
+# machine (openai 3.x imports httpx2, which needs httpcore2 and truststore: carry them with it).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_serve.sh OUT_DIR [serve_trace options]}
