@@ -123,7 +123,9 @@ def load_checkpoint(path: str | Path, dtype=None, device="cpu", progress: bool =
                 return False
             return True
 
-        holdable = scheme.quantized and residency(scheme, device, model_dtype) is Residency.QUANTIZED
+        def holdable() -> bool:
+            return residency(scheme, device, model_dtype) is Residency.QUANTIZED
+
         keep = keep_quantized(weights, scheme, holdable, fits_dequantized)
         check_fits(str(path), config, model_dtype, device, with_mtp=has_mtp, offload_experts=offload_experts,
                    held=held if keep else None)  # before allocating anything

@@ -73,28 +73,29 @@ def residency(scheme: QuantScheme, device: torch.device | str, dtype: torch.dtyp
     return Residency.DEQUANTIZED
 
 
-def keep_quantized(choice: "Residency | WeightsChoice | None", scheme: QuantScheme, holdable: bool,
+def keep_quantized(choice: "Residency | WeightsChoice | None", scheme: QuantScheme, holdable: Callable[[], bool],
                    fits_dequantized: Callable[[], bool]) -> bool:
     """Whether a checkpoint of ``scheme`` keeps its Linear weights as stored. ``choice``: the
     user's :class:`WeightsChoice` (None: ``auto``), or a :class:`Residency` that forces one
     (``Residency.QUANTIZED`` holds them even where only the reference path runs them, as tests
-    do); ``holdable``: whether the kernels can hold them on this device (:func:`residency`);
-    ``fits_dequantized()``: whether the dequantised weights fit the device (asked only when
-    ``auto`` has to decide)."""
+    do). ``holdable()``: whether the kernels can hold them on this device (:func:`residency`,
+    which compiles and checks them: asked only when the answer matters); ``fits_dequantized()``:
+    whether the dequantised weights fit the device (``auto`` asks it first)."""
     if not scheme.quantized or choice in (Residency.DEQUANTIZED, WeightsChoice.DEQUANTIZED):
         return False
     if choice is Residency.QUANTIZED:
         return True
     if choice is WeightsChoice.HELD:
-        if not holdable:
-            log.warning("model.quantized_weights = 'held', but %s weights cannot be held as stored here: "
-                        "they are dequantised on load", scheme.describe())
-        return holdable
-    if not holdable:
+        if holdable():
+            return True
+        log.warning("model.quantized_weights = 'held', but %s weights cannot be held as stored here: "
+                    "they are dequantised on load", scheme.describe())
         return False
     if fits_dequantized():
-        log.info("%s weights are dequantised on load (they fit, and held as stored they would be slower; "
-                 "model.quantized_weights = 'held' keeps them as stored)", scheme.describe())
+        log.info("%s weights are dequantised on load (they fit; model.quantized_weights = 'held' keeps "
+                 "them as stored where the kernels run, in less memory but slower)", scheme.describe())
+        return False
+    if not holdable():
         return False
     log.info("%s Linear weights are held as stored: dequantised they would not fit", scheme.describe())
     return True

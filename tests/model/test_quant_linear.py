@@ -140,33 +140,43 @@ def test_where_weights_are_held():
 
 def test_auto_holds_weights_only_when_dequantised_they_do_not_fit(caplog):
     """[model] quantized_weights: auto dequantises what fits (the held kernels are slower) and holds
-    what does not; held holds where the kernels can; dequantized never holds; a forced Residency
-    wins; an unquantized checkpoint is never held."""
+    what does not, where the kernels can; held holds where the kernels can; dequantized never holds;
+    a forced Residency wins; an unquantized checkpoint is never held. The kernels' check (a
+    compile) is asked for only when its answer decides."""
     from hpc_cli.model.quant_linear import WeightsChoice, keep_quantized
 
     fp8 = QuantScheme(WeightFormat.FP8, Layout.FP8_SCALE_INV, block=(128, 128))
     asked = []
 
-    def fits(answer: bool):
+    def answer(name: str, value: bool):
         def ask() -> bool:
-            asked.append(answer)
-            return answer
+            asked.append((name, value))
+            return value
         return ask
 
+    def keep(choice, scheme, holdable: bool, fits: bool) -> bool:
+        return keep_quantized(choice, scheme, answer("holdable", holdable), answer("fits", fits))
+
     for choice in (None, WeightsChoice.AUTO):
-        assert keep_quantized(choice, fp8, True, fits(True)) is False
-        assert keep_quantized(choice, fp8, True, fits(False)) is True
-        assert keep_quantized(choice, fp8, False, fits(False)) is False  # nothing can hold them here
-    assert asked == [True, False, True, False]  # asked only when holding was possible
-    assert keep_quantized(WeightsChoice.HELD, fp8, True, fits(True)) is True
+        asked.clear()
+        assert keep(choice, fp8, True, True) is False
+        assert asked == [("fits", True)]  # it fits: no kernel check
+        asked.clear()
+        assert keep(choice, fp8, True, False) is True
+        assert keep(choice, fp8, False, False) is False  # nothing can hold them here
+        assert asked == [("fits", False), ("holdable", True), ("fits", False), ("holdable", False)]
+    asked.clear()
+    assert keep(WeightsChoice.HELD, fp8, True, True) is True
     with caplog.at_level(logging.WARNING, logger="hpc_cli.model.quant_linear"):
-        assert keep_quantized(WeightsChoice.HELD, fp8, False, fits(True)) is False
+        assert keep(WeightsChoice.HELD, fp8, False, True) is False
     assert "cannot be held as stored" in caplog.text
-    assert keep_quantized(WeightsChoice.DEQUANTIZED, fp8, True, fits(False)) is False
-    assert keep_quantized(Residency.QUANTIZED, fp8, False, fits(True)) is True
-    assert keep_quantized(Residency.DEQUANTIZED, fp8, True, fits(False)) is False
-    assert keep_quantized(WeightsChoice.HELD, UNQUANTIZED, True, fits(False)) is False
-    assert asked == [True, False, True, False]
+    assert asked == [("holdable", True), ("holdable", False)]  # held never asks whether they fit
+    asked.clear()
+    assert keep(WeightsChoice.DEQUANTIZED, fp8, True, False) is False
+    assert keep(Residency.QUANTIZED, fp8, False, True) is True
+    assert keep(Residency.DEQUANTIZED, fp8, True, False) is False
+    assert keep(WeightsChoice.HELD, UNQUANTIZED, True, False) is False
+    assert asked == []  # forced choices and unquantized checkpoints ask nothing
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels build on CUDA")

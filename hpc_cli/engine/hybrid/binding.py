@@ -100,13 +100,14 @@ class HybridBinding(Restore, Commit, Publish, Transfers):
 
     # ------------------------------------------------------------------ checks and stats
     def check_invariants(self) -> None:
-        owned = self.index.check_invariants()
+        owned = self.index.check_invariants()[0]
         self.pool.check_invariants()
-        # a cached or filling page belongs to the index (a block or a snapshot's tail): one it does
-        # not know is lost to admission for good
+        # the pool's cached and filling pages are exactly the index's (its blocks and snapshot
+        # tails; the lanes hold the active ones): a page the index does not know is lost to
+        # admission for good, one it owns but the pool does not hold can be handed out twice
         held = {p for p in range(self.pool.num_pages) if self.pool.state(p) in (PageState.CACHED, PageState.FILLING)}
-        lost = held - owned[0]
-        assert not lost, f"{len(lost)} device pages cached or filling in the pool but owned by no block or tail: {sorted(lost)[:16]}"
+        assert held == owned, (f"device pages held by the pool but owned by no block or tail: {sorted(held - owned)[:16]}; "
+                               f"owned by the index but not held: {sorted(owned - held)[:16]}")
 
     def stats(self, *, detailed: bool = False) -> HybridCacheStats:
         """The cache's stats from running counts (O(1): the worker publishes them a few times a
