@@ -12,16 +12,16 @@ OUT=${1:?usage: gpu_quant.sh OUT_DIR}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_steps.sh
-CK=$(mktemp -d)
+CK=${CK:-$(mktemp -d)}  # CK/bf16 is reused when it holds a checkpoint already
 step tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/model/test_quant_linear.py
-step checkpoint 300 python3 benchmarks/serve_trace.py --write-checkpoint "$CK/bf16" --shape 27b
+[ -f "$CK/bf16/config.json" ] || step checkpoint 300 python3 benchmarks/serve_trace.py --write-checkpoint "$CK/bf16" --shape 27b
 for fmt in fp8 nvfp4; do
     step "quantize-$fmt" 300 hpc-cli quantize "$CK/bf16" "$CK/$fmt" --format "$fmt"
 done
 for fmt in bf16 fp8 nvfp4; do
     step "kv-table-$fmt" 60 bash -c "hpc-cli kv table --model '$CK/$fmt' --device cuda --json > '$OUT/kv-$fmt.json'"
     step "throughput-$fmt" 300 python3 benchmarks/model_throughput.py --model "$CK/$fmt" --no-hf --batches 1,8 \
-        --prefill 2048 --out "$OUT/throughput-$fmt.json"
+        --prefill 2048 --quantized-weights held --out "$OUT/throughput-$fmt.json"
 done
 python3 - "$OUT" <<'PY'
 import json, sys

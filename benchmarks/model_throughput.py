@@ -100,13 +100,16 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--quantized-weights", default="auto", choices=["auto", "held", "dequantized"],
+                    help="a quantized checkpoint's Linear weights on CUDA (serve --quantized-weights)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device(args.device)
 
     t0 = time.perf_counter()
-    model = HybridModel.from_name_or_path(args.model, dtype=args.dtype, device=device)
+    model = HybridModel.from_name_or_path(args.model, dtype=args.dtype, device=device,
+                                          quantized_weights=args.quantized_weights)
     build_s = time.perf_counter() - t0
     from hpc_cli.model.gdn import fla_available
 
@@ -116,6 +119,7 @@ def main() -> None:
                     "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor(),
                     "fla": fla_available()},
         "model": model.config.name, "dtype": str(model.dtype), "kv_profile": args.kv_profile,
+        "quantized_weights": args.quantized_weights,
         "layers": model.config.num_hidden_layers, "build_s": round(build_s, 2),
         "prefill_tokens": args.prefill, "decode_context": args.context, "decode_steps": args.steps,
     }

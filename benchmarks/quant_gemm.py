@@ -23,10 +23,10 @@ import torch.nn.functional as F
 SHAPES = [("attn.q", 12288, 5120), ("attn.kv", 1024, 5120), ("attn.o", 5120, 6144),
           ("gdn.qkv", 10240, 5120), ("gdn.z", 6144, 5120), ("gdn.out", 5120, 6144),
           ("mlp.gate", 17408, 5120), ("mlp.up", 17408, 5120), ("mlp.down", 5120, 17408)]
-DECODE_TILES = [{"BM": 16, "BN": bn, "num_warps": w, "num_stages": s}
-                for bn, w, s in itertools.product((32, 64, 128), (4,), (3, 5))]
+DECODE_TILES = [{"BM": 16, "BN": bn, "num_warps": 4, "num_stages": s, "waves": v}
+                for bn, s, v in itertools.product((32, 64, 128), (3, 5), (0, 4, 8))]
 PREFILL_TILES = [{"BM": bm, "BN": bn, "num_warps": 8, "num_stages": s}
-                 for bm, bn, s in ((64, 128, 3), (128, 128, 3), (128, 128, 4), (128, 256, 3))]
+                 for bm, bn, s in ((64, 128, 3), (128, 128, 3), (128, 256, 3))]
 
 
 def main() -> None:
@@ -53,30 +53,39 @@ def main() -> None:
         for name, n, k in SHAPES:
             x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
             bf, fp8, nv = weights[name]
-            row = {"rows": m, "shape": name, "N": n, "K": k, "bf16_ms": do_bench(lambda: F.linear(x, bf))}
+            ms = {"fp8": {}, "nvfp4": {}}  # format -> variant -> ms
             for tile in tiles:
                 quant_gemm.TILES[kind] = tile
-                key = "BM{BM}_BN{BN}_w{num_warps}_s{num_stages}".format(**tile)
-                row[f"fp8_{key}"] = do_bench(lambda: quant_gemm.fp8_linear(x, fp8[0], fp8[1], (128, 128)))
-                row[f"nvfp4_{key}"] = do_bench(lambda: quant_gemm.nvfp4_linear(x, *nv))
+                key = "BM{BM}_BN{BN}_w{num_warps}_s{num_stages}".format(**tile) + (
+                    f"_v{tile['waves']}" if "waves" in tile else "")
+                ms["fp8"][key] = do_bench(lambda: quant_gemm.fp8_linear(x, fp8[0], fp8[1], (128, 128)))
+                ms["nvfp4"][key] = do_bench(lambda: quant_gemm.nvfp4_linear(x, *nv))
+            if kind == "prefill" and quant_gemm.scaled_mm_ready(dev):  # the FP8 tensor cores (cuBLAS)
+                mm = quant_gemm.scales_for_mm(fp8[1])
+                ms["fp8"]["scaled_mm"] = do_bench(lambda: quant_gemm.fp8_linear(x, fp8[0], fp8[1], (128, 128), mm))
+            row = {"rows": m, "shape": name, "N": n, "K": k, "bf16_ms": do_bench(lambda: F.linear(x, bf)), "ms": ms}
+            best = {fmt: min(v, key=v.get) for fmt, v in ms.items()}
+            if m == 1:  # the weight bytes each reads, over its time: the bandwidth it reaches
+                row["TBps"] = {"bf16": 2 * n * k / row["bf16_ms"] / 1e9,
+                               "fp8": n * k / ms["fp8"][best["fp8"]] / 1e9,
+                               "nvfp4": n * k / 2 / ms["nvfp4"][best["nvfp4"]] / 1e9}
             results.append(row)
-            best = {fmt: min((k for k in row if k.startswith(fmt + "_")), key=row.get) for fmt in ("fp8", "nvfp4")}
             print(f"rows {m} {name}: bf16 {row['bf16_ms']:.4f} ms; " + "; ".join(
-                f"{b} {row[b]:.4f} ms ({row['bf16_ms'] / row[b]:.2f}x)" for b in best.values()), flush=True)
+                f"{fmt} {b} {ms[fmt][b]:.4f} ms ({row['bf16_ms'] / ms[fmt][b]:.2f}x)" for fmt, b in best.items())
+                + (" | TB/s " + " ".join(f"{f} {v:.2f}" for f, v in row["TBps"].items()) if "TBps" in row else ""),
+                flush=True)
     doc = {"device": torch.cuda.get_device_name(), "results": results}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
-    print(json.dumps(doc)[:200])
     for m in sorted({r["rows"] for r in results}):
         rows = [r for r in results if r["rows"] == m]
         bf = sum(r["bf16_ms"] for r in rows)
         for fmt in ("fp8", "nvfp4"):
-            keys = [key for key in rows[0] if key.startswith(fmt + "_")]
-            best = min(keys, key=lambda key: sum(r[key] for r in rows))
-            total = sum(r[best] for r in rows)
-            per_shape = "  ".join(f"{r['shape']} {r['bf16_ms'] / r[best]:.2f}" for r in rows)
-            print(f"rows {m:5d} {fmt:5s} best {best[len(fmt) + 1:]:22s} {total:8.3f} ms vs bf16 {bf:8.3f} ms "
+            best = min(rows[0]["ms"][fmt], key=lambda v: sum(r["ms"][fmt][v] for r in rows))
+            total = sum(r["ms"][fmt][best] for r in rows)
+            per_shape = "  ".join(f"{r['shape']} {r['bf16_ms'] / r['ms'][fmt][best]:.2f}" for r in rows)
+            print(f"rows {m:5d} {fmt:5s} best {best:26s} {total:8.3f} ms vs bf16 {bf:8.3f} ms "
                   f"= {bf / total:.2f}x   [{per_shape}]")
 
 

@@ -153,7 +153,9 @@ class QuantizedWeight(nn.Module):
         raise NotImplementedError
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        """The stored codes and scales (a derived copy such as FP8's cuBLAS scale layout, 4 bytes a
+        128 x 128 block, is not counted: it is not part of what the checkpoint stores)."""
+        return sum(b.numel() * b.element_size() for b in self.state_dict().values())
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.dequantized(x.dtype))
@@ -167,6 +169,11 @@ class FP8Weight(QuantizedWeight):
         self.register_buffer("weight", stored.weight.to(device).contiguous())
         self.register_buffer("scale", stored.scale.to(device=device, dtype=torch.float32).contiguous())
         self.out_features, self.in_features = self.weight.shape
+        self.mm_scales: torch.Tensor | None = None  # the scales as cuBLAS's FP8 product reads them
+        if self.weight.is_cuda and self.block == (128, 128):
+            from hpc_kernels.quant_gemm import scales_for_mm
+
+            self.register_buffer("mm_scales", scales_for_mm(self.scale), persistent=False)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.scale, self.block, dtype)
@@ -176,7 +183,7 @@ class FP8Weight(QuantizedWeight):
             return self._reference(x)
         from hpc_kernels.quant_gemm import fp8_linear
 
-        return fp8_linear(x, self.weight, self.scale, self.block)
+        return fp8_linear(x, self.weight, self.scale, self.block, self.mm_scales)
 
 
 class NVFP4Weight(QuantizedWeight):

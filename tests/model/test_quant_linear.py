@@ -198,7 +198,7 @@ SHAPES = [(1, 200, 320), (3, 130, 256), (16, 64, 64), (17, 96, 160), (40, 130, 2
 
 def _child() -> dict:
     from hpc_cli.model.quant_weights import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
-    from hpc_kernels.quant_gemm import fp8_linear, nvfp4_linear
+    from hpc_kernels.quant_gemm import fp8_linear, nvfp4_linear, quantize_rows
 
     torch.manual_seed(0)
     out = []
@@ -218,12 +218,25 @@ def _child() -> dict:
         alone = _rows_alone(lambda r: nvfp4_linear(r, p, sc, float(1.0 / g), 16), x, y)
         out.append({"fmt": "nvfp4", "shape": [m, n, k], "err": float((y - ref).abs().max()),
                     "scale": float(ref.abs().max()), "rows_alone": alone})
-    return {"cases": out}
+    # the codes themselves are compared on CUDA: the interpreter's float -> e4m3 cast rounds
+    # values just below a power of two down a binade (124.3 -> 64), the hardware's does not
+    x = torch.randn(5, 384) * torch.logspace(-3, 3, 384)
+    q, s = quantize_rows(x, 128, rows=8)
+    quant = {"scale_err": float((s[:5] * 448 / x.view(5, 3, 128).abs().amax(-1) - 1).abs().max()),
+             "padding_zero": bool(q[5:].float().abs().sum() == 0 and s[5:].abs().sum() == 0),
+             "column_major": s.stride() == (1, 8)}
+    return {"cases": out, "quantize_rows": quant}
 
 
 def _rows_alone(f, x: torch.Tensor, y: torch.Tensor) -> bool:
     """A row's result does not depend on the other rows of its tile (the last row, run alone)."""
     return bool(torch.equal(f(x[-1:]), y[-1:])) if x.shape[0] <= 16 else True
+
+
+def _splits_taken(n: int, k: int) -> int:
+    from hpc_kernels.quant_gemm import TILES, k_splits
+
+    return k_splits(n, k, TILES["decode"]["BN"], 128, TILES["decode"]["waves"], 132)[0]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -233,11 +246,19 @@ def test_interpreted_kernels_equal_the_dequantised_product():
     proc = subprocess.run([sys.executable, "-m", "tests.model.test_quant_linear"], cwd=HERE.parents[2], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-6000:]}"
-    cases = json.loads(proc.stdout.strip().splitlines()[-1])["cases"]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    cases = doc["cases"]
     assert len(cases) == 3 * len(SHAPES)
-    # fp32 in, IEEE dot: only the summation order differs from the reference product
-    bad = [c for c in cases if c["err"] > 1e-5 * max(1.0, c["scale"]) or not c["rows_alone"]]
+    # the decode-sized shapes split K over programs (partial sums added by the second kernel)
+    assert [_splits_taken(n, k) for m, n, k in SHAPES if m <= 16] == [3, 2, 1]
+    # fp32 in, IEEE dot: only the summation order differs from the reference product. Whether a
+    # row's numbers are independent of the other rows is checked on the compiled kernels (the
+    # interpreter's dot is numpy's matmul, which makes no such promise: it fails for 16 full rows)
+    bad = [c for c in cases if c["err"] > 1e-5 * max(1.0, c["scale"]) or (not c["rows_alone"] and c["shape"][0] < 16)]
     assert not bad, bad
+    quant = doc["quantize_rows"]
+    assert quant["scale_err"] <= 1e-6, quant  # one scale per row and 128 inputs: amax / 448
+    assert quant["padding_zero"] and quant["column_major"], quant
 
 
 @pytest.mark.gpu
@@ -260,6 +281,34 @@ def test_compiled_kernels_on_cuda(dtype):
         ref = x.float() @ dequantize_nvfp4(p, sc, float(1.0 / g), 16, torch.float32).T
         y = nvfp4_linear(x, p, sc, float(1.0 / g), 16)
         assert (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max(), ("nvfp4", m, n, k)
+        assert torch.equal(nvfp4_linear(x[-1:], p, sc, float(1.0 / g), 16), y[-1:]) or m > 16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefill_passes_run_on_the_fp8_tensor_cores():
+    """A prefill-sized pass of a 128 x 128-block FP8 weight quantizes its rows to e4m3 per 128
+    inputs (the codes equal torch's cast) and multiplies on the FP8 tensor cores where cuBLAS
+    takes block scales; its error against the dequantised product is the activations' rounding."""
+    from hpc_cli.model.quant_weights import dequantize_fp8, quantize_fp8
+    from hpc_kernels.quant_gemm import fp8_linear, quantize_rows, scaled_mm_ready, scales_for_mm
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 640, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, 640, device="cuda")
+    q, s = quantize_rows(x, 128, rows=40)
+    xs = x.float().view(37, 5, 128)
+    assert torch.allclose(s[:37], xs.abs().amax(-1) / 448, rtol=1e-6, atol=0)
+    assert torch.equal(q[:37].view(torch.uint8), (xs / s[:37, :, None]).reshape(37, 640).to(torch.float8_e4m3fn).view(torch.uint8))
+    if not scaled_mm_ready(x.device):
+        pytest.skip("cuBLAS here takes no block-scaled FP8 product")
+    for m, n, k in [(17, 96, 256), (40, 128, 384), (512, 1024, 5120)]:
+        w = torch.randn(n, k, device="cuda")
+        xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        wq, ws = quantize_fp8(w, (128, 128))
+        ref = xb.float() @ dequantize_fp8(wq, ws, (128, 128), torch.float32).T
+        y = fp8_linear(xb, wq, ws, (128, 128), scales_for_mm(ws))
+        # e4m3 rounds each input by up to 2^-4 of itself: about 2-3% of the largest output
+        assert (y.float() - ref).abs().max() <= 5e-2 * ref.abs().max(), (m, n, k)
 
 
 @pytest.mark.gpu
