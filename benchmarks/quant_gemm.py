@@ -1,6 +1,7 @@
 """The quantized-weight matmul kernels (``kernels/quant_gemm.py``) at the 27B model's Linear
-shapes, against bf16 ``F.linear`` on the same device: each tile of a small sweep, timed with
-``triton.testing.do_bench``, for decode-sized (1, 8 rows) and prefill-sized passes. A component
+shapes, against bf16 ``F.linear`` on the same device, timed with ``triton.testing.do_bench``:
+for decode-sized passes (1, 8 rows) each tile of a sweep of the rows kernels, for prefill-sized
+ones the dequantise-then-cuBLAS path and (FP8) cuBLAS's block-scaled product. A component
 benchmark: it explains the model's figures (``benchmarks/model_throughput.py``), it does not
 prove them. Prints JSON, then a table of the best tile per (rows, format) as time against bf16
 summed over the shapes of one layer set.
@@ -23,10 +24,8 @@ import torch.nn.functional as F
 SHAPES = [("attn.q", 12288, 5120), ("attn.kv", 1024, 5120), ("attn.o", 5120, 6144),
           ("gdn.qkv", 10240, 5120), ("gdn.z", 6144, 5120), ("gdn.out", 5120, 6144),
           ("mlp.gate", 17408, 5120), ("mlp.up", 17408, 5120), ("mlp.down", 5120, 17408)]
-DECODE_TILES = [{"BM": 16, "BN": bn, "num_warps": 4, "num_stages": s, "waves": v}
-                for bn, s, v in itertools.product((32, 64, 128), (3, 5), (0, 4, 8))]
-PREFILL_TILES = [{"BM": bm, "BN": bn, "num_warps": 8, "num_stages": s}
-                 for bm, bn, s in ((64, 128, 3), (128, 128, 3), (128, 256, 3))]
+DECODE_TILES = [{"BN": bn, "BK": bk, "num_warps": w, "num_stages": s, "waves": v}
+                for bn, bk, w, s, v in itertools.product((16, 32, 64), (256, 512), (4,), (3, 4), (4, 8))]
 
 
 def main() -> None:
@@ -34,7 +33,11 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,512,2048")
     ap.add_argument("--out")
     args = ap.parse_args()
-    from triton.testing import do_bench
+    import functools
+
+    from triton.testing import do_bench as bench
+
+    do_bench = functools.partial(bench, warmup=10, rep=40)
 
     from hpc_cli.model.quant_weights import quantize_fp8, quantize_nvfp4
     from hpc_kernels import quant_gemm
@@ -49,20 +52,22 @@ def main() -> None:
     results = []
     for m in (int(r) for r in args.rows.split(",")):
         kind = "decode" if m <= quant_gemm.DECODE_ROWS else "prefill"
-        tiles = DECODE_TILES if kind == "decode" else PREFILL_TILES
         for name, n, k in SHAPES:
             x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
             bf, fp8, nv = weights[name]
             ms = {"fp8": {}, "nvfp4": {}}  # format -> variant -> ms
-            for tile in tiles:
-                quant_gemm.TILES[kind] = tile
-                key = "BM{BM}_BN{BN}_w{num_warps}_s{num_stages}".format(**tile) + (
-                    f"_v{tile['waves']}" if "waves" in tile else "")
-                ms["fp8"][key] = do_bench(lambda: quant_gemm.fp8_linear(x, fp8[0], fp8[1], (128, 128)))
-                ms["nvfp4"][key] = do_bench(lambda: quant_gemm.nvfp4_linear(x, *nv))
-            if kind == "prefill" and quant_gemm.scaled_mm_ready(dev):  # the FP8 tensor cores (cuBLAS)
-                mm = quant_gemm.scales_for_mm(fp8[1])
-                ms["fp8"]["scaled_mm"] = do_bench(lambda: quant_gemm.fp8_linear(x, fp8[0], fp8[1], (128, 128), mm))
+            if kind == "decode":
+                for tile in DECODE_TILES:
+                    quant_gemm.TILES["decode"] = tile
+                    key = "BN{BN}_BK{BK}_w{num_warps}_s{num_stages}_v{waves}".format(**tile)
+                    ms["fp8"][key] = do_bench(lambda: quant_gemm.fp8_linear(x, fp8[0], fp8[1], (128, 128)))
+                    ms["nvfp4"][key] = do_bench(lambda: quant_gemm.nvfp4_linear(x, *nv))
+            else:
+                ms["fp8"]["dequantized"] = do_bench(lambda: quant_gemm.fp8_linear(x, fp8[0], fp8[1], (128, 128)))
+                ms["nvfp4"]["dequantized"] = do_bench(lambda: quant_gemm.nvfp4_linear(x, *nv))
+                if quant_gemm.scaled_mm_ready(dev):  # the FP8 tensor cores (cuBLAS)
+                    mm = quant_gemm.scales_for_mm(fp8[1])
+                    ms["fp8"]["scaled_mm"] = do_bench(lambda: quant_gemm.fp8_linear(x, fp8[0], fp8[1], (128, 128), mm))
             row = {"rows": m, "shape": name, "N": n, "K": k, "bf16_ms": do_bench(lambda: F.linear(x, bf)), "ms": ms}
             best = {fmt: min(v, key=v.get) for fmt, v in ms.items()}
             if m == 1:  # the weight bytes each reads, over its time: the bandwidth it reaches
@@ -75,6 +80,12 @@ def main() -> None:
                 + (" | TB/s " + " ".join(f"{f} {v:.2f}" for f, v in row["TBps"].items()) if "TBps" in row else ""),
                 flush=True)
     doc = {"device": torch.cuda.get_device_name(), "results": results}
+    decode = [r for r in results if r["rows"] <= quant_gemm.DECODE_ROWS]
+    if decode:  # the decode tile that is fastest over all decode-sized rows and shapes, both formats
+        keys = list(decode[0]["ms"]["fp8"])
+        best = min(keys, key=lambda t: sum(r["ms"][f][t] for r in decode for f in ("fp8", "nvfp4")))
+        doc["best_decode_tile"] = next(t for t in DECODE_TILES
+                                       if "BN{BN}_BK{BK}_w{num_warps}_s{num_stages}_v{waves}".format(**t) == best)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

@@ -1,22 +1,29 @@
-"""Matmuls on quantized weights read in place: ``y = x W^T`` with ``W`` kept as stored.
+"""Matmuls on quantized weights: ``y = x W^T`` with ``W`` kept as stored.
 
 Two weight formats (``hpc_cli.model.quant_weights`` reads and writes them):
 
 * **FP8 blocks**: ``W`` float8_e4m3fn ``[N, K]`` with one float32 scale per ``SB_N x SB_K`` block
-  (``scale [ceil(N / SB_N), ceil(K / SB_K)]``). A program's K step spans part of one scale block,
-  so the step's partial product is computed on the fp8 values (exact in bf16) and multiplied by
-  its column's block scale in fp32 before it joins the accumulator.
+  (``scale [ceil(N / SB_N), ceil(K / SB_K)]``).
 * **NVFP4**: e2m1 codes packed two per byte (``[N, K / 2]``, the even element in the low nibble),
-  one float8_e4m3fn scale per ``GROUP`` inputs (``[N, K / GROUP]``) and one global factor. A code
-  times its group scale has at most 5 significant bits, exact in bf16 and fp16, so the tile of
-  weights the dot reads is exact; the global factor multiplies the fp32 accumulator at the end.
+  one float8_e4m3fn scale per ``GROUP`` inputs (``[N, K / GROUP]``) and one global factor.
 
-``x`` is ``[M, K]`` in bf16, fp16 or fp32 (fp32 runs the dot in tf32-free IEEE mode), ``y`` is
-``[M, N]`` in ``x``'s dtype. ``M``, ``N`` and ``K`` are runtime values (not specialised), so one
-compiled kernel per (format, dtype, tile) serves every pass length; the tile depends only on
-whether ``M`` is a decode-sized block (<= 16 rows) or a prefill pass, and a row's numbers do not
-depend on the other rows of its tile (the engine's decode/verify bit identity relies on that with
-a fixed row block).
+Two kinds of pass, as their limits differ:
+
+* **Decode-sized** (up to ``DECODE_ROWS`` rows: decode, speculative verify) is bound by reading
+  the weight. Each program takes one row, ``BN`` outputs and a share of K, and streams ``BN x BK``
+  tiles of codes, summing products per scale block in fp32 (no tensor-core dot: the weight is
+  read once, from HBM, at full width). K splits over programs until the device has ``waves``
+  programs per multiprocessor; the splits' partial sums are added in a fixed order. The splits
+  depend on the weight's shape and the device only, and a row runs in programs of its own, so a
+  row's numbers never depend on the other rows (the engine's decode/verify bit identity).
+* **Prefill-sized** is bound by the matrix units. A 128 x 128-block FP8 weight on a device whose
+  cuBLAS takes block scales (Hopper and later, CUDA 12.9+) runs ``F.scaled_mm`` on the FP8 tensor
+  cores, the rows quantized to e4m3 per 128 inputs as fine-grained FP8 checkpoints are served.
+  Otherwise the pass dequantises the weight into a transient buffer (the numbers of the reference
+  dequantisation) and runs cuBLAS's product in the input dtype.
+
+``x`` is ``[..., K]`` in bf16, fp16 or fp32, ``y`` in ``x``'s dtype. ``N`` and ``K`` are runtime
+values (not specialised): one compiled kernel per (format, dtype, tile) serves every shape.
 """
 
 from __future__ import annotations
@@ -30,44 +37,12 @@ import triton.language as tl
 
 #: tiles by pass kind: decode-sized blocks of rows, and prefill passes
 DECODE_ROWS = 16
-TILES = {"decode": {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 4, "waves": 4},
-         "prefill": {"BM": 64, "BN": 128, "num_warps": 8, "num_stages": 3}}
-_DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-def _tile(m: int) -> dict[str, int]:
-    return TILES["decode" if m <= DECODE_ROWS else "prefill"]
-
-
-@triton.jit(do_not_specialize=["M", "N", "K", "K_SPLIT"])
-def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
-                SB_N: tl.constexpr, SB_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                DOT: tl.constexpr, IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)  # this program's share of K: [pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    mmask = rm < M
-    nmask = rn < N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
-    for k0 in range(pid_k * K_SPLIT, k_end, BK):
-        kk = k0 + rk
-        kmask = kk < k_end
-        x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :],
-                    mask=mmask[:, None] & kmask[None, :], other=0.0).to(DOT)
-        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk[None, :],
-                    mask=nmask[:, None] & kmask[None, :], other=0.0).to(DOT)
-        s = tl.load(s_ptr + (rn // SB_N) * stride_sn + k0 // SB_K, mask=nmask, other=0.0)
-        if IEEE:
-            part = tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            part = tl.dot(x, tl.trans(w))
-        acc += part * s[None, :]
-    tl.store(y_ptr + pid_k.to(tl.int64) * stride_ys + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+#: decode-sized products run one program per (row, BN outputs, K split), reading BK inputs a step
+#: with no tensor-core dot (a row's sums never depend on the other rows); a prefill pass's
+#: dequantisation writes BN x BK tiles
+TILES = {"decode": {"BN": 32, "BK": 256, "num_warps": 4, "num_stages": 3, "waves": 4},
+         "prefill": {"BN": 32, "BK": 256, "num_warps": 4}}
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit(do_not_specialize=["M", "N", "SPLITS"])
@@ -110,42 +85,103 @@ def _e2m1(code):
     return tl.where((code & 8) != 0, -v, v)
 
 
-@triton.jit(do_not_specialize=["M", "N", "K", "K_SPLIT"])
-def _nvfp4_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_pn, stride_sn, stride_ym,
-                  stride_ys, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  DOT: tl.constexpr, IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
+@triton.jit(do_not_specialize=["N", "K"])
+def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, SB_N: tl.constexpr,
+                        SB_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """A ``BN x BK`` tile of the weight: fp8 times its block scale in fp32, in ``out``'s dtype
+    (the numbers of ``dequantize_fp8``)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + (rn // SB_N)[:, None] * stride_sn + (rk // SB_K)[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + rn.to(tl.int64)[:, None] * stride_on + rk[None, :], (w * s).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def _nvfp4_dequant_kernel(p_ptr, s_ptr, factor, out_ptr, N, K, stride_pn, stride_sn, stride_on, GROUP: tl.constexpr,
+                          BN: tl.constexpr, BK: tl.constexpr):
+    """A ``BN x BK`` tile of the weight: e2m1 times (group scale times the global factor) in
+    fp32, in ``out``'s dtype (the numbers of ``dequantize_nvfp4``)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    k0 = tl.program_id(1) * BK
+    hh = k0 // 2 + tl.arange(0, BK // 2)
+    gg = k0 // GROUP + tl.arange(0, BK // GROUP)
+    rk = k0 + tl.arange(0, BK)
+    nmask = rn < N
+    packed = tl.load(p_ptr + rn.to(tl.int64)[:, None] * stride_pn + hh[None, :],
+                     mask=nmask[:, None] & (2 * hh < K)[None, :], other=0)
+    vals = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), (BN, BK // GROUP, GROUP))
+    s = tl.load(s_ptr + rn.to(tl.int64)[:, None] * stride_sn + gg[None, :],
+                mask=nmask[:, None] & (gg * GROUP < K)[None, :], other=0.0).to(tl.float32) * factor
+    w = tl.reshape(vals * s[:, :, None], (BN, BK))
+    tl.store(out_ptr + rn.to(tl.int64)[:, None] * stride_on + rk[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=nmask[:, None] & (rk < K)[None, :])
+
+
+@triton.jit(do_not_specialize=["N", "K", "K_SPLIT"])
+def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
+                     SB_N: tl.constexpr, SB_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     CHUNK: tl.constexpr):
+    """One row of ``x`` against ``BN`` weight rows over this program's share of K: each step
+    loads a ``BN x BK`` fp8 tile, sums its products per ``CHUNK`` inputs (one scale block or
+    less), scales each chunk's sum by its block scale and adds it to the fp32 accumulator."""
+    m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    rh = tl.arange(0, BK // 2)  # packed bytes of a K step
-    rg = tl.arange(0, BK // GROUP)  # groups of a K step
     rk = tl.arange(0, BK)
-    mmask = rm < M
+    rc = tl.arange(0, BK // CHUNK)
     nmask = rn < N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(pid_k * K_SPLIT, tl.minimum(K, (pid_k + 1) * K_SPLIT), BK):
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
+    for k0 in range(pid_k * K_SPLIT, k_end, BK):
         kk = k0 + rk
-        x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + kk[None, :],
-                    mask=mmask[:, None] & (kk < K)[None, :], other=0.0).to(DOT)
+        kmask = kk < k_end
+        x = tl.load(x_ptr + m.to(tl.int64) * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk[None, :],
+                    mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        part = tl.sum(tl.reshape(w * x[None, :], (BN, BK // CHUNK, CHUNK)), axis=2)
+        cs = (k0 + rc * CHUNK) // SB_K
+        s = tl.load(s_ptr + (rn // SB_N)[:, None] * stride_sn + cs[None, :],
+                    mask=nmask[:, None] & ((k0 + rc * CHUNK) < k_end)[None, :], other=0.0)
+        acc += tl.sum(part * s, axis=1)
+    tl.store(y_ptr + pid_k.to(tl.int64) * stride_ys + m.to(tl.int64) * stride_ym + rn,
+             acc.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit(do_not_specialize=["N", "K", "K_SPLIT"])
+def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, N, K, K_SPLIT, stride_xm, stride_pn, stride_sn, stride_ym,
+                       stride_ys, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """:func:`_fp8_rows_kernel` for NVFP4: a step decodes ``BN x BK`` e2m1 codes, sums their
+    products per group and scales each group's sum by its e4m3 scale; the global factor
+    multiplies the accumulator at the end."""
+    m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rh = tl.arange(0, BK // 2)
+    rg = tl.arange(0, BK // GROUP)
+    rk = tl.arange(0, BK)
+    nmask = rn < N
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
+    for k0 in range(pid_k * K_SPLIT, k_end, BK):
+        kk = k0 + rk
+        x = tl.load(x_ptr + m.to(tl.int64) * stride_xm + kk, mask=kk < k_end, other=0.0).to(tl.float32)
         hh = k0 // 2 + rh
         packed = tl.load(p_ptr + rn.to(tl.int64)[:, None] * stride_pn + hh[None, :],
-                         mask=nmask[:, None] & (hh < K // 2)[None, :], other=0)
-        lo = _e2m1(packed & 15)
-        hi = _e2m1(packed >> 4)
-        vals = tl.reshape(tl.join(lo, hi), (BN, BK))  # the low nibble is the even element
+                         mask=nmask[:, None] & (2 * hh < k_end)[None, :], other=0)
+        vals = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), (BN, BK))
+        part = tl.sum(tl.reshape(vals * x[None, :], (BN, BK // GROUP, GROUP)), axis=2)
         gg = k0 // GROUP + rg
         s = tl.load(s_ptr + rn.to(tl.int64)[:, None] * stride_sn + gg[None, :],
-                    mask=nmask[:, None] & (gg < K // GROUP)[None, :], other=0.0).to(tl.float32)
-        w = tl.reshape(tl.reshape(vals, (BN, BK // GROUP, GROUP)) * s[:, :, None], (BN, BK)).to(DOT)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+                    mask=nmask[:, None] & (gg * GROUP < k_end)[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(part * s, axis=1)
     acc = acc * factor
-    tl.store(y_ptr + pid_k.to(tl.int64) * stride_ys + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    tl.store(y_ptr + pid_k.to(tl.int64) * stride_ys + m.to(tl.int64) * stride_ym + rn,
+             acc.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
 def sm_count(device: torch.device) -> int:
@@ -172,32 +208,44 @@ def k_splits(n: int, k: int, bn: int, bk: int, waves: int, sms: int) -> tuple[in
     return triton.cdiv(steps, per), per * bk
 
 
-def _launch(kernel, x: torch.Tensor, n: int, k: int, weights: tuple, weight_strides: tuple, bk: int,
-            **meta) -> torch.Tensor:
-    """``x [..., K]`` as contiguous rows, ``y [..., N]`` in ``x``'s dtype, and one launch of
-    ``kernel`` over the tile the row count picks (``weights``: the kernel's tensors and scalars
-    between ``x`` and ``y``). A decode-sized product splits K over programs (fp32 partial sums,
-    then :func:`_sum_splits_kernel` adds them in a fixed order), so that a weight read by one row
-    still keeps every multiprocessor loading."""
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     assert x.shape[-1] == k, f"input has {x.shape[-1]} features, the weight takes {k}"
-    assert x.dtype in _DOT_DTYPES, f"quantized matmuls take bf16, fp16 or fp32 inputs, not {x.dtype}"
+    assert x.dtype in _DTYPES, f"quantized matmuls take bf16, fp16 or fp32 inputs, not {x.dtype}"
     x2 = x.reshape(-1, k)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _rows_product(rows_kernel, x2: torch.Tensor, n: int, k: int, weights: tuple, weight_strides: tuple,
+                  meta: dict) -> torch.Tensor:
+    """``x2 [M, K] @ W^T`` for up to ``DECODE_ROWS`` rows: a program per (row, ``BN`` outputs, K
+    split), the splits' fp32 partial sums added in a fixed order by :func:`_sum_splits_kernel`,
+    so that a weight read for one row still keeps every multiprocessor loading."""
     m = x2.shape[0]
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if m:
-        tile = _tile(m)
-        splits, per = k_splits(n, k, tile["BN"], bk, tile.get("waves", 0), sm_count(x.device))
-        out = y if splits == 1 else torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
-        grid = (triton.cdiv(m, tile["BM"]), triton.cdiv(n, tile["BN"]), splits)
-        kernel[grid](x2, *weights, out, m, n, k, per, x2.stride(0), *weight_strides, out.stride(-2),
-                     out.stride(0) if splits > 1 else 0, BM=tile["BM"], BN=tile["BN"], BK=bk,
-                     DOT=_DOT_DTYPES[x.dtype], IEEE=x.dtype == torch.float32, num_warps=tile["num_warps"],
-                     num_stages=tile["num_stages"], **meta)
-        if splits > 1:
-            _sum_splits_kernel[(m, triton.cdiv(n, 1024))](out, y, m, n, splits, out.stride(0), out.stride(1),
-                                                          y.stride(0), BLOCK=1024)
-    return y.reshape(*x.shape[:-1], n)
+    y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
+    if not m:
+        return y
+    tile = TILES["decode"]
+    splits, per = k_splits(n, k, tile["BN"], tile["BK"], tile["waves"], sm_count(x2.device))
+    out = y if splits == 1 else torch.empty(splits, m, n, device=x2.device, dtype=torch.float32)
+    rows_kernel[(m, triton.cdiv(n, tile["BN"]), splits)](
+        x2, *weights, out, n, k, per, x2.stride(0), *weight_strides, out.stride(-2), out.stride(0) if splits > 1 else 0,
+        BN=tile["BN"], BK=tile["BK"], num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
+    if splits > 1:
+        _sum_splits_kernel[(m, triton.cdiv(n, 1024))](out, y, m, n, splits, out.stride(0), out.stride(1), y.stride(0),
+                                                      BLOCK=1024)
+    return y
+
+
+def _dequantized(kernel, n: int, k: int, weights: tuple, weight_strides: tuple, dtype: torch.dtype,
+                 device: torch.device, meta: dict) -> torch.Tensor:
+    """The whole ``[N, K]`` weight in ``dtype``, written by one launch of ``kernel`` (a transient
+    buffer: a prefill pass reads it once, in cuBLAS's product)."""
+    tile = TILES["prefill"]
+    w = torch.empty(n, k, device=device, dtype=dtype)
+    kernel[(triton.cdiv(n, tile["BN"]), triton.cdiv(k, tile["BK"]))](
+        *weights, w, n, k, *weight_strides, w.stride(0), BN=tile["BN"], BK=tile["BK"], num_warps=tile["num_warps"],
+        **meta)
+    return w
 
 
 def quantize_rows(x: torch.Tensor, group: int = 128, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,31 +310,47 @@ def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, mm_scales: torch.Tensor
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                mm_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ W^T`` for a block-scaled FP8 ``weight [N, K]`` with float32 ``scale
-    [ceil(N / block[0]), ceil(K / block[1])]``. With ``mm_scales`` (:func:`scales_for_mm`) a
-    prefill-sized pass of a 128 x 128-block weight on a device that takes it runs as
-    :func:`fp8_scaled_mm`; the rest read the weight in the Triton kernel."""
+    [ceil(N / block[0]), ceil(K / block[1])]``. Up to ``DECODE_ROWS`` rows read the weight in
+    place (:func:`_fp8_rows_kernel`); a prefill pass of a 128 x 128-block weight with
+    ``mm_scales`` (:func:`scales_for_mm`) on a device that takes it runs :func:`fp8_scaled_mm`;
+    other prefill passes dequantise the weight and run cuBLAS's product."""
     n, k = weight.shape
     sb_n, sb_k = block
     assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32, "fp8 weight, float32 scales"
     assert weight.stride(-1) == 1 and scale.stride(-1) == 1, "weight and scale rows must be contiguous"
-    rows = x.numel() // k if k else 0
-    if (mm_scales is not None and rows > DECODE_ROWS and block == (128, 128) and x.dtype != torch.float32
-            and n % 16 == 0 and k % 128 == 0 and scaled_mm_ready(x.device)):
-        return fp8_scaled_mm(x.reshape(-1, k), weight, mm_scales).reshape(*x.shape[:-1], n)
-    bk = min(128, sb_k)  # a K step stays inside one scale block
-    assert sb_k % bk == 0 and bk >= 16, f"fp8 scale blocks of {sb_k} inputs are not supported"
-    return _launch(_fp8_kernel, x, n, k, (weight, scale), (weight.stride(0), scale.stride(0)), bk,
-                   SB_N=sb_n, SB_K=sb_k)
+    x2 = _rows(x, k)
+    if x2.shape[0] <= DECODE_ROWS:
+        chunk = min(TILES["decode"]["BK"], sb_k)  # the rows kernel's sums per scale block (or part of one)
+        assert TILES["decode"]["BK"] % chunk == 0 and sb_k % chunk == 0, f"fp8 scale blocks of {sb_k} inputs"
+        y = _rows_product(_fp8_rows_kernel, x2, n, k, (weight, scale), (weight.stride(0), scale.stride(0)),
+                          {"SB_N": sb_n, "SB_K": sb_k, "CHUNK": chunk})
+    elif (mm_scales is not None and block == (128, 128) and x.dtype != torch.float32 and n % 16 == 0
+          and k % 128 == 0 and scaled_mm_ready(x.device)):
+        y = fp8_scaled_mm(x2, weight, mm_scales)
+    else:
+        w = _dequantized(_fp8_dequant_kernel, n, k, (weight, scale), (weight.stride(0), scale.stride(0)), x.dtype,
+                         x.device, {"SB_N": sb_n, "SB_K": sb_k})
+        y = F.linear(x2, w)
+    return y.reshape(*x.shape[:-1], n)
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, factor: float,
                  group: int) -> torch.Tensor:
     """``x [..., K] @ W^T`` for NVFP4 ``packed [N, K / 2]`` uint8 with float8_e4m3fn group scales
-    ``[N, K / group]`` and the global ``factor`` (the weight is ``e2m1 * scale * factor``)."""
+    ``[N, K / group]`` and the global ``factor`` (the weight is ``e2m1 * scale * factor``). Up to
+    ``DECODE_ROWS`` rows read the codes in place (:func:`_nvfp4_rows_kernel`); a prefill pass
+    dequantises the weight and runs cuBLAS's product."""
     n, half = packed.shape
+    k = 2 * half
     assert packed.dtype == torch.uint8 and scale.dtype == torch.float8_e4m3fn, "uint8 codes, e4m3 scales"
     assert packed.stride(-1) == 1 and scale.stride(-1) == 1, "code and scale rows must be contiguous"
-    bk = 128 if group <= 128 and 128 % group == 0 else group
-    assert bk % group == 0 and bk >= 32, f"nvfp4 groups of {group} inputs are not supported"
-    return _launch(_nvfp4_kernel, x, n, 2 * half, (packed, scale, float(factor)),
-                   (packed.stride(0), scale.stride(0)), bk, GROUP=group)
+    assert TILES["decode"]["BK"] % group == 0 and TILES["prefill"]["BK"] % group == 0, \
+        f"nvfp4 groups of {group} inputs are not supported"
+    x2 = _rows(x, k)
+    weights, strides = (packed, scale, float(factor)), (packed.stride(0), scale.stride(0))
+    if x2.shape[0] <= DECODE_ROWS:
+        y = _rows_product(_nvfp4_rows_kernel, x2, n, k, weights, strides, {"GROUP": group})
+    else:
+        y = F.linear(x2, _dequantized(_nvfp4_dequant_kernel, n, k, weights, strides, x.dtype, x.device,
+                                      {"GROUP": group}))
+    return y.reshape(*x.shape[:-1], n)
