@@ -40,7 +40,7 @@ DECODE_ROWS = 16
 #: decode-sized products run one program per (row, BN outputs, K split), reading BK inputs a step
 #: with no tensor-core dot (a row's sums never depend on the other rows); a prefill pass's
 #: dequantisation writes BN x BK tiles
-TILES = {"decode": {"BN": 32, "BK": 256, "num_warps": 4, "num_stages": 3, "waves": 4},
+TILES = {"decode": {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 4, "waves": 8},
          "prefill": {"BN": 32, "BK": 256, "num_warps": 4}}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

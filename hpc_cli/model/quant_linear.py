@@ -169,11 +169,12 @@ class FP8Weight(QuantizedWeight):
         self.register_buffer("weight", stored.weight.to(device).contiguous())
         self.register_buffer("scale", stored.scale.to(device=device, dtype=torch.float32).contiguous())
         self.out_features, self.in_features = self.weight.shape
-        self.mm_scales: torch.Tensor | None = None  # the scales as cuBLAS's FP8 product reads them
+        mm_scales = None  # the scales as cuBLAS's FP8 product reads them (prefill passes)
         if self.weight.is_cuda and self.block == (128, 128):
             from hpc_kernels.quant_gemm import scales_for_mm
 
-            self.register_buffer("mm_scales", scales_for_mm(self.scale), persistent=False)
+            mm_scales = scales_for_mm(self.scale)
+        self.register_buffer("mm_scales", mm_scales, persistent=False)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.scale, self.block, dtype)
