@@ -8,10 +8,13 @@ stream of ids into text pieces without splitting a UTF-8 character.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import re
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -124,6 +127,55 @@ class _ChatTemplateMixin:
         return {}
 
 
+@dataclass(frozen=True, slots=True)
+class PieceSpans:
+    """One piece's tokenization: ids, each token's ``(start, end)`` character span in the piece,
+    the starts, and the running maximum of the ends (spans may overlap)."""
+
+    ids: list[int]
+    spans: list[tuple[int, int]]
+    starts: list[int]
+    ends: list[int]
+
+    @classmethod
+    def of(cls, ids: list[int], spans: list[tuple[int, int]]) -> "PieceSpans":
+        return cls(ids, spans, [a for a, _ in spans], list(itertools.accumulate((b for _, b in spans), max)))
+
+
+class TokenSpans:
+    """Where a text's tokens lie in it, as the pieces it was tokenized in (``(character offset,
+    index of the piece's first token, PieceSpans)``): a lookup bisects the pieces, then one
+    piece, so it costs the same for a long conversation as for a short one."""
+
+    __slots__ = ("_cuts", "_pieces")
+
+    def __init__(self, pieces: Sequence[tuple[int, int, PieceSpans]]) -> None:
+        assert pieces and pieces[0][0] == 0, "the first piece starts the text"
+        self._pieces = list(pieces)
+        self._cuts = [cut for cut, _, _ in self._pieces]
+
+    @classmethod
+    def whole(cls, ids: list[int], spans: list[tuple[int, int]]) -> "TokenSpans":
+        return cls([(0, 0, PieceSpans.of(ids, spans))])
+
+    def _at(self, c: int) -> tuple[int, int, PieceSpans]:
+        return self._pieces[max(0, bisect.bisect_right(self._cuts, c) - 1)]
+
+    def token_at(self, c: int) -> int | None:
+        """The index of the token that starts at character ``c`` when every earlier token has
+        ended by ``c``; None when ``c`` falls inside a token or past the last start."""
+        cut, first, piece = self._at(c)
+        j = bisect.bisect_left(piece.starts, c - cut)
+        if j < len(piece.starts) and piece.starts[j] == c - cut and (j == 0 or piece.ends[j - 1] <= c - cut):
+            return first + j  # a piece's first token: the earlier pieces end by its cut
+        return None
+
+    def tokens_ending_by(self, c: int) -> int:
+        """How many tokens (from the first) have ended by character ``c``."""
+        cut, first, piece = self._at(c)
+        return first + bisect.bisect_right(piece.ends, c - cut)
+
+
 class ByteTokenizer(_ChatTemplateMixin):
     """UTF-8 bytes are ids 0..255; the ChatML specials follow (256 ...)."""
 
@@ -172,6 +224,10 @@ class ByteTokenizer(_ChatTemplateMixin):
             at += len(part)
         return ids, spans
 
+    def encode_spans(self, text: str) -> tuple[list[int], TokenSpans]:
+        ids, spans = self.encode_offsets(text)
+        return ids, TokenSpans.whole(ids, spans)
+
     def decode_bytes(self, ids: Sequence[int], skip_special: bool = False) -> bytes:
         out = bytearray()
         for i in ids:
@@ -207,7 +263,7 @@ class SegmentCache:
 
     def __init__(self, encode: Callable[[str], tuple[list[int], list[tuple[int, int]]]]) -> None:
         self._encode = encode
-        self._pieces: "OrderedDict[str, tuple[list[int], list[tuple[int, int]]]]" = OrderedDict()
+        self._pieces: "OrderedDict[str, PieceSpans]" = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -231,29 +287,36 @@ class SegmentCache:
             return None
         return cache
 
-    def encode(self, text: str, keep: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+    def pieces(self, text: str, keep: bool = True) -> tuple[list[int], TokenSpans]:
+        """The ids of ``text`` and their spans, tokenized piece by piece (no per-token work for
+        the pieces kept from earlier prompts but concatenating their ids)."""
         ids: list[int] = []
-        spans: list[tuple[int, int]] = []
+        parts: list[tuple[int, int, PieceSpans]] = []
         cut = 0
         while cut < len(text):
             nxt = text.find(self.MARKER, cut + 1)
             end = len(text) if nxt < 0 else nxt
-            piece_ids, piece_spans = self._piece(text[cut:end], keep)
-            ids.extend(piece_ids)
-            spans.extend((a + cut, b + cut) for a, b in piece_spans)
+            piece = self._piece(text[cut:end], keep)
+            parts.append((cut, len(ids), piece))
+            ids.extend(piece.ids)
             cut = end
-        return ids, spans
+        return ids, TokenSpans(parts or [(0, 0, PieceSpans.of([], []))])
 
-    def _piece(self, piece: str, keep: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    def encode(self, text: str, keep: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` and each token's character span in it."""
+        ids, spans = self.pieces(text, keep)
+        return ids, [(a + cut, b + cut) for cut, _, piece in spans._pieces for a, b in piece.spans]
+
+    def _piece(self, piece: str, keep: bool) -> PieceSpans:
         if len(piece) < self.MIN_CHARS or not keep:
-            return self._encode(piece)
+            return PieceSpans.of(*self._encode(piece))
         with self._lock:
             found = self._pieces.get(piece)
             if found is not None:
                 self._pieces.move_to_end(piece)
                 self.hits += 1
                 return found
-        found = self._encode(piece)
+        found = PieceSpans.of(*self._encode(piece))
         with self._lock:
             self.misses += 1
             if piece not in self._pieces and len(piece) <= self.MAX_CHARS // 4:
@@ -322,7 +385,7 @@ class HFTokenizer(_ChatTemplateMixin):
         return list(self._eos)
 
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
-        return self.encode_offsets(text)[0]
+        return self.encode_spans(text)[0]
 
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """The ids of ``text`` and each token's ``(start, end)`` character span in it."""
@@ -330,6 +393,13 @@ class HFTokenizer(_ChatTemplateMixin):
             return self._segments.encode(text)
         enc = self._tok.encode(text, add_special_tokens=False)
         return enc.ids, enc.offsets
+
+    def encode_spans(self, text: str) -> tuple[list[int], TokenSpans]:
+        """The ids of ``text`` and where they lie in it (:class:`TokenSpans`)."""
+        if self._segments is not None:
+            return self._segments.pieces(text)
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, TokenSpans.whole(enc.ids, enc.offsets)
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

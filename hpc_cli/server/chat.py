@@ -16,7 +16,7 @@ found by rendering message prefixes of the same conversation:
   ``cache_control``) are structural hints flagged ``automatic``.
 
 Character offsets become token positions through the tokenizer's character spans
-(``encode_offsets``) of the one tokenization of the prompt: an offset where a token starts (and
+(``encode_spans``) of the one tokenization of the prompt: an offset where a token starts (and
 every earlier token has ended) is that token's position; an offset inside a token (a BPE merge
 across it) snaps back, when hinted (markers, opener, system and tools ends), to the tokens that
 end before it, and is dropped otherwise (other message boundaries).
@@ -29,8 +29,6 @@ that fails on the messages is a 400.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -97,17 +95,15 @@ def _positions(tokenizer, text: str, offsets: Sequence[int], hinted: Sequence[in
     """One tokenization with each token's character span: an offset where a token starts (and
     every earlier token has ended) is that token's position; an offset inside a token keeps, when
     hinted, the tokens that end before it, else it is dropped."""
-    full, spans = tokenizer.encode_offsets(text)
-    starts = [a for a, _ in spans]
-    ends = list(itertools.accumulate((b for _, b in spans), max))  # running max: spans may overlap
+    full, spans = tokenizer.encode_spans(text)
     hinted_set = set(hinted)
     at: dict[int, int] = {}
     for c in sorted({o for o in offsets if 0 < o < len(text)}):
-        i = bisect.bisect_left(starts, c)  # the first token starting at or after c
-        if i < len(starts) and starts[i] == c and (i == 0 or ends[i - 1] <= c):
+        i = spans.token_at(c)
+        if i is not None:
             at[c] = i
         elif c in hinted_set:
-            at[c] = bisect.bisect_right(ends, c)  # the tokens that end by c
+            at[c] = spans.tokens_ending_by(c)
     at[len(text)] = len(full)
     at[0] = 0
     return full, at

@@ -166,6 +166,31 @@ def test_hf_tokenizer_segments_equal_whole_encoding(tmp_path):
     assert tok._segments.hits >= hits + 2, "the repeated history was tokenized again"
 
 
+def test_token_spans_by_piece_answer_as_the_whole_spans(tmp_path):
+    """Where a token starts (every earlier one ended) and how many end by an offset: looked up in
+    the kept pieces, the answers equal those over the whole tokenization's spans, at every
+    character of random prompts."""
+    import bisect
+    import itertools
+    import random
+
+    tok = HFTokenizer(_bpe_dir(tmp_path))
+    rng = random.Random(5)
+    words = ["the", " quick", "fox\n\n", "  ", "héllo", "<|im_start|>", "<|im_end|>", "\n", "123", "dog"]
+    for _ in range(60):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(1, 80)))
+        ids, spans = tok.encode_spans(text)
+        whole = tok._tok.encode(text, add_special_tokens=False)
+        assert ids == whole.ids
+        starts = [a for a, _ in whole.offsets]
+        ends = list(itertools.accumulate((b for _, b in whole.offsets), max))
+        for c in range(len(text) + 1):
+            i = bisect.bisect_left(starts, c)
+            expect = i if i < len(starts) and starts[i] == c and (i == 0 or ends[i - 1] <= c) else None
+            assert spans.token_at(c) == expect, (text, c)
+            assert spans.tokens_ending_by(c) == bisect.bisect_right(ends, c), (text, c)
+
+
 def test_hf_tokenizer_no_segments_when_marker_strips(tmp_path):
     """A start marker that strips whitespace around it changes its neighbours' tokens: no pieces."""
     tok = HFTokenizer(_bpe_dir(tmp_path, {"lstrip": True}))
