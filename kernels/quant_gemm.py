@@ -45,7 +45,7 @@ TILES = {"decode": {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 4, "waves
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@triton.jit(do_not_specialize=["M", "N", "SPLITS"])
+@triton.jit(do_not_specialize=["M", "SPLITS"])
 def _sum_splits_kernel(p_ptr, y_ptr, M, N, SPLITS, stride_ps, stride_pm, stride_ym, BLOCK: tl.constexpr):
     """``y[m, n] = sum_s p[s, m, n]`` in a fixed order (split 0 first): a row's sum never depends
     on the other rows or on how many there are."""
@@ -58,7 +58,7 @@ def _sum_splits_kernel(p_ptr, y_ptr, M, N, SPLITS, stride_ps, stride_pm, stride_
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
-@triton.jit(do_not_specialize=["M", "K"])
+@triton.jit(do_not_specialize=["M"])
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sg, GROUP: tl.constexpr):
     """One row's ``GROUP`` inputs -> e4m3 codes and their float32 scale (``amax / 448``), the
     scales stored group-major (``s[g * stride_sg + m]``, the column-major layout cuBLAS takes)."""
@@ -85,7 +85,7 @@ def _e2m1(code):
     return tl.where((code & 8) != 0, -v, v)
 
 
-@triton.jit(do_not_specialize=["N", "K"])
+@triton.jit
 def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, SB_N: tl.constexpr,
                         SB_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """A ``BN x BK`` tile of the weight: fp8 times its block scale in fp32, in ``out``'s dtype
@@ -99,7 +99,7 @@ def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, strid
              mask=mask)
 
 
-@triton.jit(do_not_specialize=["N", "K"])
+@triton.jit
 def _nvfp4_dequant_kernel(p_ptr, s_ptr, factor, out_ptr, N, K, stride_pn, stride_sn, stride_on, GROUP: tl.constexpr,
                           BN: tl.constexpr, BK: tl.constexpr):
     """A ``BN x BK`` tile of the weight: e2m1 times (group scale times the global factor) in
@@ -120,68 +120,76 @@ def _nvfp4_dequant_kernel(p_ptr, s_ptr, factor, out_ptr, N, K, stride_pn, stride
              mask=nmask[:, None] & (rk < K)[None, :])
 
 
-@triton.jit(do_not_specialize=["N", "K", "K_SPLIT"])
-def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym, stride_ys,
-                     SB_N: tl.constexpr, SB_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     CHUNK: tl.constexpr):
-    """One row of ``x`` against ``BN`` weight rows over this program's share of K: each step
-    loads a ``BN x BK`` fp8 tile, sums its products per ``CHUNK`` inputs (one scale block or
-    less), scales each chunk's sum by its block scale and adds it to the fp32 accumulator."""
-    m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+@triton.jit(do_not_specialize=["M"])
+def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym,
+                     stride_ys, SB_N: tl.constexpr, SB_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, CHUNK: tl.constexpr):
+    """The ``M <= BM`` rows of ``x`` against ``BN`` weight rows over this program's share of K:
+    each step loads a ``BN x BK`` fp8 tile once and, row by row, sums its products per
+    ``CHUNK`` inputs (one scale block or less), scales each chunk's sum by its block scale and
+    adds it to that row's fp32 accumulator. Each row runs the same operations whatever ``BM``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     rc = tl.arange(0, BK // CHUNK)
     nmask = rn < N
-    acc = tl.zeros((BN,), dtype=tl.float32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
     for k0 in range(pid_k * K_SPLIT, k_end, BK):
         kk = k0 + rk
         kmask = kk < k_end
-        x = tl.load(x_ptr + m.to(tl.int64) * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk[None, :],
                     mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        part = tl.sum(tl.reshape(w * x[None, :], (BN, BK // CHUNK, CHUNK)), axis=2)
         cs = (k0 + rc * CHUNK) // SB_K
         s = tl.load(s_ptr + (rn // SB_N)[:, None] * stride_sn + cs[None, :],
                     mask=nmask[:, None] & ((k0 + rc * CHUNK) < k_end)[None, :], other=0.0)
-        acc += tl.sum(part * s, axis=1)
-    tl.store(y_ptr + pid_k.to(tl.int64) * stride_ys + m.to(tl.int64) * stride_ym + rn,
-             acc.to(y_ptr.dtype.element_ty), mask=nmask)
+        for r in tl.static_range(BM):
+            x = tl.load(x_ptr + r * stride_xm + kk, mask=kmask & (tl.full((BK,), r, tl.int32) < M),
+                        other=0.0).to(tl.float32)
+            part = tl.sum(tl.reshape(w * x[None, :], (BN, BK // CHUNK, CHUNK)), axis=2)
+            row = tl.sum(part * s, axis=1)
+            acc = tl.where((rm == r)[:, None], acc + row[None, :], acc)
+    tl.store(y_ptr + pid_k.to(tl.int64) * stride_ys + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & nmask[None, :])
 
 
-@triton.jit(do_not_specialize=["N", "K", "K_SPLIT"])
-def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, N, K, K_SPLIT, stride_xm, stride_pn, stride_sn, stride_ym,
-                       stride_ys, GROUP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """:func:`_fp8_rows_kernel` for NVFP4: a step decodes ``BN x BK`` e2m1 codes, sums their
-    products per group and scales each group's sum by its e4m3 scale; the global factor
-    multiplies the accumulator at the end."""
-    m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+@triton.jit(do_not_specialize=["M"])
+def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_pn, stride_sn,
+                       stride_ym, stride_ys, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr):
+    """:func:`_fp8_rows_kernel` for NVFP4: a step decodes ``BN x BK`` e2m1 codes once, then each
+    row sums its products per group and scales each group's sum by its e4m3 scale; the global
+    factor multiplies the accumulators at the end."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rh = tl.arange(0, BK // 2)
     rg = tl.arange(0, BK // GROUP)
     rk = tl.arange(0, BK)
     nmask = rn < N
-    acc = tl.zeros((BN,), dtype=tl.float32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
     for k0 in range(pid_k * K_SPLIT, k_end, BK):
         kk = k0 + rk
-        x = tl.load(x_ptr + m.to(tl.int64) * stride_xm + kk, mask=kk < k_end, other=0.0).to(tl.float32)
         hh = k0 // 2 + rh
         packed = tl.load(p_ptr + rn.to(tl.int64)[:, None] * stride_pn + hh[None, :],
                          mask=nmask[:, None] & (2 * hh < k_end)[None, :], other=0)
         vals = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), (BN, BK))
-        part = tl.sum(tl.reshape(vals * x[None, :], (BN, BK // GROUP, GROUP)), axis=2)
         gg = k0 // GROUP + rg
         s = tl.load(s_ptr + rn.to(tl.int64)[:, None] * stride_sn + gg[None, :],
                     mask=nmask[:, None] & (gg * GROUP < k_end)[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(part * s, axis=1)
+        for r in tl.static_range(BM):
+            x = tl.load(x_ptr + r * stride_xm + kk, mask=(kk < k_end) & (tl.full((BK,), r, tl.int32) < M),
+                        other=0.0).to(tl.float32)
+            part = tl.sum(tl.reshape(vals * x[None, :], (BN, BK // GROUP, GROUP)), axis=2)
+            row = tl.sum(part * s, axis=1)
+            acc = tl.where((rm == r)[:, None], acc + row[None, :], acc)
     acc = acc * factor
-    tl.store(y_ptr + pid_k.to(tl.int64) * stride_ys + m.to(tl.int64) * stride_ym + rn,
-             acc.to(y_ptr.dtype.element_ty), mask=nmask)
+    tl.store(y_ptr + pid_k.to(tl.int64) * stride_ys + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & nmask[None, :])
 
 
 def sm_count(device: torch.device) -> int:
@@ -217,9 +225,10 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def _rows_product(rows_kernel, x2: torch.Tensor, n: int, k: int, weights: tuple, weight_strides: tuple,
                   meta: dict) -> torch.Tensor:
-    """``x2 [M, K] @ W^T`` for up to ``DECODE_ROWS`` rows: a program per (row, ``BN`` outputs, K
-    split), the splits' fp32 partial sums added in a fixed order by :func:`_sum_splits_kernel`,
-    so that a weight read for one row still keeps every multiprocessor loading."""
+    """``x2 [M, K] @ W^T`` for up to ``DECODE_ROWS`` rows: a program per (``BN`` outputs, K split)
+    reads its weight tile once for all the rows, the splits' fp32 partial sums added in a fixed
+    order by :func:`_sum_splits_kernel`, so that a weight read for few rows still keeps every
+    multiprocessor loading."""
     m = x2.shape[0]
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if not m:
@@ -227,9 +236,10 @@ def _rows_product(rows_kernel, x2: torch.Tensor, n: int, k: int, weights: tuple,
     tile = TILES["decode"]
     splits, per = k_splits(n, k, tile["BN"], tile["BK"], tile["waves"], sm_count(x2.device))
     out = y if splits == 1 else torch.empty(splits, m, n, device=x2.device, dtype=torch.float32)
-    rows_kernel[(m, triton.cdiv(n, tile["BN"]), splits)](
-        x2, *weights, out, n, k, per, x2.stride(0), *weight_strides, out.stride(-2), out.stride(0) if splits > 1 else 0,
-        BN=tile["BN"], BK=tile["BK"], num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
+    rows_kernel[(triton.cdiv(n, tile["BN"]), splits)](
+        x2, *weights, out, m, n, k, per, x2.stride(0), *weight_strides, out.stride(-2),
+        out.stride(0) if splits > 1 else 0, BM=triton.next_power_of_2(m), BN=tile["BN"], BK=tile["BK"],
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
     if splits > 1:
         _sum_splits_kernel[(m, triton.cdiv(n, 1024))](out, y, m, n, splits, out.stride(0), out.stride(1), y.stride(0),
                                                       BLOCK=1024)

@@ -40,10 +40,10 @@ class WeightsChoice(str, Enum):
 
     ``auto`` dequantises on load when the dequantised weights fit the device and holds them as
     stored only when they do not: measured on an H200 at the 27B widths
-    (``benchmarks/quant_gemm.py``), the in-place kernels run a decode-sized product at 0.27-0.40x
-    the speed of bf16 ``F.linear`` and a 2,048-row one at 0.13-0.16x, so holding buys memory at a
-    cost in speed. ``held`` holds them as stored wherever the kernels take the format;
-    ``dequantized`` never does."""
+    (``benchmarks/quant_gemm.py``, docs/quantized-weights.md), a held FP8 prefill pass runs at
+    1.18x bf16 ``F.linear`` and an NVFP4 one at 0.65x, but decode-sized products at 0.3-0.4x, so
+    holding buys memory at a cost in decode speed. ``held`` holds them as stored wherever the
+    kernels take the format; ``dequantized`` never does."""
 
     AUTO = "auto"
     HELD = "held"
@@ -121,7 +121,7 @@ def kernels_check(fmt: WeightFormat, device: torch.device, dtype: torch.dtype) -
             x = torch.randn(rows, 256, generator=g).to(device=device, dtype=dtype)
             ref = x.float() @ held.dequantized(torch.float32).T
             err = float((held.matmul(x).float() - ref).abs().max())
-            if not err <= 2e-2 * float(ref.abs().max()):
+            if not err <= 5e-2 * float(ref.abs().max()):  # FP8 prefill passes round their rows to e4m3
                 raise ValueError(f"{rows} rows: max error {err:.3g} against {float(ref.abs().max()):.3g}")
     except Exception as exc:  # any failure to build or to agree: keep the dequantised path
         log.warning("the %s weight kernel failed its check on %s (%s): weights are dequantised on load",
