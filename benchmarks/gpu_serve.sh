@@ -12,7 +12,8 @@
 # Writes OUT_DIR/serve_trace.json (serve_trace.py's document), OUT_DIR/hybrid.pyspy.txt (py-spy's
 # raw stacks, one line a stack with its count) and OUT_DIR/serve-hybrid.log (the server's log).
 # CKPT (default /tmp/q27) is where the checkpoint goes; PYSPY_SECONDS (default 90) how long py-spy
-# records; PORT (default 8123) the first server's port. Needs the official openai client on that
+# records (--nonblocking: the server is never paused, as a blocking sampler pauses every thread
+# at each sample), PYSPY=0 records nothing; PORT (default 8123) the first server's port. Needs the official openai client on that
 # machine (openai 3.x imports httpx2, which needs httpcore2 and truststore: carry them with it).
 set -u
 cd "$(dirname "$0")/.."
@@ -48,11 +49,11 @@ for _ in range(1800):
     time.sleep(0.5)
 sys.exit(1)
 EOF
-    py-spy record --pid "$pid" --threads --format raw --rate 200 -d "${PYSPY_SECONDS:-90}" \
+    py-spy record --nonblocking --pid "$pid" --threads --format raw --rate 200 -d "${PYSPY_SECONDS:-90}" \
         -o "$OUT/hybrid.pyspy.txt" > "$LOGS/py-spy.log" 2>&1
 }
 
-if command -v py-spy >/dev/null 2>&1; then
+if [ "${PYSPY:-1}" != 0 ] && command -v py-spy >/dev/null 2>&1; then
     profile_hybrid &
 fi
 python3 benchmarks/serve_trace.py --model "$CKPT" --port "$PORT" --log-dir "$LOGS" --out "$OUT/serve_trace.json" "$@"

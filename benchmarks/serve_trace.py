@@ -411,6 +411,7 @@ class TurnRow:
     total_s: float
     sent_s: float
     error: str | None
+    engine_ttft_s: float | None = None  # usage.hpc_timing.time_to_first_token: the engine's part
 
 
 @dataclass(frozen=True)
@@ -455,7 +456,12 @@ def _compilations(run: RunResult) -> Compilations | None:
 def _rows(records: Sequence[RequestRecord]) -> list[TurnRow]:
     return [TurnRow(r.session, r.turn, r.edited, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
                     None if r.ttft_s is None else round(r.ttft_s, 4), round(r.total_s, 4), round(r.sent_s, 3),
-                    r.error) for r in records]
+                    r.error, _engine_ttft(r)) for r in records]
+
+
+def _engine_ttft(r: RequestRecord) -> float | None:
+    value = (r.timing or {}).get("time_to_first_token")
+    return round(float(value), 4) if isinstance(value, (int, float)) else None
 
 
 def _p50(values: Sequence[float], digits: int = 5) -> float | None:
