@@ -266,8 +266,11 @@ def quantize_rows(x: torch.Tensor, group: int = 128, rows: int | None = None) ->
     rows = m if rows is None else rows
     assert rows >= m and k % group == 0, f"{m} rows into {rows}, {k} inputs in groups of {group}"
     assert x.stride(-1) == 1, "rows must be contiguous"
-    q = torch.zeros(rows, k, device=x.device, dtype=torch.float8_e4m3fn)
-    s = torch.zeros(k // group, rows, device=x.device, dtype=torch.float32)
+    q = torch.empty(rows, k, device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(k // group, rows, device=x.device, dtype=torch.float32)
+    if rows > m:  # the padding rows: zero codes and scales
+        q[m:].view(torch.uint8).zero_()
+        s[:, m:].zero_()
     if m:
         _quantize_rows_kernel[(m, k // group)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), GROUP=group)
     return q, s.t()
@@ -294,7 +297,7 @@ def _scaled_mm_probe(index: int) -> bool:
         y = fp8_scaled_mm(x, wq, scales_for_mm(ws))
         ref = x.float() @ (wq.float() * ws.repeat_interleave(128, 0).repeat_interleave(128, 1)).T
         return bool((y.float() - ref).abs().max() <= 5e-2 * ref.abs().max())
-    except Exception:  # an older cuBLAS or GPU: the Triton kernel serves prefill passes instead
+    except Exception:  # an older cuBLAS or GPU: prefill passes dequantise for cuBLAS's bf16 product instead
         return False
 
 

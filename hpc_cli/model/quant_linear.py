@@ -111,6 +111,8 @@ def kernels_check(fmt: WeightFormat, device: torch.device, dtype: torch.dtype) -
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 256, generator=g)
     try:
+        from hpc_kernels.quant_gemm import DECODE_ROWS
+
         if fmt is WeightFormat.FP8:
             q, s = quantize_fp8(w, (128, 128))
             held: QuantizedWeight = FP8Weight(StoredFP8(q, s, (128, 128)), device)
@@ -121,7 +123,9 @@ def kernels_check(fmt: WeightFormat, device: torch.device, dtype: torch.dtype) -
             x = torch.randn(rows, 256, generator=g).to(device=device, dtype=dtype)
             ref = x.float() @ held.dequantized(torch.float32).T
             err = float((held.matmul(x).float() - ref).abs().max())
-            if not err <= 5e-2 * float(ref.abs().max()):  # FP8 prefill passes round their rows to e4m3
+            # an FP8 prefill pass may round its rows to e4m3 (the tensor-core product): 2-3%
+            tol = 5e-2 if fmt is WeightFormat.FP8 and rows > DECODE_ROWS else 2e-2
+            if not err <= tol * float(ref.abs().max()):
                 raise ValueError(f"{rows} rows: max error {err:.3g} against {float(ref.abs().max()):.3g}")
     except Exception as exc:  # any failure to build or to agree: keep the dequantised path
         log.warning("the %s weight kernel failed its check on %s (%s): weights are dequantised on load",
