@@ -51,17 +51,19 @@ class PrefillStep(EngineCore):
             lane.prompt_logprobs += lps
             lane.prompt_top_logprobs += tops
             logits = logits[-1]
+        # the first token goes out before the pass's commits and taps (host work that nothing
+        # in the token waits for: they cover positions up to lane.pos, the token comes after)
+        if lane.pos == lane.n_prompt and not lane.finish_reason:
+            if sp.max_tokens == 0:
+                lane.finish_reason = FinishReason.LENGTH
+            else:
+                self._sample(lane, logits)
         taps, t = self.cache.counters.get("taps", 0), time.perf_counter()
         if in_pass:
             self.cache.after_pass(lane, out.taps)
         else:
             self.cache.after_pass(lane)
         tapped += timing.add_taps(time.perf_counter() - t, self.cache.counters.get("taps", 0) - taps)
-        if lane.pos == lane.n_prompt and not lane.finish_reason:
-            if sp.max_tokens == 0:
-                lane.finish_reason = FinishReason.LENGTH
-            else:
-                self._sample(lane, logits)
         t_end = time.perf_counter()
         timing.passes.append(PrefillPass(t_end - t_start - tapped - (timing.restore_wait - waited), end - start))
         if lane.pos == lane.n_prompt:
