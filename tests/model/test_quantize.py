@@ -136,6 +136,36 @@ def test_transformers_reads_the_fp8_output(hf_dense, tmp_path):
     assert (torch.linalg.norm(ours - theirs) / torch.linalg.norm(theirs)).item() < 1e-5
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (transformers quantizes to FP8 on a GPU)")
+def test_a_checkpoint_of_transformers_own_fp8_quantizer_loads_within_fp8_error(hf_dense, tmp_path):
+    """transformers' FineGrainedFP8 quantizer writes the checkpoint (it quantizes on a GPU only):
+    it loads here within FP8's error of the bf16 model, dequantised on the CPU and held as stored
+    on CUDA (the held product against the dequantised one)."""
+    pytest.importorskip("accelerate", reason="transformers' FP8 quantizer needs accelerate")
+    from transformers import FineGrainedFP8Config, Qwen3_5ForCausalLM
+
+    from hpc_cli.model.layers import Linear
+    from hpc_cli.model.loader import load_checkpoint
+    from hpc_cli.model.quant_linear import Residency, WeightsChoice
+
+    _, path = hf_dense
+    hf = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda",
+                                            quantization_config=FineGrainedFP8Config(weight_block_size=[32, 32]))
+    out = tmp_path / "transformers-fp8"
+    hf.save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    assert any(k.endswith("weight_scale_inv") for k in _tensors(out))
+    err = torch.linalg.norm(_logits(out) - _logits(path)) / torch.linalg.norm(_logits(path))
+    assert err <= FP8_LOGIT_BOUND, f"transformers' fp8 checkpoint: logits differ by {err:.2e}"
+    plain = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False, weights=Residency.DEQUANTIZED)
+    held = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False, weights=WeightsChoice.HELD)
+    assert any(isinstance(m, Linear) and m.quant is not None for m in held.modules())
+    a = plain.forward_tokens(TOKENS.cuda(), kv_profile="bf16").float()
+    b = held.forward_tokens(TOKENS.cuda(), kv_profile="bf16").float()
+    assert (a - b).abs().max() <= 5e-2 * a.abs().max()
+
+
 def test_sharded_checkpoint_keeps_its_shards_and_index(hf_dense, tmp_path):
     _, path = hf_dense
     src = rewrite_checkpoint(path, tmp_path / "sharded", language_model=True, shards=3)
