@@ -170,6 +170,10 @@ class TokenSpans:
             return first + j  # a piece's first token: the earlier pieces end by its cut
         return None
 
+    def spans(self) -> list[tuple[int, int]]:
+        """Every token's ``(start, end)`` character span in the whole text."""
+        return [(a + cut, b + cut) for cut, _, piece in self._pieces for a, b in piece.spans]
+
     def tokens_ending_by(self, c: int) -> int:
         """How many tokens (from the first) have ended by character ``c``."""
         cut, first, piece = self._at(c)
@@ -305,7 +309,7 @@ class SegmentCache:
     def encode(self, text: str, keep: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
         """The ids of ``text`` and each token's character span in it."""
         ids, spans = self.pieces(text, keep)
-        return ids, [(a + cut, b + cut) for cut, _, piece in spans._pieces for a, b in piece.spans]
+        return ids, spans.spans()
 
     def _piece(self, piece: str, keep: bool) -> PieceSpans:
         if len(piece) < self.MIN_CHARS or not keep:
