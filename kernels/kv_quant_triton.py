@@ -177,7 +177,8 @@ def _e2m1_code(v):
 
 
 @triton.jit
-def _e2m1_value(c):
+def e2m1_value(c):
+    """E2M1 code (sign in bit 3) -> fp32 value: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
     idx = c & 7
     f = idx.to(tl.float32)
     mag = tl.where(idx < 4, f * 0.5, tl.where(idx < 6, f - 2.0, (f - 4.0) * 2.0))
@@ -316,8 +317,8 @@ def _nvfp4_halves(data_ptr, scale_ptr, rows, mask, gs, D: tl.constexpr, BLOCK: t
     g = tl.arange(0, D // 16)
     sc = tl.load(scale_ptr + rows[:, None] * (D // 16) + g[None, :], mask=mask[:, None], other=0)
     eff = (_e4m3_value(sc, HW_FP8) * gs)[:, :, None]
-    ve = tl.reshape(tl.reshape(_e2m1_value(byte & 0xF), (BLOCK, D // 16, 8)) * eff, (BLOCK, D // 2))
-    vo = tl.reshape(tl.reshape(_e2m1_value(byte >> 4), (BLOCK, D // 16, 8)) * eff, (BLOCK, D // 2))
+    ve = tl.reshape(tl.reshape(e2m1_value(byte & 0xF), (BLOCK, D // 16, 8)) * eff, (BLOCK, D // 2))
+    vo = tl.reshape(tl.reshape(e2m1_value(byte >> 4), (BLOCK, D // 16, 8)) * eff, (BLOCK, D // 2))
     return ve, vo
 
 

@@ -10,20 +10,22 @@ Two weight formats (``hpc_cli.model.quant_weights`` reads and writes them):
 Two kinds of pass, as their limits differ:
 
 * **Decode-sized** (up to ``DECODE_ROWS`` rows: decode, speculative verify) is bound by reading
-  the weight. Each program takes one row, ``BN`` outputs and a share of K, and streams ``BN x BK``
-  tiles of codes, summing products per scale block in fp32 (no tensor-core dot: the weight is
-  read once, from HBM, at full width). K splits over programs until the device has ``waves``
-  programs per multiprocessor; the splits' partial sums are added in a fixed order. The splits
-  depend on the weight's shape and the device only, and a row runs in programs of its own, so a
-  row's numbers never depend on the other rows (the engine's decode/verify bit identity).
+  the weight. Each program takes ``BN`` outputs and a share of K for all the rows, and streams
+  ``BN x BK`` tiles of codes once, summing each row's products per scale block in fp32 (no
+  tensor-core dot). K splits over programs until the device has ``waves`` programs per
+  multiprocessor; the splits' partial sums are added in a fixed order. The splits depend on the
+  weight's shape and the device only, and each row runs the same operations whatever the row
+  count, so a row's numbers never depend on the other rows (the engine's decode/verify bit
+  identity).
 * **Prefill-sized** is bound by the matrix units. A 128 x 128-block FP8 weight on a device whose
   cuBLAS takes block scales (Hopper and later, CUDA 12.9+) runs ``F.scaled_mm`` on the FP8 tensor
   cores, the rows quantized to e4m3 per 128 inputs as fine-grained FP8 checkpoints are served.
   Otherwise the pass dequantises the weight into a transient buffer (the numbers of the reference
   dequantisation) and runs cuBLAS's product in the input dtype.
 
-``x`` is ``[..., K]`` in bf16, fp16 or fp32, ``y`` in ``x``'s dtype. ``N`` and ``K`` are runtime
-values (not specialised): one compiled kernel per (format, dtype, tile) serves every shape.
+``x`` is ``[..., K]`` in bf16, fp16 or fp32, ``y`` in ``x``'s dtype. A pass's row count is a
+runtime value (not specialised); the weight's shapes take Triton's divisibility specialisation
+(aligned, vectorised loads), so a model compiles a few variants, all at its warm-up.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .kv_quant_triton import e2m1_value
+
 #: tiles by pass kind: decode-sized blocks of rows, and prefill passes
 DECODE_ROWS = 16
-#: decode-sized products run one program per (row, BN outputs, K split), reading BK inputs a step
-#: with no tensor-core dot (a row's sums never depend on the other rows); a prefill pass's
-#: dequantisation writes BN x BK tiles
+#: decode-sized products run one program per (BN outputs, K split) for all their rows, reading BK
+#: inputs a step with no tensor-core dot; a prefill pass's dequantisation writes BN x BK tiles
 TILES = {"decode": {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 4, "waves": 8},
          "prefill": {"BN": 32, "BK": 256, "num_warps": 4}}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -74,18 +77,6 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, strid
 
 
 @triton.jit
-def _e2m1(code):
-    """e2m1 code (sign in bit 3) -> float32 value: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives."""
-    mag = code & 7
-    e = (mag >> 1).to(tl.int32)
-    m = (mag & 1).to(tl.float32)
-    sub = 0.5 * m  # e == 0: the subnormal pair 0, 0.5
-    norm = (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32))
-    v = tl.where(e == 0, sub, norm)
-    return tl.where((code & 8) != 0, -v, v)
-
-
-@triton.jit
 def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, SB_N: tl.constexpr,
                         SB_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """A ``BN x BK`` tile of the weight: fp8 times its block scale in fp32, in ``out``'s dtype
@@ -112,7 +103,7 @@ def _nvfp4_dequant_kernel(p_ptr, s_ptr, factor, out_ptr, N, K, stride_pn, stride
     nmask = rn < N
     packed = tl.load(p_ptr + rn.to(tl.int64)[:, None] * stride_pn + hh[None, :],
                      mask=nmask[:, None] & (2 * hh < K)[None, :], other=0)
-    vals = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), (BN, BK // GROUP, GROUP))
+    vals = tl.reshape(tl.join(e2m1_value(packed & 15), e2m1_value(packed >> 4)), (BN, BK // GROUP, GROUP))
     s = tl.load(s_ptr + rn.to(tl.int64)[:, None] * stride_sn + gg[None, :],
                 mask=nmask[:, None] & (gg * GROUP < K)[None, :], other=0.0).to(tl.float32) * factor
     w = tl.reshape(vals * s[:, :, None], (BN, BK))
@@ -177,7 +168,7 @@ def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, M, N, K, K_SPLIT, str
         hh = k0 // 2 + rh
         packed = tl.load(p_ptr + rn.to(tl.int64)[:, None] * stride_pn + hh[None, :],
                          mask=nmask[:, None] & (2 * hh < k_end)[None, :], other=0)
-        vals = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), (BN, BK))
+        vals = tl.reshape(tl.join(e2m1_value(packed & 15), e2m1_value(packed >> 4)), (BN, BK))
         gg = k0 // GROUP + rg
         s = tl.load(s_ptr + rn.to(tl.int64)[:, None] * stride_sn + gg[None, :],
                     mask=nmask[:, None] & (gg * GROUP < k_end)[None, :], other=0.0).to(tl.float32)

@@ -389,7 +389,9 @@ class HFTokenizer(_ChatTemplateMixin):
         return list(self._eos)
 
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
-        return self.encode_spans(text)[0]
+        if self._segments is not None:
+            return self._segments.pieces(text)[0]
+        return self._tok.encode(text, add_special_tokens=False).ids  # ids only: no span work
 
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """The ids of ``text`` and each token's ``(start, end)`` character span in it."""

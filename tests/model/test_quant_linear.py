@@ -318,12 +318,20 @@ def test_a_held_model_on_cuda_agrees_with_the_dequantised_one(hf_dense, tmp_path
 
     _, path = hf_dense
     out = _quantized(path, tmp_path / fmt, fmt)
-    plain = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False, weights=Residency.DEQUANTIZED)
-    held = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False, weights=WeightsChoice.HELD)
-    assert any(isinstance(m, Linear) and m.quant is not None for m in held.modules())
+    assert_held_agrees_on_cuda(out)
     # auto: the small model fits dequantised, so nothing is held (the held kernels are slower)
     auto = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False)
     assert not any(isinstance(m, Linear) and m.quant is not None for m in auto.modules())
+
+
+def assert_held_agrees_on_cuda(path) -> None:
+    """The checkpoint at ``path`` loads on CUDA with its Linear weights held as stored, and its
+    logits agree with the dequantised load's (within the FP8 prefill's activation rounding)."""
+    from hpc_cli.model.loader import load_checkpoint
+
+    plain = load_checkpoint(path, dtype=torch.bfloat16, device="cuda", progress=False, weights=Residency.DEQUANTIZED)
+    held = load_checkpoint(path, dtype=torch.bfloat16, device="cuda", progress=False, weights=WeightsChoice.HELD)
+    assert any(isinstance(m, Linear) and m.quant is not None for m in held.modules())
     a = plain.forward_tokens(TOKENS.cuda(), kv_profile="bf16").float()
     b = held.forward_tokens(TOKENS.cuda(), kv_profile="bf16").float()
     assert (a - b).abs().max() <= 5e-2 * a.abs().max()

@@ -145,9 +145,7 @@ def test_a_checkpoint_of_transformers_own_fp8_quantizer_loads_within_fp8_error(h
     pytest.importorskip("accelerate", reason="transformers' FP8 quantizer needs accelerate")
     from transformers import FineGrainedFP8Config, Qwen3_5ForCausalLM
 
-    from hpc_cli.model.layers import Linear
-    from hpc_cli.model.loader import load_checkpoint
-    from hpc_cli.model.quant_linear import Residency, WeightsChoice
+    from .test_quant_linear import assert_held_agrees_on_cuda
 
     _, path = hf_dense
     hf = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda",
@@ -158,12 +156,7 @@ def test_a_checkpoint_of_transformers_own_fp8_quantizer_loads_within_fp8_error(h
     assert any(k.endswith("weight_scale_inv") for k in _tensors(out))
     err = torch.linalg.norm(_logits(out) - _logits(path)) / torch.linalg.norm(_logits(path))
     assert err <= FP8_LOGIT_BOUND, f"transformers' fp8 checkpoint: logits differ by {err:.2e}"
-    plain = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False, weights=Residency.DEQUANTIZED)
-    held = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False, weights=WeightsChoice.HELD)
-    assert any(isinstance(m, Linear) and m.quant is not None for m in held.modules())
-    a = plain.forward_tokens(TOKENS.cuda(), kv_profile="bf16").float()
-    b = held.forward_tokens(TOKENS.cuda(), kv_profile="bf16").float()
-    assert (a - b).abs().max() <= 5e-2 * a.abs().max()
+    assert_held_agrees_on_cuda(out)
 
 
 def test_sharded_checkpoint_keeps_its_shards_and_index(hf_dense, tmp_path):
