@@ -1,16 +1,18 @@
 """The quantized-weight matmul kernels (``kernels/quant_gemm.py``) at the 27B model's Linear
-shapes, against bf16 ``F.linear`` on the same device, timed with ``triton.testing.do_bench``:
-for decode-sized passes (1, 8 rows) each tile of a sweep of the rows kernels, for prefill-sized
-ones the dequantise-then-cuBLAS path and (FP8) cuBLAS's block-scaled product. A component
-benchmark: it explains the model's figures (``benchmarks/model_throughput.py``), it does not
-prove them. Prints JSON, then a table of the best tile per (rows, format) as time against bf16
-summed over the shapes of one layer set.
+shapes, against bf16 ``F.linear`` on the same device: for decode-sized passes each decode tile
+of a sweep (tensor-core and register variants), for prefill-sized ones the
+dequantise-then-cuBLAS path and (FP8) cuBLAS's block-scaled product. A component benchmark: it
+explains the model's figures (``benchmarks/model_throughput.py``), it does not prove them.
+Prints a line per (rows, shape), a table of the best tile per (rows, format) as time against
+bf16 summed over the shapes of one layer set, and JSON (``--out``) with the best decode tile of
+each format.
 
-    python benchmarks/quant_gemm.py [--rows 1,8,512,2048] [--sweep] [--out F]
+    python benchmarks/quant_gemm.py [--rows 1,8,2048] [--sweep] [--shapes attn.q,mlp.up] [--out F]
 
 Each time is a CUDA graph's replay divided by the calls captured in it, as the engine replays its
-passes: a Triton launch costs tens of microseconds of host time, more than a decode-sized product
-takes on the device, so timing eager calls would time the host.
+passes (a Triton launch costs more host time than a decode-sized product takes on the device).
+The calls rotate over copies of the weight that together exceed the L2 cache several times, as
+a model's layers do, so no weight is read from L2.
 """
 
 from __future__ import annotations
@@ -28,62 +30,89 @@ import torch.nn.functional as F
 SHAPES = [("attn.q", 12288, 5120), ("attn.kv", 1024, 5120), ("attn.o", 5120, 6144),
           ("gdn.qkv", 10240, 5120), ("gdn.z", 6144, 5120), ("gdn.out", 5120, 6144),
           ("mlp.gate", 17408, 5120), ("mlp.up", 17408, 5120), ("mlp.down", 5120, 17408)]
-DECODE_TILES = [{"BN": bn, "BK": bk, "num_warps": w, "num_stages": s, "waves": v}
-                for bn, bk, w, s, v in itertools.product((16, 32, 64), (256, 512), (4,), (3, 4), (4, 8))]
+#: the decode tiles a sweep times: sums in registers, and the two tensor-core forms
+DECODE_TILES = (
+    [{"BN": bn, "BK": bk, "num_warps": 4, "num_stages": 3, "waves": 8} for bn, bk in ((16, 128), (32, 128), (16, 256))]
+    + [{"BN": bn, "BK": bk, "num_warps": 4, "num_stages": 4, "waves": v, "dot": True}
+       for bn, bk, v in itertools.product((32, 64), (128, 256), (4, 8))]
+    + [{"BN": bn, "BK": bk, "num_warps": 4, "num_stages": 4, "waves": v, "dot": True, "swap": True}
+       for bn, bk, v in itertools.product((64, 128), (128, 256), (2, 4))])
+L2_MULTIPLE = 400e6  # bytes of weight copies a timing rotates over
+
+
+def tile_key(t: dict) -> str:
+    kind = "swap" if t.get("swap") else "dot" if t.get("dot") else "reg"
+    return f"{kind}_BN{t['BN']}_BK{t['BK']}_w{t['num_warps']}_s{t['num_stages']}_v{t['waves']}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", default="1,8,512,2048")
+    ap.add_argument("--rows", default="1,8,2048")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated names of SHAPES")
     ap.add_argument("--out")
-    ap.add_argument("--sweep", action="store_true", help="time every decode tile (default: the shipped one)")
+    ap.add_argument("--sweep", action="store_true", help="time every decode tile (default: the shipped ones)")
     args = ap.parse_args()
     from triton.testing import do_bench as bench
 
-    def do_bench(fn, calls: int = 20) -> float:
-        """Milliseconds per call of ``fn`` replayed in a CUDA graph (``calls`` calls a replay), as
-        the engine runs decode and prefill passes: the host's launch cost is not in it (a weight
-        smaller than the L2 cache, 50 MB on an H200, stays there between the calls)."""
-        fn()  # compile
+    def do_bench(fns) -> float:
+        """Milliseconds per call of the ``fns`` (one per weight copy) replayed in a CUDA graph."""
+        for fn in fns:
+            fn()  # compile
         torch.cuda.synchronize()
+        calls = [fns[i % len(fns)] for i in range(max(8, len(fns)))]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(calls):
+            for fn in calls:
                 fn()
-        return bench(graph.replay, warmup=10, rep=60) / calls
+        return bench(graph.replay, warmup=5, rep=30) / len(calls)
 
     from hpc_cli.model.quant_weights import quantize_fp8, quantize_nvfp4
     from hpc_kernels import quant_gemm
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    weights = {}
-    for name, n, k in SHAPES:
+    shipped = {f: dict(quant_gemm.TILES[f]) for f in ("fp8", "nvfp4")}
+    results = []
+    for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
         w = torch.randn(n, k, device=dev, generator=gen, dtype=torch.float32) * 0.02
         packed, scale, glob = quantize_nvfp4(w)
-        weights[name] = (w.bfloat16(), quantize_fp8(w, (128, 128)), (packed, scale, 1.0 / float(glob), 16))
-    results = []
-    for m in (int(r) for r in args.rows.split(",")):
-        kind = "decode" if m <= quant_gemm.DECODE_ROWS else "prefill"
-        for name, n, k in SHAPES:
+        fq, fs = quantize_fp8(w, (128, 128))
+        copies = max(1, min(32, int(L2_MULTIPLE // (n * k) + 1)))
+        bf = [w.bfloat16() for _ in range(copies)]
+        fp8 = [(fq.clone(), fs.clone()) for _ in range(copies)]
+        nv = [(packed.clone(), scale.clone(), 1.0 / float(glob), 16) for _ in range(copies)]
+        mm = [quant_gemm.scales_for_mm(s) for _, s in fp8]
+        del w
+        for m in (int(r) for r in args.rows.split(",")):
+            decode = m <= quant_gemm.DECODE_ROWS
             x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
-            bf, fp8, nv = weights[name]
-            ms = {"fp8": {}, "nvfp4": {}}  # format -> variant -> ms
-            if kind == "decode":
-                for tile in DECODE_TILES if args.sweep else [dict(quant_gemm.TILES["decode"])]:
-                    quant_gemm.TILES["decode"] = tile
-                    key = "BN{BN}_BK{BK}_w{num_warps}_s{num_stages}_v{waves}".format(**tile)
-                    ms["fp8"][key] = do_bench(lambda: quant_gemm.fp8_linear(x, fp8[0], fp8[1], (128, 128)))
-                    ms["nvfp4"][key] = do_bench(lambda: quant_gemm.nvfp4_linear(x, *nv))
+            ms: dict[str, dict[str, float]] = {"fp8": {}, "nvfp4": {}}  # format -> variant -> ms
+            if decode:
+                for fmt in ("fp8", "nvfp4"):
+                    for tile in DECODE_TILES if args.sweep else [shipped[fmt]]:
+                        quant_gemm.TILES[fmt] = tile
+                        if fmt == "fp8":
+                            fns = [lambda q=q, s=s: quant_gemm.fp8_linear(x, q, s, (128, 128)) for q, s in fp8]
+                        else:
+                            fns = [lambda c=c: quant_gemm.nvfp4_linear(x, *c) for c in nv]
+                        try:
+                            ms[fmt][tile_key(tile)] = do_bench(fns)
+                        except Exception as exc:  # a tile that does not build here (shared memory)
+                            print(f"{fmt} {tile_key(tile)}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                            ms[fmt][tile_key(tile)] = float("inf")
+                    quant_gemm.TILES[fmt] = shipped[fmt]
             else:
-                ms["fp8"]["dequantized"] = do_bench(lambda: quant_gemm.fp8_linear(x, fp8[0], fp8[1], (128, 128)))
-                ms["nvfp4"]["dequantized"] = do_bench(lambda: quant_gemm.nvfp4_linear(x, *nv))
+                ms["fp8"]["dequantized"] = do_bench(
+                    [lambda q=q, s=s: quant_gemm.fp8_linear(x, q, s, (128, 128)) for q, s in fp8])
+                ms["nvfp4"]["dequantized"] = do_bench([lambda c=c: quant_gemm.nvfp4_linear(x, *c) for c in nv])
                 if quant_gemm.scaled_mm_ready(dev):  # the FP8 tensor cores (cuBLAS)
-                    mm = quant_gemm.scales_for_mm(fp8[1])
-                    ms["fp8"]["scaled_mm"] = do_bench(lambda: quant_gemm.fp8_linear(x, fp8[0], fp8[1], (128, 128), mm))
-            row = {"rows": m, "shape": name, "N": n, "K": k, "bf16_ms": do_bench(lambda: F.linear(x, bf)), "ms": ms}
+                    ms["fp8"]["scaled_mm"] = do_bench(
+                        [lambda q=q, s=s, a=a: quant_gemm.fp8_linear(x, q, s, (128, 128), a)
+                         for (q, s), a in zip(fp8, mm)])
+            row = {"rows": m, "shape": name, "N": n, "K": k,
+                   "bf16_ms": do_bench([lambda b=b: F.linear(x, b) for b in bf]), "ms": ms}
             best = {fmt: min(v, key=v.get) for fmt, v in ms.items()}
-            if m == 1:  # the weight bytes each reads, over its time: the bandwidth it reaches
+            if decode:  # the weight bytes each reads, over its time: the bandwidth it reaches
                 row["TBps"] = {"bf16": 2 * n * k / row["bf16_ms"] / 1e9,
                                "fp8": n * k / ms["fp8"][best["fp8"]] / 1e9,
                                "nvfp4": n * k / 2 / ms["nvfp4"][best["nvfp4"]] / 1e9}
@@ -92,13 +121,15 @@ def main() -> None:
                 f"{fmt} {b} {ms[fmt][b]:.4f} ms ({row['bf16_ms'] / ms[fmt][b]:.2f}x)" for fmt, b in best.items())
                 + (" | TB/s " + " ".join(f"{f} {v:.2f}" for f, v in row["TBps"].items()) if "TBps" in row else ""),
                 flush=True)
-    doc = {"device": torch.cuda.get_device_name(), "results": results}
-    decode = [r for r in results if r["rows"] <= quant_gemm.DECODE_ROWS]
-    if decode:  # the decode tile that is fastest over all decode-sized rows and shapes, both formats
-        keys = list(decode[0]["ms"]["fp8"])
-        best = min(keys, key=lambda t: sum(r["ms"][f][t] for r in decode for f in ("fp8", "nvfp4")))
-        doc["best_decode_tile"] = next(t for t in DECODE_TILES + [quant_gemm.TILES["decode"]]
-                                       if "BN{BN}_BK{BK}_w{num_warps}_s{num_stages}_v{waves}".format(**t) == best)
+        del bf, fp8, nv, mm
+        torch.cuda.empty_cache()
+    doc: dict = {"device": torch.cuda.get_device_name(), "results": results, "best_decode_tiles": {}}
+    decode_rows = [r for r in results if r["rows"] <= quant_gemm.DECODE_ROWS]
+    for fmt in ("fp8", "nvfp4"):  # the tile fastest over all decode-sized rows and shapes
+        if decode_rows:
+            keys = list(decode_rows[0]["ms"][fmt])
+            best = min(keys, key=lambda t: sum(r["ms"][fmt][t] for r in decode_rows))
+            doc["best_decode_tiles"][fmt] = next(t for t in DECODE_TILES + [shipped[fmt]] if tile_key(t) == best)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
@@ -109,8 +140,9 @@ def main() -> None:
             best = min(rows[0]["ms"][fmt], key=lambda v: sum(r["ms"][fmt][v] for r in rows))
             total = sum(r["ms"][fmt][best] for r in rows)
             per_shape = "  ".join(f"{r['shape']} {r['bf16_ms'] / r['ms'][fmt][best]:.2f}" for r in rows)
-            print(f"rows {m:5d} {fmt:5s} best {best:26s} {total:8.3f} ms vs bf16 {bf:8.3f} ms "
+            print(f"rows {m:5d} {fmt:5s} best {best:28s} {total:8.3f} ms vs bf16 {bf:8.3f} ms "
                   f"= {bf / total:.2f}x   [{per_shape}]")
+    print("best decode tiles", json.dumps(doc["best_decode_tiles"]))
 
 
 if __name__ == "__main__":

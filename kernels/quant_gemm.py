@@ -39,11 +39,14 @@ import triton.language as tl
 
 from .kv_quant_triton import e2m1_value
 
-#: tiles by pass kind: decode-sized blocks of rows, and prefill passes
+#: the most rows a pass reads the weight in place for (decode, speculative verify)
 DECODE_ROWS = 16
-#: decode-sized products run one program per (BN outputs, K split) for all their rows, reading BK
-#: inputs a step with no tensor-core dot; a prefill pass's dequantisation writes BN x BK tiles
-TILES = {"decode": {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 4, "waves": 8},
+#: tiles: a decode-sized product of each format runs one program per (BN outputs, K split) for
+#: all its rows, reading BK inputs a step, on the matrix units (``dot``, the weight tile as the
+#: left operand when ``swap``) or summed in registers; a prefill pass's dequantisation writes
+#: BN x BK tiles. Chosen by measurement (``benchmarks/quant_gemm.py --sweep``)
+TILES = {"fp8": {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 4, "waves": 8},
+         "nvfp4": {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 4, "waves": 8},
          "prefill": {"BN": 32, "BK": 256, "num_warps": 4}}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -111,76 +114,118 @@ def _nvfp4_dequant_kernel(p_ptr, s_ptr, factor, out_ptr, N, K, stride_pn, stride
              mask=nmask[:, None] & (rk < K)[None, :])
 
 
+@triton.jit
+def _row_dot(x, w, acc, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """``acc + x w^T`` on the matrix units (``x [BM, BK]``, ``w [BN, BK]`` in ``x``'s dtype):
+    ``acc [BM, BN]``, or ``[BN, BM]`` when ``SWAP`` (the weight tile as the product's left
+    operand, for wide tiles). fp32 inputs multiply in full precision."""
+    if SWAP:
+        if IEEE:
+            out = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            out = tl.dot(w, tl.trans(x), acc)
+    else:
+        if IEEE:
+            out = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            out = tl.dot(x, tl.trans(w), acc)
+    return out
+
+
+@triton.jit
+def _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP: tl.constexpr):
+    """Rows ``rm < M``, outputs ``rn < N`` of ``acc`` into split ``pid_k`` of ``y``."""
+    base = y_ptr + pid_k.to(tl.int64) * stride_ys
+    if SWAP:
+        tl.store(base + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm < M)[None, :] & (rn < N)[:, None])
+    else:
+        tl.store(base + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym,
                      stride_ys, SB_N: tl.constexpr, SB_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, CHUNK: tl.constexpr):
-    """The ``M <= BM`` rows of ``x`` against ``BN`` weight rows over this program's share of K:
-    each step loads a ``BN x BK`` fp8 tile once and, row by row, sums its products per
-    ``CHUNK`` inputs (one scale block or less), scales each chunk's sum by its block scale and
-    adds it to that row's fp32 accumulator. Each row runs the same operations whatever ``BM``."""
+                     BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """The ``M <= BM`` rows of ``x`` against ``BN`` weight rows over this program's share of K,
+    each ``BN x BK`` fp8 tile (within one scale block of inputs) loaded once for all the rows.
+    ``DOT``: the tile, exact in ``x``'s dtype, meets the rows on the matrix units and the step's
+    product is scaled per weight row; otherwise the tile is scaled in fp32 registers and each row
+    sums its products there. Each row runs the same operations whatever ``M``."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    rc = tl.arange(0, BK // CHUNK)
     nmask = rn < N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
     for k0 in range(pid_k * K_SPLIT, k_end, BK):
         kk = k0 + rk
         kmask = kk < k_end
         w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk[None, :],
-                    mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        cs = (k0 + rc * CHUNK) // SB_K
-        s = tl.load(s_ptr + (rn // SB_N)[:, None] * stride_sn + cs[None, :],
-                    mask=nmask[:, None] & ((k0 + rc * CHUNK) < k_end)[None, :], other=0.0)
-        for r in tl.static_range(BM):
-            x = tl.load(x_ptr + r * stride_xm + kk, mask=kmask & (tl.full((BK,), r, tl.int32) < M),
-                        other=0.0).to(tl.float32)
-            part = tl.sum(tl.reshape(w * x[None, :], (BN, BK // CHUNK, CHUNK)), axis=2)
-            row = tl.sum(part * s, axis=1)
-            acc = tl.where((rm == r)[:, None], acc + row[None, :], acc)
-    tl.store(y_ptr + pid_k.to(tl.int64) * stride_ys + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & nmask[None, :])
+                    mask=nmask[:, None] & kmask[None, :], other=0.0)
+        s = tl.load(s_ptr + (rn // SB_N) * stride_sn + k0 // SB_K, mask=nmask, other=0.0)
+        if DOT:
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kmask[None, :],
+                        other=0.0)
+            if SWAP:
+                acc += _row_dot(x, w.to(x.dtype), tl.zeros((BN, BM), dtype=tl.float32), SWAP, IEEE) * s[:, None]
+            else:
+                acc += _row_dot(x, w.to(x.dtype), tl.zeros((BM, BN), dtype=tl.float32), SWAP, IEEE) * s[None, :]
+        else:
+            wf = w.to(tl.float32) * s[:, None]
+            for r in tl.static_range(BM):
+                x = tl.load(x_ptr + r * stride_xm + kk, mask=kmask & (tl.full((BK,), r, tl.int32) < M),
+                            other=0.0).to(tl.float32)
+                acc = tl.where((rm == r)[:, None], acc + tl.sum(wf * x[None, :], axis=1)[None, :], acc)
+    _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_pn, stride_sn,
                        stride_ym, stride_ys, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr):
-    """:func:`_fp8_rows_kernel` for NVFP4: a step decodes ``BN x BK`` e2m1 codes once, then each
-    row sums its products per group and scales each group's sum by its e4m3 scale; the global
-    factor multiplies the accumulators at the end."""
+                       BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """:func:`_fp8_rows_kernel` for NVFP4: a step decodes ``BN x BK`` e2m1 codes once, the low
+    and the high nibbles apart (the even and the odd inputs), each times its group's e4m3 scale
+    (exact in bf16 and fp16), and meets the rows' even and odd inputs with them; the global
+    factor multiplies the sums at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rh = tl.arange(0, BK // 2)
-    rg = tl.arange(0, BK // GROUP)
-    rk = tl.arange(0, BK)
     nmask = rn < N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
     for k0 in range(pid_k * K_SPLIT, k_end, BK):
-        kk = k0 + rk
-        hh = k0 // 2 + rh
-        packed = tl.load(p_ptr + rn.to(tl.int64)[:, None] * stride_pn + hh[None, :],
-                         mask=nmask[:, None] & (2 * hh < k_end)[None, :], other=0)
-        vals = tl.reshape(tl.join(e2m1_value(packed & 15), e2m1_value(packed >> 4)), (BN, BK))
-        gg = k0 // GROUP + rg
-        s = tl.load(s_ptr + rn.to(tl.int64)[:, None] * stride_sn + gg[None, :],
-                    mask=nmask[:, None] & (gg * GROUP < k_end)[None, :], other=0.0).to(tl.float32)
-        for r in tl.static_range(BM):
-            x = tl.load(x_ptr + r * stride_xm + kk, mask=(kk < k_end) & (tl.full((BK,), r, tl.int32) < M),
-                        other=0.0).to(tl.float32)
-            part = tl.sum(tl.reshape(vals * x[None, :], (BN, BK // GROUP, GROUP)), axis=2)
-            row = tl.sum(part * s, axis=1)
-            acc = tl.where((rm == r)[:, None], acc + row[None, :], acc)
-    acc = acc * factor
-    tl.store(y_ptr + pid_k.to(tl.int64) * stride_ys + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & nmask[None, :])
+        ke = k0 + 2 * rh  # the even inputs (low nibbles); the odd ones are ke + 1
+        hmask = nmask[:, None] & (ke < k_end)[None, :]
+        packed = tl.load(p_ptr + rn.to(tl.int64)[:, None] * stride_pn + (k0 // 2 + rh)[None, :], mask=hmask, other=0)
+        s = tl.load(s_ptr + rn.to(tl.int64)[:, None] * stride_sn + (ke // GROUP)[None, :], mask=hmask,
+                    other=0.0).to(tl.float32)
+        lo = e2m1_value(packed & 15) * s
+        hi = e2m1_value(packed >> 4) * s
+        if DOT:
+            xmask = (rm < M)[:, None] & (ke < k_end)[None, :]
+            xe = tl.load(x_ptr + rm[:, None] * stride_xm + ke[None, :], mask=xmask, other=0.0)
+            xo = tl.load(x_ptr + rm[:, None] * stride_xm + ke[None, :] + 1, mask=xmask, other=0.0)
+            acc = _row_dot(xo, hi.to(xo.dtype), _row_dot(xe, lo.to(xe.dtype), acc, SWAP, IEEE), SWAP, IEEE)
+        else:
+            for r in tl.static_range(BM):
+                xmask = (ke < k_end) & (tl.full((BK // 2,), r, tl.int32) < M)
+                xe = tl.load(x_ptr + r * stride_xm + ke, mask=xmask, other=0.0).to(tl.float32)
+                xo = tl.load(x_ptr + r * stride_xm + ke + 1, mask=xmask, other=0.0).to(tl.float32)
+                acc = tl.where((rm == r)[:, None], acc + tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)[None, :],
+                               acc)
+    _store_rows(y_ptr, acc * factor, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP)
 
 
 def sm_count(device: torch.device) -> int:
@@ -214,22 +259,26 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _rows_product(rows_kernel, x2: torch.Tensor, n: int, k: int, weights: tuple, weight_strides: tuple,
-                  meta: dict) -> torch.Tensor:
+def _rows_product(rows_kernel, tile: dict, x2: torch.Tensor, n: int, k: int, weights: tuple,
+                  weight_strides: tuple, meta: dict, bk_limit: int | None = None) -> torch.Tensor:
     """``x2 [M, K] @ W^T`` for up to ``DECODE_ROWS`` rows: a program per (``BN`` outputs, K split)
     reads its weight tile once for all the rows, the splits' fp32 partial sums added in a fixed
     order by :func:`_sum_splits_kernel`, so that a weight read for few rows still keeps every
-    multiprocessor loading."""
+    multiprocessor loading. A tile on the matrix units always takes ``DECODE_ROWS`` rows (the
+    missing ones zero), so that its operations never depend on the row count. ``bk_limit`` bounds
+    the step (FP8: one scale block)."""
     m = x2.shape[0]
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if not m:
         return y
-    tile = TILES["decode"]
-    splits, per = k_splits(n, k, tile["BN"], tile["BK"], tile["waves"], sm_count(x2.device))
+    dot = bool(tile.get("dot"))
+    bk = min(tile["BK"], bk_limit) if bk_limit else tile["BK"]
+    splits, per = k_splits(n, k, tile["BN"], bk, tile["waves"], sm_count(x2.device))
     out = y if splits == 1 else torch.empty(splits, m, n, device=x2.device, dtype=torch.float32)
     rows_kernel[(triton.cdiv(n, tile["BN"]), splits)](
         x2, *weights, out, m, n, k, per, x2.stride(0), *weight_strides, out.stride(-2),
-        out.stride(0) if splits > 1 else 0, BM=triton.next_power_of_2(m), BN=tile["BN"], BK=tile["BK"],
+        out.stride(0) if splits > 1 else 0, BM=DECODE_ROWS if dot else triton.next_power_of_2(m), BN=tile["BN"],
+        BK=bk, DOT=dot, SWAP=dot and bool(tile.get("swap")), IEEE=x2.dtype == torch.float32,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
     if splits > 1:
         _sum_splits_kernel[(m, triton.cdiv(n, 1024))](out, y, m, n, splits, out.stride(0), out.stride(1), y.stride(0),
@@ -324,10 +373,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     assert weight.stride(-1) == 1 and scale.stride(-1) == 1, "weight and scale rows must be contiguous"
     x2 = _rows(x, k)
     if x2.shape[0] <= DECODE_ROWS:
-        chunk = min(TILES["decode"]["BK"], sb_k)  # the rows kernel's sums per scale block (or part of one)
-        assert TILES["decode"]["BK"] % chunk == 0 and sb_k % chunk == 0, f"fp8 scale blocks of {sb_k} inputs"
-        y = _rows_product(_fp8_rows_kernel, x2, n, k, (weight, scale), (weight.stride(0), scale.stride(0)),
-                          {"SB_N": sb_n, "SB_K": sb_k, "CHUNK": chunk})
+        y = _rows_product(_fp8_rows_kernel, TILES["fp8"], x2, n, k, (weight, scale),
+                          (weight.stride(0), scale.stride(0)), {"SB_N": sb_n, "SB_K": sb_k}, bk_limit=sb_k)
     elif (mm_scales is not None and block == (128, 128) and x.dtype != torch.float32 and n % 16 == 0
           and k % 128 == 0 and scaled_mm_ready(x.device)):
         y = fp8_scaled_mm(x2, weight, mm_scales)
@@ -348,12 +395,12 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, fac
     k = 2 * half
     assert packed.dtype == torch.uint8 and scale.dtype == torch.float8_e4m3fn, "uint8 codes, e4m3 scales"
     assert packed.stride(-1) == 1 and scale.stride(-1) == 1, "code and scale rows must be contiguous"
-    assert TILES["decode"]["BK"] % group == 0 and TILES["prefill"]["BK"] % group == 0, \
+    assert TILES["nvfp4"]["BK"] % group == 0 and TILES["prefill"]["BK"] % group == 0, \
         f"nvfp4 groups of {group} inputs are not supported"
     x2 = _rows(x, k)
     weights, strides = (packed, scale, float(factor)), (packed.stride(0), scale.stride(0))
     if x2.shape[0] <= DECODE_ROWS:
-        y = _rows_product(_nvfp4_rows_kernel, x2, n, k, weights, strides, {"GROUP": group})
+        y = _rows_product(_nvfp4_rows_kernel, TILES["nvfp4"], x2, n, k, weights, strides, {"GROUP": group})
     else:
         y = F.linear(x2, _dequantized(_nvfp4_dequant_kernel, n, k, weights, strides, x.dtype, x.device,
                                       {"GROUP": group}))

@@ -138,10 +138,13 @@ def test_transformers_reads_the_fp8_output(hf_dense, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (transformers quantizes to FP8 on a GPU)")
-def test_a_checkpoint_of_transformers_own_fp8_quantizer_loads_within_fp8_error(hf_dense, tmp_path):
+def test_a_checkpoint_of_transformers_own_fp8_quantizer_loads_as_its_weights_say(hf_dense, tmp_path):
     """transformers' FineGrainedFP8 quantizer writes the checkpoint (it quantizes on a GPU only):
-    it loads here within FP8's error of the bf16 model, dequantised on the CPU and held as stored
-    on CUDA (the held product against the dequantised one)."""
+    its logits here are those of the same model with each weight dequantised by hand from the
+    stored codes and ``weight_scale_inv`` blocks, dequantised on the CPU and held as stored on
+    CUDA (the held product against the dequantised one). It quantizes more Linears than
+    ``hpc-cli quantize`` (the GDN gates too) from a bf16 copy, so its distance to the fp32 model
+    is larger than FP8_LOGIT_BOUND: 6.7e-2 (measured on an H200)."""
     pytest.importorskip("accelerate", reason="transformers' FP8 quantizer needs accelerate")
     from transformers import FineGrainedFP8Config, Qwen3_5ForCausalLM
 
@@ -152,10 +155,24 @@ def test_a_checkpoint_of_transformers_own_fp8_quantizer_loads_within_fp8_error(h
                                             quantization_config=FineGrainedFP8Config(weight_block_size=[32, 32]))
     out = tmp_path / "transformers-fp8"
     hf.save_pretrained(out)
-    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
-    assert any(k.endswith("weight_scale_inv") for k in _tensors(out))
-    err = torch.linalg.norm(_logits(out) - _logits(path)) / torch.linalg.norm(_logits(path))
-    assert err <= FP8_LOGIT_BOUND, f"transformers' fp8 checkpoint: logits differ by {err:.2e}"
+    config = json.loads((out / "config.json").read_text())
+    assert config.pop("quantization_config")["quant_method"] == "fp8"
+    stored = _tensors(out)
+    by_hand = {}
+    for name, t in stored.items():
+        if name.endswith("_scale_inv"):
+            continue
+        s = stored.get(name + "_scale_inv")
+        if s is None:
+            by_hand[name] = t.float()
+        else:  # each 32 x 32 block of codes times its scale
+            n, k = t.shape
+            by_hand[name] = t.float() * s.float().repeat_interleave(32, 0)[:n].repeat_interleave(32, 1)[:, :k]
+    assert len(by_hand) < len(stored)
+    expected = _logits(_write(tmp_path / "by-hand", config, by_hand))
+    got = _logits(out)
+    assert torch.linalg.norm(got - expected) / torch.linalg.norm(expected) <= 1e-5
+    assert torch.linalg.norm(got - _logits(path)) / torch.linalg.norm(_logits(path)) <= 0.1
     assert_held_agrees_on_cuda(out)
 
 
