@@ -7,7 +7,7 @@ Prints a line per (rows, shape), a table of the best tile per (rows, format) as 
 bf16 summed over the shapes of one layer set, and JSON (``--out``) with the best decode tile of
 each format.
 
-    python benchmarks/quant_gemm.py [--rows 1,8,2048] [--sweep] [--shapes attn.q,mlp.up] [--out F]
+    python benchmarks/quant_gemm.py [--rows 16,2048] [--sweep] [--shapes attn.q,mlp.up] [--out F]
 
 Each time is a CUDA graph's replay divided by the calls captured in it, as the engine replays its
 passes (a Triton launch costs more host time than a decode-sized product takes on the device).
@@ -32,22 +32,27 @@ SHAPES = [("attn.q", 12288, 5120), ("attn.kv", 1024, 5120), ("attn.o", 5120, 614
           ("mlp.gate", 17408, 5120), ("mlp.up", 17408, 5120), ("mlp.down", 5120, 17408)]
 #: the decode tiles a sweep times: sums in registers, and the two tensor-core forms
 DECODE_TILES = (
-    [{"BN": bn, "BK": bk, "num_warps": 4, "num_stages": 3, "waves": 8} for bn, bk in ((16, 128), (32, 128), (16, 256))]
-    + [{"BN": bn, "BK": bk, "num_warps": 4, "num_stages": 4, "waves": v, "dot": True}
-       for bn, bk, v in itertools.product((32, 64), (128, 256), (4, 8))]
-    + [{"BN": bn, "BK": bk, "num_warps": 4, "num_stages": 4, "waves": v, "dot": True, "swap": True}
-       for bn, bk, v in itertools.product((64, 128), (128, 256), (2, 4))])
+    [{"BN": bn, "BK": 128, "num_warps": 4, "num_stages": 3, "waves": 8} for bn in (16, 32)]
+    + [{"BN": bn, "BK": 128, "num_warps": w, "num_stages": s, "waves": v, "dot": True}
+       for bn, w, s, v in itertools.product((16, 32), (4,), (4, 6), (8, 16))]
+    + [{"BN": 32, "BK": 128, "num_warps": 2, "num_stages": 4, "waves": 8, "dot": True},
+       {"BN": 64, "BK": 128, "num_warps": 8, "num_stages": 4, "waves": 8, "dot": True},
+       {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "waves": 4, "dot": True, "swap": True}])
+#: FP8 only: decode-sized rows quantized to e4m3 for cuBLAS's block-scaled product
+SCALED_MM_TILE = {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "waves": 8, "dot": True, "scaled_mm": True}
 L2_MULTIPLE = 400e6  # bytes of weight copies a timing rotates over
 
 
 def tile_key(t: dict) -> str:
+    if t.get("scaled_mm"):
+        return "scaled_mm"
     kind = "swap" if t.get("swap") else "dot" if t.get("dot") else "reg"
     return f"{kind}_BN{t['BN']}_BK{t['BK']}_w{t['num_warps']}_s{t['num_stages']}_v{t['waves']}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", default="1,8,2048")
+    ap.add_argument("--rows", default="16,2048", help="rows a pass (the engine runs decode in blocks of 16)")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated names of SHAPES")
     ap.add_argument("--out")
     ap.add_argument("--sweep", action="store_true", help="time every decode tile (default: the shipped ones)")
@@ -89,10 +94,12 @@ def main() -> None:
             ms: dict[str, dict[str, float]] = {"fp8": {}, "nvfp4": {}}  # format -> variant -> ms
             if decode:
                 for fmt in ("fp8", "nvfp4"):
-                    for tile in DECODE_TILES if args.sweep else [shipped[fmt]]:
+                    tiles = DECODE_TILES + [SCALED_MM_TILE] * (fmt == "fp8") if args.sweep else [shipped[fmt]]
+                    for tile in tiles:
                         quant_gemm.TILES[fmt] = tile
                         if fmt == "fp8":
-                            fns = [lambda q=q, s=s: quant_gemm.fp8_linear(x, q, s, (128, 128)) for q, s in fp8]
+                            fns = [lambda q=q, s=s, a=a: quant_gemm.fp8_linear(x, q, s, (128, 128), a)
+                                   for (q, s), a in zip(fp8, mm)]
                         else:
                             fns = [lambda c=c: quant_gemm.nvfp4_linear(x, *c) for c in nv]
                         try:
@@ -129,7 +136,8 @@ def main() -> None:
         if decode_rows:
             keys = list(decode_rows[0]["ms"][fmt])
             best = min(keys, key=lambda t: sum(r["ms"][fmt][t] for r in decode_rows))
-            doc["best_decode_tiles"][fmt] = next(t for t in DECODE_TILES + [shipped[fmt]] if tile_key(t) == best)
+            doc["best_decode_tiles"][fmt] = next(t for t in DECODE_TILES + [SCALED_MM_TILE, shipped[fmt]]
+                                                 if tile_key(t) == best)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

@@ -45,8 +45,8 @@ DECODE_ROWS = 16
 #: all its rows, reading BK inputs a step, on the matrix units (``dot``, the weight tile as the
 #: left operand when ``swap``) or summed in registers; a prefill pass's dequantisation writes
 #: BN x BK tiles. Chosen by measurement (``benchmarks/quant_gemm.py --sweep``)
-TILES = {"fp8": {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 4, "waves": 8},
-         "nvfp4": {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 4, "waves": 8},
+TILES = {"fp8": {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "waves": 8, "dot": True},
+         "nvfp4": {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "waves": 8, "dot": True},
          "prefill": {"BN": 32, "BK": 256, "num_warps": 4}}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -372,11 +372,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32, "fp8 weight, float32 scales"
     assert weight.stride(-1) == 1 and scale.stride(-1) == 1, "weight and scale rows must be contiguous"
     x2 = _rows(x, k)
-    if x2.shape[0] <= DECODE_ROWS:
+    tensor_cores = (mm_scales is not None and block == (128, 128) and x.dtype != torch.float32 and n % 16 == 0
+                    and k % 128 == 0 and scaled_mm_ready(x.device))
+    if x2.shape[0] <= DECODE_ROWS and not (tensor_cores and TILES["fp8"].get("scaled_mm")):
         y = _rows_product(_fp8_rows_kernel, TILES["fp8"], x2, n, k, (weight, scale),
                           (weight.stride(0), scale.stride(0)), {"SB_N": sb_n, "SB_K": sb_k}, bk_limit=sb_k)
-    elif (mm_scales is not None and block == (128, 128) and x.dtype != torch.float32 and n % 16 == 0
-          and k % 128 == 0 and scaled_mm_ready(x.device)):
+    elif tensor_cores:
         y = fp8_scaled_mm(x2, weight, mm_scales)
     else:
         w = _dequantized(_fp8_dequant_kernel, n, k, (weight, scale), (weight.stride(0), scale.stride(0)), x.dtype,
