@@ -46,7 +46,7 @@ DECODE_ROWS = 16
 #: left operand when ``swap``) or summed in registers; a prefill pass's dequantisation writes
 #: BN x BK tiles. Chosen by measurement (``benchmarks/quant_gemm.py --sweep``)
 TILES = {"fp8": {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "waves": 8, "dot": True},
-         "nvfp4": {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "waves": 8, "dot": True},
+         "nvfp4": {"BN": 64, "BK": 128, "num_warps": 8, "num_stages": 4, "waves": 8, "dot": True},
          "prefill": {"BN": 32, "BK": 256, "num_warps": 4}}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -87,7 +87,7 @@ def register(cli: click.Group) -> None:
     @click.option("--max-model-len", default=None, type=int, help="context limit [model.max_model_len]")
     @click.option("--quantized-weights", default=None, type=click.Choice(["auto", "held", "dequantized"]),
                   help="a FP8/NVFP4 checkpoint's Linear weights on CUDA: held as stored, dequantized, or auto "
-                       "= held only when dequantized they would not fit [model.quantized_weights]")
+                       "= FP8 held, NVFP4 held only when dequantized it would not fit [model.quantized_weights]")
     @click.option("--host", default=None, help="address to bind, default 127.0.0.1 [server.host]")
     @click.option("--port", default=None, type=int, help="port, default 8000 [server.port]")
     @click.option("--api-key", default=None, help="require 'Authorization: Bearer KEY' [server.api_key]")

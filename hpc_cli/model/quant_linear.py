@@ -38,12 +38,12 @@ class Residency(str, Enum):
 class WeightsChoice(str, Enum):
     """``[model] quantized_weights``: how a quantized checkpoint's Linear weights are held on CUDA.
 
-    ``auto`` dequantises on load when the dequantised weights fit the device and holds them as
-    stored only when they do not: measured on an H200 at the 27B widths
-    (``benchmarks/quant_gemm.py``, docs/quantized-weights.md), a held FP8 prefill pass runs at
-    1.18x bf16 ``F.linear`` and an NVFP4 one at 0.65x, but decode-sized products at 0.3-0.4x, so
-    holding buys memory at a cost in decode speed. ``held`` holds them as stored wherever the
-    kernels take the format; ``dequantized`` never does."""
+    ``auto`` holds FP8 weights as stored wherever the kernels take them: measured on an H200 at
+    the 27B widths (``benchmarks/model_throughput.py``, docs/quantized-weights.md) the held FP8
+    model prefills at 1.07x and decodes at 1.02-1.05x the bf16 one, in half the weight memory.
+    NVFP4 weights it dequantises on load when they fit the device (held, that model prefills at
+    0.82x and decodes at 0.26-0.33x) and holds them only when they would not fit. ``held`` holds
+    them as stored wherever the kernels take the format; ``dequantized`` never does."""
 
     AUTO = "auto"
     HELD = "held"
@@ -80,7 +80,7 @@ def keep_quantized(choice: "Residency | WeightsChoice | None", scheme: QuantSche
     (``Residency.QUANTIZED`` holds them even where only the reference path runs them, as tests
     do). ``holdable()``: whether the kernels can hold them on this device (:func:`residency`,
     which compiles and checks them: asked only when the answer matters); ``fits_dequantized()``:
-    whether the dequantised weights fit the device (``auto`` asks it first)."""
+    whether the dequantised weights fit the device (``auto`` asks it first for NVFP4)."""
     if not scheme.quantized or choice in (Residency.DEQUANTIZED, WeightsChoice.DEQUANTIZED):
         return False
     if choice is Residency.QUANTIZED:
@@ -91,6 +91,8 @@ def keep_quantized(choice: "Residency | WeightsChoice | None", scheme: QuantSche
         log.warning("model.quantized_weights = 'held', but %s weights cannot be held as stored here: "
                     "they are dequantised on load", scheme.describe())
         return False
+    if scheme.format is WeightFormat.FP8:  # held: as fast as bf16 or faster, in half the memory
+        return holdable()
     if fits_dequantized():
         log.info("%s weights are dequantised on load (they fit; model.quantized_weights = 'held' keeps "
                  "them as stored where the kernels run, in less memory but slower)", scheme.describe())

@@ -26,9 +26,9 @@ class ModelSettings(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     max_model_len: int | None = Field(None, ge=64, description="context limit; default the model's")
     quantized_weights: Literal["auto", "held", "dequantized"] = Field(
-        "auto", description="a FP8/NVFP4 checkpoint's Linear weights on CUDA: held as stored (less memory, slower "
-                            "kernels), dequantized on load, or auto = held only when the dequantized weights do "
-                            "not fit")
+        "auto", description="a FP8/NVFP4 checkpoint's Linear weights on CUDA: held as stored (less memory), "
+                            "dequantized on load, or auto = FP8 held, NVFP4 held only when the dequantized "
+                            "weights do not fit (its held kernels are slower)")
 
 
 class EngineSettings(_Section):

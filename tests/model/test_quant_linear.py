@@ -138,14 +138,16 @@ def test_where_weights_are_held():
     assert residency(fp8, "cuda") is (Residency.QUANTIZED if usable else Residency.DEQUANTIZED)
 
 
-def test_auto_holds_weights_only_when_dequantised_they_do_not_fit(caplog):
-    """[model] quantized_weights: auto dequantises what fits (the held kernels are slower) and holds
-    what does not, where the kernels can; held holds where the kernels can; dequantized never holds;
+def test_auto_holds_fp8_where_the_kernels_run_and_nvfp4_only_when_dequantised_it_does_not_fit(caplog):
+    """[model] quantized_weights: auto holds FP8 wherever the kernels run (as fast as bf16, in half
+    the memory), dequantises NVFP4 when it fits (its held kernels are slower) and holds it only when
+    it does not, where the kernels can; held holds where the kernels can; dequantized never holds;
     a forced Residency wins; an unquantized checkpoint is never held. The kernels' check (a
     compile) is asked for only when its answer decides."""
     from hpc_cli.model.quant_linear import WeightsChoice, keep_quantized
 
     fp8 = QuantScheme(WeightFormat.FP8, Layout.FP8_SCALE_INV, block=(128, 128))
+    nvfp4 = QuantScheme(WeightFormat.NVFP4, Layout.COMPRESSED_TENSORS, group_size=16)
     asked = []
 
     def answer(name: str, value: bool):
@@ -159,11 +161,18 @@ def test_auto_holds_weights_only_when_dequantised_they_do_not_fit(caplog):
 
     for choice in (None, WeightsChoice.AUTO):
         asked.clear()
-        assert keep(choice, fp8, True, True) is False
+        assert keep(choice, fp8, True, True) is True
+        assert asked == [("holdable", True)]  # whether it fits does not matter
+        asked.clear()
+        assert keep(choice, fp8, False, True) is False  # nothing can hold them here
+        assert keep(choice, fp8, False, False) is False
+        assert asked == [("holdable", False), ("holdable", False)]
+        asked.clear()
+        assert keep(choice, nvfp4, True, True) is False
         assert asked == [("fits", True)]  # it fits: no kernel check
         asked.clear()
-        assert keep(choice, fp8, True, False) is True
-        assert keep(choice, fp8, False, False) is False  # nothing can hold them here
+        assert keep(choice, nvfp4, True, False) is True
+        assert keep(choice, nvfp4, False, False) is False  # nothing can hold them here
         assert asked == [("fits", False), ("holdable", True), ("fits", False), ("holdable", False)]
     asked.clear()
     assert keep(WeightsChoice.HELD, fp8, True, True) is True
@@ -326,9 +335,11 @@ def test_a_held_model_on_cuda_agrees_with_the_dequantised_one(hf_dense, tmp_path
     _, path = hf_dense
     out = _quantized(path, tmp_path / fmt, fmt)
     assert_held_agrees_on_cuda(out)
-    # auto: the small model fits dequantised, so nothing is held (the held kernels are slower)
+    # auto holds FP8 (as fast as bf16 or faster); the small model fits dequantised, so NVFP4
+    # (slower held) is dequantised on load
     auto = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False)
-    assert not any(isinstance(m, Linear) and m.quant is not None for m in auto.modules())
+    held = any(isinstance(m, Linear) and m.quant is not None for m in auto.modules())
+    assert held == (fmt == "fp8")
 
 
 def assert_held_agrees_on_cuda(path) -> None:
