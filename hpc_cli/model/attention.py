@@ -64,6 +64,16 @@ class GatedAttention(nn.Module):
             v = v.repeat_interleave(rep, dim=1)
         return k, v
 
+    def attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One query per row, ``q`` ``[B, H, d]``, over ``k, v`` ``[B, H_kv, S, d]`` with ``mask``
+        ``[B, 1, 1, S]``: the query heads of each KV head take the place of query positions in
+        one product over that head's keys (head ``h`` reads KV head ``h // (H / H_kv)``, as
+        :meth:`repeat_kv`), so no K/V is copied. Returns ``[B, H, d]``."""
+        b, h, d = q.shape
+        o = F.scaled_dot_product_attention(q.view(b, self.n_kv, h // self.n_kv, d), k, v, attn_mask=mask,
+                                           scale=self.scale)
+        return o.reshape(b, h, d)
+
     def attend_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      causal: bool = False) -> torch.Tensor:
         """:meth:`attend` over K/V already repeated to every query head (:meth:`repeat_kv`)."""

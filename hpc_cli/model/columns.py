@@ -177,7 +177,7 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec0:
 
 class _GroupKV:
     """The gathered K/V of one layer for a lane group and span (pages), built the way decode
-    builds it (one gather of the group's pages, KV heads repeated) and reused by every column of
+    builds it (one gather of the group's pages, ``[G, H_kv, S, d]``) and reused by every column of
     the pass that reads that group and span: decode and verify feed attention identical
     tensors, while a verify pass gathers once per layer instead of once per column."""
 
@@ -195,7 +195,7 @@ class _GroupKV:
             keys, values = self.kv.gather(self.layer, pages, G * span, self.dtype)
             keys = keys.view(G, span, attn.n_kv, attn.head_dim).transpose(1, 2)
             values = values.view(G, span, attn.n_kv, attn.head_dim).transpose(1, 2)
-            self.held[key] = attn.repeat_kv(keys, values)
+            self.held[key] = (keys, values)
         return self.held[key]
 
 
@@ -227,8 +227,7 @@ def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, page
             pos = torch.tensor([positions[b] for b in lanes], dtype=torch.long, device=dev)
             mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None]
             sel_rows = idx.rows[t].index_select(0, sel)
-            o = attn.attend_heads(q.index_select(0, sel_rows)[:, :, None, :], keys, values, mask)  # [G, H, 1, d]
-            o_rows.index_copy_(0, sel_rows, o[:, :, 0, :])
+            o_rows.index_copy_(0, sel_rows, attn.attend_one(q.index_select(0, sel_rows), keys, values, mask))
     return blocks(attn.finish, R, o_rows, gate)
 
 
