@@ -255,10 +255,18 @@ def _splits_taken(n: int, k: int) -> int:
     return k_splits(n, k, tile["BN"], min(tile["BK"], 128), tile["waves"], 132)[0]  # a step: one scale block
 
 
+#: the decode tile variants (the shipped one per format, and the others a sweep may choose)
+TILE_VARIANTS = {"shipped": None,
+                 "registers": {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 3, "waves": 8},
+                 "swap": {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3, "waves": 4, "dot": True,
+                          "swap": True}}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-def test_interpreted_kernels_equal_the_dequantised_product():
+@pytest.mark.parametrize("variant", sorted(TILE_VARIANTS))
+def test_interpreted_kernels_equal_the_dequantised_product(variant):
     path = os.pathsep.join([str(HERE.parents[2])] + [p for p in sys.path if p])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, QUANT_TEST_TILE=json.dumps(TILE_VARIANTS[variant]))
     proc = subprocess.run([sys.executable, "-m", "tests.model.test_quant_linear"], cwd=HERE.parents[2], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-6000:]}"
@@ -357,4 +365,9 @@ def assert_held_agrees_on_cuda(path) -> None:
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (it sets TRITON_INTERPRET=1)"
+    tile = json.loads(os.environ.get("QUANT_TEST_TILE") or "null")
+    if tile is not None:  # a decode tile variant for both formats
+        from hpc_kernels.quant_gemm import TILES
+
+        TILES["fp8"] = TILES["nvfp4"] = tile
     print(json.dumps(_child()))
