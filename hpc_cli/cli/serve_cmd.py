@@ -243,7 +243,7 @@ def run_server(resolved, log_level: str = "info") -> None:
     from hpc_cli.engine.engine import Engine
     from hpc_cli.server.app import create_app
     from hpc_cli.server.limits import uvicorn_config
-    from hpc_cli.server.startup import check_host_tier, fatal_exit, prepare_cache_file
+    from hpc_cli.server.startup import check_host_tier, fatal_exit, prepare_cache_file, warm_request_path
     from hpc_cli.server.stop import StopController
 
     s = resolved.settings
@@ -273,6 +273,7 @@ def run_server(resolved, log_level: str = "info") -> None:
         echo(tier.describe())
     engine.start()
     seconds = engine.warmup(progress=_warmup_progress())
+    warm_request_path(engine.tokenizer)  # the chat template compiled before the first request
     click.echo(f"hpc-cli: warm-up done in {seconds:.1f} s (every kernel shape compiled; nothing cached)", err=True)
     notices, tui_shown = None, [False]
     if s.server.tui:

@@ -85,3 +85,20 @@ def test_metrics_text():
     assert 'hpc_time_to_first_token_seconds_bucket{le="0.025"} 1' in text
     assert "hpc_engine_cache_host_bytes 7" in text and "hpc_engine_cache_flag 1" in text
     assert flatten_stats({"a": [1, {"b": 2.5}]}) == {"hpc_engine_a_0": 1, "hpc_engine_a_1_b": 2.5}
+
+
+def test_the_request_path_is_warmed_before_the_server_listens():
+    """serve renders one chat before it listens: the template is compiled then, not by the first
+    request (importing jinja2 and compiling took 0.3 s of that request on the 2-core CPU)."""
+    from hpc_cli.server.startup import warm_request_path
+
+    tok = ByteTokenizer()
+    assert getattr(tok, "_template_cache", None) is None
+    assert warm_request_path(tok) is True
+    assert tok._template_cache[0] == tok.chat_template
+    compiled = tok._compiled_template()
+    prepare_chat(tok, [{"role": "user", "content": "hello"}])
+    assert tok._compiled_template() is compiled  # the first request reuses it
+    bare = ByteTokenizer()
+    bare.chat_template = None
+    assert warm_request_path(bare) is False  # completions only: nothing to warm, no error
