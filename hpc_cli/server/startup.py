@@ -45,8 +45,9 @@ def warm_request_path(tokenizer) -> bool:
     imports the loop's thread backend, another ~20 ms of the first request) with the template
     render, prefix renders and tokenizer; returns whether the tokenizer has a chat template that
     renders it. A template that cannot render it is left for the requests to report."""
-    import anyio
-    import anyio.to_thread
+    import asyncio
+
+    from starlette.concurrency import run_in_threadpool
 
     from hpc_cli.server.chat import prepare_chat
 
@@ -60,7 +61,7 @@ def warm_request_path(tokenizer) -> bool:
             return False
         return True
 
-    return anyio.run(anyio.to_thread.run_sync, prepare)
+    return asyncio.run(run_in_threadpool(prepare))
 
 
 def fatal_exit(reason: str) -> EngineFatalError:
