@@ -133,6 +133,32 @@ def _row_dot(x, w, acc, SWAP: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _zero_acc(BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
+    """A program's fp32 sums: ``[BM rows, BN outputs]``, or ``[BN, BM]`` when ``SWAP``."""
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _per_output(v, SWAP: tl.constexpr):
+    """``v [BN]`` (one value per output) broadcast along the rows of a :func:`_zero_acc` tile."""
+    if SWAP:
+        out = v[:, None]
+    else:
+        out = v[None, :]
+    return out
+
+
+@triton.jit
+def _add_row(acc, rm, r, row):
+    """``acc [BM, BN]`` with ``row [BN]`` added to its row ``r`` (the register-sum tiles)."""
+    return tl.where((rm == r)[:, None], acc + row[None, :], acc)
+
+
+@triton.jit
 def _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP: tl.constexpr):
     """Rows ``rm < M``, outputs ``rn < N`` of ``acc`` into split ``pid_k`` of ``y``."""
     base = y_ptr + pid_k.to(tl.int64) * stride_ys
@@ -159,10 +185,7 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, st
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     nmask = rn < N
-    if SWAP:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = _zero_acc(BM, BN, SWAP)
     k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
     for k0 in range(pid_k * K_SPLIT, k_end, BK):
         kk = k0 + rk
@@ -173,16 +196,13 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, st
         if DOT:
             x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kmask[None, :],
                         other=0.0)
-            if SWAP:
-                acc += _row_dot(x, w.to(x.dtype), tl.zeros((BN, BM), dtype=tl.float32), SWAP, IEEE) * s[:, None]
-            else:
-                acc += _row_dot(x, w.to(x.dtype), tl.zeros((BM, BN), dtype=tl.float32), SWAP, IEEE) * s[None, :]
+            acc += _row_dot(x, w.to(x.dtype), _zero_acc(BM, BN, SWAP), SWAP, IEEE) * _per_output(s, SWAP)
         else:
             wf = w.to(tl.float32) * s[:, None]
             for r in tl.static_range(BM):
                 x = tl.load(x_ptr + r * stride_xm + kk, mask=kmask & (tl.full((BK,), r, tl.int32) < M),
                             other=0.0).to(tl.float32)
-                acc = tl.where((rm == r)[:, None], acc + tl.sum(wf * x[None, :], axis=1)[None, :], acc)
+                acc = _add_row(acc, rm, r, tl.sum(wf * x[None, :], axis=1))
     _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP)
 
 
@@ -200,10 +220,7 @@ def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, M, N, K, K_SPLIT, str
     rn = pid_n * BN + tl.arange(0, BN)
     rh = tl.arange(0, BK // 2)
     nmask = rn < N
-    if SWAP:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = _zero_acc(BM, BN, SWAP)
     k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
     for k0 in range(pid_k * K_SPLIT, k_end, BK):
         ke = k0 + 2 * rh  # the even inputs (low nibbles); the odd ones are ke + 1
@@ -223,8 +240,7 @@ def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, M, N, K, K_SPLIT, str
                 xmask = (ke < k_end) & (tl.full((BK // 2,), r, tl.int32) < M)
                 xe = tl.load(x_ptr + r * stride_xm + ke, mask=xmask, other=0.0).to(tl.float32)
                 xo = tl.load(x_ptr + r * stride_xm + ke + 1, mask=xmask, other=0.0).to(tl.float32)
-                acc = tl.where((rm == r)[:, None], acc + tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)[None, :],
-                               acc)
+                acc = _add_row(acc, rm, r, tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1))
     _store_rows(y_ptr, acc * factor, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP)
 
 
