@@ -69,15 +69,14 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def _engine(model, spec, prompts, args, rollback="per_token", k=None, drafter=None) -> Engine:
-    """A started engine for one backend, warmed up (allocator, kernels); "full" warm-up runs every
-    prompt once first, so every CUDA graph shape the timed passes meet is captured already (short
-    chat answers meet many shapes once each)."""
+    """A started engine for one backend, warmed up as the server warms it (:meth:`Engine.warmup`:
+    on CUDA every prefill length and verify shape compiled and captured); "full" warm-up also runs
+    every prompt once first (the drafters' own eager passes meet their shapes there)."""
     kv_pages = args.concurrency * (-(-(args.prompt_len + args.max_tokens + 64) // 64)) + 8
     e = Engine(model, kv_pages=kv_pages, prefill_chunk=args.prefill_chunk, max_concurrency=args.concurrency,
                reuse=False, speculative=spec, num_draft_tokens=args.k if k is None else k,
                spec_rollback=rollback, drafter=drafter).start()
-    e.generate(GenerationRequest(list(prompts[0][:64]), SamplingParams(max_tokens=4, temperature=0.0,
-                                                                        ignore_eos=True)))
+    e.warmup()  # as `hpc-cli serve` does: every prefill length and verify shape on CUDA
     if args.warmup == "full":
         _pass(e, prompts, args)
     return e
@@ -175,7 +174,12 @@ def main(argv=None) -> dict:
             for label, path in others:
                 engines[f"{b}@{label}"] = _engine(model, b, prompts, args, k=ks.get(b, args.k),
                                                  drafter=str(Path(path) / b))
+    from hpc_cli.model.compile_watch import watch
+
+    counts = watch()
+    compiled = counts.compilations + counts.autotunes
     timed = _timed(engines, prompts, args)
+    compiled = counts.compilations + counts.autotunes - compiled
     ref, none_tps, _ = timed.pop("none")
     runs = {"none": {"decode_tok_s": none_tps, "speedup": 1.0, "mean_acceptance_length": 1.0,
                      "generated_tokens": sum(len(o) for o in ref)}}
@@ -192,7 +196,7 @@ def main(argv=None) -> dict:
            "torch": torch.__version__, "threads": torch.get_num_threads(), "model_load_s": load_s,
            "k": args.k, "repeat": args.repeat, "traffic": args.traffic, "warmup": args.warmup, "prompts": args.prompts,
            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-           "concurrency": args.concurrency, "runs": runs}
+           "concurrency": args.concurrency, "compilations_in_timed_passes": compiled, "runs": runs}
     text = json.dumps(doc, indent=1)
     print(text)
     if args.out:

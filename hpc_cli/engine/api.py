@@ -130,7 +130,8 @@ class RequestTiming:
     ``restore_wait`` the first prefill pass's waits on the restore's per-layer events;
     ``prefill`` each pass less its restore wait and taps (:attr:`passes`; the last pass includes
     sampling the first token); ``tap`` the tap calls around passes that took snapshot copies
-    (:attr:`taps` of them; the block commits of such a call included); ``decode`` from the end of
+    (:attr:`taps` of them; the block commits of such a call included; the last pass's, which
+    run during the first decode step, are not counted in ``decode``); ``decode`` from the end of
     the pass that sampled the first token to the last token; ``finish`` the finish call
     (endpoint snapshot, release, write-through submission).
 
@@ -144,6 +145,7 @@ class RequestTiming:
     passes: list[PrefillPass] = field(default_factory=list)
     taps: int = 0
     tap: float = 0.0
+    tap_in_decode: float = 0.0  # the part of ``tap`` spent after decode_from (the last pass's taps)
     finish: float = 0.0
     decode_from: float | None = None  # perf_counter at the end of the pass that sampled the first token
     last_token_at: float | None = None  # perf_counter at the last token
@@ -156,7 +158,7 @@ class RequestTiming:
     def decode(self) -> float:
         if self.decode_from is None or self.last_token_at is None:
             return 0.0
-        return max(0.0, self.last_token_at - self.decode_from)
+        return max(0.0, self.last_token_at - self.decode_from - self.tap_in_decode)
 
     def phases(self) -> dict[str, float]:
         """Seconds per phase, every one of :data:`PHASES`."""

@@ -55,6 +55,7 @@ class EngineCore:
     _wake: threading.Event
     _waiting: collections.deque[Lane]
     _lanes: list[Lane]
+    _pass_commits: list[Lane]  # lanes whose last pass's commits and taps wait (Lane.pass_commit)
     _by_id: dict[str, Lane]
     _stopping: threading.Event
     _count: int

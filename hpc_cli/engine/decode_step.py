@@ -22,6 +22,7 @@ class DecodeStep(EngineCore):
 
     def _decode(self, lanes: list[Lane]) -> None:
         if self.spec is not None:  # propose + verify per lane (docs/speculative.md)
+            self.commit_passes()
             self.spec.round(self._round_host, lanes)
             self.counters["decode_rounds"] += 1
             return
@@ -31,6 +32,9 @@ class DecodeStep(EngineCore):
         tables = [l.pages[:math.ceil((l.pos + 1) / BLOCK_TOKENS)] for l in lanes]
         logits = self.model.decode(tokens, positions, tables, [l.state_slot for l in lanes],
                                    self.storage, self.states, **decode_offsets(lanes))
+        # the host runs the last prefill passes' commits and taps while the device computes the
+        # step (CUDA runs it asynchronously; sampling waits for it)
+        self.commit_passes()
         dt = time.monotonic() - t0
         for i, lane in enumerate(lanes):
             lane.pos += 1

@@ -115,6 +115,7 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         self._wake = threading.Event()
         self._waiting: collections.deque[Lane] = collections.deque()
         self._lanes: list[Lane] = []
+        self._pass_commits: list[Lane] = []
         self._by_id: dict[str, Lane] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()

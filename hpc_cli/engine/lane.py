@@ -13,6 +13,16 @@ from hpc_cli.engine.api import FinishReason, GenerationRequest, RequestHandle, U
 from hpc_cli.engine.progress import after_prefill_pass
 
 
+@dataclass(frozen=True, slots=True)
+class PassCommit:
+    """A lane's last prefill pass's block commits and taps, left for the host to run while the
+    device computes the lane's first decode step (:meth:`hpc_cli.engine.decode_step.DecodeStep.
+    commit_passes`): ``images`` are the taps the pass took itself (valid until the next prefill
+    pass), None where it took none."""
+
+    images: tuple[Any, ...] | None
+
+
 @dataclass(eq=False)
 class Lane:
     request: GenerationRequest
@@ -39,6 +49,7 @@ class Lane:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list | None = None
     next_token: int | None = None  # sampled but not yet processed
+    pass_commit: PassCommit | None = None  # its last pass's commits and taps, not yet run
     backend_frontier: int | None = None  # speculative backend's committed frontier (MTP K/V), None: pos
     vision: Any = None  # hpc_cli.engine.media.LaneVision of a request with images (at its first pass)
     finish_reason: FinishReason | None = None

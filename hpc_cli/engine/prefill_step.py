@@ -10,7 +10,7 @@ import time
 from hpc_cli.cache.keys import BLOCK_TOKENS
 from hpc_cli.engine.api import FinishReason, PrefillPass
 from hpc_cli.engine.core import EngineCore
-from hpc_cli.engine.lane import Lane
+from hpc_cli.engine.lane import Lane, PassCommit
 from hpc_cli.engine.media import prefill_media
 from hpc_cli.engine.sampling import prompt_logprobs
 
@@ -19,6 +19,7 @@ class PrefillStep(EngineCore):
     """Runs one prefill pass (mixed into the engine)."""
 
     def _prefill(self, lane: Lane) -> None:
+        self.commit_passes()  # a pass overwrites the tap images a waiting commit holds
         timing = lane.usage.timing  # phase seconds (RequestTiming): host time, no device syncs
         t_start = time.perf_counter()
         waited = timing.restore_wait
@@ -58,14 +59,38 @@ class PrefillStep(EngineCore):
                 lane.finish_reason = FinishReason.LENGTH
             else:
                 self._sample(lane, logits)
-        taps, t = self.cache.counters.get("taps", 0), time.perf_counter()
-        if in_pass:
-            self.cache.after_pass(lane, out.taps)
+        if lane.pos == lane.n_prompt and lane.next_token is not None and self.spec is None:
+            # the last pass's commits and taps run while the device computes the first decode
+            # step (DecodeStep.commit_passes): nothing in that step reads them
+            lane.pass_commit = PassCommit(tuple(out.taps) if in_pass else None)
+            self._pass_commits.append(lane)
         else:
-            self.cache.after_pass(lane)
-        tapped += timing.add_taps(time.perf_counter() - t, self.cache.counters.get("taps", 0) - taps)
+            tapped += self._after_pass(lane, tuple(out.taps) if in_pass else None)
         t_end = time.perf_counter()
         timing.passes.append(PrefillPass(t_end - t_start - tapped - (timing.restore_wait - waited), end - start))
         if lane.pos == lane.n_prompt:
             timing.decode_from = t_end
         lane.prefill_pass_done(t_start, t_end)  # progress lines of a long prefill
+
+    def _after_pass(self, lane: Lane, images: tuple | None) -> float:
+        """The binding's commits and taps after a pass (``images``: the taps the pass took
+        itself, None where it took none); returns the seconds charged to taps."""
+        taps, t = self.cache.counters.get("taps", 0), time.perf_counter()
+        if images is not None:
+            self.cache.after_pass(lane, images)
+        else:
+            self.cache.after_pass(lane)
+        return lane.usage.timing.add_taps(time.perf_counter() - t, self.cache.counters.get("taps", 0) - taps)
+
+    def commit_passes(self) -> None:
+        """Run the commits and taps that last prefill passes left (:class:`PassCommit`); a
+        failure ends that request alone."""
+        while self._pass_commits:
+            lane = self._pass_commits.pop(0)
+            commit, lane.pass_commit = lane.pass_commit, None
+            if commit is None:
+                continue
+            try:
+                lane.usage.timing.tap_in_decode += self._after_pass(lane, commit.images)
+            except Exception as exc:  # this request's commits failed: it alone ends
+                self._fail_lane(lane, exc)

@@ -5,7 +5,8 @@ On CUDA a prefill pass is padded to a multiple of ``model.prefill_pad`` tokens
 (:meth:`hpc_cli.model.model.HybridModel.prefill`), so prefill kernels meet only
 ``ceil(chunk / pad)`` lengths; a decode step's shapes are its lane count ``B <= C`` and its page
 table width ``W`` (a power of two >= 8, :func:`hpc_cli.model.columns.table_width`), so decode
-meets ``C * log2(max W / 4)`` shapes. :func:`plan` lists them all and :func:`run_shapes` runs
+meets ``C * log2(max W / 4)`` shapes (with speculation, the verify pass's ``k + 1`` column counts
+for each). :func:`plan` lists them all and :func:`run_shapes` runs
 each once, twice where CUDA graphs are used (decode, and prefill passes: the first pass of a graph
 key runs eagerly, the second captures); where the cache mode has passes take their exact taps
 themselves, each prefill length also runs with taps (the graph with tap slots).
@@ -39,10 +40,15 @@ class WarmupPlan:
     prefill_lengths: tuple[int, ...] = ()
     decode_batches: tuple[int, ...] = ()
     decode_widths: tuple[int, ...] = ()
+    #: speculative verify passes: every lanes x columns (``1 .. k + 1``: a round near
+    #: ``max_tokens`` drafts fewer) x table width
+    verify_batches: tuple[int, ...] = ()
+    verify_columns: tuple[int, ...] = ()
 
     @property
     def steps(self) -> int:
-        return len(self.prefill_lengths) + len(self.decode_batches) * len(self.decode_widths)
+        return len(self.prefill_lengths) + (len(self.decode_batches) + len(self.verify_batches)
+                                            * len(self.verify_columns)) * len(self.decode_widths)
 
 
 def plan(engine: "Engine") -> WarmupPlan:
@@ -63,8 +69,10 @@ def plan(engine: "Engine") -> WarmupPlan:
     while w <= widest:
         widths.append(w)
         w *= 2
-    batches = tuple(range(1, engine.C + 1)) if engine.spec is None else ()
-    return WarmupPlan(tuple(lengths), batches, tuple(widths))
+    lanes = tuple(range(1, engine.C + 1))
+    if engine.spec is None:
+        return WarmupPlan(tuple(lengths), lanes, tuple(widths))
+    return WarmupPlan(tuple(lengths), (), tuple(widths), lanes, tuple(range(1, engine.spec.k + 2)))
 
 
 @dataclass(slots=True)
@@ -122,8 +130,48 @@ def run_shapes(engine: "Engine", shapes: WarmupPlan,
             done += 1
             if progress is not None:
                 progress(done, shapes.steps)
+    done = _verify_shapes(engine, shapes, done, progress)
     for s in range(engine.C):
         states.reset(s)
     torch.cuda.synchronize(model.device)
     report.decode_s = time.perf_counter() - t1
     return report
+
+
+def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
+                   progress: Callable[[int, int], None] | None) -> int:
+    """The speculative verify passes of every planned shape, eager then captured, the way the
+    rounds will run them (the runtime's rollback and the drafter's captured layers). A graph is
+    captured only while the kept graphs' outputs fit their budget (a verify graph keeps every
+    column's GDN states): past it a shape runs once, which compiles its kernels, and its graph is
+    captured when serving meets it twice. Returns the steps done."""
+    from hpc_cli.speculative.ops import verify_pass
+
+    spec = engine.spec
+    if spec is None or not shapes.verify_batches:
+        return done
+    model, kv, states = engine.model, engine.storage, engine.states
+    graphs = model.column_graphs(kv)
+    keep_all = spec.rollback == "per_token"
+    capture = tuple(spec.drafter.capture or ())
+    per_column = 0  # static output bytes of a captured graph per lane and column
+    for B in shapes.verify_batches:
+        for T in shapes.verify_columns:
+            for W in shapes.decode_widths:
+                last = min(W * BLOCK_TOKENS, engine.max_model_len) - 1
+                need = last // BLOCK_TOKENS + 1
+                tables = [[(b * need + i) % kv.num_pages for i in range(need)] for b in range(B)]
+                tokens = torch.tensor([[1 + (b + t) % 7 for t in range(T)] for b in range(B)], dtype=torch.long)
+                fits = graphs is not None and graphs.held + per_column * B * T <= graphs.budget
+                for _ in range(2 if fits else 1):  # eager, then the capture of its graph
+                    held = graphs.held if graphs is not None else 0
+                    verify_pass(model, tokens, [last - T + 1] * B, tables, list(range(B)), kv, states,
+                                keep_all=keep_all, capture=capture)
+                    if graphs is not None and graphs.held > held and not per_column:
+                        per_column = (graphs.held - held) // (B * T)
+                for s in range(B):
+                    states.reset(s)
+                done += 1
+                if progress is not None:
+                    progress(done, shapes.steps)
+    return done

@@ -167,6 +167,7 @@ class Worker(EngineCore):
         if decoding:
             self._decode(decoding)
             worked = True
+        self.commit_passes()  # a lane that finished at its first token (no decode step ran)
         return worked
     def _run_fatal_hooks(self) -> None:
         for hook in self.on_fatal:
