@@ -185,6 +185,9 @@ class RunResult:
     wall_s: float
     compilations_start: int | None
     compilations_end: int | None
+    #: the client's own first request before the trace (a one-line chat, 1 token): the openai
+    #: client's and the connection's first-use costs land there, not on the trace's first turn
+    client_warmup: RequestRecord | None = None
 
 
 def _api_key() -> str:
@@ -209,6 +212,8 @@ def replay(base: str, mode: str, model: str, trace: Trace, run_index: int, concu
     client = openai.OpenAI(base_url=base + "/v1", api_key=_api_key(), http_client=http, max_retries=0)
     header = trace.headers[run_index]
     try:
+        warm = RequestRecord(-1, -1, False, 0.0)
+        one_request(client, ReplayOptions(model, 1, request_timeout_s), [{"role": "user", "content": "Hello."}], warm)
         with _http() as probe:
             comp_start = read_compilations(probe, base)
         t0 = time.perf_counter()
@@ -220,7 +225,7 @@ def replay(base: str, mode: str, model: str, trace: Trace, run_index: int, concu
             comp_end = read_compilations(probe, base)
     finally:
         http.close()
-    return RunResult(mode, concurrency, records, wall, comp_start, comp_end)
+    return RunResult(mode, concurrency, records, wall, comp_start, comp_end, warm)
 
 
 def _find_key(tree: object, key: str) -> object:
@@ -443,6 +448,9 @@ class RunSummary:
     #: the server's own phase seconds (usage.hpc_timing), median over requests; "passes": prefill
     #: passes per request; None where the server reports none
     phases_p50: dict[str, float] | None
+    #: the client's warm-up request before the trace: its TTFT and the engine's part of it
+    client_warmup_ttft_s: float | None
+    client_warmup_engine_ttft_s: float | None
     turns: list[TurnRow]
 
 
@@ -513,6 +521,8 @@ def summarize(run: RunResult, sessions: int) -> RunSummary:
         itl_p50_s=_p50(gaps), tpot_p50_s=tpot50, decode_tok_s_p50=round(1.0 / tpot50, 2) if tpot50 else None,
         output_tok_s=round(completion / run.wall_s, 2) if run.wall_s > 0 else None,
         wall_s=round(run.wall_s, 3), compilations=_compilations(run), phases_p50=_phases(recs),
+        client_warmup_ttft_s=run.client_warmup.ttft_s if run.client_warmup is not None else None,
+        client_warmup_engine_ttft_s=_engine_ttft(run.client_warmup) if run.client_warmup is not None else None,
         turns=_rows(run.records))
 
 

@@ -20,9 +20,11 @@ from hpc_cli.engine.sampling import sample
 class DecodeStep(EngineCore):
     """Runs one decode round and hands out its tokens (mixed into the engine)."""
 
-    def _decode(self, lanes: list[Lane]) -> None:
+    def _decode(self, lanes: list[Lane], finishing: list[Lane] = ()) -> None:
+        """One round over the decoding ``lanes``; the lanes in ``finishing`` end during it."""
         if self.spec is not None:  # propose + verify per lane (docs/speculative.md)
             self.commit_passes()
+            self._finish_lanes(list(finishing))
             self.spec.round(self._round_host, lanes)
             self.counters["decode_rounds"] += 1
             return
@@ -32,9 +34,13 @@ class DecodeStep(EngineCore):
         tables = [l.pages[:math.ceil((l.pos + 1) / BLOCK_TOKENS)] for l in lanes]
         logits = self.model.decode(tokens, positions, tables, [l.state_slot for l in lanes],
                                    self.storage, self.states, **decode_offsets(lanes))
-        # the host runs the last prefill passes' commits and taps while the device computes the
-        # step (CUDA runs it asynchronously; sampling waits for it)
+        # while the device computes the step (CUDA runs it asynchronously; sampling waits for
+        # it): the server sends the tokens just emitted (first tokens, last tokens), then the
+        # host runs the last prefill passes' commits and taps and ends the finished lanes
+        if self._pass_commits or finishing:
+            self._deliver()
         self.commit_passes()
+        self._finish_lanes(list(finishing), deliver=False)
         dt = time.monotonic() - t0
         for i, lane in enumerate(lanes):
             lane.pos += 1

@@ -25,6 +25,25 @@ class Finish(EngineCore):
         lane.finish_reason, lane.error = FinishReason.ERROR, f"the request failed in the engine: {message}"
         lane.next_token = None
 
+    #: how long the worker lets go of the interpreter after emitting tokens and before host work
+    #: that delays nothing on the device (a lane's end, a pass's commits and taps): the server's
+    #: event loop needs the GIL to send those tokens, and would otherwise wait for that work
+    DELIVER_S = 0.0005
+
+    def _deliver(self) -> None:
+        """Let the server send the tokens just emitted before the host work that follows."""
+        time.sleep(self.DELIVER_S)
+
+    def _finish_lanes(self, lanes: list[Lane], *, deliver: bool = True) -> None:
+        """End ``lanes`` (their last tokens sent first, unless ``deliver`` is False because the
+        caller let them go already); a failed lane leaves nothing."""
+        if not lanes:
+            return
+        if deliver:
+            self._deliver()
+        for lane in lanes:
+            self._finish(lane, publish=lane.finish_reason != FinishReason.ERROR)
+
     def _finish(self, lane: Lane, *, publish: bool = True) -> None:
         t0 = time.perf_counter()
         if self.spec is not None and publish:

@@ -152,11 +152,9 @@ class Worker(EngineCore):
             else:
                 self.cache.host.may_pin.set()
     def _step(self) -> bool:
-        worked = False
-        for lane in [l for l in self._lanes if l.finish_reason]:
-            self._finish(lane, publish=lane.finish_reason != FinishReason.ERROR)  # a failed lane leaves nothing
-            worked = True
-        prefilling = [l for l in self._lanes if l.prefilling]
+        finishing = [l for l in self._lanes if l.finish_reason]
+        worked = bool(finishing)
+        prefilling = [l for l in self._lanes if l.prefilling and not l.finish_reason]
         if prefilling:
             try:
                 self._prefill(prefilling[0])
@@ -165,8 +163,10 @@ class Worker(EngineCore):
             worked = True
         decoding = [l for l in self._lanes if not l.prefilling and l.next_token is not None and not l.finish_reason]
         if decoding:
-            self._decode(decoding)
+            self._decode(decoding, finishing)  # ends `finishing` while the device computes the step
             worked = True
+        else:
+            self._finish_lanes(finishing)
         self.commit_passes()  # a lane that finished at its first token (no decode step ran)
         return worked
     def _run_fatal_hooks(self) -> None:

@@ -131,6 +131,7 @@ class ColumnGraphs:
             self.seen.clear()
             self.eager.clear()
             self.held = 0
+            self.pool = None  # a pool whose graphs are all gone cannot take a capture again
             self.bound = bound
 
     def _key(self, B: int, T: int, W: int, kv, states, keep_all: bool, capture: tuple, logits: bool) -> tuple:

@@ -76,6 +76,7 @@ class PrefillGraphs:
         if bound != self.bound:  # other pools: the old graphs write storage that is not ours
             self.graphs.clear()
             self.seen.clear()
+            self.pool = None  # a pool whose graphs are all gone cannot take a capture again
             self.bound = bound
         scales = tuple(kv.global_scales.flatten().tolist()) if kv.profile.uses_global_scale else ()
         return (L, W, slots, bound, scales)

@@ -25,10 +25,10 @@ WRAPPER = textwrap.dedent('''
 
         real = Engine._decode
 
-        def decode(self, lanes):
+        def decode(self, lanes, finishing=()):
             if any(lane.request.request_id != "warmup" for lane in lanes):
                 raise RuntimeError("injected worker fault")
-            return real(self, lanes)
+            return real(self, lanes, finishing)
 
         Engine._decode = decode
     elif fault == "transfer":  # the first write-through to the host tier fails

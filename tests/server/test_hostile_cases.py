@@ -337,7 +337,7 @@ def test_case06_fatal_engine_is_reported(caplog):
         with served(engine, resolved, controller) as srv:
             assert metric(httpx.get(srv.url + "/metrics").text, "hpc_engine_fatal") == 0
 
-            def boom(lanes):
+            def boom(lanes, finishing=()):
                 raise RuntimeError("injected decode fault")
 
             engine._decode = boom

@@ -52,26 +52,30 @@ def test_cuda_oracle_greedy_equals_plain(cuda_model):
     settle(e)
 
 
-@pytest.mark.parametrize("name", ["mtp", "dflash2"])
-def test_cuda_spec_warmup_covers_serving(name):
+def test_cuda_spec_warmup_covers_serving():
     """After the warm-up, speculative rounds of one and two lanes, rounds that draft fewer than k
-    near max_tokens, and contexts of several table widths compile nothing and capture no graph."""
+    near max_tokens, and contexts of several table widths compile nothing and capture no graph;
+    and a second engine on the same model (other pools: the first one's graphs are dropped)
+    captures its own graphs again."""
     from hpc_cli.model.compile_watch import watch
 
     m = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device="cuda")
-    e = make(m, name, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
-    try:
-        e.warmup()
-        graphs = m.column_graphs(e.storage)
-        assert graphs is not None and graphs.disabled is None, "verify passes do not run through graphs"
-        counts = watch()
-        before, captures = counts.compilations + counts.autotunes, graphs.captures
-        for n in (30, 700):  # 1 and 11+ pages of context: two table widths
-            run(e, tokens(n, n), 6)  # 6 tokens, k = 3: a last round drafting fewer
-        handles = [e.submit(GenerationRequest(tokens(n, n + 1), greedy(7))) for n in (100, 520)]
-        for h in handles:
-            h.result(timeout=300)
-        assert counts.compilations + counts.autotunes == before, "a speculative round compiled a kernel"
-        assert graphs.captures == captures, f"{graphs.captures - captures} verify graphs captured while serving"
-    finally:
-        settle(e)
+    for name in ("mtp", "dflash2"):
+        e = make(m, name, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
+        try:
+            e.warmup()
+            graphs, prefill = m.column_graphs(e.storage), m.prefill_graphs(e.storage)
+            assert graphs is not None and graphs.disabled is None, f"{name}: verify passes run without graphs"
+            assert prefill is not None and prefill.disabled is None, f"{name}: prefill passes run without graphs"
+            counts = watch()
+            before, captures = counts.compilations + counts.autotunes, graphs.captures
+            for n in (30, 700):  # 1 and 11+ pages of context: two table widths
+                run(e, tokens(n, n), 6)  # 6 tokens, k = 3: a last round drafting fewer
+            handles = [e.submit(GenerationRequest(tokens(n, n + 1), greedy(7))) for n in (100, 520)]
+            for h in handles:
+                h.result(timeout=300)
+            assert counts.compilations + counts.autotunes == before, f"{name}: a speculative round compiled a kernel"
+            assert graphs.captures == captures, f"{name}: {graphs.captures - captures} verify graphs captured while serving"
+            assert graphs.disabled is None, graphs.disabled
+        finally:
+            settle(e)
