@@ -50,16 +50,17 @@ class MTPDrafter:
 
     # ------------------------------------------------------------------ the MTP stack
     @torch.inference_mode()
-    def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
-             tables: Sequence[Sequence[int]], write: torch.Tensor | None = None):
-        """``tokens``/``pos`` ``[B, T]``, ``hidden`` ``[B, T, H]`` -> (logits ``[B, T, V]``, MTP hidden)."""
+    def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, last: Sequence[int],
+             tables: Sequence[Sequence[int]], write: Sequence[bool] | None = None):
+        """``tokens``/``pos`` ``[B, T]`` (``last``: each lane's last position, on the host),
+        ``hidden`` ``[B, T, H]`` -> (logits ``[B, T, V]``, MTP hidden)."""
         m, mtp = self.model, self.mtp
         B, T = tokens.shape
         x, cos, sin = self._input(tokens, hidden, pos)
         for l, layer in enumerate(mtp.layers):
             h = layer.input_layernorm(x)
-            x = x + paged_attention(layer.self_attn, h, pos, tables, self.storage, self.base_layer + l, cos, sin,
-                                    write=write)
+            x = x + paged_attention(layer.self_attn, h, pos, last, tables, self.storage, self.base_layer + l,
+                                    cos, sin, write=write)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         g = mtp.norm(x)
         return m.lm_head(g).view(B, T, -1), g.view(B, T, -1)
@@ -71,7 +72,7 @@ class MTPDrafter:
         return x, cos, sin
 
     @torch.inference_mode()
-    def _write_kv(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+    def _write_kv(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, last: Sequence[int],
                   tables: Sequence[Sequence[int]]) -> None:
         """The MTP K/V of positions ``pos`` only, as :meth:`_run` writes them: the last layer's
         attention output, MLP, norm and ``lm_head`` (whose logits nobody reads) are skipped."""
@@ -80,9 +81,9 @@ class MTPDrafter:
         for l, layer in enumerate(layers):
             h = layer.input_layernorm(x)
             if l == len(layers) - 1:
-                write_kv(layer.self_attn, h, pos, tables, self.storage, self.base_layer + l, cos, sin)
+                write_kv(layer.self_attn, h, pos, last, tables, self.storage, self.base_layer + l, cos, sin)
                 return
-            x = x + paged_attention(layer.self_attn, h, pos, tables, self.storage, self.base_layer + l, cos, sin)
+            x = x + paged_attention(layer.self_attn, h, pos, last, tables, self.storage, self.base_layer + l, cos, sin)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
 
     # ------------------------------------------------------------------ frontier upkeep
@@ -108,7 +109,7 @@ class MTPDrafter:
         hid = torch.stack(rows)[None]
         toks = torch.tensor(lane.tokens[f + 1:limit + 1], dtype=torch.long, device=dev)[None]
         pos = torch.arange(f, limit, device=dev)[None]
-        self._write_kv(toks, hid, pos, [lane.pages[:math.ceil(limit / PAGE_TOKENS)]])
+        self._write_kv(toks, hid, pos, [limit - 1], [lane.pages[:math.ceil(limit / PAGE_TOKENS)]])
         lane.backend_frontier = limit
 
     # ------------------------------------------------------------------ drafting
@@ -121,15 +122,16 @@ class MTPDrafter:
         hid = states.hidden.index_select(0, slots)[:, None]
         pos = torch.tensor([[l.pos - 1] for l in lanes], dtype=torch.long, device=dev)
         # position pos-1 is the bridge: already valid where the prefill had the next token
-        write = torch.tensor([[(l.backend_frontier or 0) <= l.pos - 1] for l in lanes], device=dev)
-        drafts: list[list[int]] = [[] for _ in lanes]
+        write = [(l.backend_frontier or 0) <= l.pos - 1 for l in lanes]
+        # the drafts stay on the device until the last step: the k steps queue without a wait
+        steps: list[torch.Tensor] = []
         for i in range(k):
-            logits, g = self._run(tok, hid, pos, tables, write=write if i == 0 else None)
+            logits, g = self._run(tok, hid, pos, [l.pos - 1 + i for l in lanes], tables,
+                                  write=write if i == 0 else None)
             if i == 0:
                 for l in lanes:
                     l.backend_frontier = max(l.backend_frontier or 0, l.pos)
             tok = logits[:, -1].argmax(-1, keepdim=True)
-            for b, t in enumerate(tok[:, 0].tolist()):
-                drafts[b].append(t)
+            steps.append(tok)
             hid, pos = g, pos + 1
-        return drafts
+        return torch.cat(steps, 1).tolist()

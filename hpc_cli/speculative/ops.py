@@ -38,36 +38,41 @@ def _table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int, 
 
 
 def _write(kv, layer: int, table: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           write: torch.Tensor | None) -> None:
+           write: Sequence[bool] | None) -> None:
     page = kv.page_tokens
     slots = (table.gather(1, pos // page) * page + pos % page).reshape(-1)
-    if write is None:
+    if write is None or all(write):
         kv.write(layer, slots, k, v)
-    else:
-        keep = write.reshape(-1)
-        if bool(keep.any()):
-            kv.write(layer, slots[keep], k[keep], v[keep])
+        return
+    if not any(write):
+        return
+    T = pos.shape[1]
+    rows = torch.tensor([b * T + t for b, w in enumerate(write) if w for t in range(T)], device=slots.device)
+    kv.write(layer, slots.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows))
 
 
-def write_kv(attn, h: torch.Tensor, pos: torch.Tensor, tables: Sequence[Sequence[int]], kv, layer: int,
-             cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """The K/V :func:`paged_attention` writes for ``h`` at ``pos`` ``[B, T]``, without its queries
-    and attention (a drafter catching its K/V up to committed positions)."""
+def write_kv(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int], tables: Sequence[Sequence[int]], kv,
+             layer: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The K/V :func:`paged_attention` writes for ``h`` at ``pos`` ``[B, T]`` (``last``: each
+    lane's last position, known on the host), without its queries and attention (a drafter
+    catching its K/V up to committed positions)."""
     k, v = attn.kv(h, cos, sin)
-    table, _ = _table(tables, pos[:, -1].tolist(), kv.page_tokens, h.device)
+    table, _ = _table(tables, last, kv.page_tokens, h.device)
     _write(kv, layer, table, pos, k, v, None)
 
 
-def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, tables: Sequence[Sequence[int]], kv, layer: int,
-                    cos: torch.Tensor, sin: torch.Tensor, write: torch.Tensor | None = None) -> torch.Tensor:
-    """A gated attention layer for ``B`` lanes x ``T`` queries at positions ``pos`` ``[B, T]``:
-    the new K/V are written into the lanes' pages of ``kv`` layer ``layer``, then every query
-    reads its lane's pages causally (key position <= its own). ``h`` ``[B*T, hidden]``;
-    ``write`` ``[B, T]`` bool: False keeps a column's K/V out of the pages (it is already there)."""
+def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int], tables: Sequence[Sequence[int]],
+                    kv, layer: int, cos: torch.Tensor, sin: torch.Tensor,
+                    write: Sequence[bool] | None = None) -> torch.Tensor:
+    """A gated attention layer for ``B`` lanes x ``T`` queries at positions ``pos`` ``[B, T]``
+    (``last``: each lane's last position, known on the host, so nothing here waits for the
+    device): the new K/V are written into the lanes' pages of ``kv`` layer ``layer``, then every
+    query reads its lane's pages causally (key position <= its own). ``h`` ``[B*T, hidden]``;
+    ``write`` (per lane): False keeps a lane's K/V out of the pages (it is already there)."""
     B, T = pos.shape
     page = kv.page_tokens
     q, gate, k, v = attn.qkv(h, cos, sin)
-    table, width = _table(tables, pos[:, -1].tolist(), page, h.device)
+    table, width = _table(tables, last, page, h.device)
     _write(kv, layer, table, pos, k, v, write)
     span = width * page
     keys, values = kv.gather(layer, table.reshape(-1), B * span, q.dtype)

@@ -144,9 +144,12 @@ class SpecRuntime:
                           capture=self.drafter.capture)
         t2 = time.monotonic()
         logits = out.logits.float()
+        # every column's greedy token in one read of the device (not one per column)
+        greedy = (out.logits.argmax(-1).tolist() if any(l.request.sampling.temperature == 0.0 for l in lanes)
+                  else None)
         accepted = []
         for b, lane in enumerate(lanes):
-            acc = self._accept(engine, lane, logits[b], drafts[b])
+            acc = self._accept(engine, lane, logits[b], drafts[b], greedy[b] if greedy is not None else None)
             accepted.append(acc)
             lane.usage.draft_tokens += k
             lane.usage.accepted_draft_tokens += acc
@@ -187,16 +190,18 @@ class SpecRuntime:
         c["verify_us"] += int((t2 - t1) * 1e6)
         c["rollback_us"] += int((t3 - t2) * 1e6)
 
-    def _accept(self, engine: "RoundHost", lane, logits: torch.Tensor, drafts: list[int]) -> int:
+    def _accept(self, engine: "RoundHost", lane, logits: torch.Tensor, drafts: list[int],
+                greedy: list[int] | None = None) -> int:
         """Emit tokens column by column; returns the drafts accepted and continued past (the
-        columns beyond the first that stay committed)."""
+        columns beyond the first that stay committed). ``greedy``: each column's argmax, read
+        already (temperature 0)."""
         sp = lane.request.sampling
         k = len(drafts)
         acc = 0
         for i in range(k + 1):
             d = drafts[i] if i < k else None
             if sp.temperature == 0.0:
-                tok = int(torch.argmax(logits[i]))
+                tok = greedy[i] if greedy is not None else int(torch.argmax(logits[i]))
             else:
                 p = target_probs(logits[i], sp)
                 if d is not None and float(torch.rand((), generator=lane.generator)) < float(p[d]):

@@ -30,7 +30,7 @@ def test_mtp_catch_up_writes_the_kv_its_full_step_writes(model):
         c = model.config
         kv = PagedKVStorage(kv_profile("bf16"), base + len(model.mtp.layers), c.num_key_value_heads, c.head_dim, 4)
         drafter.bind(kv, None, None)
-        (drafter._write_kv if write_only else drafter._run)(toks, hid, pos, tables)
+        (drafter._write_kv if write_only else drafter._run)(toks, hid, pos, [n - 1], tables)
         pools.append(kv)
     for l in range(len(model.mtp.layers)):
         full = pools[0].gather(base + l, [0, 1], n, torch.float32)
