@@ -161,15 +161,16 @@ def chat_prompts(records: list[dict], split: str, n: int, seed: int) -> list[str
     return out[:n]
 
 
-def greedy_answers(model_dir: Path, prompts: list[list[int]], max_new: int, lanes: int = 8) -> list[list[int]]:
+def greedy_answers(model_dir: Path, prompts: list[list[int]], max_new: int, lanes: int = 8,
+                   device: str = "cpu") -> list[list[int]]:
     """The model's greedy answer to each prompt, decoded by the serving engine (the checkpoint in
-    ``model_dir`` loaded as ``hpc-cli serve --model`` loads it, fp32, CPU, ``lanes`` requests at a
-    time): the answer up to its end-of-turn token (included) or ``max_new`` tokens, the tokens a
-    chat request's draft rounds see."""
+    ``model_dir`` loaded as ``hpc-cli serve --model`` loads it, fp32, on ``device``, ``lanes``
+    requests at a time): the answer up to its end-of-turn token (included) or ``max_new`` tokens,
+    the tokens a chat request's draft rounds see."""
     from hpc_cli.engine.api import GenerationRequest, SamplingParams
     from hpc_cli.engine.engine import Engine
 
-    m = HybridModel.from_name_or_path(str(model_dir), dtype=torch.float32, device="cpu")
+    m = HybridModel.from_name_or_path(str(model_dir), dtype=torch.float32, device=device)
     longest = max(len(p) for p in prompts) + max_new
     e = Engine(m, kv_pages=lanes * (-(-(longest + 64) // 64)) + 8, prefill_chunk=512, max_concurrency=lanes,
                reuse=False).start()
@@ -740,6 +741,10 @@ def main(argv=None) -> dict:
                     help="train the drafters on the model's own greedy answers to this many chat prompts of the "
                          "training split (one conversation per row of --seq tokens), anchors in the answers")
     ap.add_argument("--answer-tokens", type=int, default=96, help="longest generated answer (--chat-answers)")
+    ap.add_argument("--answer-lanes", type=int, default=8, help="requests answered at a time (--chat-answers)")
+    ap.add_argument("--answer-device", default=None,
+                    help="where the engine answers (--chat-answers; default --device; CPU and CUDA greedy "
+                         "answers may differ where two tokens nearly tie)")
     ap.add_argument("--val-answers", type=int, default=64,
                     help="with --chat-answers: chat prompts of the validation split answered to measure drafts")
     ap.add_argument("--hold-out", default="benchmark",
@@ -794,7 +799,8 @@ def main(argv=None) -> dict:
         for split, n, key in (("train", args.chat_answers, "answers"), ("val", args.val_answers, "val_answers")):
             prompts = [e.ids for e in tok.encode_batch(chat_prompts(records, split, n, SEED + 13),
                                                        add_special_tokens=False)]
-            answers = greedy_answers(Path(args.init_from), prompts, args.answer_tokens)
+            answers = greedy_answers(Path(args.init_from), prompts, args.answer_tokens, args.answer_lanes,
+                                     args.answer_device or dev.type)
             data[key] = answer_rows(prompts, answers, args.seq)
             report[key] = {"prompts": len(prompts), "rows": int(data[key][0].shape[0]),
                            "answer_tokens": int((data[key][1][:, 1] - data[key][1][:, 0]).sum()),
