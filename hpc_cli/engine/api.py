@@ -238,7 +238,13 @@ Event = TokenEvent | FinishEvent | AdmittedEvent
 
 
 class RequestHandle:
-    """The caller's side of one request: iterate events, or cancel."""
+    """The caller's side of one request: iterate events, or cancel.
+
+    A consumer that sends the events on (the server) may acknowledge them: :meth:`acknowledge`
+    says that every event taken so far has left the process (``acknowledges`` is then True).
+    The engine waits a moment for that after emitting a first or last token and before its host
+    work that delays nothing on the device (:meth:`wait_sent`), so the server's event loop has
+    the interpreter to itself while it sends them."""
 
     def __init__(self, request: GenerationRequest, cancel_fn) -> None:
         self.request = request
@@ -247,10 +253,25 @@ class RequestHandle:
         self._cancel_fn = cancel_fn
         self.cancelled = threading.Event()
         self.finished: FinishEvent | None = None
+        self.acknowledges = False  # set by a consumer that calls acknowledge()
+        self._sent = threading.Event()  # every event put so far was taken and sent on
 
     # engine side
     def put(self, event: Event) -> None:
+        self._sent.clear()
         self._events.put(event)
+
+    def wait_sent(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the consumer to have sent every event put so far; False at
+        once for a consumer that does not acknowledge."""
+        return self.acknowledges and self._sent.wait(timeout)
+
+    # consumer side
+    def acknowledge(self) -> None:
+        """Every event taken so far has been sent on (a consumer that calls this sets
+        ``acknowledges`` first)."""
+        if self._events.empty():  # an event put meanwhile keeps the engine waiting for it
+            self._sent.set()
 
     # caller side
     def cancel(self) -> None:

@@ -38,7 +38,7 @@ class DecodeStep(EngineCore):
         # it): the server sends the tokens just emitted (first tokens, last tokens), then the
         # host runs the last prefill passes' commits and taps and ends the finished lanes
         if self._pass_commits or finishing:
-            self._deliver()
+            self._deliver([*self._pass_commits, *finishing])
         self.commit_passes()
         self._finish_lanes(list(finishing), deliver=False)
         dt = time.monotonic() - t0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Iterable
 
 from hpc_cli.engine.api import FinishEvent, FinishReason
 from hpc_cli.engine.core import EngineCore
@@ -25,14 +26,21 @@ class Finish(EngineCore):
         lane.finish_reason, lane.error = FinishReason.ERROR, f"the request failed in the engine: {message}"
         lane.next_token = None
 
-    #: how long the worker lets go of the interpreter after emitting tokens and before host work
-    #: that delays nothing on the device (a lane's end, a pass's commits and taps): the server's
-    #: event loop needs the GIL to send those tokens, and would otherwise wait for that work
-    DELIVER_S = 0.0005
+    #: the longest the worker waits, after emitting first or last tokens and before host work
+    #: that delays nothing on the device (a pass's commits and taps, a lane's end), for the
+    #: server to have sent them: its event loop needs the interpreter to send, and each write
+    #: that gives it up to the kernel would otherwise wait out the worker's Python work
+    DELIVER_MAX_S = 0.003
 
-    def _deliver(self) -> None:
-        """Let the server send the tokens just emitted before the host work that follows."""
-        time.sleep(self.DELIVER_S)
+    def _deliver(self, lanes: Iterable[Lane]) -> None:
+        """Let the server send the tokens just emitted to ``lanes`` before the host work that
+        follows (no wait for a consumer that does not acknowledge, such as ``result()``)."""
+        deadline = time.monotonic() + self.DELIVER_MAX_S
+        for lane in lanes:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            lane.handle.wait_sent(left)
 
     def _finish_lanes(self, lanes: list[Lane], *, deliver: bool = True) -> None:
         """End ``lanes`` (their last tokens sent first, unless ``deliver`` is False because the
@@ -40,7 +48,7 @@ class Finish(EngineCore):
         if not lanes:
             return
         if deliver:
-            self._deliver()
+            self._deliver(lanes)
         for lane in lanes:
             self._finish(lane, publish=lane.finish_reason != FinishReason.ERROR)
 

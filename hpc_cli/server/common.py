@@ -152,6 +152,7 @@ async def iterate_events(handle: RequestHandle,
             pass
 
     handle.put = put  # type: ignore[method-assign]
+    handle.acknowledges = True
     watch = DisconnectWatch.of(disconnected, disconnect_every) if disconnected is not None else None
     try:
         while True:
@@ -167,6 +168,8 @@ async def iterate_events(handle: RequestHandle,
                     pass
                 continue
             yield event
+            # the consumer asked for the next event: what it made of this one has been sent
+            handle.acknowledge()
             if isinstance(event, FinishEvent):
                 return
     finally:

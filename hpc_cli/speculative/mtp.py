@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from hpc_cli.kv_profile import PAGE_TOKENS
-from hpc_cli.speculative.ops import paged_attention, write_kv
+from hpc_cli.speculative.ops import page_table, paged_attention, write_kv
 
 
 class MTPDrafter:
@@ -51,16 +51,18 @@ class MTPDrafter:
     # ------------------------------------------------------------------ the MTP stack
     @torch.inference_mode()
     def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, last: Sequence[int],
-             tables: Sequence[Sequence[int]], write: Sequence[bool] | None = None):
+             tables: Sequence[Sequence[int]], write: Sequence[bool] | None = None,
+             table: tuple[torch.Tensor, int] | None = None):
         """``tokens``/``pos`` ``[B, T]`` (``last``: each lane's last position, on the host),
-        ``hidden`` ``[B, T, H]`` -> (logits ``[B, T, V]``, MTP hidden)."""
+        ``hidden`` ``[B, T, H]`` -> (logits ``[B, T, V]``, MTP hidden). ``table``: the page table
+        built once for several calls (:func:`~hpc_cli.speculative.ops.page_table`)."""
         m, mtp = self.model, self.mtp
         B, T = tokens.shape
         x, cos, sin = self._input(tokens, hidden, pos)
         for l, layer in enumerate(mtp.layers):
             h = layer.input_layernorm(x)
             x = x + paged_attention(layer.self_attn, h, pos, last, tables, self.storage, self.base_layer + l,
-                                    cos, sin, write=write)
+                                    cos, sin, write=write, table=table)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         g = mtp.norm(x)
         return m.lm_head(g).view(B, T, -1), g.view(B, T, -1)
@@ -125,9 +127,14 @@ class MTPDrafter:
         write = [(l.backend_frontier or 0) <= l.pos - 1 for l in lanes]
         # the drafts stay on the device until the last step: the k steps queue without a wait
         steps: list[torch.Tensor] = []
+        # where the paged decode kernel reads the pages (one query per lane: it reads each lane's
+        # own keys only), one page table serves the k steps, wide enough for the last one: one
+        # copy to the device instead of one per step and layer
+        paged = self.storage.paged_attention_supported(self.mtp.layers[0].self_attn.n_heads)
+        table = page_table(tables, [l.pos - 2 + k for l in lanes], self.storage.page_tokens, dev) if paged else None
         for i in range(k):
             logits, g = self._run(tok, hid, pos, [l.pos - 1 + i for l in lanes], tables,
-                                  write=write if i == 0 else None)
+                                  write=write if i == 0 else None, table=table)
             if i == 0:
                 for l in lanes:
                     l.backend_frontier = max(l.backend_frontier or 0, l.pos)

@@ -63,17 +63,23 @@ def write_kv(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int], tabl
 
 def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int], tables: Sequence[Sequence[int]],
                     kv, layer: int, cos: torch.Tensor, sin: torch.Tensor,
-                    write: Sequence[bool] | None = None) -> torch.Tensor:
+                    write: Sequence[bool] | None = None, table: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """A gated attention layer for ``B`` lanes x ``T`` queries at positions ``pos`` ``[B, T]``
     (``last``: each lane's last position, known on the host, so nothing here waits for the
     device): the new K/V are written into the lanes' pages of ``kv`` layer ``layer``, then every
     query reads its lane's pages causally (key position <= its own). ``h`` ``[B*T, hidden]``;
-    ``write`` (per lane): False keeps a lane's K/V out of the pages (it is already there)."""
+    ``write`` (per lane): False keeps a lane's K/V out of the pages (it is already there);
+    ``table``: the padded page table and its width, built once by the caller for several calls
+    (:func:`page_table`). One query per lane (``T == 1``) on a pool the paged decode kernel reads
+    goes through that kernel; otherwise the span is gathered and SDPA runs with a causal mask."""
     B, T = pos.shape
     page = kv.page_tokens
     q, gate, k, v = attn.qkv(h, cos, sin)
-    table, width = _table(tables, last, page, h.device)
+    table, width = table if table is not None else _table(tables, last, page, h.device)
     _write(kv, layer, table, pos, k, v, write)
+    if T == 1 and kv.paged_attention_supported(attn.n_heads):
+        o = kv.decode_attention(layer, q, table, pos[:, 0] + 1, attn.scale)
+        return attn.finish(o, gate)
     span = width * page
     keys, values = kv.gather(layer, table.reshape(-1), B * span, q.dtype)
     keys = keys.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
@@ -82,6 +88,13 @@ def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int
     qh = q.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
     o = attn.attend(qh, keys, values, mask)  # [B, H, T, d]
     return attn.finish(o.transpose(1, 2).reshape(B * T, attn.n_heads, attn.head_dim), gate)
+
+
+def page_table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int,
+               device) -> tuple[torch.Tensor, int]:
+    """The padded page table ``[B, width]`` (and its width) covering position ``last_pos[b]`` of
+    each lane, for :func:`paged_attention`'s ``table``."""
+    return _table(tables, last_pos, page, device)
 
 
 #: the verify pass's result (logits, hidden, features, per-column windows and states)
