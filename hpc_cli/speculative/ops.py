@@ -25,10 +25,14 @@ import torch.nn.functional as F
 from hpc_cli.model.columns import ColumnsOut, columns_pass
 
 
-def _table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int, device) -> tuple[torch.Tensor, int]:
-    """Padded page table ``[B, width]`` covering position ``last_pos[b]`` of each lane."""
+def _table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int, device,
+           pow2: bool = False) -> tuple[torch.Tensor, int]:
+    """Padded page table ``[B, width]`` covering position ``last_pos[b]`` of each lane (``pow2``:
+    a width rounded up to a power of two, at least 8, as the decode graphs' tables)."""
     need = [p // page + 1 for p in last_pos]
     width = max(need)
+    if pow2:
+        width = max(8, 1 << (width - 1).bit_length())
     rows = []
     for bt, n, p in zip(tables, need, last_pos):
         assert len(bt) >= n, f"block table has {len(bt)} pages, position {p} needs {n}"
@@ -93,8 +97,10 @@ def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int
 def page_table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int,
                device) -> tuple[torch.Tensor, int]:
     """The padded page table ``[B, width]`` (and its width) covering position ``last_pos[b]`` of
-    each lane, for :func:`paged_attention`'s ``table``."""
-    return _table(tables, last_pos, page, device)
+    each lane, for :func:`paged_attention`'s ``table`` on the paged decode kernel: its width is a
+    power of two (at least 8), the widths the warm-up compiles that kernel for (decode's tables),
+    so a draft step compiles nothing while serving."""
+    return _table(tables, last_pos, page, device, pow2=True)
 
 
 #: the verify pass's result (logits, hidden, features, per-column windows and states)

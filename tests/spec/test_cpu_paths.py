@@ -103,3 +103,16 @@ def test_benchmark_repeats_interleaved_with_per_backend_k(tmp_path):
     assert runs["oracle"]["mean_acceptance_length"] > 1.0
     assert math.isclose(runs["mtp"]["speedup"], runs["mtp"]["decode_tok_s"] / runs["none"]["decode_tok_s"])
     assert (tmp_path / "out.json").is_file()
+
+
+def test_draft_page_table_has_a_decode_graph_width():
+    """MTP's draft steps read the pages with the paged decode kernel through one page table per
+    round: its width must be one the warm-up compiled that kernel for (a power of two, >= 8), or
+    a served round compiles a kernel (the GPU test test_cuda_spec_warmup_covers_serving)."""
+    from hpc_cli.speculative.ops import page_table
+
+    table, width = page_table([[5, 6, 7], [9]], [130, 10], 64, "cpu")
+    assert width == 8 and table.shape == (2, 8)
+    assert table[0].tolist() == [5, 6, 7, 5, 5, 5, 5, 5] and table[1].tolist() == [9] * 8
+    _, width = page_table([list(range(20))], [64 * 9], 64, "cpu")
+    assert width == 16
