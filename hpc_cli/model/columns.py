@@ -69,11 +69,16 @@ def _groups(tables: Sequence[Sequence[int]], positions: Sequence[int], page: int
     return [(tuple(lanes), n) for n, lanes in sorted(by.items())]
 
 
+def graph_width(pages: int) -> int:
+    """``pages`` rounded up to a power of two (>= 8): the page-table widths of the decode and
+    verify graphs, so the warm-up compiles the paged decode kernel for every width it meets."""
+    return max(8, 1 << (max(pages, 1) - 1).bit_length())
+
+
 def table_width(tables: Sequence[Sequence[int]], starts: Sequence[int], T: int, page: int) -> int:
-    """Pages the widest lane needs for its last column, rounded up to a power of two (>= 8), so
-    CUDA graphs keyed by the width serve many context lengths."""
-    need = max(max((s + T - 1) // page + 1 for s in starts), max(len(t) for t in tables), 1)
-    return max(8, 1 << (need - 1).bit_length())
+    """Pages the widest lane needs for its last column, rounded up (:func:`graph_width`), so CUDA
+    graphs keyed by the width serve many context lengths."""
+    return graph_width(max(max((s + T - 1) // page + 1 for s in starts), max(len(t) for t in tables), 1))
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from hpc_cli.kv_profile import PAGE_TOKENS
-from hpc_cli.speculative.ops import page_table, paged_attention, write_kv
+from hpc_cli.speculative.ops import page_table, paged_attention, reads_in_place, write_kv
 
 
 class MTPDrafter:
@@ -129,9 +129,10 @@ class MTPDrafter:
         steps: list[torch.Tensor] = []
         # where the paged decode kernel reads the pages (one query per lane: it reads each lane's
         # own keys only), one page table serves the k steps, wide enough for the last one: one
-        # copy to the device instead of one per step and layer
-        paged = self.storage.paged_attention_supported(self.mtp.layers[0].self_attn.n_heads)
-        table = page_table(tables, [l.pos - 2 + k for l in lanes], self.storage.page_tokens, dev) if paged else None
+        # copy to the device instead of one per step and layer (a gathered span stays per step)
+        attn = self.mtp.layers[0].self_attn
+        table = (page_table(attn, self.storage, tables, [l.pos - 2 + k for l in lanes], 1, dev)
+                 if reads_in_place(attn, self.storage, 1) else None)
         for i in range(k):
             logits, g = self._run(tok, hid, pos, [l.pos - 1 + i for l in lanes], tables,
                                   write=write if i == 0 else None, table=table)

@@ -22,17 +22,15 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from hpc_cli.model.columns import ColumnsOut, columns_pass
+from hpc_cli.model.columns import ColumnsOut, columns_pass, graph_width
 
 
 def _table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int, device,
-           pow2: bool = False) -> tuple[torch.Tensor, int]:
-    """Padded page table ``[B, width]`` covering position ``last_pos[b]`` of each lane (``pow2``:
-    a width rounded up to a power of two, at least 8, as the decode graphs' tables)."""
+           graph: bool = False) -> tuple[torch.Tensor, int]:
+    """Padded page table ``[B, width]`` covering position ``last_pos[b]`` of each lane (``graph``:
+    a decode graph's width, :func:`~hpc_cli.model.columns.graph_width`)."""
     need = [p // page + 1 for p in last_pos]
-    width = max(need)
-    if pow2:
-        width = max(8, 1 << (width - 1).bit_length())
+    width = graph_width(max(need)) if graph else max(need)
     rows = []
     for bt, n, p in zip(tables, need, last_pos):
         assert len(bt) >= n, f"block table has {len(bt)} pages, position {p} needs {n}"
@@ -79,9 +77,10 @@ def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int
     B, T = pos.shape
     page = kv.page_tokens
     q, gate, k, v = attn.qkv(h, cos, sin)
-    table, width = table if table is not None else _table(tables, last, page, h.device)
+    in_place = reads_in_place(attn, kv, T)
+    table, width = table if table is not None else _table(tables, last, page, h.device, graph=in_place)
     _write(kv, layer, table, pos, k, v, write)
-    if T == 1 and kv.paged_attention_supported(attn.n_heads):
+    if in_place:
         o = kv.decode_attention(layer, q, table, pos[:, 0] + 1, attn.scale)
         return attn.finish(o, gate)
     span = width * page
@@ -94,13 +93,19 @@ def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int
     return attn.finish(o.transpose(1, 2).reshape(B * T, attn.n_heads, attn.head_dim), gate)
 
 
-def page_table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int,
+def reads_in_place(attn, kv, T: int) -> bool:
+    """Whether :func:`paged_attention` of ``T`` queries per lane reads ``kv``'s pages with the
+    paged decode kernel (one query per lane, a pool the kernel reads) rather than gathering."""
+    return T == 1 and kv.paged_attention_supported(attn.n_heads)
+
+
+def page_table(attn, kv, tables: Sequence[Sequence[int]], last_pos: Sequence[int], T: int,
                device) -> tuple[torch.Tensor, int]:
     """The padded page table ``[B, width]`` (and its width) covering position ``last_pos[b]`` of
-    each lane, for :func:`paged_attention`'s ``table`` on the paged decode kernel: its width is a
-    power of two (at least 8), the widths the warm-up compiles that kernel for (decode's tables),
-    so a draft step compiles nothing while serving."""
-    return _table(tables, last_pos, page, device, pow2=True)
+    each lane, for :func:`paged_attention` of ``T`` queries per lane. Where the paged decode
+    kernel reads it, its width is a decode graph's (a power of two, >= 8), the widths the warm-up
+    compiles that kernel for, so a draft step compiles nothing while serving."""
+    return _table(tables, last_pos, kv.page_tokens, device, graph=reads_in_place(attn, kv, T))
 
 
 #: the verify pass's result (logits, hidden, features, per-column windows and states)

@@ -106,13 +106,25 @@ def test_benchmark_repeats_interleaved_with_per_backend_k(tmp_path):
 
 
 def test_draft_page_table_has_a_decode_graph_width():
-    """MTP's draft steps read the pages with the paged decode kernel through one page table per
-    round: its width must be one the warm-up compiled that kernel for (a power of two, >= 8), or
-    a served round compiles a kernel (the GPU test test_cuda_spec_warmup_covers_serving)."""
+    """Where the paged decode kernel reads the pages (one query per lane), the page table's width
+    must be one the warm-up compiled that kernel for (a decode graph's: a power of two, >= 8), or
+    a served draft step compiles a kernel (the GPU test test_cuda_spec_warmup_covers_serving); a
+    gathered span keeps the pages it needs."""
+    from types import SimpleNamespace
+
     from hpc_cli.speculative.ops import page_table
 
-    table, width = page_table([[5, 6, 7], [9]], [130, 10], 64, "cpu")
+    class InPlacePool:
+        page_tokens = 64
+
+        def paged_attention_supported(self, num_heads: int) -> bool:
+            return True
+
+    attn = SimpleNamespace(n_heads=8)
+    table, width = page_table(attn, InPlacePool(), [[5, 6, 7], [9]], [130, 10], 1, "cpu")
     assert width == 8 and table.shape == (2, 8)
     assert table[0].tolist() == [5, 6, 7, 5, 5, 5, 5, 5] and table[1].tolist() == [9] * 8
-    _, width = page_table([list(range(20))], [64 * 9], 64, "cpu")
+    _, width = page_table(attn, InPlacePool(), [list(range(20))], [64 * 9], 1, "cpu")
     assert width == 16
+    table, width = page_table(attn, InPlacePool(), [[5, 6, 7], [9]], [130, 10], 4, "cpu")  # gathered
+    assert width == 3 and table[1].tolist() == [9, 9, 9]
