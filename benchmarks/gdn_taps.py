@@ -74,7 +74,7 @@ def main() -> None:
         for a, b in passes:
             out = model.prefill(tokens[a:b], a, table, 0, kv, states, taps=[p for p in taps if a < p < b])
             for image in out.taps:
-                states.write_image(slot, image.conv, image.recurrent, image.hidden)
+                states.write_image(slot, image)
                 slot += 1
 
     def split():

@@ -76,7 +76,8 @@ class HybridMode(CacheMode):
                              coalesce=o.coalesce and context.concurrent_prefill,
                              coalesce_wait_limit=context.pending_timeout_s / 2.0,
                              # a speculative backend's state is not tapped inside a pass: split there
-                             in_pass_taps=0 if context.speculative else tap_capacity(context.model.device))
+                             in_pass_taps=0 if context.speculative else tap_capacity(
+                                 context.model.device, context.model.config.linear_key_head_dim))
 
 
 class LegacyOptions(BaseModel):

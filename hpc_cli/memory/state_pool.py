@@ -17,11 +17,14 @@ GDN layer conv then recurrent, then the hidden, then the backend parts.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
 from hpc_cli.memory.cudart import load_cudart
+
+if TYPE_CHECKING:
+    from hpc_cli.model.model import TapImage
 
 
 class StateSlots:
@@ -85,17 +88,21 @@ class StateSlots:
         for t in self.extra.values():
             t[slot].zero_()
 
-    def write_image(self, slot: int, conv: Sequence[torch.Tensor], recurrent: Sequence[torch.Tensor],
-                    hidden: torch.Tensor) -> None:
-        """Write a state image taken inside a prefill pass (``hpc_cli.model.model.TapImage``'s
-        parts) into ``slot``; backend parts are zeroed (a pass with backend parts takes no such
-        taps)."""
-        assert len(conv) == len(recurrent) == self.num_gdn_layers, \
-            f"an image of {len(conv)} GDN layers for a pool of {self.num_gdn_layers}"
-        for g, (c, r) in enumerate(zip(conv, recurrent)):
-            self.conv[g][slot].copy_(c)
-            self.recurrent[g][slot].copy_(r)
-        self.hidden[slot].copy_(hidden)
+    def write_image(self, slot: int, image: "TapImage") -> None:
+        """Write a state image taken inside a prefill pass (:class:`hpc_cli.model.model.TapImage`)
+        into ``slot``: one copy per stacked tensor where the pass left the image stacked over the
+        GDN layers, else one per layer; backend parts are zeroed (a pass with backend parts
+        takes no such taps)."""
+        assert len(image.conv) == len(image.recurrent) == self.num_gdn_layers, \
+            f"an image of {len(image.conv)} GDN layers for a pool of {self.num_gdn_layers}"
+        if image.conv_stack is not None and image.recurrent_stack is not None:
+            self.conv_all[:, slot].copy_(image.conv_stack)
+            self.recurrent_all[:, slot].copy_(image.recurrent_stack)
+        else:
+            for g, (c, r) in enumerate(zip(image.conv, image.recurrent)):
+                self.conv[g][slot].copy_(c)
+                self.recurrent[g][slot].copy_(r)
+        self.hidden[slot].copy_(image.hidden)
         for t in self.extra.values():
             t[slot].zero_()
 

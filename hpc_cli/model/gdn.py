@@ -304,34 +304,21 @@ class GatedDeltaNet(nn.Module):
         core, state = gated_delta_prefill(q, k, v, g, beta, rec_state.unsqueeze(0), self.use_fla)
         return self._finish(core[0], z), new_conv, state[0]
 
-    def prefill_spread(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, rows: "ValidRows",
-                       spread: "SpreadRows", tap_states: torch.Tensor, tap_conv: torch.Tensor):
-        """:meth:`prefill` with ``rows`` on the device, also taking the taps of ``spread`` (the
-        graph form of :meth:`prefill_tapped`, no host value read): the state after each run goes
-        to ``tap_states`` ``[slots + 1, H_v, d_k, d_v]`` (the taps, then the pass's final state),
-        each tap's conv window to ``tap_conv`` ``[slots, conv_dim, kernel-1]``. Returns the output,
-        the new conv window and the final state (a view of ``tap_states``)."""
-        from hpc_cli.model.gdn_taps import spread as put, spread_states
+    def prefill_taps(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, rows: "ValidRows",
+                     taps: torch.Tensor, conv_cols: torch.Tensor, tap_states: torch.Tensor, tap_conv: torch.Tensor):
+        """:meth:`prefill` with ``rows`` on the device, also taking the taps at the offsets
+        ``taps`` (``[slots]`` on the device, ``0`` for a slot not used; the graph form of
+        :meth:`prefill_tapped`, through :func:`hpc_cli.model.gdn_taps.tap_rule`): the state
+        after each tap goes to ``tap_states`` ``[slots + 1, H_v, d_k, d_v]`` (the last row is
+        the pass's final state), each tap's conv window (its window columns ``conv_cols``
+        ``[slots, kernel-1]``) to ``tap_conv`` ``[slots, conv_dim, kernel-1]``. Returns the
+        output, the new conv window and the final state (a view of ``tap_states``)."""
+        from hpc_cli.model.gdn_taps import tap_rule
 
         window, new_conv, z, q, k, v, g, beta = self._mix_padded(x, conv_state, None, rows)
-        spread_rows = [put(y, spread.rows, spread.size) for y in (q, k, v, g, beta)]
-        core = spread_states(*spread_rows, rec_state.unsqueeze(0), spread.bounds, tap_states, self.use_fla)
-        tap_conv.copy_(window[:, spread.conv_cols].permute(1, 0, 2))
-        return self._finish(core.index_select(1, spread.rows)[0], z), new_conv, tap_states[-1]
-
-
-class SpreadRows:
-    """A pass's spread layout on the device (:class:`hpc_cli.model.gdn_taps.SpreadLayout`):
-    ``rows`` ``[L]`` each row's spread row, ``bounds`` ``[slots + 2]`` the runs' bounds,
-    ``conv_cols`` ``[slots, kernel-1]`` each tap's conv window columns, ``size`` the spread length."""
-
-    __slots__ = ("rows", "bounds", "conv_cols", "size")
-
-    def __init__(self, rows: torch.Tensor, bounds: torch.Tensor, conv_cols: torch.Tensor, size: int) -> None:
-        self.rows = rows
-        self.bounds = bounds
-        self.conv_cols = conv_cols
-        self.size = size
+        core = tap_rule(q, k, v, g, beta, rec_state.unsqueeze(0), taps, tap_states, self.use_fla)
+        tap_conv.copy_(window[:, conv_cols].permute(1, 0, 2))
+        return self._finish(core[0], z), new_conv, tap_states[-1]
 
 
 class ValidRows:

@@ -51,6 +51,10 @@ class TapImage:
     conv: list[torch.Tensor]
     recurrent: list[torch.Tensor]
     hidden: torch.Tensor
+    #: the same conv windows and states stacked over the GDN layers (``[G, ...]`` views, where the
+    #: pass left them in one tensor each: a snapshot slot takes them in one copy each)
+    conv_stack: torch.Tensor | None = None
+    recurrent_stack: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from hpc_cli.model.gdn import SpreadRows, ValidRows
-from hpc_cli.model.gdn_taps import CHUNK, spread_layout
+from hpc_cli.model.gdn import ValidRows
 
 if TYPE_CHECKING:
     from hpc_cli.memory.kv_pool import PagedKVStorage
@@ -55,9 +54,8 @@ class PrefillIndex:
     paths that read host values (the gather + SDPA attention).
 
     A pass with room for ``slots`` taps (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) also
-    carries ``spread`` ``[L]`` (each row's spread row), ``bounds`` ``[slots + 2]`` (the runs'
-    bounds), ``tap_pos`` ``[slots]`` (each tap's offset in the pass) and ``tap_last`` ``[slots]``
-    (the row before it, whose hidden the tap keeps); a slot not used holds offset 0."""
+    carries ``tap_pos`` ``[slots]`` (each tap's offset in the pass, in order) and ``tap_last``
+    ``[slots]`` (the row before it, whose hidden the tap keeps); a slot not used holds offset 0."""
 
     L: int
     W: int
@@ -72,8 +70,6 @@ class PrefillIndex:
     conv_index: torch.Tensor
     host: tuple[int, int] | None = None
     slots: int = 0
-    spread: torch.Tensor | None = None
-    bounds: torch.Tensor | None = None
     tap_pos: torch.Tensor | None = None
     tap_last: torch.Tensor | None = None
 
@@ -101,10 +97,12 @@ class PrefillIndex:
         conv = n + torch.arange(conv_taps, dtype=torch.long)
         parts = [padded, pos, write, pages, tail, conv]
         if slots:
-            layout = spread_layout(n, taps, L, slots)
+            taps = list(taps)
+            assert len(taps) <= slots, f"{len(taps)} taps do not fit {slots} slots"
+            assert all(0 < p < n for p in taps) and taps == sorted(set(taps)), \
+                f"taps {taps} not sorted inside (0, {n})"
             offsets = [*taps, *([0] * (slots - len(taps)))]
-            parts += [torch.tensor(layout.rows, dtype=torch.long), torch.tensor(layout.bounds, dtype=torch.long),
-                      torch.tensor(offsets, dtype=torch.long), torch.tensor([max(0, o - 1) for o in offsets])]
+            parts += [torch.tensor(offsets, dtype=torch.long), torch.tensor([max(0, o - 1) for o in offsets])]
         else:
             assert not taps, "a pass with taps needs tap slots"
         return torch.cat(parts)
@@ -112,13 +110,13 @@ class PrefillIndex:
     @classmethod
     def view(cls, packed: torch.Tensor, L: int, W: int, host: tuple[int, int] | None = None,
              slots: int = 0) -> "PrefillIndex":
-        extra = L + 3 * slots + 2 if slots else 0
+        extra = 2 * slots
         k1 = packed.shape[0] - (3 * L + W + 4) - extra
         tokens, positions, write, pages, tail, conv, rest = torch.split(packed, [L, L, L, W, 4, k1, extra])
         idx = cls(L, W, packed, tokens, positions, write, pages, tail[0:2], tail[2:3], tail[3:4], conv, host)
         if slots:
             idx.slots = slots
-            idx.spread, idx.bounds, idx.tap_pos, idx.tap_last = torch.split(rest, [L, slots + 2, slots, slots])
+            idx.tap_pos, idx.tap_last = torch.split(rest, [slots, slots])
         return idx
 
     @classmethod
@@ -141,25 +139,30 @@ class PrefillCoreOut:
 
 
 class TapBuffers:
-    """Where a pass with tap slots leaves its images: per GDN layer the state after each run
-    (``[slots + 1, H_v, d_k, d_v]`` fp32, the last is the pass's final state) and each tap's conv
-    window (``[slots, conv_dim, kernel-1]``), and each tap's hidden (``[slots, hidden]``). One set
-    per model, shared by its graphs: a pass's images are views of it, read (copied into snapshot
-    slots) before the next pass runs."""
+    """Where a pass with tap slots leaves its images: the GDN layers' states after each tap and
+    the pass's final state (``recurrent_all`` ``[G, slots + 1, H_v, d_k, d_v]`` fp32, per layer a
+    view ``recurrent[g]``), each tap's conv windows (``conv_all`` ``[G, slots, conv_dim,
+    kernel-1]``, ``conv[g]``) and each tap's hidden (``[slots, hidden]``). One set per model,
+    shared by its graphs: a pass's images are views of it, read (copied into snapshot slots,
+    one copy per stacked tensor) before the next pass runs."""
 
     def __init__(self, model: "HybridModel", slots: int) -> None:
         gdn = [layer.linear_attn for layer in model.layers if layer.kind == "linear_attention"]
         dev = model.device
         self.slots = slots
-        self.recurrent = [torch.zeros(slots + 1, m.n_v, m.d_k, m.d_v, dtype=torch.float32, device=dev) for m in gdn]
-        self.conv = [torch.zeros(slots, m.conv_dim, m.kernel - 1, dtype=model.dtype, device=dev) for m in gdn]
+        m = gdn[0]
+        self.recurrent_all = torch.zeros(len(gdn), slots + 1, m.n_v, m.d_k, m.d_v, dtype=torch.float32, device=dev)
+        self.conv_all = torch.zeros(len(gdn), slots, m.conv_dim, m.kernel - 1, dtype=model.dtype, device=dev)
+        self.recurrent = list(self.recurrent_all.unbind(0))
+        self.conv = list(self.conv_all.unbind(0))
         self.hidden = torch.zeros(slots, model.config.hidden_size, dtype=model.dtype, device=dev)
 
     def images(self, start: int, offsets: Sequence[int]) -> "list[TapImage]":
         """The images of the taps at ``offsets`` (in slot order) of a pass that began at ``start``."""
         from hpc_cli.model.model import TapImage
 
-        return [TapImage(start + o, [c[j] for c in self.conv], [r[j] for r in self.recurrent], self.hidden[j])
+        return [TapImage(start + o, [c[j] for c in self.conv], [r[j] for r in self.recurrent], self.hidden[j],
+                         conv_stack=self.conv_all[:, j], recurrent_stack=self.recurrent_all[:, j])
                 for j, o in enumerate(offsets)]
 
 
@@ -175,11 +178,10 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
     dev = model.device
     mask = torch.arange(L, device=dev) < idx.meta[1]
     rows = ValidRows(mask, idx.conv_index)
-    spread = None
+    cols = None
     if idx.slots:
         assert taps is not None and taps.slots == idx.slots, "a pass with tap slots needs its tap buffers"
         cols = idx.tap_pos.view(-1, 1) + torch.arange(idx.conv_index.shape[0], device=dev)
-        spread = SpreadRows(idx.spread, idx.bounds, cols, L + CHUNK * idx.slots)
     cos, sin = model.rotary.cos_sin(idx.positions, model.dtype)
     paged = kv.paged_attention_supported(model.config.num_attention_heads)
     x = model._embed(idx.tokens)
@@ -189,12 +191,12 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
         if layer.kind == "linear_attention":
             g = model.state_index[i]
             conv, rec = states.conv[g], states.recurrent[g]
-            if spread is None:
+            if cols is None:
                 out, new_conv, new_rec = layer.linear_attn.prefill(h, conv.index_select(0, slot)[0],
                                                                    rec.index_select(0, slot)[0], rows=rows)
             else:
-                out, new_conv, new_rec = layer.linear_attn.prefill_spread(
-                    h, conv.index_select(0, slot)[0], rec.index_select(0, slot)[0], rows, spread,
+                out, new_conv, new_rec = layer.linear_attn.prefill_taps(
+                    h, conv.index_select(0, slot)[0], rec.index_select(0, slot)[0], rows, idx.tap_pos, cols,
                     taps.recurrent[g], taps.conv[g])
             conv.index_copy_(0, slot, new_conv.unsqueeze(0).to(conv.dtype))
             rec.index_copy_(0, slot, new_rec.unsqueeze(0).to(rec.dtype))
@@ -216,7 +218,7 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
             out = attn.finish(o, gate)
         x = x + out
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    if spread is not None:
+    if cols is not None:
         taps.hidden.copy_(model.norm(x.index_select(0, idx.tap_last)))
     x = model.norm(x.index_select(0, idx.last))
     states.hidden.index_copy_(0, slot, x.to(states.hidden.dtype))

@@ -18,7 +18,7 @@ device indices only, so its kernels can be captured once per shape and replayed:
   used with other pools drops its graphs, as its decode graphs do (:mod:`hpc_cli.model.graphs`).
 * A pass with exact taps inside it (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) runs a
   graph of the same length with :data:`~hpc_cli.model.gdn_taps.TAP_SLOTS` tap slots (key
-  ``slots``): its GDN layers spread their rows and leave the tap images in the model's
+  ``slots``): its GDN layers take the taps read from the index and leave the tap images in the model's
   :class:`~hpc_cli.model.prefill_core.TapBuffers`, which the caller copies out before the next pass.
 * Used where the column graphs are (dense models on CUDA, a pool the paged kernel reads, ``[engine]
   cuda_graphs``), for plain passes: a pass that wants every position's logits or hidden, captured
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from hpc_cli.model.graphs import capture_graph, pool_serials
-from hpc_cli.model.gdn_taps import TAP_SLOTS, fla_spread_supported
+from hpc_cli.model.gdn_taps import tap_capacity
 from hpc_cli.model.prefill_core import PrefillCoreOut, PrefillIndex, TapBuffers, prefill_core, table_width
 
 if TYPE_CHECKING:
@@ -66,8 +66,9 @@ class PrefillGraphs:
         self.replays = 0
         self.captures = 0
         self.eager = 0
-        #: taps a pass takes itself (0 where fla's kernels are missing: the pass splits at each)
-        self.tap_slots = TAP_SLOTS if fla_spread_supported() else 0
+        #: taps a pass takes itself (0 where fla's kernels or the tap recurrence do not take the
+        #: model: the pass splits at each)
+        self.tap_slots = tap_capacity(model.device, model.config.linear_key_head_dim) if model.device.type == "cuda" else 0
         self.tap_buffers: TapBuffers | None = None
 
     def _key(self, L: int, W: int, slots: int, kv: "PagedKVStorage", states: "StateSlots") -> tuple:

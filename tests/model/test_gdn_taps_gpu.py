@@ -1,8 +1,8 @@
-"""The zero-split tap on CUDA (spec §13.2 qualification): fla's chunk kernels over spread rows,
-the state recurrence run per run. Each tap equals a truncated call on the same phase bit for bit,
-the output equals the pass split at the taps, phase 0 (no tap) equals fla's own call, and every
-tap is within bf16 rounding of an fp64 token-by-token recurrence. Then whole passes: a prefill
-graph with tap slots equals the eager tapped pass."""
+"""The zero-split tap on CUDA (spec §13.2 qualification): fla's chunk kernels with the tap
+recurrence (hpc_kernels.gdn_state_taps) in place of fla's state recurrence. With or without taps
+the output and the final state are fla's own call's bit for bit; each tap equals a call truncated
+at it (the same phase) bit for bit, and is within bf16 rounding of an fp64 token-by-token
+recurrence. Then whole passes: a prefill graph with tap slots equals the eager tapped pass."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ HK, HV, D = 16, 48, 128
 def _needs_fla():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from hpc_cli.model.gdn_taps import fla_spread_supported
+    from hpc_cli.model.gdn_taps import fla_taps_supported
 
-    if not fla_spread_supported():
+    if not fla_taps_supported(D):
         pytest.skip("needs fla's chunk kernels")
 
 
@@ -59,16 +59,19 @@ def _split(xs, taps):
 
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 2048, 4096])
 def test_no_tap_is_flas_own_call(t):
-    """Phase 0: the spread rule with no tap is fla's chunk_gated_delta_rule, bit for bit."""
+    """Phase 0: the tap rule is fla's chunk_gated_delta_rule bit for bit, with its four slots
+    unused and with taps (a tap changes neither the output nor the final state)."""
     _needs_fla()
     from hpc_cli.model.gdn import gated_delta_prefill
-    from hpc_cli.model.gdn_taps import fla_spread_rule
+    from hpc_cli.model.gdn_taps import fla_tap_rule
 
     xs = _inputs(t)
     ref_o, ref_s = gated_delta_prefill(*xs)
-    states = torch.empty(1, HV, D, D, device="cuda")
-    out = fla_spread_rule(*xs[:5], xs[5], torch.tensor([0, t], device="cuda"), states)
-    assert torch.equal(out, ref_o) and torch.equal(states[0], ref_s[0])
+    for taps in ([0, 0, 0, 0], sorted({1, t // 2, t - 1} - {0})[:4] + [0] * 4):
+        taps = taps[:4]
+        states = torch.empty(5, HV, D, D, device="cuda")
+        out = fla_tap_rule(*xs[:5], xs[5], torch.tensor(taps, device="cuda"), states)
+        assert torch.equal(out, ref_o) and torch.equal(states[4], ref_s[0]), f"taps {taps}"
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,29 +80,29 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("t", [65, 2048, 4096])
 def test_taps_equal_truncated_calls(t):
-    """Taps at several phases: each tap state equals the truncated call's final state (the same
-    rule on the rows up to the tap, padded as the engine pads, with the earlier taps) bit for bit,
-    and the output and states equal the pass split at the taps. This needs fla's q/k l2norm to run
-    one launch configuration whatever the row count (the shipped configurations pin it): with
-    configurations tuned per row-count bucket, taps 63 and 64 of T=2048 differed from the truncated
-    calls by 2e-5 (relative) on an H200 while T=65 was bit-identical."""
+    """Taps at several phases: each tap state equals the final state of fla's own call on the
+    rows up to the tap (padded as the engine pads) bit for bit; the output and final state equal
+    fla's own call on the whole pass, and a pass split at the taps within bf16 rounding. This
+    needs fla's q/k l2norm to run one launch configuration whatever the row count (the shipped
+    configurations pin it)."""
     _needs_fla()
+    from hpc_cli.model.gdn import gated_delta_prefill
     from hpc_cli.model.gdn_taps import tapped_rule
 
     xs = _inputs(t, seed=t)
     taps = sorted({1, 63, 64, t // 3, t // 2 + 17, t - 1} - {0, t})
     out, final, states = tapped_rule(*_cut(xs, 0, t, pad=True), xs[5], taps)
     out = out[:, :t]
+    own_o, own_s = gated_delta_prefill(*_cut(xs, 0, t, pad=True), xs[5])
+    assert torch.equal(out, own_o[:, :t]) and torch.equal(final, own_s), "the pass differs from fla's own call"
     ref_out, ref_states = _split(xs, taps)
     errors = {"output": _rel(out, ref_out), "final": _rel(final, ref_states[-1]),
               **{f"tap {p}": _rel(states[j], ref_states[j]) for j, p in enumerate(taps)}}
     print(f"T={t} against the split pass: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     for j, p in enumerate(taps):
-        _, trunc, _ = tapped_rule(*_cut(xs, 0, p, pad=True), xs[5], taps[:j])
+        _, trunc = gated_delta_prefill(*_cut(xs, 0, p, pad=True), xs[5])
         assert torch.equal(states[j], trunc), f"tap {p} differs from the truncated call: {_rel(states[j], trunc):.2e}"
     assert max(errors.values()) < 1e-2, errors
-    assert torch.equal(out, ref_out) and torch.equal(final, ref_states[-1]), errors
-    assert all(torch.equal(states[j], ref_states[j]) for j in range(len(taps))), errors
 
 
 def _fp64_states(xs, t: int) -> dict[int, torch.Tensor]:
@@ -129,7 +132,7 @@ def test_every_phase_against_an_fp64_recurrence():
     worst = 0.0
     for phase in range(64):
         p = 64 + phase
-        _, _, states = tapped_rule(*xs[:5], xs[5], [p])
+        _, _, states = tapped_rule(*_cut(xs, 0, t, pad=True), xs[5], [p])
         _, trunc, _ = tapped_rule(*_cut(xs, 0, p, pad=True), xs[5], [])
         assert torch.equal(states[0], trunc), f"phase {phase}: tap differs from the truncated call"
         err = float((states[0][0].double() - ref[p]).norm() / ref[p].norm())

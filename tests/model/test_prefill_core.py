@@ -104,19 +104,15 @@ def test_indexed_pass_with_tap_slots_equals_the_tapped_pass(tiny, tokens, taps):
 
 
 def test_spread_layout():
-    """Each run starts at a chunk boundary; the pass's padding rows follow the last run; no run
-    ends in a partial chunk; a slot not used is one identity chunk."""
+    """Each run starts at a chunk boundary and no run ends in a partial chunk; a tap on the grid
+    adds no row."""
     from hpc_cli.model.gdn_taps import spread_layout
 
-    lay = spread_layout(100, [10, 64, 70], L=128, slots=4)
-    assert lay.starts == [0, 64, 128, 192] and lay.size == 128 + 4 * 64
+    lay = spread_layout(100, [10, 64, 70])
+    assert lay.starts == [0, 64, 128, 192] and lay.size == 256 and lay.tap_chunks == [1, 2, 3]
     assert lay.rows[:10] == list(range(10)) and lay.rows[10:64] == list(range(64, 118))
     assert lay.rows[64:70] == list(range(128, 134)) and lay.rows[70:100] == list(range(192, 222))
-    assert lay.rows[100:] == list(range(222, 250))
-    # the last run ends at 250, identity rows up to 256; the free slot is one identity chunk
-    assert lay.bounds == [0, 64, 128, 192, 256, 384] and lay.tap_chunks == [1, 2, 3]
     exact = spread_layout(100, [64])
     assert exact.rows == list(range(100)) and exact.size == 128  # a tap on the grid adds no row
-    assert spread_layout(128, [1, 2, 3, 4], L=128, slots=4).bounds == [0, 64, 128, 192, 256, 384]
-    with pytest.raises(AssertionError, match="do not fit"):
-        spread_layout(100, [1, 2, 3, 4, 5], L=128, slots=4)
+    with pytest.raises(AssertionError, match="not sorted"):
+        spread_layout(100, [70, 10])

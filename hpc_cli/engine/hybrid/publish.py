@@ -60,7 +60,7 @@ class Publish(BindingParts):
             if image is None:
                 self.states.copy_slot(lane.state_slot, self.snap_phys[k])
             else:
-                self.states.write_image(self.snap_phys[k], image.conv, image.recurrent, image.hidden)
+                self.states.write_image(self.snap_phys[k], image)
             if tail_len:
                 page = self._alloc_cache_page()
                 if page is None:
