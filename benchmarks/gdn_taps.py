@@ -2,14 +2,17 @@
 
 * ``plain``: a cold prompt of ``--tokens`` in passes of ``--chunk``, no tap;
 * ``in_pass``: the same passes taking ``--taps`` exact taps inside them (the zero-split tap:
-  a prefill graph with tap slots), each tap's image copied into a snapshot slot after its pass;
+  a prefill graph with tap slots), each tap's image written by the pass into a state slot of its
+  own (the engine makes that slot the snapshot's: no copy);
 * ``split``: the same taps taken as before, by ending a pass at each tap and copying the lane's
   state slot into a snapshot slot (``StateSlots.copy_slot``);
 * ``copy``: that snapshot copy alone.
 
-Prints JSON with the median seconds of each and ``tap_cost_over_copy`` (``(in_pass - plain) /
-taps`` over one copy: the goal is <= 1.1) and ``in_pass_throughput`` (``plain / in_pass``, the
-goal >= 0.97 with 8 taps in 8k tokens).
+The variants take turns within each round (``--repeat`` rounds), and a tap's cost is the median
+over rounds of ``(in_pass - plain) / taps``; ``pass_tap_s`` measures it again on the first pass
+alone (``4 x --repeat`` rounds of one pass with its taps and without). Prints JSON with the median
+seconds of each, ``tap_cost_over_copy`` (a tap's cost over one copy: the goal is <= 1.1) and
+``in_pass_throughput`` (``plain / in_pass``, the goal >= 0.97 with 8 taps in 8k tokens).
 
     python benchmarks/gdn_taps.py --model builtin:qwen3.5-27b-shape@8 --kv-profile int8-g64
 """
@@ -23,19 +26,33 @@ import statistics
 import torch
 
 
-def _timed(fn, repeat: int) -> float:
+def _time_once(fn) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
     fn()
-    fn()  # the first two runs of a shape compile and capture its graphs
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1000
+
+
+def _paired(fns: dict, repeat: int) -> dict[str, list[float]]:
+    """Each function's seconds over ``repeat`` rounds, the functions taking turns within a round
+    (in a rotating order), so slow drifts of the clock fall on all of them alike; two warm runs
+    first (the first runs of a shape compile and capture its graphs)."""
+    for fn in fns.values():
         fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1000)
-    return statistics.median(times)
+        fn()
+    torch.cuda.synchronize()
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeat):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            times[n].append(_time_once(fns[n]))
+    return times
+
+
+def _median_diff(a: list[float], b: list[float]) -> float:
+    return statistics.median(y - x for x, y in zip(a, b))
 
 
 def main() -> None:
@@ -45,10 +62,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--taps", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=15)
     args = ap.parse_args()
 
-    from hpc_cli.model.model import HybridModel
+    from hpc_cli.model.model import HybridModel, TapImage
 
     model = HybridModel.from_name_or_path(args.model, dtype=torch.bfloat16, device="cuda")
     n, chunk = args.tokens, args.chunk
@@ -70,12 +87,9 @@ def main() -> None:
 
     def in_pass():
         states.reset(0)
-        slot = 2
         for a, b in passes:
-            out = model.prefill(tokens[a:b], a, table, 0, kv, states, taps=[p for p in taps if a < p < b])
-            for image in out.taps:
-                states.write_image(slot, image)
-                slot += 1
+            model.prefill(tokens[a:b], a, table, 0, kv, states,
+                          taps=[TapImage(p, 2 + j) for j, p in enumerate(taps) if a < p < b])
 
     def split():
         states.reset(0)
@@ -92,18 +106,34 @@ def main() -> None:
         for j in range(args.taps):
             states.copy_slot(0, 2 + j)
 
+    one = passes[0]
+    one_taps = [p for p in taps if one[0] < p < one[1]]
+
+    def pass_plain():
+        states.reset(0)
+        model.prefill(tokens[one[0]:one[1]], one[0], table, 0, kv, states)
+
+    def pass_tapped():
+        states.reset(0)
+        model.prefill(tokens[one[0]:one[1]], one[0], table, 0, kv, states,
+                      taps=[TapImage(p, 2 + j) for j, p in enumerate(one_taps)])
+
     out = {"model": args.model, "kv_profile": args.kv_profile, "tokens": n, "chunk": chunk, "taps": taps,
-           "device": torch.cuda.get_device_name()}
-    out["plain_s"] = _timed(plain, args.repeat)
-    out["in_pass_s"] = _timed(in_pass, args.repeat)
-    out["split_s"] = _timed(split, args.repeat)
-    out["copy_s"] = _timed(copy, args.repeat) / args.taps
+           "repeat": args.repeat, "device": torch.cuda.get_device_name()}
+    whole = _paired({"plain": plain, "in_pass": in_pass, "split": split, "copy": copy}, args.repeat)
+    single = _paired({"pass_plain": pass_plain, "pass_tapped": pass_tapped}, 4 * args.repeat)
+    for name, ts in {**whole, **single}.items():
+        out[f"{name}_s"] = statistics.median(ts)
+    out["copy_s"] /= args.taps
     graphs = model.prefill_graphs(kv)
     out["graph_replays"] = graphs.replays if graphs is not None else 0
     out["tap_slots"] = graphs.tap_slots if graphs is not None else 0
-    out["tap_s"] = (out["in_pass_s"] - out["plain_s"]) / len(taps)
-    out["split_tap_s"] = (out["split_s"] - out["plain_s"]) / len(taps)
+    # a tap's cost: the median over rounds of the difference to the plain passes in that round
+    out["tap_s"] = _median_diff(whole["plain"], whole["in_pass"]) / len(taps)
+    out["split_tap_s"] = _median_diff(whole["plain"], whole["split"]) / len(taps)
+    out["pass_tap_s"] = _median_diff(single["pass_plain"], single["pass_tapped"]) / len(one_taps)
     out["tap_cost_over_copy"] = out["tap_s"] / out["copy_s"]
+    out["pass_tap_cost_over_copy"] = out["pass_tap_s"] / out["copy_s"]
     out["in_pass_throughput"] = out["plain_s"] / out["in_pass_s"]
     out["split_throughput"] = out["plain_s"] / out["split_s"]
     print(json.dumps(out, indent=1))

@@ -26,19 +26,20 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=18)
     args = ap.parse_args()
 
-    from hpc_cli.model.model import HybridModel
+    from hpc_cli.model.model import HybridModel, TapImage
 
     model = HybridModel.from_name_or_path(args.model, dtype=torch.bfloat16, device="cuda")
     start, n = args.context, args.tokens
     pages = -(-(start + n) // 64)
-    kv, states = model.new_kv_storage(args.kv_profile, pages + 1), model.new_state_slots(2)
+    kv, states = model.new_kv_storage(args.kv_profile, pages + 1), model.new_state_slots(1 + args.taps)
     tokens = torch.randint(1, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
     table = list(range(pages))
     taps = [start + n * (j + 1) // (args.taps + 1) + 7 for j in range(args.taps)]
 
     def run(tapped: bool):
         states.reset(0)
-        model.prefill(tokens, start, table, 0, kv, states, taps=taps if tapped else ())
+        model.prefill(tokens, start, table, 0, kv, states,
+                      taps=[TapImage(p, 1 + j) for j, p in enumerate(taps)] if tapped else ())
 
     out = {"model": args.model, "tokens": n, "context": start, "taps": taps}
     for tapped in (False, True):

@@ -13,6 +13,7 @@ from hpc_cli.errors import ConfigError
 
 if TYPE_CHECKING:
     from hpc_cli.engine.binding import BindingContext, CacheBinding
+    from hpc_cli.model.model import HybridModel
     from hpc_cli.settings import HpcSettings
 
 
@@ -43,6 +44,12 @@ class CacheMode:
     def snapshot_slots(self, options: BaseModel, *, lanes: int, host: bool) -> int:
         """State slots this mode keeps beyond the lanes' own: the engine allocates ``lanes`` +
         this many and hands them over in :class:`~hpc_cli.engine.binding.BindingContext`."""
+        return 0
+
+    def tap_slots(self, options: BaseModel, *, model: "HybridModel", speculative: bool) -> int:
+        """State slots a prefill pass of this mode writes the images of its exact taps into
+        (the zero-split tap): the engine allocates them after :meth:`snapshot_slots` and hands
+        the count over in :class:`~hpc_cli.engine.binding.BindingContext` (``tap_slots``)."""
         return 0
 
     def build(self, context: "BindingContext") -> "CacheBinding":

@@ -15,10 +15,12 @@ lower-triangular, so rows before ``r`` do not depend on the rows after. That is 
 sequence truncated at the tap computes for its last (partial) chunk, in the same operations, so a
 tap equals that call's final state bit for bit, and the grid stays where it is: the pass runs the
 same kernels over the same rows as with no tap (one launch, no identity rows), and each tap adds
-one masked chunk update in the program that owns it, its fp32 state written straight out.
+one masked chunk update in the program that owns it, its fp32 state written straight into the
+state slot named for it (streaming stores: the state is not read again in this pass).
 
-``taps`` (``[S]`` int64 on the device, offsets in the sequence, ``0`` for a slot not used) are
-read by the kernel, so one compiled kernel and one CUDA graph serve every placement.
+``taps`` (``[S]`` int64 on the device, offsets in the sequence, ``0`` for a slot not used) and
+their destination slots ``dst`` are read by the kernel, so one compiled kernel and one CUDA graph
+serve every placement.
 :func:`state_taps_ref` is the torch twin (the same rounding points), used where Triton is not.
 """
 
@@ -64,7 +66,7 @@ if triton is not None:
         return _dot(b_k, b_vt, b_h * scale, F32)
 
     @triton.jit(do_not_specialize=["T"])
-    def _state_taps_kernel(k, u, w, g, h, v_new, h0, ht, taps, tap_out, T,
+    def _state_taps_kernel(k, u, w, g, h, v_new, h0, ht, taps, dst, tap_out, T,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                            BT: tl.constexpr, BV: tl.constexpr, SLOTS: tl.constexpr, F32: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
@@ -124,10 +126,12 @@ if triton is not None:
                     m_take = o_t < p
                     b_vt = (b_v * tl.where(m_take, tl.exp2(g_tap - b_g), 0)[:, None]).to(k.dtype.element_ty)
                     scale = tl.exp2(g_tap)
-                    out = tap_out + j * HV * KV + i_h * KV
-                    tl.store(out + state1, _chunk_tap(k_rows1, m_k1, m_take, b_vt, b_h1, scale, F32), mask=m_s1)
+                    out = tap_out + tl.load(dst + j) * HV * KV + i_h * KV
+                    tl.store(out + state1, _chunk_tap(k_rows1, m_k1, m_take, b_vt, b_h1, scale, F32), mask=m_s1,
+                             cache_modifier=".cs")
                     if K > 64:
-                        tl.store(out + state2, _chunk_tap(k_rows2, m_k2, m_take, b_vt, b_h2, scale, F32), mask=m_s2)
+                        tl.store(out + state2, _chunk_tap(k_rows2, m_k2, m_take, b_vt, b_h2, scale, F32),
+                                 mask=m_s2, cache_modifier=".cs")
             # leave the chunk
             g_last = tl.load(g + (tl.minimum(row0 + BT, T) - 1) * HV).to(tl.float32)
             b_v = (b_v * tl.where(m_t, tl.exp2(g_last - b_g), 0)[:, None]).to(k.dtype.element_ty)
@@ -145,29 +149,34 @@ if triton is not None:
 
 
 def state_taps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor, h0: torch.Tensor,
-               taps: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               taps: torch.Tensor, dst: torch.Tensor, dest: torch.Tensor,
+               final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence over one sequence. ``k`` ``[1, T, H, K]``, ``w`` ``[1, T, HV, K]``, ``u``
     ``[1, T, HV, V]`` (the WY representation), ``g`` ``[1, T, HV]`` fp32 (chunk-local cumulative
-    gate, log2 units), ``h0`` ``[1, HV, K, V]`` fp32, ``taps`` ``[S]`` int64 (offsets in ``(0, T]``,
-    ``0`` = unused), ``states`` ``[S + 1, HV, K, V]`` fp32: receives each used tap's state, then
-    the final state. Returns ``h`` ``[1, NT, HV, K, V]`` (each chunk's entering state, ``k``'s dtype)
-    and ``v_new`` (like ``u``). Triton where present (no host value read), else the torch twin."""
+    gate, log2 units), ``h0`` ``[1, HV, K, V]`` fp32; ``taps`` ``[S]`` int64 (offsets in ``(0, T]``,
+    ``0`` = unused) and ``dst`` ``[S]`` int64: tap ``j``'s state goes to ``dest[dst[j]]`` (``dest``
+    ``[N, HV, K, V]`` fp32, e.g. one GDN layer's state slots); the final state to ``final``
+    ``[1, HV, K, V]`` fp32. Returns ``h`` ``[1, NT, HV, K, V]`` (each chunk's entering state, in
+    ``k``'s dtype) and ``v_new`` (like ``u``). Triton where present (no host value read), else
+    the torch twin."""
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
     S = taps.shape[0]
     assert B == 1, "the tap recurrence runs one sequence"
-    assert states.shape == (S + 1, HV, K, V) and states.dtype == torch.float32, \
-        f"states {tuple(states.shape)} {states.dtype}, want {(S + 1, HV, K, V)} float32"
+    assert dst.shape == (S,), f"{S} taps with {tuple(dst.shape)} destinations"
+    assert dest.shape[1:] == (HV, K, V) and dest.dtype == torch.float32 and dest.is_contiguous(), \
+        f"tap destinations {tuple(dest.shape)} {dest.dtype}, want [N, {HV}, {K}, {V}] float32, contiguous"
+    assert final.shape == (1, HV, K, V) and final.dtype == torch.float32, f"final state {tuple(final.shape)}"
     if triton is None or (k.device.type != "cuda" and not _interpreting()):
-        return state_taps_ref(k, w, u, g, h0, taps, states)
+        return state_taps_ref(k, w, u, g, h0, taps, dst, dest, final)
     assert supported(K), f"key head dim {K} > {MAX_K}"
-    for x in (k, w, u, g, h0):
+    for x in (k, w, u, g, h0, final):
         assert x.is_contiguous(), "the tap recurrence reads contiguous inputs"
     n_chunks = -(-T // CHUNK)
     h = k.new_empty(1, n_chunks, HV, K, V)
     v_new = torch.empty_like(u)
     grid = (-(-V // BV) * HV,)
-    _state_taps_kernel[grid](k, u, w, g, h, v_new, h0, states[S], taps, states, T,
+    _state_taps_kernel[grid](k, u, w, g, h, v_new, h0, final, taps, dst, dest, T,
                              H=H, HV=HV, K=K, V=V, BT=CHUNK, BV=BV, SLOTS=S, F32=_interpreting(),
                              num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return h, v_new
@@ -180,7 +189,8 @@ def _interpreting() -> bool:
 
 
 def state_taps_ref(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor, h0: torch.Tensor,
-                   taps: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   taps: torch.Tensor, dst: torch.Tensor, dest: torch.Tensor,
+                   final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`state_taps` in torch: the same steps and rounding points (the state rounded to the
     inputs' dtype before ``w @ S``, the gated new values before ``k^T @ v'``), fp32 sums."""
     _, T, H, K = k.shape
@@ -195,18 +205,19 @@ def state_taps_ref(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.T
     h = k.new_empty(1, n_chunks, HV, K, V)
     v_new = torch.empty_like(u)
     offsets = [int(p) for p in taps.tolist()]
+    slots = [int(d) for d in dst.tolist()]
     for c in range(n_chunks):
         a, b = c * CHUNK, min(T, (c + 1) * CHUNK)
         h[0, c] = S.to(dt)
         v = uu[:, a:b] - ww[:, a:b].to(dt).float() @ S.to(dt).float()
         v_new[0, a:b] = v.transpose(0, 1).to(v_new.dtype)
         gc = gg[:, a:b]
-        for j, p in enumerate(offsets):
+        for p, d in zip(offsets, slots):
             if a < p <= a + CHUNK:
                 r = p - a
                 vt = (v[:, :r] * torch.exp2(gc[:, r - 1:r] - gc[:, :r])[..., None]).to(dt).float()
-                states[j] = S * torch.exp2(gc[:, r - 1])[:, None, None] + kk[:, a:a + r].transpose(1, 2) @ vt
+                dest[d] = S * torch.exp2(gc[:, r - 1])[:, None, None] + kk[:, a:a + r].transpose(1, 2) @ vt
         vt = (v * torch.exp2(gc[:, -1:] - gc)[..., None]).to(dt).float()
         S = S * torch.exp2(gc[:, -1])[:, None, None] + kk[:, a:b].transpose(1, 2) @ vt
-    states[-1] = S
+    final[0] = S
     return h, v_new

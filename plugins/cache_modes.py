@@ -60,10 +60,15 @@ class HybridMode(CacheMode):
             return options.device_snapshot_slots
         return _hybrid_defaults(lanes, 0, host)["device_snapshot_slots"]
 
+    def tap_slots(self, options: HybridOptions, *, model, speculative: bool) -> int:
+        # a speculative backend's state parts are not tapped inside a pass: it splits there
+        from hpc_cli.model.gdn_taps import tap_capacity
+
+        return 0 if speculative else tap_capacity(model.device, model.config.linear_key_head_dim)
+
     def build(self, context):
         from hpc_cli.cache.taps import TapPlanner
         from hpc_cli.engine.hybrid import HybridBinding
-        from hpc_cli.model.gdn_taps import tap_capacity
 
         o: HybridOptions = context.options
         planner = TapPlanner(chunk=context.prefill_chunk, tap_ladder_tokens=o.tap_ladder_tokens,
@@ -75,9 +80,7 @@ class HybridMode(CacheMode):
                              planner=planner, transfer_factory=context.transfer_factory,
                              coalesce=o.coalesce and context.concurrent_prefill,
                              coalesce_wait_limit=context.pending_timeout_s / 2.0,
-                             # a speculative backend's state is not tapped inside a pass: split there
-                             in_pass_taps=0 if context.speculative else tap_capacity(
-                                 context.model.device, context.model.config.linear_key_head_dim))
+                             tap_slots=context.tap_slots)
 
 
 class LegacyOptions(BaseModel):

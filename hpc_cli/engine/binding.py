@@ -12,7 +12,7 @@ retained at the end, and what goes under pressure. The calls, in a request's ord
     admit(lane, siblings)      pages, a state slot and a resume point for the FIFO head, or Blocked
     prefetch(lane)             the head stays blocked: start what makes its admission cheaper
     next_stop(lane, end)       where the next prefill pass must end (an exact capture point)
-    pass_taps(lane, end)       positions inside the pass whose state images the pass returns
+    pass_taps(lane, end)       the state images the pass takes inside itself (positions, slots)
     before_pass(lane, end)     before a prefill pass
     layer_ready(lane)          a per-layer wait for the lane's first pass (restores in flight), or None
     after_pass(lane, tapped)   after it: commit and capture what the pass reached (and its images)
@@ -75,8 +75,9 @@ class Blocked(Exception):
 class BindingContext:
     """What the engine gives a cache mode to build its binding from.
 
-    ``states`` holds ``lanes + snapshot_slots`` state slots: slots ``0 .. lanes-1`` are the
-    lanes' own, the rest the mode's (as many as :meth:`CacheMode.snapshot_slots` asked for).
+    ``states`` holds ``lanes + snapshot_slots + tap_slots`` state slots: slots ``0 .. lanes-1``
+    are the lanes' own, the rest the mode's (as many as :meth:`CacheMode.snapshot_slots` and
+    :meth:`CacheMode.tap_slots` asked for, in that order).
     ``options`` is the mode's options model (values the profile left unset may be ``None``: the
     mode fills them from this context, as its ``derive`` does from the settings)."""
 
@@ -94,6 +95,7 @@ class BindingContext:
     speculative: bool = False  # a drafting speculative backend is active
     concurrent_prefill: bool = False
     pending_timeout_s: float = 600.0
+    tap_slots: int = 0  # state slots a prefill pass writes its taps' images into (after snapshot_slots)
 
     def make_transfer(self, host: "HostSlabStorage") -> "TransferEngine":
         """The transfer engine between these pools and ``host`` (restores in forward order)."""
@@ -127,7 +129,7 @@ class CacheBinding(Protocol):
 
     def next_stop(self, lane: "Lane", end: int) -> int: ...
 
-    def pass_taps(self, lane: "Lane", end: int) -> Sequence[int]: ...
+    def pass_taps(self, lane: "Lane", end: int) -> Sequence["TapImage"]: ...
 
     def before_pass(self, lane: "Lane", end: int) -> None: ...
 

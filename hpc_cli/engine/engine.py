@@ -88,7 +88,8 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
                                     drafter_path=c.drafter)
         self.spec_backend = backend
         extra_parts = backend.state_extra_parts(model) if self.spec is not None else None
-        self.states = model.new_state_slots(self.C + mode_slots, extra_parts=extra_parts)
+        tap_slots = self.cache_mode.tap_slots(options, model=model, speculative=self.spec is not None)
+        self.states = model.new_state_slots(self.C + mode_slots + tap_slots, extra_parts=extra_parts)
         transfer_factory = c.transfer_factory
         if c.transfer_copy is not None:  # [cache] transfer_copy: the transfer engine's and the taps' method
             self.states.tap_method = "torch" if c.transfer_copy == "dma" else None
@@ -107,7 +108,8 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
             host_bytes=host_bytes, prefill_chunk=c.prefill_chunk, options=options,
             transfer_factory=transfer_factory or TransferEngine, backend_storage=self.backend_storage,
             frontier_lag=backend.frontier_lag if self.spec is not None else 0, speculative=self.spec is not None,
-            concurrent_prefill=c.concurrent_prefill, pending_timeout_s=c.pending_timeout_ms / 1000.0))
+            concurrent_prefill=c.concurrent_prefill, pending_timeout_s=c.pending_timeout_ms / 1000.0,
+            tap_slots=tap_slots))
         if self.spec is not None:
             self.spec.bind(self.storage, self.backend_storage, self.states)
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or cfg.eos_token_id or [])

@@ -99,11 +99,15 @@ def run_shapes(engine: "Engine", shapes: WarmupPlan,
     t0 = time.perf_counter()
     graphs = model.prefill_graphs(kv)
     # a pass that takes exact taps itself runs a graph with tap slots: warm those too
-    slots = min(graphs.tap_slots, getattr(engine.cache, "in_pass_taps", 0)) if graphs is not None else 0
+    from hpc_cli.model.model import TapImage
+
+    scratch = list(getattr(engine.cache, "tap_scratch", ()))
+    slots = min(graphs.tap_slots, getattr(engine.cache, "in_pass_taps", 0), len(scratch)) if graphs is not None else 0
     for n in shapes.prefill_lengths:
         tokens = [(7 * i + 3) % max(2, vocab - 1) + 1 for i in range(n)]
         table = [i % num_pages for i in range(-(-n // BLOCK_TOKENS))]
-        variants = [[]] + ([[n * (j + 1) // (slots + 1) for j in range(slots)]] if slots and n > slots else [])
+        variants = [[]] + ([[TapImage(n * (j + 1) // (slots + 1), scratch[j]) for j in range(slots)]]
+                           if slots and n > slots else [])
         for tapped in variants:
             for _ in range(2 if graphs is not None else 1):  # eager, then the capture of its graph
                 states.reset(slot)

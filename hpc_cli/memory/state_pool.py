@@ -17,14 +17,11 @@ GDN layer conv then recurrent, then the hidden, then the backend parts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from hpc_cli.memory.cudart import load_cudart
-
-if TYPE_CHECKING:
-    from hpc_cli.model.model import TapImage
 
 
 class StateSlots:
@@ -85,24 +82,6 @@ class StateSlots:
         self.conv_all[:, slot].zero_()
         self.recurrent_all[:, slot].zero_()
         self.hidden[slot].zero_()
-        for t in self.extra.values():
-            t[slot].zero_()
-
-    def write_image(self, slot: int, image: "TapImage") -> None:
-        """Write a state image taken inside a prefill pass (:class:`hpc_cli.model.model.TapImage`)
-        into ``slot``: one copy per stacked tensor where the pass left the image stacked over the
-        GDN layers, else one per layer; backend parts are zeroed (a pass with backend parts
-        takes no such taps)."""
-        assert len(image.conv) == len(image.recurrent) == self.num_gdn_layers, \
-            f"an image of {len(image.conv)} GDN layers for a pool of {self.num_gdn_layers}"
-        if image.conv_stack is not None and image.recurrent_stack is not None:
-            self.conv_all[:, slot].copy_(image.conv_stack)
-            self.recurrent_all[:, slot].copy_(image.recurrent_stack)
-        else:
-            for g, (c, r) in enumerate(zip(image.conv, image.recurrent)):
-                self.conv[g][slot].copy_(c)
-                self.recurrent[g][slot].copy_(r)
-        self.hidden[slot].copy_(image.hidden)
         for t in self.extra.values():
             t[slot].zero_()
 

@@ -305,20 +305,22 @@ class GatedDeltaNet(nn.Module):
         return self._finish(core[0], z), new_conv, state[0]
 
     def prefill_taps(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, rows: "ValidRows",
-                     taps: torch.Tensor, conv_cols: torch.Tensor, tap_states: torch.Tensor, tap_conv: torch.Tensor):
-        """:meth:`prefill` with ``rows`` on the device, also taking the taps at the offsets
-        ``taps`` (``[slots]`` on the device, ``0`` for a slot not used; the graph form of
-        :meth:`prefill_tapped`, through :func:`hpc_cli.model.gdn_taps.tap_rule`): the state
-        after each tap goes to ``tap_states`` ``[slots + 1, H_v, d_k, d_v]`` (the last row is
-        the pass's final state), each tap's conv window (its window columns ``conv_cols``
-        ``[slots, kernel-1]``) to ``tap_conv`` ``[slots, conv_dim, kernel-1]``. Returns the
-        output, the new conv window and the final state (a view of ``tap_states``)."""
+                     taps: torch.Tensor, dst: torch.Tensor, conv_cols: torch.Tensor, rec_slots: torch.Tensor,
+                     conv_slots: torch.Tensor):
+        """:meth:`prefill` with ``rows`` on the device, also writing the state images of the taps
+        at the offsets ``taps`` (``[S]`` on the device, ``0`` for a slot not used) into the state
+        slots ``dst`` (``[S]``) of ``rec_slots`` ``[N, H_v, d_k, d_v]`` and ``conv_slots``
+        ``[N, conv_dim, kernel-1]`` (the graph form of :meth:`prefill_tapped`, through
+        :func:`hpc_cli.model.gdn_taps.tap_rule`; the conv window of tap ``j`` is the window's
+        columns ``conv_cols[j]``). A slot not used writes a conv window to its ``dst``, which
+        the caller overwrites after (the lane's own slot). Returns the output, the new conv
+        window and the final state."""
         from hpc_cli.model.gdn_taps import tap_rule
 
         window, new_conv, z, q, k, v, g, beta = self._mix_padded(x, conv_state, None, rows)
-        core = tap_rule(q, k, v, g, beta, rec_state.unsqueeze(0), taps, tap_states, self.use_fla)
-        tap_conv.copy_(window[:, conv_cols].permute(1, 0, 2))
-        return self._finish(core[0], z), new_conv, tap_states[-1]
+        core, final = tap_rule(q, k, v, g, beta, rec_state.unsqueeze(0), taps, dst, rec_slots, self.use_fla)
+        conv_slots.index_copy_(0, dst, window[:, conv_cols].permute(1, 0, 2).to(conv_slots.dtype))
+        return self._finish(core[0], z), new_conv, final[0]
 
 
 class ValidRows:

@@ -33,8 +33,6 @@ CHUNK = 64
 #: the tap slots of a CUDA-graph prefill pass with taps (a slot costs one scalar read per chunk of
 #: the tap recurrence); a pass with more taps ends at the next one (a split)
 TAP_SLOTS = 4
-#: no bound: the torch rule takes any number of taps in one call
-UNBOUNDED = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -82,9 +80,8 @@ def tapped_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 initial_state: torch.Tensor | None, taps: Sequence[int],
                 use_fla: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """:func:`hpc_cli.model.gdn.chunk_rule` of one sequence (``B = 1``) that also returns the fp32
-    state after each of ``taps`` (offsets in ``(0, T)``, sorted, distinct), with no second call.
-    A tap equals the final state of this function on the rows up to it bit for bit (see
-    :func:`tap_rule`). Returns the output, the final state and the tap states, each
+    state after each of ``taps`` (offsets in ``(0, T)``, sorted, distinct), with no second call
+    (:func:`tap_rule`). Returns the output, the final state and the tap states, each
     ``[1, H_v, d_k, d_v]``."""
     taps = list(taps)
     if not taps:
@@ -94,40 +91,42 @@ def tapped_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     hv, dk, dv = v.shape[2], k.shape[3], v.shape[3]
     m = len(taps)
     slots = -(-m // TAP_SLOTS) * TAP_SLOTS  # the slot counts the warm-up compiles (0 = a slot not used)
-    states = torch.empty(slots + 1, hv, dk, dv, dtype=torch.float32, device=q.device)
+    dest = torch.empty(slots, hv, dk, dv, dtype=torch.float32, device=q.device)
     init = (torch.zeros(1, hv, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
             else initial_state)
     at = torch.tensor([*taps, *([0] * (slots - m))], dtype=torch.long, device=q.device)
-    out = tap_rule(q, k, v, g, beta, init, at, states, use_fla)
-    return out, states[-1:], [states[j:j + 1] for j in range(m)]
+    out, final = tap_rule(q, k, v, g, beta, init, at, torch.arange(slots, device=q.device), dest, use_fla)
+    return out, final, [dest[j:j + 1] for j in range(m)]
 
 
 def tap_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             initial_state: torch.Tensor, taps: torch.Tensor, states: torch.Tensor,
-             use_fla: bool | None = None) -> torch.Tensor:
+             initial_state: torch.Tensor, taps: torch.Tensor, dst: torch.Tensor, dest: torch.Tensor,
+             use_fla: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule over one sequence ``[1, T, ...]`` with the taps ``taps`` (``[S]`` offsets in ``(0, T)``
-    on the device, sorted, then ``0`` for each slot not used): writes each used tap's state into
-    ``states`` ``[S + 1, H_v, d_k, d_v]`` fp32 and the final state into its last row; returns the
-    output ``[1, T, H_v, d_v]``.
+    on the device, sorted, then ``0`` for each slot not used): each used tap's fp32 state goes to
+    ``dest[dst[j]]`` (``dest`` ``[N, H_v, d_k, d_v]``: a GDN layer's state slots, or scratch).
+    Returns the output ``[1, T, H_v, d_v]`` and the final state ``[1, H_v, d_k, d_v]``.
 
     On CUDA (fla's kernels and :mod:`hpc_kernels.gdn_state_taps`) the chunk grid stays where it
     is and no host value is read: the output and final state are fla's own call's bit for bit,
-    and a tap is the final state of a call truncated at it. Elsewhere the torch rule over rows
-    spread so the grid restarts at each tap (it reads the taps): a tap is then the final state of
-    a call truncated at it, and the output that of a pass split at the taps."""
-    if q.is_cuda and use_fla is not False and fla_taps_supported(k.shape[3]):
-        return fla_tap_rule(q, k, v, g, beta, initial_state, taps, states)
+    and a tap is the final state of fla's own call on the rows up to it. Elsewhere the torch
+    rule over rows spread so the grid restarts at each tap (it reads the taps): a tap is then
+    the final state of a call truncated at it, and the output that of a pass split at the taps."""
+    hv, dk, dv = v.shape[2], k.shape[3], v.shape[3]
+    final = torch.empty(1, hv, dk, dv, dtype=torch.float32, device=q.device)
+    if q.is_cuda and use_fla is not False and fla_taps_supported(dk):
+        return fla_tap_rule(q, k, v, g, beta, initial_state, taps, dst, dest, final), final
     t = k.shape[1]
-    offsets = [int(p) for p in taps.tolist() if int(p) > 0]
-    layout = spread_layout(t, offsets)
+    used = [(int(p), int(d)) for p, d in zip(taps.tolist(), dst.tolist()) if int(p) > 0]
+    layout = spread_layout(t, [p for p, _ in used])
     rows = torch.tensor(layout.rows, device=k.device)
     keep = [*layout.tap_chunks, layout.size // CHUNK]
     out, _, kept = chunk_states(*(spread(x, rows, layout.size) for x in (q, k, v, g, beta)), initial_state,
                                 CHUNK, keep)
-    for j, s in enumerate(kept[:-1]):
-        states[j].copy_(s[0])
-    states[-1].copy_(kept[-1][0])
-    return out.index_select(1, rows)
+    for (_, d), s in zip(used, kept):
+        dest[d].copy_(s[0])
+    final.copy_(kept[-1])
+    return out.index_select(1, rows), final
 
 
 # -- fla on CUDA --------------------------------------------------------------------------------
@@ -167,11 +166,13 @@ def fla_taps_supported(key_dim: int | None = None) -> bool:
 
 
 def fla_tap_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 initial_state: torch.Tensor, taps: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+                 initial_state: torch.Tensor, taps: torch.Tensor, dst: torch.Tensor, dest: torch.Tensor,
+                 final: torch.Tensor) -> torch.Tensor:
     """fla's chunk rule with its state recurrence replaced by the tap recurrence
     (:func:`hpc_kernels.gdn_state_taps.state_taps`): the same kernels, in the same order, as
-    ``chunk_gated_delta_rule`` with ``use_qk_l2norm_in_kernel`` (whose call this equals bit for
-    bit), plus each tap's state written into ``states``."""
+    ``chunk_gated_delta_rule`` with ``use_qk_l2norm_in_kernel`` (whose output and final state,
+    written into ``final``, this equals bit for bit), plus each tap's state written into
+    ``dest[dst[j]]``."""
     from hpc_kernels.gdn_state_taps import state_taps
 
     p = _fla_parts()
@@ -182,17 +183,17 @@ def fla_tap_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     kn, _ = p.l2norm(kk)
     gc = p.cumsum(g.float(), chunk_size=CHUNK, scale=p.rcp_ln2)
     w, u, _ = p.intra(k=kn, v=vv, g=gc, beta=beta.to(vv.dtype), chunk_size=CHUNK)
-    h, v_new = state_taps(kn, w, u, gc, initial_state.float().contiguous(), taps, states)
+    h, v_new = state_taps(kn, w, u, gc, initial_state.float().contiguous(), taps, dst, dest, final)
     o = p.output(q=qn, k=kn, v=v_new, h=h, g=gc, scale=K ** -0.5, chunk_size=CHUNK)
     return o.to(qq.dtype)
 
 
 def tap_capacity(device: torch.device | str, key_dim: int | None = None) -> int:
     """How many exact taps a prefill pass on ``device`` takes itself (of a model whose GDN key
-    heads have ``key_dim``): any number on the CPU (the torch rule), :data:`TAP_SLOTS` on CUDA
-    where fla's kernels and the tap recurrence take the model (a graph's slots), none elsewhere
-    (the pass splits at each tap)."""
+    heads have ``key_dim``): :data:`TAP_SLOTS` on the CPU (the torch rule) and on CUDA where fla's
+    kernels and the tap recurrence take the model (a graph's slots), none elsewhere (the pass
+    splits at each tap)."""
     kind = torch.device(device).type
     if kind == "cpu":
-        return UNBOUNDED
+        return TAP_SLOTS
     return TAP_SLOTS if kind == "cuda" and fla_taps_supported(key_dim) else 0

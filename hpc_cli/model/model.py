@@ -43,18 +43,13 @@ class PrefillOut:
 
 @dataclass(slots=True)
 class TapImage:
-    """The state image after position ``position`` of a prefill pass, taken inside the pass (the
-    zero-split tap, spec §7.3): per GDN layer the conv window and the fp32 recurrent state, and
-    the hidden after the final norm at ``position - 1``."""
+    """A state image a prefill pass takes inside itself (the zero-split tap, spec §7.3): the
+    state after position ``position``, written into state slot ``slot`` (per GDN layer the conv
+    window and the fp32 recurrent state, and the hidden after the final norm at ``position - 1``;
+    a speculative backend's parts are not written)."""
 
     position: int
-    conv: list[torch.Tensor]
-    recurrent: list[torch.Tensor]
-    hidden: torch.Tensor
-    #: the same conv windows and states stacked over the GDN layers (``[G, ...]`` views, where the
-    #: pass left them in one tensor each: a snapshot slot takes them in one copy each)
-    conv_stack: torch.Tensor | None = None
-    recurrent_stack: torch.Tensor | None = None
+    slot: int
 
 
 class DecoderLayer(nn.Module):
@@ -220,7 +215,7 @@ class HybridModel(nn.Module):
                 state_slot: int, kv: "PagedKVStorage", states: "StateSlots", *,
                 layer_ready: Callable[[int], None] | None = None, all_logits: bool = False,
                 all_hidden: bool = False, capture: Sequence[int] = (),
-                media: "PrefillMedia | None" = None, taps: Sequence[int] = ()) -> PrefillOut:
+                media: "PrefillMedia | None" = None, taps: Sequence[TapImage] = ()) -> PrefillOut:
         """One lane's prefill pass of ``tokens`` at positions ``start ..``: K/V written into the
         lane's pages, the GDN states of ``state_slot`` advanced, the last position's logits.
 
@@ -230,10 +225,10 @@ class HybridModel(nn.Module):
         the warm-up compiles all of them. Attention reads the pages in place (the paged prefill
         kernel) where the pool allows, else gathers the span (:func:`prefill_attention`).
         ``media`` (a Vision prompt's pass): the tokens' mRoPE positions and the image embeddings
-        that replace their placeholder rows. ``taps``: positions inside the pass (``start < p <
-        start + T``) whose state images come back in ``PrefillOut.taps``, taken in the pass
-        (:mod:`hpc_cli.model.gdn_taps`; as many as :func:`hpc_cli.model.gdn_taps.tap_capacity`
-        allows: a graph's images are views of its tap buffers, valid until the next pass)."""
+        that replace their placeholder rows. ``taps``: state images to take inside the pass
+        (:mod:`hpc_cli.model.gdn_taps`; positions ``start < p < start + T``, sorted, each written
+        into its own state slot, not ``state_slot``; as many as
+        :func:`hpc_cli.model.gdn_taps.tap_capacity` allows), returned in ``PrefillOut.taps``."""
         assert start >= 0, f"prefill start must be >= 0, got {start}"
         if media is None and not (all_logits or all_hidden or capture):
             graphs = self.prefill_graphs(kv)
@@ -242,8 +237,8 @@ class HybridModel(nn.Module):
                     for i in range(len(self.layers)):
                         layer_ready(i)
                 out = graphs.run(tokens if torch.is_tensor(tokens) else list(tokens), start, block_table,
-                                 state_slot, kv, states, taps=[int(p) - start for p in taps])
-                return PrefillOut(logits=out.logits, hidden_last=out.hidden_last, taps=out.taps)
+                                 state_slot, kv, states, taps=[(t.position - start, t.slot) for t in taps])
+                return PrefillOut(logits=out.logits, hidden_last=out.hidden_last, taps=list(taps))
         tokens = self._tokens(tokens)
         t = tokens.shape[0]
         assert t >= 1, "prefill needs at least one token"
@@ -267,10 +262,9 @@ class HybridModel(nn.Module):
         paged = kv.paged_attention_supported(self.config.num_attention_heads)
         x = self._embed(tokens) if media is None else media.apply(self._embed(tokens))
         feats = []
-        offsets = [int(p) - start for p in taps]
-        assert all(0 < o < t for o in offsets), f"taps {list(taps)} not inside the pass ({start}, {end})"
-        tap_conv: list[list[torch.Tensor]] = [[] for _ in offsets]
-        tap_rec: list[list[torch.Tensor]] = [[] for _ in offsets]
+        offsets = [tap.position - start for tap in taps]
+        assert all(0 < o < t for o in offsets), f"taps {offsets} (offsets) not inside the pass of {t}"
+        assert state_slot not in {tap.slot for tap in taps}, "a tap's image goes to a slot of its own"
         for i, layer in enumerate(self.layers):
             if layer_ready is not None:
                 layer_ready(i)
@@ -281,9 +275,9 @@ class HybridModel(nn.Module):
                 if offsets:
                     out, new_conv, new_rec, tapped = layer.linear_attn.prefill_tapped(
                         h, conv[state_slot], rec[state_slot], offsets, valid=t)
-                    for j, (c, r) in enumerate(tapped):
-                        tap_conv[j].append(c)
-                        tap_rec[j].append(r)
+                    for tap, (c, r) in zip(taps, tapped):
+                        conv[tap.slot].copy_(c)
+                        rec[tap.slot].copy_(r)
                 else:
                     out, new_conv, new_rec = layer.linear_attn.prefill(h, conv[state_slot], rec[state_slot], valid=t)
                 conv[state_slot].copy_(new_conv)
@@ -304,17 +298,17 @@ class HybridModel(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if capture and i in capture:
                 feats.append(x[:t])
-        images = []
         if offsets:
             tap_hidden = self.norm(x[torch.tensor([o - 1 for o in offsets], device=dev)])
-            images = [TapImage(start + o, tap_conv[j], tap_rec[j], tap_hidden[j]) for j, o in enumerate(offsets)]
+            for tap, hid in zip(taps, tap_hidden):
+                states.hidden[tap.slot].copy_(hid)
         x = x[:t] if (all_logits or all_hidden) else x[t - 1:t]
         x = self.norm(x)
         states.hidden[state_slot].copy_(x[-1])
         logits = self.lm_head(x if all_logits else x[-1:])
         return PrefillOut(logits=logits if all_logits else logits[0], hidden_last=x[-1],
                           hidden=x if all_hidden else None,
-                          features=torch.cat(feats, dim=-1) if feats else None, taps=images)
+                          features=torch.cat(feats, dim=-1) if feats else None, taps=list(taps))
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor | Sequence[int], positions: Sequence[int],

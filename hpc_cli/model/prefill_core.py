@@ -21,7 +21,7 @@ with the same padding: the same kernels on the same shapes, the padding rows mas
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -31,7 +31,7 @@ from hpc_cli.model.gdn import ValidRows
 if TYPE_CHECKING:
     from hpc_cli.memory.kv_pool import PagedKVStorage
     from hpc_cli.memory.state_pool import StateSlots
-    from hpc_cli.model.model import HybridModel, TapImage
+    from hpc_cli.model.model import HybridModel
 
 #: the narrowest page table a pass's index carries: a power of two >= the pages the pass reads, so
 #: one graph per length serves every context up to 512 pages (32k tokens)
@@ -54,8 +54,10 @@ class PrefillIndex:
     paths that read host values (the gather + SDPA attention).
 
     A pass with room for ``slots`` taps (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) also
-    carries ``tap_pos`` ``[slots]`` (each tap's offset in the pass, in order) and ``tap_last``
-    ``[slots]`` (the row before it, whose hidden the tap keeps); a slot not used holds offset 0."""
+    carries ``tap_pos`` ``[slots]`` (each tap's offset in the pass, in order), ``tap_last``
+    ``[slots]`` (the row before it, whose hidden the tap keeps) and ``tap_dst`` ``[slots]`` (the
+    state slot its image goes to); a slot not used holds offset 0 and the lane's own state slot
+    (whatever the pass writes there for it, the lane's own image overwrites after)."""
 
     L: int
     W: int
@@ -72,12 +74,14 @@ class PrefillIndex:
     slots: int = 0
     tap_pos: torch.Tensor | None = None
     tap_last: torch.Tensor | None = None
+    tap_dst: torch.Tensor | None = None
 
     @staticmethod
     def pack(tokens: Sequence[int] | torch.Tensor, start: int, block_table: Sequence[int], state_slot: int,
-             L: int, W: int, page: int, conv_taps: int, taps: Sequence[int] = (), slots: int = 0) -> torch.Tensor:
+             L: int, W: int, page: int, conv_taps: int, taps: Sequence[tuple[int, int]] = (),
+             slots: int = 0) -> torch.Tensor:
         """The host buffer :meth:`view` reads; ``tokens`` are the pass's valid tokens (``<= L``),
-        ``taps`` offsets inside the pass (at most ``slots``)."""
+        ``taps`` ``(offset inside the pass, state slot)`` pairs (at most ``slots``)."""
         tok = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
         n = tok.shape[0]
         assert 1 <= n <= L, f"a pass of {n} tokens does not fit {L} rows"
@@ -97,12 +101,14 @@ class PrefillIndex:
         conv = n + torch.arange(conv_taps, dtype=torch.long)
         parts = [padded, pos, write, pages, tail, conv]
         if slots:
-            taps = list(taps)
-            assert len(taps) <= slots, f"{len(taps)} taps do not fit {slots} slots"
-            assert all(0 < p < n for p in taps) and taps == sorted(set(taps)), \
-                f"taps {taps} not sorted inside (0, {n})"
-            offsets = [*taps, *([0] * (slots - len(taps)))]
-            parts += [torch.tensor(offsets, dtype=torch.long), torch.tensor([max(0, o - 1) for o in offsets])]
+            at = [p for p, _ in taps]
+            dst = [d for _, d in taps]
+            assert len(at) <= slots, f"{len(at)} taps do not fit {slots} slots"
+            assert all(0 < p < n for p in at) and at == sorted(set(at)), f"taps {at} not sorted inside (0, {n})"
+            assert state_slot not in dst and len(set(dst)) == len(dst), f"tap slots {dst} (the lane's is {state_slot})"
+            offsets = [*at, *([0] * (slots - len(at)))]
+            parts += [torch.tensor(offsets, dtype=torch.long), torch.tensor([max(0, o - 1) for o in offsets]),
+                      torch.tensor([*dst, *([state_slot] * (slots - len(dst)))], dtype=torch.long)]
         else:
             assert not taps, "a pass with taps needs tap slots"
         return torch.cat(parts)
@@ -110,18 +116,18 @@ class PrefillIndex:
     @classmethod
     def view(cls, packed: torch.Tensor, L: int, W: int, host: tuple[int, int] | None = None,
              slots: int = 0) -> "PrefillIndex":
-        extra = 2 * slots
+        extra = 3 * slots
         k1 = packed.shape[0] - (3 * L + W + 4) - extra
         tokens, positions, write, pages, tail, conv, rest = torch.split(packed, [L, L, L, W, 4, k1, extra])
         idx = cls(L, W, packed, tokens, positions, write, pages, tail[0:2], tail[2:3], tail[3:4], conv, host)
         if slots:
             idx.slots = slots
-            idx.tap_pos, idx.tap_last = torch.split(rest, [slots, slots])
+            idx.tap_pos, idx.tap_last, idx.tap_dst = torch.split(rest, [slots, slots, slots])
         return idx
 
     @classmethod
     def build(cls, model: "HybridModel", tokens, start: int, block_table: Sequence[int], state_slot: int,
-              L: int, page: int, taps: Sequence[int] = (), slots: int = 0) -> "PrefillIndex":
+              L: int, page: int, taps: Sequence[tuple[int, int]] = (), slots: int = 0) -> "PrefillIndex":
         n = len(tokens)
         W = table_width((start + n + page - 1) // page)
         packed = cls.pack(tokens, start, block_table, state_slot, L, W, page, model.config.linear_conv_kernel_dim - 1,
@@ -135,43 +141,14 @@ class PrefillIndex:
 class PrefillCoreOut:
     logits: torch.Tensor  # [vocab] of the last valid row
     hidden_last: torch.Tensor  # [hidden] after the final norm
-    taps: "list[TapImage]" = field(default_factory=list)  # the state images taken inside the pass
-
-
-class TapBuffers:
-    """Where a pass with tap slots leaves its images: the GDN layers' states after each tap and
-    the pass's final state (``recurrent_all`` ``[G, slots + 1, H_v, d_k, d_v]`` fp32, per layer a
-    view ``recurrent[g]``), each tap's conv windows (``conv_all`` ``[G, slots, conv_dim,
-    kernel-1]``, ``conv[g]``) and each tap's hidden (``[slots, hidden]``). One set per model,
-    shared by its graphs: a pass's images are views of it, read (copied into snapshot slots,
-    one copy per stacked tensor) before the next pass runs."""
-
-    def __init__(self, model: "HybridModel", slots: int) -> None:
-        gdn = [layer.linear_attn for layer in model.layers if layer.kind == "linear_attention"]
-        dev = model.device
-        self.slots = slots
-        m = gdn[0]
-        self.recurrent_all = torch.zeros(len(gdn), slots + 1, m.n_v, m.d_k, m.d_v, dtype=torch.float32, device=dev)
-        self.conv_all = torch.zeros(len(gdn), slots, m.conv_dim, m.kernel - 1, dtype=model.dtype, device=dev)
-        self.recurrent = list(self.recurrent_all.unbind(0))
-        self.conv = list(self.conv_all.unbind(0))
-        self.hidden = torch.zeros(slots, model.config.hidden_size, dtype=model.dtype, device=dev)
-
-    def images(self, start: int, offsets: Sequence[int]) -> "list[TapImage]":
-        """The images of the taps at ``offsets`` (in slot order) of a pass that began at ``start``."""
-        from hpc_cli.model.model import TapImage
-
-        return [TapImage(start + o, [c[j] for c in self.conv], [r[j] for r in self.recurrent], self.hidden[j],
-                         conv_stack=self.conv_all[:, j], recurrent_stack=self.recurrent_all[:, j])
-                for j, o in enumerate(offsets)]
 
 
 def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
-                 states: "StateSlots", taps: TapBuffers | None = None) -> PrefillCoreOut:
+                 states: "StateSlots") -> PrefillCoreOut:
     """One lane's prefill pass of ``idx.L`` rows (the valid ones first) from device indices only.
     Reads the pages through the paged prefill kernel where the pool allows (else gathers them with
     the host values in ``idx.host``); writes K/V, the lane's GDN states and its hidden. With tap
-    slots (``idx.slots``) the GDN layers take the pass's taps into ``taps`` (no split)."""
+    slots (``idx.slots``) the pass also writes its taps' images into their state slots (no split)."""
     from hpc_cli.model.attention import prefill_attention
 
     L = idx.L
@@ -180,7 +157,6 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
     rows = ValidRows(mask, idx.conv_index)
     cols = None
     if idx.slots:
-        assert taps is not None and taps.slots == idx.slots, "a pass with tap slots needs its tap buffers"
         cols = idx.tap_pos.view(-1, 1) + torch.arange(idx.conv_index.shape[0], device=dev)
     cos, sin = model.rotary.cos_sin(idx.positions, model.dtype)
     paged = kv.paged_attention_supported(model.config.num_attention_heads)
@@ -196,8 +172,8 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
                                                                    rec.index_select(0, slot)[0], rows=rows)
             else:
                 out, new_conv, new_rec = layer.linear_attn.prefill_taps(
-                    h, conv.index_select(0, slot)[0], rec.index_select(0, slot)[0], rows, idx.tap_pos, cols,
-                    taps.recurrent[g], taps.conv[g])
+                    h, conv.index_select(0, slot)[0], rec.index_select(0, slot)[0], rows, idx.tap_pos, idx.tap_dst,
+                    cols, rec, conv)
             conv.index_copy_(0, slot, new_conv.unsqueeze(0).to(conv.dtype))
             rec.index_copy_(0, slot, new_rec.unsqueeze(0).to(rec.dtype))
         else:
@@ -218,8 +194,8 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
             out = attn.finish(o, gate)
         x = x + out
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    if cols is not None:
-        taps.hidden.copy_(model.norm(x.index_select(0, idx.tap_last)))
+    if cols is not None:  # before the lane's own hidden (a slot not used points at the lane's)
+        states.hidden.index_copy_(0, idx.tap_dst, model.norm(x.index_select(0, idx.tap_last)).to(states.hidden.dtype))
     x = model.norm(x.index_select(0, idx.last))
     states.hidden.index_copy_(0, slot, x.to(states.hidden.dtype))
     logits = model.lm_head(x)

@@ -18,8 +18,8 @@ device indices only, so its kernels can be captured once per shape and replayed:
   used with other pools drops its graphs, as its decode graphs do (:mod:`hpc_cli.model.graphs`).
 * A pass with exact taps inside it (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) runs a
   graph of the same length with :data:`~hpc_cli.model.gdn_taps.TAP_SLOTS` tap slots (key
-  ``slots``): its GDN layers take the taps read from the index and leave the tap images in the model's
-  :class:`~hpc_cli.model.prefill_core.TapBuffers`, which the caller copies out before the next pass.
+  ``slots``): the taps' offsets and state slots are read from the index, and the pass writes
+  each tap's image straight into its state slot.
 * Used where the column graphs are (dense models on CUDA, a pool the paged kernel reads, ``[engine]
   cuda_graphs``), for plain passes: a pass that wants every position's logits or hidden, captured
   layer features (speculative backends) or image embeddings runs eagerly. A failed capture turns
@@ -36,7 +36,7 @@ import torch
 
 from hpc_cli.model.graphs import capture_graph, pool_serials
 from hpc_cli.model.gdn_taps import tap_capacity
-from hpc_cli.model.prefill_core import PrefillCoreOut, PrefillIndex, TapBuffers, prefill_core, table_width
+from hpc_cli.model.prefill_core import PrefillCoreOut, PrefillIndex, prefill_core, table_width
 
 if TYPE_CHECKING:
     from hpc_cli.memory.kv_pool import PagedKVStorage
@@ -69,7 +69,6 @@ class PrefillGraphs:
         #: taps a pass takes itself (0 where fla's kernels or the tap recurrence do not take the
         #: model: the pass splits at each)
         self.tap_slots = tap_capacity(model.device, model.config.linear_key_head_dim) if model.device.type == "cuda" else 0
-        self.tap_buffers: TapBuffers | None = None
 
     def _key(self, L: int, W: int, slots: int, kv: "PagedKVStorage", states: "StateSlots") -> tuple:
 
@@ -83,11 +82,10 @@ class PrefillGraphs:
         return (L, W, slots, bound, scales)
 
     def run(self, tokens: Sequence[int] | torch.Tensor, start: int, block_table: Sequence[int], state_slot: int,
-            kv: "PagedKVStorage", states: "StateSlots", taps: Sequence[int] = ()) -> PrefillCoreOut:
+            kv: "PagedKVStorage", states: "StateSlots", taps: Sequence[tuple[int, int]] = ()) -> PrefillCoreOut:
         """One lane's pass of ``tokens`` at ``start ..``, padded to a multiple of the model's
-        ``prefill_pad``; through a graph from the second pass of its shape on. ``taps``: offsets
-        inside the pass (at most :attr:`tap_slots`) whose images come back in ``taps`` (views of
-        the tap buffers, valid until the next pass)."""
+        ``prefill_pad``; through a graph from the second pass of its shape on. ``taps``: ``(offset
+        inside the pass, state slot)`` of each image the pass writes (at most :attr:`tap_slots`)."""
         model = self.model
         page = kv.page_tokens
         n = len(tokens)
@@ -97,9 +95,6 @@ class PrefillGraphs:
         k1 = model.config.linear_conv_kernel_dim - 1
         assert len(taps) <= self.tap_slots, f"{len(taps)} taps do not fit {self.tap_slots} tap slots"
         slots = self.tap_slots if taps else 0
-        if slots and self.tap_buffers is None:
-            self.tap_buffers = TapBuffers(model, self.tap_slots)
-        buffers = self.tap_buffers if slots else None
         packed = PrefillIndex.pack(tokens, start, block_table, state_slot, L, W, page, k1, taps, slots).pin_memory()
         key = self._key(L, W, slots, kv, states)
         entry = self.graphs.get(key)
@@ -109,25 +104,22 @@ class PrefillGraphs:
             self.seen.add(key)
             self.eager += 1
             idx = PrefillIndex.view(packed.to(model.device, non_blocking=True), L, W, host=(start, n), slots=slots)
-            out = prefill_core(model, idx, kv, states, buffers)
+            out = prefill_core(model, idx, kv, states)
         else:
             entry.index.packed.copy_(packed, non_blocking=True)
             entry.graph.replay()
             self.replays += 1
             out = PrefillCoreOut(entry.out.logits.clone(), entry.out.hidden_last.clone())
-        if buffers is not None:
-            out.taps = buffers.images(start, list(taps))
         return out
 
     def _capture(self, key: tuple, packed: torch.Tensor, L: int, W: int, slots: int, kv: "PagedKVStorage",
                  states: "StateSlots") -> _PrefillGraph | None:
         model = self.model
         idx = PrefillIndex.view(packed.to(model.device), L, W, slots=slots)
-        buffers = self.tap_buffers if slots else None
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         try:
-            graph, out = capture_graph(self.pool, lambda: prefill_core(model, idx, kv, states, buffers))
+            graph, out = capture_graph(self.pool, lambda: prefill_core(model, idx, kv, states))
         except Exception as exc:  # a kernel or library that cannot be captured: prefill eagerly
             self.disabled = f"{type(exc).__name__}: {exc}"
             log.warning("CUDA graph capture of a prefill pass failed, prefilling without graphs: %s", self.disabled)

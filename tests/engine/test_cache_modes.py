@@ -25,7 +25,10 @@ def test_builtin_modes_build_their_binding_through_the_registry(model, mode, per
     assert e.cache.persistent is persistent and e.cache.reuse is (mode != "off")
     assert not any(e.cache.leftovers().values())
     assert set(to_json(e.cache.stats())["residency"]) == {"device_kv_bytes", "device_state_bytes", "host_bytes", "entries"}
-    assert e.states.num_slots == e.C + e.cache_mode.snapshot_slots(e.cache_mode.options_model(), lanes=e.C, host=True)
+    options = e.cache_mode.options_model()
+    taps = e.cache_mode.tap_slots(options, model=model, speculative=False)
+    assert taps == (4 if mode == "hybrid" else 0)  # a prefill pass's tap slots (the zero-split tap)
+    assert e.states.num_slots == e.C + e.cache_mode.snapshot_slots(options, lanes=e.C, host=True) + taps
     e.check_invariants()
 
 

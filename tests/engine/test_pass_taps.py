@@ -9,7 +9,7 @@ import random
 from hpc_cli.cache.snapshot import SnapshotKind
 from hpc_cli.engine.api import GenerationRequest, SamplingParams, TapHint
 from hpc_cli.engine.engine import Engine
-from hpc_cli.model.gdn_taps import UNBOUNDED
+from hpc_cli.model.gdn_taps import TAP_SLOTS
 
 
 
@@ -41,7 +41,7 @@ def _run(model, in_pass: int):
 
 def test_in_pass_taps_equal_split_taps(model):
     out_s, fin_s, kinds_s, images_s, again_s, fin2_s = _run(model, in_pass=0)
-    out_p, fin_p, kinds_p, images_p, again_p, fin2_p = _run(model, in_pass=UNBOUNDED)
+    out_p, fin_p, kinds_p, images_p, again_p, fin2_p = _run(model, in_pass=TAP_SLOTS)
     # taps at 37, 150 and 291 were taken in both (the opener covers the tail; each later tap
     # supersedes the lineage's last, spec §9.3); the device keeps the same snapshots either way
     assert kinds_p == kinds_s and {150, 291} <= set(kinds_p), (kinds_p, kinds_s)

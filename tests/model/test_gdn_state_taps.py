@@ -83,14 +83,17 @@ def test_twin_taps_every_phase_against_the_fp64_recurrence(dtype):
     kk, w, u, G = _wy(k, v, gate, beta, dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     none = torch.empty(1, hv, d, d)
-    h0, v0 = state_taps_ref(kk, w, u, G, s0, torch.zeros(0, dtype=torch.long), none)
+    empty = torch.zeros(0, dtype=torch.long)
+    h0, v0 = state_taps_ref(kk, w, u, G, s0, empty, empty, torch.empty(0, hv, d, d), none)
     assert _rel(none[0], ref[t]) < tol
     for taps in ([64 + r for r in range(1, 33)], [64 + r for r in range(33, 65)], [1, 63, 64, 129, 190, 199]):
-        states = torch.empty(len(taps) + 1, hv, d, d)
-        h, vn = state_taps_ref(kk, w, u, G, s0, torch.tensor(taps), states)
-        assert torch.equal(h, h0) and torch.equal(vn, v0) and torch.equal(states[-1], none[0])
+        dest, final = torch.empty(len(taps) + 2, hv, d, d), torch.empty(1, hv, d, d)
+        dst = torch.arange(len(taps)).flip(0) + 2  # any slots, in any order
+        h, vn = state_taps_ref(kk, w, u, G, s0, torch.tensor(taps), dst, dest, final)
+        assert torch.equal(h, h0) and torch.equal(vn, v0) and torch.equal(final, none)
         for j, p in enumerate(taps):
-            assert _rel(states[j], ref[p]) < tol, f"tap {p}: {_rel(states[j], ref[p]):.2e}"
+            got = dest[int(dst[j])]
+            assert _rel(got, ref[p]) < tol, f"tap {p}: {_rel(got, ref[p]):.2e}"
 
 
 def test_twin_unused_slots_and_truncation():
@@ -101,13 +104,14 @@ def test_twin_unused_slots_and_truncation():
     t, hk, hv, d = 150, 1, 2, 16
     kk, w, u, G = _wy(*_inputs(t, hk, hv, d, seed=4)[:4], torch.bfloat16)
     s0 = _inputs(t, hk, hv, d, seed=4)[4]
-    states = torch.full((4, hv, d, d), 7.0)
-    state_taps_ref(kk, w, u, G, s0, torch.tensor([37, 101, 0]), states)
-    assert torch.equal(states[2], torch.full((hv, d, d), 7.0))
+    dest, final = torch.full((3, hv, d, d), 7.0), torch.empty(1, hv, d, d)
+    state_taps_ref(kk, w, u, G, s0, torch.tensor([37, 101, 0]), torch.tensor([0, 1, 2]), dest, final)
+    assert torch.equal(dest[2], torch.full((hv, d, d), 7.0))
+    empty = torch.zeros(0, dtype=torch.long)
     for j, p in enumerate((37, 101)):
         trunc = torch.empty(1, hv, d, d)
-        state_taps_ref(kk[:, :p], w[:, :p], u[:, :p], G[:, :p], s0, torch.zeros(0, dtype=torch.long), trunc)
-        assert torch.equal(states[j], trunc[0]), f"tap {p}"
+        state_taps_ref(kk[:, :p], w[:, :p], u[:, :p], G[:, :p], s0, empty, empty, dest[:0], trunc)
+        assert torch.equal(dest[j], trunc[0]), f"tap {p}"
 
 
 # -- the Triton kernel in the interpreter --------------------------------------------------------
@@ -128,13 +132,15 @@ def _child() -> list[dict]:
         kk, w, u, G = _wy(k, v, gate, beta, getattr(torch, dtype))
         kk = kk.repeat_interleave(hv // hk, dim=2).contiguous()  # as fla_inputs hands them over
         at = torch.tensor(taps, dtype=torch.long)
+        dst = torch.arange(len(taps), dtype=torch.long).flip(0)
         got_states = torch.full((len(taps) + 1, hv, d, d), 7.0)
         ref_states = torch.full((len(taps) + 1, hv, d, d), 7.0)
-        h, vn = state_taps(kk, w, u, G, s0, at, got_states)
-        rh, rvn = state_taps_ref(kk, w, u, G, s0, at, ref_states)
+        h, vn = state_taps(kk, w, u, G, s0, at, dst, got_states[:-1], got_states[-1:])
+        rh, rvn = state_taps_ref(kk, w, u, G, s0, at, dst, ref_states[:-1], ref_states[-1:])
         out.append({"case": [t, hk, hv, d, taps, dtype], "h": _rel(h, rh), "v_new": _rel(vn, rvn),
                     "states": [_rel(a, b) for a, b in zip(got_states, ref_states)],
-                    "unused_kept": all(bool((got_states[j] == 7.0).all()) for j, p in enumerate(taps) if p == 0)})
+                    "unused_kept": all(bool((got_states[int(dst[j])] == 7.0).all())
+                                       for j, p in enumerate(taps) if p == 0)})
     return out
 
 

@@ -77,30 +77,33 @@ def test_index_layout():
 @pytest.mark.parametrize("taps", [[1], [37, 101], [5, 64, 150], [64, 128, 129, 199]],
                          ids=lambda t: "-".join(map(str, t)))
 def test_indexed_pass_with_tap_slots_equals_the_tapped_pass(tiny, tokens, taps):
-    """A pass with tap slots (the graph form of the zero-split tap: rows spread on the device,
-    a free slot one identity chunk) gives the eager tapped pass's logits, states and tap images."""
+    """A pass with tap slots (the graph form of the zero-split tap: the taps and their state
+    slots read from the index, a free slot pointing at the lane's own) gives the eager tapped
+    pass's logits, lane state and tap images, each in its own state slot; the other slots are
+    untouched."""
     from hpc_cli.model.gdn_taps import TAP_SLOTS
-    from hpc_cli.model.prefill_core import TapBuffers
+    from hpc_cli.model.model import TapImage
 
     profile = "bf16"
-    kv, states = tiny.new_kv_storage(profile, 8), tiny.new_state_slots(3)
-    ref = tiny.prefill(tokens, 0, TABLE, 2, kv, states, taps=taps)
-    kv2, states2 = tiny.new_kv_storage(profile, 8), tiny.new_state_slots(3)
-    buffers = TapBuffers(tiny, TAP_SLOTS)
-    idx = PrefillIndex.build(tiny, tokens, 0, TABLE, 2, 256, kv2.page_tokens, taps=taps, slots=TAP_SLOTS)
-    out = prefill_core(tiny, idx, kv2, states2, buffers)
-    images = buffers.images(0, taps)
+    images = [TapImage(p, 3 + j) for j, p in enumerate(taps)]
+    kv, states = tiny.new_kv_storage(profile, 8), tiny.new_state_slots(3 + TAP_SLOTS)
+    ref = tiny.prefill(tokens, 0, TABLE, 2, kv, states, taps=images)
+    assert ref.taps == images
+    kv2, states2 = tiny.new_kv_storage(profile, 8), tiny.new_state_slots(3 + TAP_SLOTS)
+    for part in states2.parts():
+        part.fill_(3.0)  # what a slot held before: a slot the pass does not name keeps it
+    states2.reset(2)
+    idx = PrefillIndex.build(tiny, tokens, 0, TABLE, 2, 256, kv2.page_tokens,
+                             taps=[(i.position, i.slot) for i in images], slots=TAP_SLOTS)
+    out = prefill_core(tiny, idx, kv2, states2)
     assert torch.equal(out.logits, ref.logits)
-    for g in range(len(states.recurrent)):
-        assert torch.equal(states2.recurrent[g][2], states.recurrent[g][2]), f"GDN layer {g} state"
-        assert torch.equal(states2.conv[g][2], states.conv[g][2]), f"GDN layer {g} conv window"
-    assert [i.position for i in images] == [i.position for i in ref.taps] == taps
-    for a, b in zip(images, ref.taps):
-        assert torch.equal(a.hidden, b.hidden), f"tap {a.position}: hidden"
-        for g, (x, y) in enumerate(zip(a.recurrent, b.recurrent)):
-            assert torch.equal(x, y), f"tap {a.position}: GDN layer {g} state"
-        for g, (x, y) in enumerate(zip(a.conv, b.conv)):
-            assert torch.equal(x, y), f"tap {a.position}: GDN layer {g} conv window"
+    for slot in [2, *(i.slot for i in images)]:
+        for g in range(len(states.recurrent)):
+            assert torch.equal(states2.recurrent[g][slot], states.recurrent[g][slot]), f"slot {slot}: GDN layer {g}"
+            assert torch.equal(states2.conv[g][slot], states.conv[g][slot]), f"slot {slot}: conv window {g}"
+        assert torch.equal(states2.hidden[slot], states.hidden[slot]), f"slot {slot}: hidden"
+    for slot in [0, 1, *range(3 + len(taps), 3 + TAP_SLOTS)]:
+        assert all(bool((part[slot] == 3.0).all()) for part in states2.parts()), f"slot {slot} was written"
 
 
 def test_spread_layout():

@@ -46,12 +46,12 @@ class HybridBinding(Restore, Commit, Publish, Transfers):
     def __init__(self, model: Any, storage: Any, states: Any, *, lanes: int, snapshot_slots: int,
                  host_bytes: int, reuse: bool, planner: TapPlanner, transfer_factory=None,
                  coalesce: bool = False, coalesce_wait_limit: float = 300.0,
-                 backend_storage: Any = None, frontier_lag: int = 0, in_pass_taps: int = 0) -> None:
+                 backend_storage: Any = None, frontier_lag: int = 0, tap_slots: int = 0) -> None:
         self.model = model
         #: how many exact taps a prefill pass takes itself (:meth:`pass_taps`, no split) before one
-        #: ends the pass there (the mode sets the model's capacity, 0 with a speculative backend,
-        #: whose state parts a pass does not tap)
-        self.in_pass_taps = in_pass_taps
+        #: ends the pass there: one per tap slot (the mode asks for the model's capacity, none with
+        #: a speculative backend, whose state parts a pass does not tap)
+        self.in_pass_taps = tap_slots
         self.storage = storage
         # a speculative backend's own pool (DFlash: same page ids as the main pool) and how far its
         # committed frontier may trail the text frontier (MTP: 1; lane.backend_frontier is exact)
@@ -86,6 +86,9 @@ class HybridBinding(Restore, Commit, Publish, Transfers):
                              **({"backend": backend_storage} if backend_storage is not None else {}))
         self.free_active = [StateSlot(s) for s in range(lanes - 1, -1, -1)]
         self.snap_phys = [StateSlot(lanes + k) for k in range(self.D)]  # index snapshot slot -> state slot
+        # the state slots a pass writes its taps' images into; a published image's slot becomes
+        # its snapshot's, and the slot that snapshot held takes its place here (no copy)
+        self.tap_scratch = [StateSlot(lanes + snapshot_slots + j) for j in range(tap_slots)]
         self.jobs: dict[int, tuple[str, Any]] = {}  # transfer job id -> (kind, index batch)
         self.failed: str | None = None
         self.counters = {"restored_host_bytes": 0, "taps": 0, "taps_skipped": 0, "endpoints": 0,
@@ -100,6 +103,11 @@ class HybridBinding(Restore, Commit, Publish, Transfers):
 
     # ------------------------------------------------------------------ checks and stats
     def check_invariants(self) -> None:
+        # state slots change hands (an endpoint's or a tap's slot becomes its snapshot's), but a
+        # slot is a snapshot's, a tap slot, a free lane slot or a lane's, one at a time
+        held = [*self.snap_phys, *self.tap_scratch, *self.free_active]
+        assert len(set(held)) == len(held) and all(0 <= s < self.states.num_slots for s in held), \
+            f"state slots held twice: snapshots {self.snap_phys}, tap slots {self.tap_scratch}, free {self.free_active}"
         owned = self.index.check_invariants()[0]
         self.pool.check_invariants()
         # the pool's cached and filling pages are exactly the index's (its blocks and snapshot

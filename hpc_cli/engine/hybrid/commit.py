@@ -39,10 +39,13 @@ class Commit(BindingParts):
         inside = self._inside(lane, end)
         return inside[self.in_pass_taps] if len(inside) > self.in_pass_taps else end
 
-    def pass_taps(self, lane: Lane, end: int) -> list[int]:
-        """The exact taps strictly inside the pass ``[lane.pos, end)`` that it takes itself (the
-        model returns their images; :meth:`after_pass` snapshots them)."""
-        return self._inside(lane, end)[:self.in_pass_taps]
+    def pass_taps(self, lane: Lane, end: int) -> list[TapImage]:
+        """The exact taps strictly inside the pass ``[lane.pos, end)`` that it takes itself, each
+        with the tap slot the pass writes its image into (:meth:`after_pass` snapshots them)."""
+        from hpc_cli.model.model import TapImage
+
+        inside = self._inside(lane, end)[:self.in_pass_taps]
+        return [TapImage(p, slot) for p, slot in zip(inside, self.tap_scratch)]
 
     def before_pass(self, lane: Lane, end: int) -> None:
         """Flexible taps inside the prompt's final chunk are taken at that chunk's start (§7.1)."""

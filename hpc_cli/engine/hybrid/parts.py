@@ -32,6 +32,7 @@ class BindingParts:
     coalesce_wait_limit: float
     frontier_lag: int
     in_pass_taps: int
+    tap_scratch: list[StateSlot]
     C: int
     D: int
     layout: BundleLayout

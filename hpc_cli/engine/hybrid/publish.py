@@ -1,5 +1,5 @@
-"""Snapshots in the hybrid mode: a tap copies the lane's state into a snapshot slot (or writes
-the image a pass took inside it, the zero-split tap, spec §7.3), an endpoint freezes the lane's
+"""Snapshots in the hybrid mode: a tap copies the lane's state into a snapshot slot (or takes
+over the tap slot a pass wrote its image into, the zero-split tap, spec §7.3), an endpoint freezes the lane's
 own image with its partial last page (§7.4, §7.7); either is published to the index and written
 through to the host tier. And the lane's terminal settlement (§7.7)."""
 
@@ -59,8 +59,6 @@ class Publish(BindingParts):
         else:
             if image is None:
                 self.states.copy_slot(lane.state_slot, self.snap_phys[k])
-            else:
-                self.states.write_image(self.snap_phys[k], image)
             if tail_len:
                 page = self._alloc_cache_page()
                 if page is None:
@@ -69,6 +67,9 @@ class Publish(BindingParts):
                     return False
                 self._copy_page(lane.pages[d], page, tail_len)
                 tail_pages = (page,)
+            if image is not None:  # the image's slot becomes the snapshot's; its old slot a tap slot
+                j = self.tap_scratch.index(StateSlot(image.slot))
+                self.tap_scratch[j], self.snap_phys[k] = self.snap_phys[k], StateSlot(image.slot)
         tail_tokens = token_bytes(lane.tokens[BLOCK_TOKENS * d:p]) if tail_len else b""
         tail_extra = lane.prepared.tail_extra(BLOCK_TOKENS * d, p) if tail_len else 0  # its images
         pr = self.index.publish(seq, kind, p, slot=k, tail_tokens=tail_tokens, tail_pages=tail_pages,
