@@ -20,7 +20,9 @@ state slot named for it (streaming stores: the state is not read again in this p
 
 ``taps`` (``[S]`` int64 on the device, offsets in the sequence, ``0`` for a slot not used) and
 their destination slots ``dst`` are read by the kernel, so one compiled kernel and one CUDA graph
-serve every placement.
+serve every placement. The entering state is read from, and the final state written to, a slot
+of a slot-indexed tensor (the slot read on the device too): a pass reads and writes the lane's
+state slot in place, with no gather or scatter of the state around the kernel.
 :func:`state_taps_ref` is the torch twin (the same rounding points), used where Triton is not.
 """
 
@@ -66,7 +68,7 @@ if triton is not None:
         return _dot(b_k, b_vt, b_h * scale, F32)
 
     @triton.jit(do_not_specialize=["T"])
-    def _state_taps_kernel(k, u, w, g, h, v_new, h0, ht, taps, dst, tap_out, T,
+    def _state_taps_kernel(k, u, w, g, h, v_new, h0, h0_slot, ht, ht_slot, taps, dst, tap_out, T,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                            BT: tl.constexpr, BV: tl.constexpr, SLOTS: tl.constexpr, F32: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
@@ -91,9 +93,10 @@ if triton is not None:
         state2 = o_k2[:, None] * V + o_v[None, :]
         m_s1 = m_k1[:, None] & m_v[None, :]
         m_s2 = m_k2[:, None] & m_v[None, :]
-        b_h1 = tl.load(h0 + i_h * KV + state1, mask=m_s1, other=0.0).to(tl.float32)
+        h0 += tl.load(h0_slot) * HV * KV + i_h * KV
+        b_h1 = tl.load(h0 + state1, mask=m_s1, other=0.0).to(tl.float32)
         if K > 64:
-            b_h2 = tl.load(h0 + i_h * KV + state2, mask=m_s2, other=0.0).to(tl.float32)
+            b_h2 = tl.load(h0 + state2, mask=m_s2, other=0.0).to(tl.float32)
         zero = pid * 0  # an int64 zero: chunk offsets pass 2^31 at the 27B widths
         for c in range(n_chunks):
             c64 = zero + c
@@ -143,40 +146,42 @@ if triton is not None:
                 b_h2 *= decay
                 b_k = tl.load(k_rows2, mask=m_k2[:, None] & m_t[None, :], other=0.0)
                 b_h2 = _dot(b_k, b_v, b_h2, F32)
-        tl.store(ht + i_h * KV + state1, b_h1, mask=m_s1)
+        ht += tl.load(ht_slot) * HV * KV + i_h * KV  # this program's part of the slot: read it only above
+        tl.store(ht + state1, b_h1, mask=m_s1)
         if K > 64:
-            tl.store(ht + i_h * KV + state2, b_h2, mask=m_s2)
+            tl.store(ht + state2, b_h2, mask=m_s2)
 
 
 def state_taps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor, h0: torch.Tensor,
-               taps: torch.Tensor, dst: torch.Tensor, dest: torch.Tensor,
-               final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               h0_slot: torch.Tensor, final: torch.Tensor, final_slot: torch.Tensor, taps: torch.Tensor,
+               dst: torch.Tensor, dest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence over one sequence. ``k`` ``[1, T, H, K]``, ``w`` ``[1, T, HV, K]``, ``u``
     ``[1, T, HV, V]`` (the WY representation), ``g`` ``[1, T, HV]`` fp32 (chunk-local cumulative
-    gate, log2 units), ``h0`` ``[1, HV, K, V]`` fp32; ``taps`` ``[S]`` int64 (offsets in ``(0, T]``,
-    ``0`` = unused) and ``dst`` ``[S]`` int64: tap ``j``'s state goes to ``dest[dst[j]]`` (``dest``
-    ``[N, HV, K, V]`` fp32, e.g. one GDN layer's state slots); the final state to ``final``
-    ``[1, HV, K, V]`` fp32. Returns ``h`` ``[1, NT, HV, K, V]`` (each chunk's entering state, in
-    ``k``'s dtype) and ``v_new`` (like ``u``). Triton where present (no host value read), else
-    the torch twin."""
+    gate, log2 units). The entering state is ``h0[h0_slot]``, the final state goes to
+    ``final[final_slot]`` (both ``[N, HV, K, V]`` fp32, the slots ``[1]`` int64 on the device; the
+    same slot of one tensor reads and writes in place); ``taps`` ``[S]`` int64 (offsets in
+    ``(0, T]``, ``0`` = unused) and ``dst`` ``[S]`` int64: tap ``j``'s state goes to
+    ``dest[dst[j]]`` (``[N, HV, K, V]`` fp32). Returns ``h`` ``[1, NT, HV, K, V]`` (each chunk's
+    entering state, in ``k``'s dtype) and ``v_new`` (like ``u``). Triton where present (no host
+    value read), else the torch twin."""
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
     S = taps.shape[0]
     assert B == 1, "the tap recurrence runs one sequence"
     assert dst.shape == (S,), f"{S} taps with {tuple(dst.shape)} destinations"
-    assert dest.shape[1:] == (HV, K, V) and dest.dtype == torch.float32 and dest.is_contiguous(), \
-        f"tap destinations {tuple(dest.shape)} {dest.dtype}, want [N, {HV}, {K}, {V}] float32, contiguous"
-    assert final.shape == (1, HV, K, V) and final.dtype == torch.float32, f"final state {tuple(final.shape)}"
+    for name, t in (("entering states", h0), ("final states", final), ("tap destinations", dest)):
+        assert t.shape[1:] == (HV, K, V) and t.dtype == torch.float32 and t.is_contiguous(), \
+            f"{name} {tuple(t.shape)} {t.dtype}, want [N, {HV}, {K}, {V}] float32, contiguous"
     if triton is None or (k.device.type != "cuda" and not _interpreting()):
-        return state_taps_ref(k, w, u, g, h0, taps, dst, dest, final)
+        return state_taps_ref(k, w, u, g, h0, h0_slot, final, final_slot, taps, dst, dest)
     assert supported(K), f"key head dim {K} > {MAX_K}"
-    for x in (k, w, u, g, h0, final):
+    for x in (k, w, u, g):
         assert x.is_contiguous(), "the tap recurrence reads contiguous inputs"
     n_chunks = -(-T // CHUNK)
     h = k.new_empty(1, n_chunks, HV, K, V)
     v_new = torch.empty_like(u)
     grid = (-(-V // BV) * HV,)
-    _state_taps_kernel[grid](k, u, w, g, h, v_new, h0, final, taps, dst, dest, T,
+    _state_taps_kernel[grid](k, u, w, g, h, v_new, h0, h0_slot, final, final_slot, taps, dst, dest, T,
                              H=H, HV=HV, K=K, V=V, BT=CHUNK, BV=BV, SLOTS=S, F32=_interpreting(),
                              num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return h, v_new
@@ -189,8 +194,8 @@ def _interpreting() -> bool:
 
 
 def state_taps_ref(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor, h0: torch.Tensor,
-                   taps: torch.Tensor, dst: torch.Tensor, dest: torch.Tensor,
-                   final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   h0_slot: torch.Tensor, final: torch.Tensor, final_slot: torch.Tensor, taps: torch.Tensor,
+                   dst: torch.Tensor, dest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`state_taps` in torch: the same steps and rounding points (the state rounded to the
     inputs' dtype before ``w @ S``, the gated new values before ``k^T @ v'``), fp32 sums."""
     _, T, H, K = k.shape
@@ -201,7 +206,7 @@ def state_taps_ref(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.T
     kk = k[0].repeat_interleave(rep, dim=1).transpose(0, 1).float()  # [HV, T, K]
     ww, uu = w[0].transpose(0, 1).float(), u[0].transpose(0, 1).float()  # [HV, T, *]
     gg = g[0].transpose(0, 1).float()  # [HV, T]
-    S = h0[0].float().clone()
+    S = h0[int(h0_slot[0])].float().clone()
     h = k.new_empty(1, n_chunks, HV, K, V)
     v_new = torch.empty_like(u)
     offsets = [int(p) for p in taps.tolist()]
@@ -219,5 +224,5 @@ def state_taps_ref(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.T
                 dest[d] = S * torch.exp2(gc[:, r - 1])[:, None, None] + kk[:, a:a + r].transpose(1, 2) @ vt
         vt = (v * torch.exp2(gc[:, -1:] - gc)[..., None]).to(dt).float()
         S = S * torch.exp2(gc[:, -1])[:, None, None] + kk[:, a:b].transpose(1, 2) @ vt
-    final[0] = S
+    final[int(final_slot[0])] = S
     return h, v_new

@@ -304,23 +304,27 @@ class GatedDeltaNet(nn.Module):
         core, state = gated_delta_prefill(q, k, v, g, beta, rec_state.unsqueeze(0), self.use_fla)
         return self._finish(core[0], z), new_conv, state[0]
 
-    def prefill_taps(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, rows: "ValidRows",
-                     taps: torch.Tensor, dst: torch.Tensor, conv_cols: torch.Tensor, rec_slots: torch.Tensor,
-                     conv_slots: torch.Tensor):
-        """:meth:`prefill` with ``rows`` on the device, also writing the state images of the taps
-        at the offsets ``taps`` (``[S]`` on the device, ``0`` for a slot not used) into the state
-        slots ``dst`` (``[S]``) of ``rec_slots`` ``[N, H_v, d_k, d_v]`` and ``conv_slots``
-        ``[N, conv_dim, kernel-1]`` (the graph form of :meth:`prefill_tapped`, through
-        :func:`hpc_cli.model.gdn_taps.tap_rule`; the conv window of tap ``j`` is the window's
-        columns ``conv_cols[j]``). A slot not used writes a conv window to its ``dst``, which
-        the caller overwrites after (the lane's own slot). Returns the output, the new conv
-        window and the final state."""
+    def prefill_slots(self, x: torch.Tensor, conv_slots: torch.Tensor, rec_slots: torch.Tensor, slot: torch.Tensor,
+                      rows: "ValidRows", taps: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """:meth:`prefill` of the lane in state slot ``slot`` (``[1]`` on the device) of
+        ``conv_slots`` ``[N, conv_dim, kernel-1]`` and ``rec_slots`` ``[N, H_v, d_k, d_v]``, both
+        read and written there (the recurrent state in place, through
+        :func:`hpc_cli.model.gdn_taps.tap_rule`), with ``rows`` on the device; also writes the
+        state images of the taps at the offsets ``taps`` (``[S]`` on the device, ``0`` for a slot
+        not used) into the slots ``dst`` (``[S]``): the graph form of :meth:`prefill_tapped`.
+        ``rows.conv_index`` holds the new conv window's columns, then each tap's (one gather
+        takes all). A slot not used writes a conv window to its ``dst``, the lane's own slot,
+        which the lane's window overwrites after. Returns the output."""
         from hpc_cli.model.gdn_taps import tap_rule
 
-        window, new_conv, z, q, k, v, g, beta = self._mix_padded(x, conv_state, None, rows)
-        core, final = tap_rule(q, k, v, g, beta, rec_state.unsqueeze(0), taps, dst, rec_slots, self.use_fla)
-        conv_slots.index_copy_(0, dst, window[:, conv_cols].permute(1, 0, 2).to(conv_slots.dtype))
-        return self._finish(core[0], z), new_conv, final[0]
+        k1 = self.kernel - 1
+        _, cols, z, q, k, v, g, beta = self._mix_padded(x, conv_slots.index_select(0, slot)[0], None, rows)
+        core = tap_rule(q, k, v, g, beta, rec_slots, slot, taps, dst, self.use_fla)
+        cols = cols.to(conv_slots.dtype)
+        if taps.numel():
+            conv_slots.index_copy_(0, dst, cols[:, k1:].unflatten(1, (-1, k1)).transpose(0, 1))
+        conv_slots.index_copy_(0, slot, cols[:, :k1].unsqueeze(0))
+        return self._finish(core[0], z)
 
 
 class ValidRows:

@@ -91,42 +91,43 @@ def tapped_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     hv, dk, dv = v.shape[2], k.shape[3], v.shape[3]
     m = len(taps)
     slots = -(-m // TAP_SLOTS) * TAP_SLOTS  # the slot counts the warm-up compiles (0 = a slot not used)
-    dest = torch.empty(slots, hv, dk, dv, dtype=torch.float32, device=q.device)
-    init = (torch.zeros(1, hv, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
-            else initial_state)
+    # the taps' states in slots 0 .. slots-1, the entering and then the final state in the last
+    dest = torch.zeros(slots + 1, hv, dk, dv, dtype=torch.float32, device=q.device)
+    if initial_state is not None:
+        dest[slots].copy_(initial_state[0])
     at = torch.tensor([*taps, *([0] * (slots - m))], dtype=torch.long, device=q.device)
-    out, final = tap_rule(q, k, v, g, beta, init, at, torch.arange(slots, device=q.device), dest, use_fla)
-    return out, final, [dest[j:j + 1] for j in range(m)]
+    slot = torch.tensor([slots], device=q.device)
+    out = tap_rule(q, k, v, g, beta, dest, slot, at, torch.arange(slots, device=q.device), use_fla)
+    return out, dest[slots:], [dest[j:j + 1] for j in range(m)]
 
 
 def tap_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             initial_state: torch.Tensor, taps: torch.Tensor, dst: torch.Tensor, dest: torch.Tensor,
-             use_fla: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule over one sequence ``[1, T, ...]`` with the taps ``taps`` (``[S]`` offsets in ``(0, T)``
+             states: torch.Tensor, slot: torch.Tensor, taps: torch.Tensor, dst: torch.Tensor,
+             use_fla: bool | None = None) -> torch.Tensor:
+    """The rule over one sequence ``[1, T, ...]`` from the state ``states[slot]`` (``states``
+    ``[N, H_v, d_k, d_v]`` fp32, e.g. a GDN layer's state slots; ``slot`` ``[1]`` on the device),
+    whose final state it writes back there, with the taps ``taps`` (``[S]`` offsets in ``(0, T)``
     on the device, sorted, then ``0`` for each slot not used): each used tap's fp32 state goes to
-    ``dest[dst[j]]`` (``dest`` ``[N, H_v, d_k, d_v]``: a GDN layer's state slots, or scratch).
-    Returns the output ``[1, T, H_v, d_v]`` and the final state ``[1, H_v, d_k, d_v]``.
+    ``states[dst[j]]`` (``dst`` ``[S]``, never ``slot``). Returns the output ``[1, T, H_v, d_v]``.
 
     On CUDA (fla's kernels and :mod:`hpc_kernels.gdn_state_taps`) the chunk grid stays where it
     is and no host value is read: the output and final state are fla's own call's bit for bit,
     and a tap is the final state of fla's own call on the rows up to it. Elsewhere the torch
     rule over rows spread so the grid restarts at each tap (it reads the taps): a tap is then
     the final state of a call truncated at it, and the output that of a pass split at the taps."""
-    hv, dk, dv = v.shape[2], k.shape[3], v.shape[3]
-    final = torch.empty(1, hv, dk, dv, dtype=torch.float32, device=q.device)
-    if q.is_cuda and use_fla is not False and fla_taps_supported(dk):
-        return fla_tap_rule(q, k, v, g, beta, initial_state, taps, dst, dest, final), final
+    if q.is_cuda and use_fla is not False and fla_taps_supported(k.shape[3]):
+        return fla_tap_rule(q, k, v, g, beta, states, slot, taps, dst)
     t = k.shape[1]
     used = [(int(p), int(d)) for p, d in zip(taps.tolist(), dst.tolist()) if int(p) > 0]
     layout = spread_layout(t, [p for p, _ in used])
     rows = torch.tensor(layout.rows, device=k.device)
     keep = [*layout.tap_chunks, layout.size // CHUNK]
-    out, _, kept = chunk_states(*(spread(x, rows, layout.size) for x in (q, k, v, g, beta)), initial_state,
-                                CHUNK, keep)
+    out, _, kept = chunk_states(*(spread(x, rows, layout.size) for x in (q, k, v, g, beta)),
+                                states.index_select(0, slot), CHUNK, keep)
     for (_, d), s in zip(used, kept):
-        dest[d].copy_(s[0])
-    final.copy_(kept[-1])
-    return out.index_select(1, rows), final
+        states[d].copy_(s[0])
+    states.index_copy_(0, slot, kept[-1])
+    return out.index_select(1, rows)
 
 
 # -- fla on CUDA --------------------------------------------------------------------------------
@@ -166,13 +167,12 @@ def fla_taps_supported(key_dim: int | None = None) -> bool:
 
 
 def fla_tap_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 initial_state: torch.Tensor, taps: torch.Tensor, dst: torch.Tensor, dest: torch.Tensor,
-                 final: torch.Tensor) -> torch.Tensor:
+                 states: torch.Tensor, slot: torch.Tensor, taps: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """fla's chunk rule with its state recurrence replaced by the tap recurrence
-    (:func:`hpc_kernels.gdn_state_taps.state_taps`): the same kernels, in the same order, as
-    ``chunk_gated_delta_rule`` with ``use_qk_l2norm_in_kernel`` (whose output and final state,
-    written into ``final``, this equals bit for bit), plus each tap's state written into
-    ``dest[dst[j]]``."""
+    (:func:`hpc_kernels.gdn_state_taps.state_taps`), from and back into ``states[slot]``: the
+    same kernels, in the same order, as ``chunk_gated_delta_rule`` with
+    ``use_qk_l2norm_in_kernel`` (whose output and final state this equals bit for bit), plus each
+    tap's state written into ``states[dst[j]]``."""
     from hpc_kernels.gdn_state_taps import state_taps
 
     p = _fla_parts()
@@ -183,7 +183,7 @@ def fla_tap_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     kn, _ = p.l2norm(kk)
     gc = p.cumsum(g.float(), chunk_size=CHUNK, scale=p.rcp_ln2)
     w, u, _ = p.intra(k=kn, v=vv, g=gc, beta=beta.to(vv.dtype), chunk_size=CHUNK)
-    h, v_new = state_taps(kn, w, u, gc, initial_state.float().contiguous(), taps, dst, dest, final)
+    h, v_new = state_taps(kn, w, u, gc, states, slot, states, slot, taps, dst, states)
     o = p.output(q=qn, k=kn, v=v_new, h=h, g=gc, scale=K ** -0.5, chunk_size=CHUNK)
     return o.to(qq.dtype)
 

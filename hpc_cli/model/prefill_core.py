@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from hpc_cli.model.gdn import ValidRows
+from hpc_cli.model.gdn_taps import fla_taps_supported
 
 if TYPE_CHECKING:
     from hpc_cli.memory.kv_pool import PagedKVStorage
@@ -54,7 +55,10 @@ class PrefillIndex:
     paths that read host values (the gather + SDPA attention).
 
     A pass with room for ``slots`` taps (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) also
-    carries ``tap_pos`` ``[slots]`` (each tap's offset in the pass, in order), ``tap_last``
+    carries ``tap_cols`` ``[slots * (kernel-1)]`` (each tap's conv window columns, right after
+    ``conv_index`` so that ``conv_cols`` is both in one view: one gather per GDN layer takes the
+    new conv state and the taps' windows), ``tap_pos`` ``[slots]`` (each tap's offset in the
+    pass, in order), ``tap_last``
     ``[slots]`` (the row before it, whose hidden the tap keeps) and ``tap_dst`` ``[slots]`` (the
     state slot its image goes to); a slot not used holds offset 0 and the lane's own state slot
     (whatever the pass writes there for it, the lane's own image overwrites after)."""
@@ -72,6 +76,8 @@ class PrefillIndex:
     conv_index: torch.Tensor
     host: tuple[int, int] | None = None
     slots: int = 0
+    conv_cols: torch.Tensor | None = None
+    tap_cols: torch.Tensor | None = None
     tap_pos: torch.Tensor | None = None
     tap_last: torch.Tensor | None = None
     tap_dst: torch.Tensor | None = None
@@ -107,7 +113,9 @@ class PrefillIndex:
             assert all(0 < p < n for p in at) and at == sorted(set(at)), f"taps {at} not sorted inside (0, {n})"
             assert state_slot not in dst and len(set(dst)) == len(dst), f"tap slots {dst} (the lane's is {state_slot})"
             offsets = [*at, *([0] * (slots - len(at)))]
-            parts += [torch.tensor(offsets, dtype=torch.long), torch.tensor([max(0, o - 1) for o in offsets]),
+            cols = torch.tensor(offsets, dtype=torch.long).view(-1, 1) + torch.arange(conv_taps)
+            parts += [cols.reshape(-1), torch.tensor(offsets, dtype=torch.long),
+                      torch.tensor([max(0, o - 1) for o in offsets]),
                       torch.tensor([*dst, *([state_slot] * (slots - len(dst)))], dtype=torch.long)]
         else:
             assert not taps, "a pass with taps needs tap slots"
@@ -116,12 +124,15 @@ class PrefillIndex:
     @classmethod
     def view(cls, packed: torch.Tensor, L: int, W: int, host: tuple[int, int] | None = None,
              slots: int = 0) -> "PrefillIndex":
-        extra = 3 * slots
-        k1 = packed.shape[0] - (3 * L + W + 4) - extra
-        tokens, positions, write, pages, tail, conv, rest = torch.split(packed, [L, L, L, W, 4, k1, extra])
+        # the conv columns: k1 of the lane's, then k1 per tap slot
+        k1 = (packed.shape[0] - (3 * L + W + 4) - 3 * slots) // (1 + slots)
+        tokens, positions, write, pages, tail, conv_all, rest = torch.split(
+            packed, [L, L, L, W, 4, k1 * (1 + slots), 3 * slots])
+        conv = conv_all[:k1]
         idx = cls(L, W, packed, tokens, positions, write, pages, tail[0:2], tail[2:3], tail[3:4], conv, host)
         if slots:
             idx.slots = slots
+            idx.conv_cols, idx.tap_cols = conv_all, conv_all[k1:]
             idx.tap_pos, idx.tap_last, idx.tap_dst = torch.split(rest, [slots, slots, slots])
         return idx
 
@@ -154,10 +165,14 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
     L = idx.L
     dev = model.device
     mask = torch.arange(L, device=dev) < idx.meta[1]
-    rows = ValidRows(mask, idx.conv_index)
-    cols = None
-    if idx.slots:
-        cols = idx.tap_pos.view(-1, 1) + torch.arange(idx.conv_index.shape[0], device=dev)
+    # a pass with tap slots gathers its taps' conv windows with the new conv state
+    rows = ValidRows(mask, idx.conv_index if not idx.slots else idx.conv_cols)
+    # the GDN layers read and write the lane's state slot in place where the tap recurrence runs
+    # (CUDA with fla's kernels; every pass with tap slots)
+    in_slots = bool(idx.slots) or (dev.type == "cuda" and fla_taps_supported(model.config.linear_key_head_dim))
+    none = torch.zeros(0, dtype=torch.long, device=dev)
+    tap_pos = idx.tap_pos if idx.slots else none
+    tap_dst = idx.tap_dst if idx.slots else none
     cos, sin = model.rotary.cos_sin(idx.positions, model.dtype)
     paged = kv.paged_attention_supported(model.config.num_attention_heads)
     x = model._embed(idx.tokens)
@@ -167,15 +182,13 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
         if layer.kind == "linear_attention":
             g = model.state_index[i]
             conv, rec = states.conv[g], states.recurrent[g]
-            if cols is None:
+            if in_slots:
+                out = layer.linear_attn.prefill_slots(h, conv, rec, slot, rows, tap_pos, tap_dst)
+            else:
                 out, new_conv, new_rec = layer.linear_attn.prefill(h, conv.index_select(0, slot)[0],
                                                                    rec.index_select(0, slot)[0], rows=rows)
-            else:
-                out, new_conv, new_rec = layer.linear_attn.prefill_taps(
-                    h, conv.index_select(0, slot)[0], rec.index_select(0, slot)[0], rows, idx.tap_pos, idx.tap_dst,
-                    cols, rec, conv)
-            conv.index_copy_(0, slot, new_conv.unsqueeze(0).to(conv.dtype))
-            rec.index_copy_(0, slot, new_rec.unsqueeze(0).to(rec.dtype))
+                conv.index_copy_(0, slot, new_conv.unsqueeze(0).to(conv.dtype))
+                rec.index_copy_(0, slot, new_rec.unsqueeze(0).to(rec.dtype))
         else:
             a = model.kv_index[i]
             attn = layer.self_attn
@@ -194,7 +207,7 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
             out = attn.finish(o, gate)
         x = x + out
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    if cols is not None:  # before the lane's own hidden (a slot not used points at the lane's)
+    if idx.slots:  # before the lane's own hidden (a slot not used points at the lane's)
         states.hidden.index_copy_(0, idx.tap_dst, model.norm(x.index_select(0, idx.tap_last)).to(states.hidden.dtype))
     x = model.norm(x.index_select(0, idx.last))
     states.hidden.index_copy_(0, slot, x.to(states.hidden.dtype))
