@@ -68,10 +68,12 @@ def test_no_tap_is_flas_own_call(t):
     xs = _inputs(t)
     ref_o, ref_s = gated_delta_prefill(*xs)
     for taps in ([0, 0, 0, 0], (sorted({1, t // 2, t - 1} - {0}) + [0] * 4)[:4]):
-        dest, final = torch.empty(4, HV, D, D, device="cuda"), torch.empty(1, HV, D, D, device="cuda")
-        out = fla_tap_rule(*xs[:5], xs[5], torch.tensor(taps, device="cuda"), torch.arange(4, device="cuda"),
-                           dest, final)
-        assert torch.equal(out, ref_o) and torch.equal(final, ref_s), f"taps {taps}"
+        # the taps' states in slots 0..3, the lane's state in slot 4: read and written in place
+        states = torch.empty(5, HV, D, D, device="cuda")
+        states[4] = xs[5][0]
+        lane = torch.tensor([4], device="cuda")
+        out = fla_tap_rule(*xs[:5], states, lane, torch.tensor(taps, device="cuda"), torch.arange(4, device="cuda"))
+        assert torch.equal(out, ref_o) and torch.equal(states[4], ref_s[0]), f"taps {taps}"
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
