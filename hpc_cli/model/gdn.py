@@ -50,8 +50,14 @@ def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     return out, state
 
 
-def chunk_states(q, k, v, g, beta, initial_state, chunk: int, keep: Sequence[int]):
-    """:func:`chunk_rule`, also returning the state after each chunk count in ``keep``."""
+def chunk_states(q, k, v, g, beta, initial_state, chunk: int, taps: Sequence[int]):
+    """:func:`chunk_rule`, also returning the state after each position in ``taps`` (in ``(0,
+    T]``; the zero-split tap, spec §7.2-7.3). The grid stays where it is: the state after the
+    first ``r`` rows of chunk ``c`` is the chunk's update with its last row at ``r - 1`` and the
+    rows from ``r`` on weighted zero (the chunk's triangular system is lower-triangular, so those
+    rows do not enter the earlier ones), the same products a call ending at the tap computes for
+    its last chunk: a tap equals that call's final state bit for bit, and the output and final
+    state do not change."""
     out_dtype = v.dtype
     b, t, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
@@ -94,17 +100,24 @@ def chunk_states(q, k, v, g, beta, initial_state, chunk: int, keep: Sequence[int
     total = ecg[..., -1][..., None, None]
     state = (torch.zeros(b, hv, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
              else initial_state.float().clone())
-    wanted = set(keep)
-    kept: dict[int, torch.Tensor] = {0: state} if 0 in wanted else {}
+    assert all(0 < p <= t for p in taps), f"taps {list(taps)} outside (0, {t}]"
+    inside: dict[int, list[int]] = {}  # chunk -> the rows its taps take
+    for p in taps:
+        inside.setdefault((p - 1) // chunk, []).append(p - (p - 1) // chunk * chunk)
+    kept: dict[int, torch.Tensor] = {}
+    rows = torch.arange(chunk, device=q.device)
     out = torch.empty(b, hv, n, chunk, dv, dtype=torch.float32, device=q.device)
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state
         out[:, :, i] = qd[:, :, i] @ state + attn[:, :, i] @ v_new
+        for r in inside.get(i, ()):
+            c = cg[:, :, i]
+            weight = torch.where(rows < r, (c[..., r - 1:r] - c).exp(), 0.0)  # (later rows' exp may overflow)
+            kd_r = kv_heads[:, :, i] * weight.unsqueeze(-1)
+            kept[i * chunk + r] = state * ecg[:, :, i, r - 1][..., None, None] + kd_r.transpose(-1, -2) @ v_new
         state = state * total[:, :, i] + kd[:, :, i].transpose(-1, -2) @ v_new
-        if i + 1 in wanted:
-            kept[i + 1] = state
     out = out.permute(0, 2, 3, 1, 4).reshape(b, n * chunk, hv, dv)[:, :t]
-    return out.to(out_dtype), state, [kept[c] for c in keep]
+    return out.to(out_dtype), state, [kept[p] for p in taps]
 
 
 def causal_conv_time_major(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

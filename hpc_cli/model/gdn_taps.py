@@ -1,22 +1,24 @@
 """The zero-split tap (spec §7.2-7.3): a prefill pass's GDN layers return the recurrent state at
 planned positions inside the pass, with no second pass.
 
-* On CUDA the chunk grid stays where it is. fla's chunk kernels run over the pass as in fla's own
-  call, except the sequential state recurrence, which is :mod:`hpc_kernels.gdn_state_taps`: it
-  writes each chunk's state as fla's does and, in the chunk that holds a tap, also the fp32 state
-  after the chunk's first rows (one masked chunk update). The taps are read on the device, so one
-  CUDA graph of a pass serves every placement of up to :data:`TAP_SLOTS` taps (a slot not used
-  holds offset 0). The output and final state are fla's own call's, bit for bit; a tap is the
-  final state of a call truncated at it.
-* On the CPU (and wherever fla is missing) the torch chunk rule has the state only at chunk
-  boundaries, so the grid restarts at every tap: the pass's rows are *spread* so each run between
-  taps starts at a chunk boundary, the rows after a run's end up to the next boundary identity
-  rows (``q = k = v = 0``, ``g = 0``, ``beta = 0``: decay 1 and no write, so the state passes them
-  bit for bit), and :func:`hpc_cli.model.gdn.chunk_states` keeps the state at those boundaries.
-  A tap is the final state of a call truncated at it, the output that of a pass split at the taps.
+The chunk grid stays where it is. The chunked rule walks the pass in chunks of 64 rows with the
+state at each chunk boundary; the state after the first ``r`` rows of a chunk is that chunk's
+update with its last row at ``r - 1`` and the later rows weighted zero (the chunk-local system is
+lower-triangular, so they do not enter the earlier rows): one masked chunk update where a tap
+falls, the same products a call ending at the tap computes for its last chunk.
+
+* On CUDA fla's chunk kernels run over the pass as in fla's own call, except the sequential state
+  recurrence, which is :mod:`hpc_kernels.gdn_state_taps`: it writes each chunk's state as fla's
+  does and each tap's fp32 state into the tap's state slot, and reads the lane's state from and
+  writes it back to its slot. The taps and slots are read on the device, so one CUDA graph of a
+  pass serves every placement of up to :data:`TAP_SLOTS` taps (a slot not used holds offset 0).
+  The output and final state are fla's own call's bit for bit; a tap is the final state of fla's
+  own call on the rows up to it.
+* On the CPU (and wherever fla is missing) the torch chunk rule does the same
+  (:func:`hpc_cli.model.gdn.chunk_states`).
 
 :func:`tap_rule` is the rule with taps given on the device, :func:`tapped_rule` a whole call with
-host offsets; :func:`spread_layout` places the CPU form's rows and :func:`spread` moves them.
+host offsets.
 """
 
 from __future__ import annotations
@@ -33,47 +35,6 @@ CHUNK = 64
 #: the tap slots of a CUDA-graph prefill pass with taps (a slot costs one scalar read per chunk of
 #: the tap recurrence); a pass with more taps ends at the next one (a split)
 TAP_SLOTS = 4
-
-
-@dataclass(frozen=True)
-class SpreadLayout:
-    """Where a pass's rows go when the chunk grid restarts at each tap (the CPU form).
-
-    ``rows``: the spread row of each of the pass's ``n`` rows; ``starts``: the spread row where
-    each run begins, ``[0, s_1 .. s_m]`` (multiples of ``chunk``); ``size``: the spread length, a
-    multiple of ``chunk`` (rows past the last real row are identity rows, so no run ends in a
-    partial chunk)."""
-
-    rows: list[int]
-    starts: list[int]
-    size: int
-
-    @property
-    def tap_chunks(self) -> list[int]:
-        """The chunk count at each tap (the state entering the run that follows it)."""
-        return [s // CHUNK for s in self.starts[1:]]
-
-
-def spread_layout(n: int, taps: Sequence[int], chunk: int = CHUNK) -> SpreadLayout:
-    """The layout of a pass of ``n`` rows with taps at the offsets ``taps`` (sorted, distinct,
-    inside ``(0, n)``)."""
-    taps = list(taps)
-    assert all(0 < p < n for p in taps) and taps == sorted(set(taps)), f"taps {taps} not sorted inside (0, {n})"
-    edges = [0, *taps, n]
-    rows: list[int] = []
-    starts: list[int] = []
-    at = 0
-    for a, b in zip(edges, edges[1:]):
-        starts.append(at)
-        rows.extend(range(at, at + b - a))
-        at += -(-(b - a) // chunk) * chunk
-    return SpreadLayout(rows, starts, at)
-
-
-def spread(x: torch.Tensor, rows: torch.Tensor, size: int) -> torch.Tensor:
-    """``x`` ``[B, T, ...]`` placed at rows ``rows`` (``[T]``, device indices) of ``size`` rows,
-    identity (zero) rows between (:class:`SpreadLayout`)."""
-    return x.new_zeros(x.shape[0], size, *x.shape[2:]).index_copy_(1, rows, x)
 
 
 def tapped_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -110,24 +71,18 @@ def tap_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     on the device, sorted, then ``0`` for each slot not used): each used tap's fp32 state goes to
     ``states[dst[j]]`` (``dst`` ``[S]``, never ``slot``). Returns the output ``[1, T, H_v, d_v]``.
 
-    On CUDA (fla's kernels and :mod:`hpc_kernels.gdn_state_taps`) the chunk grid stays where it
-    is and no host value is read: the output and final state are fla's own call's bit for bit,
-    and a tap is the final state of fla's own call on the rows up to it. Elsewhere the torch
-    rule over rows spread so the grid restarts at each tap (it reads the taps): a tap is then
-    the final state of a call truncated at it, and the output that of a pass split at the taps."""
+    The chunk grid stays where it is: the output and final state are those of the call without
+    taps bit for bit, and a tap is the final state of the call on the rows up to it. On CUDA
+    through fla's kernels and :mod:`hpc_kernels.gdn_state_taps` (no host value read), elsewhere
+    through the torch chunk rule (:func:`hpc_cli.model.gdn.chunk_states`, which reads the taps)."""
     if q.is_cuda and use_fla is not False and fla_taps_supported(k.shape[3]):
         return fla_tap_rule(q, k, v, g, beta, states, slot, taps, dst)
-    t = k.shape[1]
     used = [(int(p), int(d)) for p, d in zip(taps.tolist(), dst.tolist()) if int(p) > 0]
-    layout = spread_layout(t, [p for p, _ in used])
-    rows = torch.tensor(layout.rows, device=k.device)
-    keep = [*layout.tap_chunks, layout.size // CHUNK]
-    out, _, kept = chunk_states(*(spread(x, rows, layout.size) for x in (q, k, v, g, beta)),
-                                states.index_select(0, slot), CHUNK, keep)
+    out, final, kept = chunk_states(q, k, v, g, beta, states.index_select(0, slot), CHUNK, [p for p, _ in used])
     for (_, d), s in zip(used, kept):
         states[d].copy_(s[0])
-    states.index_copy_(0, slot, kept[-1])
-    return out.index_select(1, rows)
+    states.index_copy_(0, slot, final)
+    return out
 
 
 # -- fla on CUDA --------------------------------------------------------------------------------

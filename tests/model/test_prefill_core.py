@@ -104,18 +104,3 @@ def test_indexed_pass_with_tap_slots_equals_the_tapped_pass(tiny, tokens, taps):
         assert torch.equal(states2.hidden[slot], states.hidden[slot]), f"slot {slot}: hidden"
     for slot in [0, 1, *range(3 + len(taps), 3 + TAP_SLOTS)]:
         assert all(bool((part[slot] == 3.0).all()) for part in states2.parts()), f"slot {slot} was written"
-
-
-def test_spread_layout():
-    """Each run starts at a chunk boundary and no run ends in a partial chunk; a tap on the grid
-    adds no row."""
-    from hpc_cli.model.gdn_taps import spread_layout
-
-    lay = spread_layout(100, [10, 64, 70])
-    assert lay.starts == [0, 64, 128, 192] and lay.size == 256 and lay.tap_chunks == [1, 2, 3]
-    assert lay.rows[:10] == list(range(10)) and lay.rows[10:64] == list(range(64, 118))
-    assert lay.rows[64:70] == list(range(128, 134)) and lay.rows[70:100] == list(range(192, 222))
-    exact = spread_layout(100, [64])
-    assert exact.rows == list(range(100)) and exact.size == 128  # a tap on the grid adds no row
-    with pytest.raises(AssertionError, match="not sorted"):
-        spread_layout(100, [70, 10])
