@@ -31,6 +31,8 @@ def _run(model, in_pass: int):
                  if s.device_slot >= 0}
         images = {p: [t[slot].clone() for t in e.states.parts()] for p, (_, slot) in snaps.items()}
         kinds = {p: k for p, (k, _) in snaps.items()}
+        # an image a pass took is published by handing its tap slot to the snapshot (no copy)
+        assert e.cache.counters["taps_in_pass"] == (0 if not in_pass else 3 if in_pass > 1 else 2), e.cache.counters
         again, fin2 = e.generate(GenerationRequest(PROMPT[:200] + [7, 8, 9], SamplingParams(max_tokens=6, temperature=0)),
                                  timeout=120)
     finally:

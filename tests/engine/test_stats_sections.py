@@ -24,7 +24,7 @@ RESIDENCY_KEYS = {"device_kv_bytes", "device_state_bytes", "host_bytes", "entrie
 HOST_TIER = {"state", "ready_bytes", "total_bytes", "ready_slabs", "ready_chunks", "chunks", "seconds", "error"}
 CACHE = {"pool", "pages", "lanes_free", "host_slabs", "slab_bytes", "page_bytes", "image_bytes",
          "transfers_pending", "residency"}
-HYBRID_COUNTERS = {"restored_host_bytes", "taps", "taps_skipped", "endpoints", "transfer_failures", "blocked",
+HYBRID_COUNTERS = {"restored_host_bytes", "taps", "taps_in_pass", "taps_skipped", "endpoints", "transfer_failures", "blocked",
                    "coalesce_waits", "prefetched_blocks", "prefetched_bytes"}
 LEGACY_COUNTERS = {"taps", "taps_skipped", "endpoints", "blocked", "restored_host_bytes", "demoted_bytes",
                    "transfer_failures", "prefill_splits"}

@@ -91,8 +91,10 @@ class HybridBinding(Restore, Commit, Publish, Transfers):
         self.tap_scratch = [StateSlot(lanes + snapshot_slots + j) for j in range(tap_slots)]
         self.jobs: dict[int, tuple[str, Any]] = {}  # transfer job id -> (kind, index batch)
         self.failed: str | None = None
-        self.counters = {"restored_host_bytes": 0, "taps": 0, "taps_skipped": 0, "endpoints": 0,
-                         "transfer_failures": 0, "blocked": 0, "coalesce_waits": 0,
+        # taps_in_pass: taps whose image a prefill pass took inside itself (published by handing
+        # over a tap slot; they count in taps too)
+        self.counters = {"restored_host_bytes": 0, "taps": 0, "taps_in_pass": 0, "taps_skipped": 0,
+                         "endpoints": 0, "transfer_failures": 0, "blocked": 0, "coalesce_waits": 0,
                          "prefetched_blocks": 0, "prefetched_bytes": 0}
         self.shared: "SharedTier | None" = None  # the shared tier (L3), hpc_cli.engine.shared
 
