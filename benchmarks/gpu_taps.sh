@@ -20,5 +20,5 @@ step warmup-tuned 150 env TRITON_CACHE_DIR="$(mktemp -d)" python3 scripts/fla_co
 tar -C "$FLA" -cf "$OUT/fla-configs.tar" .
 step warmup-pinned 120 env TRITON_CACHE_DIR="$(mktemp -d)" FLA_CACHE_MODE=strict FLA_CONFIG_DIR="$FLA" \
     python3 scripts/fla_configs.py "$(mktemp -d)"
-cat "$OUT/gdn_taps.json" 2>/dev/null | grep -E '"(plain_s|in_pass_s|split_s|copy_s|tap_s|tap_cost_over_copy|in_pass_throughput|split_throughput|graph_replays)"'
+cat "$OUT/gdn_taps.json" 2>/dev/null | grep -E '"(plain_s|in_pass_s|split_s|copy_s|tap_s|pass_tap_s|tap_cost_over_copy|pass_tap_cost_over_copy|in_pass_throughput|split_throughput|graph_replays)"'
 summary
