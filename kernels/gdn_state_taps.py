@@ -152,28 +152,25 @@ if triton is not None:
             tl.store(ht + state2, b_h2, mask=m_s2)
 
 
-def state_taps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor, h0: torch.Tensor,
-               h0_slot: torch.Tensor, final: torch.Tensor, final_slot: torch.Tensor, taps: torch.Tensor,
-               dst: torch.Tensor, dest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def state_taps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor, states: torch.Tensor,
+               slot: torch.Tensor, taps: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence over one sequence. ``k`` ``[1, T, H, K]``, ``w`` ``[1, T, HV, K]``, ``u``
     ``[1, T, HV, V]`` (the WY representation), ``g`` ``[1, T, HV]`` fp32 (chunk-local cumulative
-    gate, log2 units). The entering state is ``h0[h0_slot]``, the final state goes to
-    ``final[final_slot]`` (both ``[N, HV, K, V]`` fp32, the slots ``[1]`` int64 on the device; the
-    same slot of one tensor reads and writes in place); ``taps`` ``[S]`` int64 (offsets in
-    ``(0, T]``, ``0`` = unused) and ``dst`` ``[S]`` int64: tap ``j``'s state goes to
-    ``dest[dst[j]]`` (``[N, HV, K, V]`` fp32). Returns ``h`` ``[1, NT, HV, K, V]`` (each chunk's
-    entering state, in ``k``'s dtype) and ``v_new`` (like ``u``). Triton where present (no host
-    value read), else the torch twin."""
+    gate, log2 units); ``states`` ``[N, HV, K, V]`` fp32, slot-indexed (a GDN layer's state
+    slots): the entering state is ``states[slot]`` (``slot`` ``[1]`` int64 on the device) and the
+    final state goes back there, in place; ``taps`` ``[S]`` int64 (offsets in ``(0, T]``, ``0`` =
+    unused) and ``dst`` ``[S]`` int64: tap ``j``'s state goes to ``states[dst[j]]`` (never
+    ``slot``). Returns ``h`` ``[1, NT, HV, K, V]`` (each chunk's entering state, in ``k``'s dtype)
+    and ``v_new`` (like ``u``). Triton where present (no host value read), else the torch twin."""
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
     S = taps.shape[0]
     assert B == 1, "the tap recurrence runs one sequence"
     assert dst.shape == (S,), f"{S} taps with {tuple(dst.shape)} destinations"
-    for name, t in (("entering states", h0), ("final states", final), ("tap destinations", dest)):
-        assert t.shape[1:] == (HV, K, V) and t.dtype == torch.float32 and t.is_contiguous(), \
-            f"{name} {tuple(t.shape)} {t.dtype}, want [N, {HV}, {K}, {V}] float32, contiguous"
+    assert states.shape[1:] == (HV, K, V) and states.dtype == torch.float32 and states.is_contiguous(), \
+        f"states {tuple(states.shape)} {states.dtype}, want [N, {HV}, {K}, {V}] float32, contiguous"
     if triton is None or (k.device.type != "cuda" and not _interpreting()):
-        return state_taps_ref(k, w, u, g, h0, h0_slot, final, final_slot, taps, dst, dest)
+        return state_taps_ref(k, w, u, g, states, slot, taps, dst)
     assert supported(K), f"key head dim {K} > {MAX_K}"
     for x in (k, w, u, g):
         assert x.is_contiguous(), "the tap recurrence reads contiguous inputs"
@@ -181,7 +178,9 @@ def state_taps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tenso
     h = k.new_empty(1, n_chunks, HV, K, V)
     v_new = torch.empty_like(u)
     grid = (-(-V // BV) * HV,)
-    _state_taps_kernel[grid](k, u, w, g, h, v_new, h0, h0_slot, final, final_slot, taps, dst, dest, T,
+    # the kernel reads the entering state, writes the final state and the taps through three
+    # pointers; here all three are the one slot-indexed tensor
+    _state_taps_kernel[grid](k, u, w, g, h, v_new, states, slot, states, slot, taps, dst, states, T,
                              H=H, HV=HV, K=K, V=V, BT=CHUNK, BV=BV, SLOTS=S, F32=_interpreting(),
                              num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return h, v_new
@@ -193,9 +192,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def state_taps_ref(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor, h0: torch.Tensor,
-                   h0_slot: torch.Tensor, final: torch.Tensor, final_slot: torch.Tensor, taps: torch.Tensor,
-                   dst: torch.Tensor, dest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def state_taps_ref(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor, states: torch.Tensor,
+                   slot: torch.Tensor, taps: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`state_taps` in torch: the same steps and rounding points (the state rounded to the
     inputs' dtype before ``w @ S``, the gated new values before ``k^T @ v'``), fp32 sums."""
     _, T, H, K = k.shape
@@ -206,7 +204,7 @@ def state_taps_ref(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.T
     kk = k[0].repeat_interleave(rep, dim=1).transpose(0, 1).float()  # [HV, T, K]
     ww, uu = w[0].transpose(0, 1).float(), u[0].transpose(0, 1).float()  # [HV, T, *]
     gg = g[0].transpose(0, 1).float()  # [HV, T]
-    S = h0[int(h0_slot[0])].float().clone()
+    S = states[int(slot[0])].float().clone()
     h = k.new_empty(1, n_chunks, HV, K, V)
     v_new = torch.empty_like(u)
     offsets = [int(p) for p in taps.tolist()]
@@ -221,8 +219,8 @@ def state_taps_ref(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.T
             if a < p <= a + CHUNK:
                 r = p - a
                 vt = (v[:, :r] * torch.exp2(gc[:, r - 1:r] - gc[:, :r])[..., None]).to(dt).float()
-                dest[d] = S * torch.exp2(gc[:, r - 1])[:, None, None] + kk[:, a:a + r].transpose(1, 2) @ vt
+                states[d] = S * torch.exp2(gc[:, r - 1])[:, None, None] + kk[:, a:a + r].transpose(1, 2) @ vt
         vt = (v * torch.exp2(gc[:, -1:] - gc)[..., None]).to(dt).float()
         S = S * torch.exp2(gc[:, -1])[:, None, None] + kk[:, a:b].transpose(1, 2) @ vt
-    final[int(final_slot[0])] = S
+    states[int(slot[0])] = S
     return h, v_new

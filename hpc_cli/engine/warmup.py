@@ -102,7 +102,7 @@ def run_shapes(engine: "Engine", shapes: WarmupPlan,
     from hpc_cli.model.model import TapImage
 
     scratch = list(getattr(engine.cache, "tap_scratch", ()))
-    slots = min(graphs.tap_slots, getattr(engine.cache, "in_pass_taps", 0), len(scratch)) if graphs is not None else 0
+    slots = min(graphs.tap_slots, len(scratch)) if graphs is not None else 0
     for n in shapes.prefill_lengths:
         tokens = [(7 * i + 3) % max(2, vocab - 1) + 1 for i in range(n)]
         table = [i % num_pages for i in range(-(-n // BLOCK_TOKENS))]

@@ -138,7 +138,7 @@ def fla_tap_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     kn, _ = p.l2norm(kk)
     gc = p.cumsum(g.float(), chunk_size=CHUNK, scale=p.rcp_ln2)
     w, u, _ = p.intra(k=kn, v=vv, g=gc, beta=beta.to(vv.dtype), chunk_size=CHUNK)
-    h, v_new = state_taps(kn, w, u, gc, states, slot, states, slot, taps, dst, states)
+    h, v_new = state_taps(kn, w, u, gc, states, slot, taps, dst)
     o = p.output(q=qn, k=kn, v=v_new, h=h, g=gc, scale=K ** -0.5, chunk_size=CHUNK)
     return o.to(qq.dtype)
 

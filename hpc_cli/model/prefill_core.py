@@ -55,9 +55,9 @@ class PrefillIndex:
     paths that read host values (the gather + SDPA attention).
 
     A pass with room for ``slots`` taps (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) also
-    carries ``tap_cols`` ``[slots * (kernel-1)]`` (each tap's conv window columns, right after
-    ``conv_index`` so that ``conv_cols`` is both in one view: one gather per GDN layer takes the
-    new conv state and the taps' windows), ``tap_pos`` ``[slots]`` (each tap's offset in the
+    carries ``conv_cols`` ``[(1 + slots) * (kernel-1)]`` (``conv_index``, then each tap's conv
+    window columns, in one view: one gather per GDN layer takes the new conv state and the taps'
+    windows), ``tap_pos`` ``[slots]`` (each tap's offset in the
     pass, in order), ``tap_last``
     ``[slots]`` (the row before it, whose hidden the tap keeps) and ``tap_dst`` ``[slots]`` (the
     state slot its image goes to); a slot not used holds offset 0 and the lane's own state slot
@@ -77,7 +77,6 @@ class PrefillIndex:
     host: tuple[int, int] | None = None
     slots: int = 0
     conv_cols: torch.Tensor | None = None
-    tap_cols: torch.Tensor | None = None
     tap_pos: torch.Tensor | None = None
     tap_last: torch.Tensor | None = None
     tap_dst: torch.Tensor | None = None
@@ -132,7 +131,7 @@ class PrefillIndex:
         idx = cls(L, W, packed, tokens, positions, write, pages, tail[0:2], tail[2:3], tail[3:4], conv, host)
         if slots:
             idx.slots = slots
-            idx.conv_cols, idx.tap_cols = conv_all, conv_all[k1:]
+            idx.conv_cols = conv_all
             idx.tap_pos, idx.tap_last, idx.tap_dst = torch.split(rest, [slots, slots, slots])
         return idx
 
@@ -170,9 +169,10 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
     # the GDN layers read and write the lane's state slot in place where the tap recurrence runs
     # (CUDA with fla's kernels; every pass with tap slots)
     in_slots = bool(idx.slots) or (dev.type == "cuda" and fla_taps_supported(model.config.linear_key_head_dim))
-    none = torch.zeros(0, dtype=torch.long, device=dev)
-    tap_pos = idx.tap_pos if idx.slots else none
-    tap_dst = idx.tap_dst if idx.slots else none
+    if idx.slots:
+        tap_pos, tap_dst = idx.tap_pos, idx.tap_dst
+    else:
+        tap_pos = tap_dst = torch.zeros(0, dtype=torch.long, device=dev)
     cos, sin = model.rotary.cos_sin(idx.positions, model.dtype)
     paged = kv.paged_attention_supported(model.config.num_attention_heads)
     x = model._embed(idx.tokens)

@@ -68,7 +68,7 @@ class PrefillGraphs:
         self.eager = 0
         #: taps a pass takes itself (0 where fla's kernels or the tap recurrence do not take the
         #: model: the pass splits at each)
-        self.tap_slots = tap_capacity(model.device, model.config.linear_key_head_dim) if model.device.type == "cuda" else 0
+        self.tap_slots = tap_capacity(model.device, model.config.linear_key_head_dim)
 
     def _key(self, L: int, W: int, slots: int, kv: "PagedKVStorage", states: "StateSlots") -> tuple:
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from hpc_cli.model.columns import ColumnsOut, columns_pass, graph_width
 
@@ -78,7 +77,7 @@ def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int
     page = kv.page_tokens
     q, gate, k, v = attn.qkv(h, cos, sin)
     in_place = reads_in_place(attn, kv, T)
-    table, width = table if table is not None else _table(tables, last, page, h.device, graph=in_place)
+    table, width = table if table is not None else page_table(attn, kv, tables, last, T, h.device)
     _write(kv, layer, table, pos, k, v, write)
     if in_place:
         o = kv.decode_attention(layer, q, table, pos[:, 0] + 1, attn.scale)

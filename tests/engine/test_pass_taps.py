@@ -22,7 +22,7 @@ HINTS = [TapHint(37, 3), TapHint(150, 1), TapHint(291, 2)]  # structural, explic
 
 def _run(model, in_pass: int):
     e = Engine(model, kv_pages=64, prefill_chunk=256, max_concurrency=1, host_cache_mib=16)
-    e.cache.in_pass_taps = in_pass
+    e.cache.tap_scratch = e.cache.tap_scratch[:in_pass]  # a pass takes one tap per tap slot
     e.start()
     try:
         out, fin = e.generate(GenerationRequest(PROMPT, SamplingParams(max_tokens=6, temperature=0),

@@ -82,17 +82,18 @@ def test_twin_taps_every_phase_against_the_fp64_recurrence(dtype):
     ref = _fp64_states(k, v, gate, beta, s0)
     kk, w, u, G = _wy(k, v, gate, beta, dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    none = torch.empty(1, hv, d, d)
+    none = s0.clone()  # the lane's state in slot 0, read and written in place
     empty, zero = torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long)
-    h0, v0 = state_taps_ref(kk, w, u, G, s0, zero, none, zero, empty, empty, torch.empty(0, hv, d, d))
+    h0, v0 = state_taps_ref(kk, w, u, G, none, zero, empty, empty)
     assert _rel(none[0], ref[t]) < tol
     for taps in ([64 + r for r in range(1, 33)], [64 + r for r in range(33, 65)], [1, 63, 64, 129, 190, 199]):
-        dest, final = torch.empty(len(taps) + 2, hv, d, d), torch.empty(1, hv, d, d)
+        states = torch.empty(len(taps) + 2, hv, d, d)
+        states[0] = s0[0]
         dst = torch.arange(len(taps)).flip(0) + 2  # any slots, in any order
-        h, vn = state_taps_ref(kk, w, u, G, s0, zero, final, zero, torch.tensor(taps), dst, dest)
-        assert torch.equal(h, h0) and torch.equal(vn, v0) and torch.equal(final, none)
+        h, vn = state_taps_ref(kk, w, u, G, states, zero, torch.tensor(taps), dst)
+        assert torch.equal(h, h0) and torch.equal(vn, v0) and torch.equal(states[0], none[0])
         for j, p in enumerate(taps):
-            got = dest[int(dst[j])]
+            got = states[int(dst[j])]
             assert _rel(got, ref[p]) < tol, f"tap {p}: {_rel(got, ref[p]):.2e}"
 
 
@@ -108,15 +109,15 @@ def test_twin_unused_slots_and_truncation():
     dest = torch.full((4, hv, d, d), 7.0)
     dest[3] = s0[0]
     lane = torch.tensor([3])
-    state_taps_ref(kk, w, u, G, dest, lane, dest, lane, torch.tensor([37, 101, 0]), torch.tensor([0, 1, 2]), dest)
+    state_taps_ref(kk, w, u, G, dest, lane, torch.tensor([37, 101, 0]), torch.tensor([0, 1, 2]))
     assert torch.equal(dest[2], torch.full((hv, d, d), 7.0))
     empty, zero = torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long)
-    whole = torch.empty(1, hv, d, d)
-    state_taps_ref(kk, w, u, G, s0, zero, whole, zero, empty, empty, dest[:0])
+    whole = s0.clone()
+    state_taps_ref(kk, w, u, G, whole, zero, empty, empty)
     assert torch.equal(dest[3], whole[0])
     for j, p in enumerate((37, 101)):
-        trunc = torch.empty(1, hv, d, d)
-        state_taps_ref(kk[:, :p], w[:, :p], u[:, :p], G[:, :p], s0, zero, trunc, zero, empty, empty, dest[:0])
+        trunc = s0.clone()
+        state_taps_ref(kk[:, :p], w[:, :p], u[:, :p], G[:, :p], trunc, zero, empty, empty)
         assert torch.equal(dest[j], trunc[0]), f"tap {p}"
 
 
@@ -143,8 +144,8 @@ def _child() -> list[dict]:
         got_states = torch.full((len(taps) + 1, hv, d, d), 7.0)
         got_states[-1] = s0[0]
         ref_states = got_states.clone()
-        h, vn = state_taps(kk, w, u, G, got_states, lane, got_states, lane, at, dst, got_states)
-        rh, rvn = state_taps_ref(kk, w, u, G, ref_states, lane, ref_states, lane, at, dst, ref_states)
+        h, vn = state_taps(kk, w, u, G, got_states, lane, at, dst)
+        rh, rvn = state_taps_ref(kk, w, u, G, ref_states, lane, at, dst)
         out.append({"case": [t, hk, hv, d, taps, dtype], "h": _rel(h, rh), "v_new": _rel(vn, rvn),
                     "states": [_rel(a, b) for a, b in zip(got_states, ref_states)],
                     "unused_kept": all(bool((got_states[int(dst[j])] == 7.0).all())

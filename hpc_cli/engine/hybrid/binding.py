@@ -48,10 +48,6 @@ class HybridBinding(Restore, Commit, Publish, Transfers):
                  coalesce: bool = False, coalesce_wait_limit: float = 300.0,
                  backend_storage: Any = None, frontier_lag: int = 0, tap_slots: int = 0) -> None:
         self.model = model
-        #: how many exact taps a prefill pass takes itself (:meth:`pass_taps`, no split) before one
-        #: ends the pass there: one per tap slot (the mode asks for the model's capacity, none with
-        #: a speculative backend, whose state parts a pass does not tap)
-        self.in_pass_taps = tap_slots
         self.storage = storage
         # a speculative backend's own pool (DFlash: same page ids as the main pool) and how far its
         # committed frontier may trail the text frontier (MTP: 1; lane.backend_frontier is exact)
@@ -86,8 +82,10 @@ class HybridBinding(Restore, Commit, Publish, Transfers):
                              **({"backend": backend_storage} if backend_storage is not None else {}))
         self.free_active = [StateSlot(s) for s in range(lanes - 1, -1, -1)]
         self.snap_phys = [StateSlot(lanes + k) for k in range(self.D)]  # index snapshot slot -> state slot
-        # the state slots a pass writes its taps' images into; a published image's slot becomes
-        # its snapshot's, and the slot that snapshot held takes its place here (no copy)
+        # the state slots a pass writes its taps' images into, one per exact tap a pass takes itself
+        # (the mode asks for the model's capacity, none with a speculative backend, whose state
+        # parts a pass does not tap); a published image's slot becomes its snapshot's, and the
+        # slot that snapshot held takes its place here (no copy)
         self.tap_scratch = [StateSlot(lanes + snapshot_slots + j) for j in range(tap_slots)]
         self.jobs: dict[int, tuple[str, Any]] = {}  # transfer job id -> (kind, index batch)
         self.failed: str | None = None

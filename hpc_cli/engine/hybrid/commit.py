@@ -35,17 +35,17 @@ class Commit(BindingParts):
 
     def next_stop(self, lane: Lane, end: int) -> int:
         """Where the next prefill pass must end: at ``end``, or at the first exact tap inside it
-        that the pass does not take itself (it takes up to ``in_pass_taps``, :meth:`pass_taps`)."""
+        that the pass does not take itself (it takes one per tap slot, :meth:`pass_taps`)."""
         inside = self._inside(lane, end)
-        return inside[self.in_pass_taps] if len(inside) > self.in_pass_taps else end
+        n = len(self.tap_scratch)
+        return inside[n] if len(inside) > n else end
 
     def pass_taps(self, lane: Lane, end: int) -> list[TapImage]:
         """The exact taps strictly inside the pass ``[lane.pos, end)`` that it takes itself, each
         with the tap slot the pass writes its image into (:meth:`after_pass` snapshots them)."""
         from hpc_cli.model.model import TapImage
 
-        inside = self._inside(lane, end)[:self.in_pass_taps]
-        return [TapImage(p, slot) for p, slot in zip(inside, self.tap_scratch)]
+        return [TapImage(p, slot) for p, slot in zip(self._inside(lane, end), self.tap_scratch)]
 
     def before_pass(self, lane: Lane, end: int) -> None:
         """Flexible taps inside the prompt's final chunk are taken at that chunk's start (§7.1)."""

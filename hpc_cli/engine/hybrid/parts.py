@@ -31,7 +31,6 @@ class BindingParts:
     coalesce: bool
     coalesce_wait_limit: float
     frontier_lag: int
-    in_pass_taps: int
     tap_scratch: list[StateSlot]
     C: int
     D: int
