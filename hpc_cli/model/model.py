@@ -17,7 +17,6 @@ from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, param
 from hpc_cli.model.moe import SparseMoE
 
 if TYPE_CHECKING:
-    from hpc_cli.cache.ids import StateSlot
     from hpc_cli.kv_profile import KVProfile
     from hpc_cli.memory.kv_pool import PagedKVStorage
     from hpc_cli.memory.state_pool import StateSlots
@@ -50,7 +49,7 @@ class TapImage:
     a speculative backend's parts are not written)."""
 
     position: int
-    slot: StateSlot
+    slot: int  # a state slot index (the cache's StateSlot; the model layer does not import the cache)
 
 
 class DecoderLayer(nn.Module):

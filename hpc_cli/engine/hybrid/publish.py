@@ -68,8 +68,9 @@ class Publish(BindingParts):
                 self._copy_page(lane.pages[d], page, tail_len)
                 tail_pages = (page,)
             if image is not None:  # the image's slot becomes the snapshot's; its old slot a tap slot
-                j = self.tap_scratch.index(image.slot)
-                self.tap_scratch[j], self.snap_phys[k] = self.snap_phys[k], image.slot
+                slot = StateSlot(image.slot)
+                j = self.tap_scratch.index(slot)
+                self.tap_scratch[j], self.snap_phys[k] = self.snap_phys[k], slot
                 self.counters["taps_in_pass"] += 1
         tail_tokens = token_bytes(lane.tokens[BLOCK_TOKENS * d:p]) if tail_len else b""
         tail_extra = lane.prepared.tail_extra(BLOCK_TOKENS * d, p) if tail_len else 0  # its images
