@@ -6,13 +6,17 @@
   own (the engine makes that slot the snapshot's: no copy);
 * ``split``: the same taps taken as before, by ending a pass at each tap and copying the lane's
   state slot into a snapshot slot (``StateSlots.copy_slot``);
-* ``copy``: that snapshot copy alone.
+* ``copy``: that snapshot copy alone, as the engine issues it (``copy_s``: one launch each, timed
+  from the host's side too), and its device time (``copy_device_s``: the copies replayed from a
+  CUDA graph).
 
 The variants take turns within each round (``--repeat`` rounds), and a tap's cost is the median
 over rounds of ``(in_pass - plain) / taps``; ``pass_tap_s`` measures it again on the first pass
-alone (``4 x --repeat`` rounds of one pass with its taps and without). Prints JSON with the median
-seconds of each, ``tap_cost_over_copy`` (a tap's cost over one copy: the goal is <= 1.1) and
-``in_pass_throughput`` (``plain / in_pass``, the goal >= 0.97 with 8 taps in 8k tokens).
+alone (``16 x --repeat`` rounds of one pass with its taps and without), and ``short_tap_s`` on a
+pass of ``--short`` tokens with 4 taps (a cached turn's pass). Prints JSON with the median
+seconds of each, ``tap_cost_over_copy`` (a tap's cost over one copy: the goal is <= 1.1; the
+``_device`` ratios divide by the copy's device time) and ``in_pass_throughput`` (``plain /
+in_pass``, the goal >= 0.97 with 8 taps in 8k tokens).
 
     python benchmarks/gdn_taps.py --model builtin:qwen3.5-27b-shape@8 --kv-profile int8-g64
 """
@@ -63,6 +67,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--taps", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--short", type=int, default=512)
     args = ap.parse_args()
 
     from hpc_cli.model.model import HybridModel, TapImage
@@ -70,7 +75,7 @@ def main() -> None:
     model = HybridModel.from_name_or_path(args.model, dtype=torch.bfloat16, device="cuda")
     n, chunk = args.tokens, args.chunk
     kv = model.new_kv_storage(args.kv_profile, -(-n // 64) + 1)
-    states = model.new_state_slots(2 + args.taps)
+    states = model.new_state_slots(2 + max(4, args.taps))
     tokens = torch.randint(1, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     table = list(range(-(-n // 64)))
     passes = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
@@ -118,13 +123,32 @@ def main() -> None:
         model.prefill(tokens[one[0]:one[1]], one[0], table, 0, kv, states,
                       taps=[TapImage(p, 2 + j) for j, p in enumerate(one_taps)])
 
+    short = tokens[:args.short]
+    short_taps = [TapImage(args.short * (j + 1) // 5 + 13, 2 + j) for j in range(4)]
+
+    def short_plain():
+        states.reset(0)
+        model.prefill(short, 0, table, 0, kv, states)
+
+    def short_tapped():
+        states.reset(0)
+        model.prefill(short, 0, table, 0, kv, states, taps=short_taps)
+
     out = {"model": args.model, "kv_profile": args.kv_profile, "tokens": n, "chunk": chunk, "taps": taps,
            "repeat": args.repeat, "device": torch.cuda.get_device_name()}
     whole = _paired({"plain": plain, "in_pass": in_pass, "split": split, "copy": copy}, args.repeat)
-    single = _paired({"pass_plain": pass_plain, "pass_tapped": pass_tapped}, 4 * args.repeat)
-    for name, ts in {**whole, **single}.items():
+    single = _paired({"pass_plain": pass_plain, "pass_tapped": pass_tapped}, 16 * args.repeat)
+    shorts = _paired({"short_plain": short_plain, "short_tapped": short_tapped}, 16 * args.repeat)
+    for name, ts in {**whole, **single, **shorts}.items():
         out[f"{name}_s"] = statistics.median(ts)
     out["copy_s"] /= args.taps
+    # the copies' device time: replayed from a CUDA graph (no launch from the host between them)
+    copy()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        copy()
+    out["copy_device_s"] = statistics.median(_time_once(graph.replay) for _ in range(50)) / args.taps
     graphs = model.prefill_graphs(kv)
     out["graph_replays"] = graphs.replays if graphs is not None else 0
     out["tap_slots"] = graphs.tap_slots if graphs is not None else 0
@@ -132,8 +156,10 @@ def main() -> None:
     out["tap_s"] = _median_diff(whole["plain"], whole["in_pass"]) / len(taps)
     out["split_tap_s"] = _median_diff(whole["plain"], whole["split"]) / len(taps)
     out["pass_tap_s"] = _median_diff(single["pass_plain"], single["pass_tapped"]) / len(one_taps)
-    out["tap_cost_over_copy"] = out["tap_s"] / out["copy_s"]
-    out["pass_tap_cost_over_copy"] = out["pass_tap_s"] / out["copy_s"]
+    out["short_tap_s"] = _median_diff(shorts["short_plain"], shorts["short_tapped"]) / len(short_taps)
+    for name in ("tap", "pass_tap", "short_tap"):
+        out[f"{name}_cost_over_copy"] = out[f"{name}_s"] / out["copy_s"]
+        out[f"{name}_cost_over_copy_device"] = out[f"{name}_s"] / out["copy_device_s"]
     out["in_pass_throughput"] = out["plain_s"] / out["in_pass_s"]
     out["split_throughput"] = out["plain_s"] / out["split_s"]
     print(json.dumps(out, indent=1))

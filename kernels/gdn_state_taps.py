@@ -70,7 +70,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _state_taps_kernel(k, u, w, g, h, v_new, h0, h0_slot, ht, ht_slot, taps, dst, tap_out, T,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           BT: tl.constexpr, BV: tl.constexpr, SLOTS: tl.constexpr, F32: tl.constexpr):
+                           BT: tl.constexpr, BV: tl.constexpr, SLOTS: tl.constexpr, SP: tl.constexpr,
+                           F32: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         nv = tl.cdiv(V, BV)
         i_v, i_h = pid % nv, pid // nv
@@ -97,6 +98,10 @@ if triton is not None:
         b_h1 = tl.load(h0 + state1, mask=m_s1, other=0.0).to(tl.float32)
         if K > 64:
             b_h2 = tl.load(h0 + state2, mask=m_s2, other=0.0).to(tl.float32)
+        if SLOTS > 0:  # the taps' offsets and slots, once, into registers
+            o_s = tl.arange(0, SP)
+            b_taps = tl.load(taps + o_s, mask=o_s < SLOTS, other=0)
+            b_dst = tl.load(dst + o_s, mask=o_s < SLOTS, other=0)
         zero = pid * 0  # an int64 zero: chunk offsets pass 2^31 at the 27B widths
         for c in range(n_chunks):
             c64 = zero + c
@@ -121,20 +126,22 @@ if triton is not None:
             b_g = tl.load(g + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
             k_rows1 = k + o_k1[:, None] + o_t[None, :] * (H * K)
             k_rows2 = k + o_k2[:, None] + o_t[None, :] * (H * K)
-            # taps inside this chunk: the state after its first r rows
-            for j in tl.static_range(SLOTS):
-                p = tl.load(taps + j)
-                if (p > row0) & (p <= row0 + BT):
-                    g_tap = tl.load(g + (p - 1) * HV).to(tl.float32)
-                    m_take = o_t < p
-                    b_vt = (b_v * tl.where(m_take, tl.exp2(g_tap - b_g), 0)[:, None]).to(k.dtype.element_ty)
-                    scale = tl.exp2(g_tap)
-                    out = tap_out + tl.load(dst + j) * HV * KV + i_h * KV
-                    tl.store(out + state1, _chunk_tap(k_rows1, m_k1, m_take, b_vt, b_h1, scale, F32), mask=m_s1,
-                             cache_modifier=".cs")
-                    if K > 64:
-                        tl.store(out + state2, _chunk_tap(k_rows2, m_k2, m_take, b_vt, b_h2, scale, F32),
-                                 mask=m_s2, cache_modifier=".cs")
+            # taps inside this chunk: the state after its first r rows (offsets and slots from
+            # registers: no memory read on the chunk loop's path unless a tap falls here)
+            if SLOTS > 0:
+                for j in tl.static_range(SLOTS):
+                    p = tl.sum(tl.where(o_s == j, b_taps, 0), 0)
+                    if (p > row0) & (p <= row0 + BT):
+                        g_tap = tl.load(g + (p - 1) * HV).to(tl.float32)
+                        m_take = o_t < p
+                        b_vt = (b_v * tl.where(m_take, tl.exp2(g_tap - b_g), 0)[:, None]).to(k.dtype.element_ty)
+                        scale = tl.exp2(g_tap)
+                        out = tap_out + tl.sum(tl.where(o_s == j, b_dst, 0), 0) * HV * KV + i_h * KV
+                        tl.store(out + state1, _chunk_tap(k_rows1, m_k1, m_take, b_vt, b_h1, scale, F32),
+                                 mask=m_s1, cache_modifier=".cs")
+                        if K > 64:
+                            tl.store(out + state2, _chunk_tap(k_rows2, m_k2, m_take, b_vt, b_h2, scale, F32),
+                                     mask=m_s2, cache_modifier=".cs")
             # leave the chunk
             g_last = tl.load(g + (tl.minimum(row0 + BT, T) - 1) * HV).to(tl.float32)
             b_v = (b_v * tl.where(m_t, tl.exp2(g_last - b_g), 0)[:, None]).to(k.dtype.element_ty)
@@ -181,7 +188,8 @@ def state_taps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tenso
     # the kernel reads the entering state, writes the final state and the taps through three
     # pointers; here all three are the one slot-indexed tensor
     _state_taps_kernel[grid](k, u, w, g, h, v_new, states, slot, states, slot, taps, dst, states, T,
-                             H=H, HV=HV, K=K, V=V, BT=CHUNK, BV=BV, SLOTS=S, F32=_interpreting(),
+                             H=H, HV=HV, K=K, V=V, BT=CHUNK, BV=BV, SLOTS=S, SP=triton.next_power_of_2(max(S, 1)),
+                             F32=_interpreting(),
                              num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return h, v_new
 

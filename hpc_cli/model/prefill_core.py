@@ -55,13 +55,15 @@ class PrefillIndex:
     paths that read host values (the gather + SDPA attention).
 
     A pass with room for ``slots`` taps (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) also
-    carries ``conv_cols`` ``[(1 + slots) * (kernel-1)]`` (``conv_index``, then each tap's conv
-    window columns, in one view: one gather per GDN layer takes the new conv state and the taps'
-    windows), ``tap_pos`` ``[slots]`` (each tap's offset in the
-    pass, in order), ``tap_last``
-    ``[slots]`` (the row before it, whose hidden the tap keeps) and ``tap_dst`` ``[slots]`` (the
-    state slot its image goes to); a slot not used holds offset 0 and the lane's own state slot
-    (whatever the pass writes there for it, the lane's own image overwrites after)."""
+    carries ``image_slots`` ``[1 + slots]`` (the lane's state slot, then the slot each tap's image
+    goes to, ``tap_dst``), ``conv_cols`` ``[(1 + slots) * (kernel-1)]`` (``conv_index``, then each
+    tap's conv window columns: one gather and one ``index_copy_`` per GDN layer take and write
+    every conv window), ``tap_pos`` ``[slots]`` (each tap's offset in the pass, in order) and
+    ``tap_last`` ``[slots]`` (the row before it, whose hidden the tap keeps). A slot not used holds
+    offset 0, the lane's state slot and the lane's own conv columns and last row: what the pass
+    writes there for it is the lane's own image, bit for bit, so a repeated index writes equal
+    values in any order.
+    """
 
     L: int
     W: int
@@ -76,6 +78,7 @@ class PrefillIndex:
     conv_index: torch.Tensor
     host: tuple[int, int] | None = None
     slots: int = 0
+    image_slots: torch.Tensor | None = None
     conv_cols: torch.Tensor | None = None
     tap_pos: torch.Tensor | None = None
     tap_last: torch.Tensor | None = None
@@ -102,22 +105,23 @@ class PrefillIndex:
         write[n:] = -1
         padded = torch.zeros(L, dtype=torch.long)
         padded[:n] = tok
-        tail = torch.tensor([start, n, state_slot, n - 1], dtype=torch.long)
         conv = n + torch.arange(conv_taps, dtype=torch.long)
-        parts = [padded, pos, write, pages, tail, conv]
+        at: list[int] = []
+        dst: list[int] = []
         if slots:
             at = [p for p, _ in taps]
             dst = [d for _, d in taps]
             assert len(at) <= slots, f"{len(at)} taps do not fit {slots} slots"
             assert all(0 < p < n for p in at) and at == sorted(set(at)), f"taps {at} not sorted inside (0, {n})"
             assert state_slot not in dst and len(set(dst)) == len(dst), f"tap slots {dst} (the lane's is {state_slot})"
-            offsets = [*at, *([0] * (slots - len(at)))]
-            cols = torch.tensor(offsets, dtype=torch.long).view(-1, 1) + torch.arange(conv_taps)
-            parts += [cols.reshape(-1), torch.tensor(offsets, dtype=torch.long),
-                      torch.tensor([max(0, o - 1) for o in offsets]),
-                      torch.tensor([*dst, *([state_slot] * (slots - len(dst)))], dtype=torch.long)]
         else:
             assert not taps, "a pass with taps needs tap slots"
+        free = slots - len(at)
+        # a slot not used: offset 0 (no state written), the lane's slot, its conv columns and last row
+        cols = [conv] + [p + torch.arange(conv_taps, dtype=torch.long) for p in at] + [conv] * free
+        parts = [padded, pos, write, pages, torch.tensor([start, n, state_slot, *dst, *([state_slot] * free), n - 1]),
+                 torch.cat(cols), torch.tensor([*at, *([0] * free)], dtype=torch.long),
+                 torch.tensor([*(p - 1 for p in at), *([n - 1] * free)], dtype=torch.long)]
         return torch.cat(parts)
 
     @classmethod
@@ -125,14 +129,14 @@ class PrefillIndex:
              slots: int = 0) -> "PrefillIndex":
         # the conv columns: k1 of the lane's, then k1 per tap slot
         k1 = (packed.shape[0] - (3 * L + W + 4) - 3 * slots) // (1 + slots)
-        tokens, positions, write, pages, tail, conv_all, rest = torch.split(
-            packed, [L, L, L, W, 4, k1 * (1 + slots), 3 * slots])
-        conv = conv_all[:k1]
-        idx = cls(L, W, packed, tokens, positions, write, pages, tail[0:2], tail[2:3], tail[3:4], conv, host)
+        tokens, positions, write, pages, meta, image_slots, last, conv_all, tap_pos, tap_last = torch.split(
+            packed, [L, L, L, W, 2, 1 + slots, 1, k1 * (1 + slots), slots, slots])
+        idx = cls(L, W, packed, tokens, positions, write, pages, meta, image_slots[:1], last, conv_all[:k1], host)
         if slots:
             idx.slots = slots
+            idx.image_slots = image_slots
             idx.conv_cols = conv_all
-            idx.tap_pos, idx.tap_last, idx.tap_dst = torch.split(rest, [slots, slots, slots])
+            idx.tap_pos, idx.tap_last, idx.tap_dst = tap_pos, tap_last, image_slots[1:]
         return idx
 
     @classmethod
@@ -170,9 +174,10 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
     # (CUDA with fla's kernels; every pass with tap slots)
     in_slots = bool(idx.slots) or (dev.type == "cuda" and fla_taps_supported(model.config.linear_key_head_dim))
     if idx.slots:
-        tap_pos, tap_dst = idx.tap_pos, idx.tap_dst
+        tap_pos, tap_dst, image_slots = idx.tap_pos, idx.tap_dst, idx.image_slots
     else:
         tap_pos = tap_dst = torch.zeros(0, dtype=torch.long, device=dev)
+        image_slots = idx.slot
     cos, sin = model.rotary.cos_sin(idx.positions, model.dtype)
     paged = kv.paged_attention_supported(model.config.num_attention_heads)
     x = model._embed(idx.tokens)
@@ -183,7 +188,7 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
             g = model.state_index[i]
             conv, rec = states.conv[g], states.recurrent[g]
             if in_slots:
-                out = layer.linear_attn.prefill_slots(h, conv, rec, slot, rows, tap_pos, tap_dst)
+                out = layer.linear_attn.prefill_slots(h, conv, rec, slot, rows, tap_pos, tap_dst, image_slots)
             else:
                 out, new_conv, new_rec = layer.linear_attn.prefill(h, conv.index_select(0, slot)[0],
                                                                    rec.index_select(0, slot)[0], rows=rows)

@@ -23,13 +23,21 @@ end before it, and is dropped otherwise (other message boundaries).
 
 The cost is linear in the conversation: the template renders a bounded number of message
 prefixes (the first, the last :data:`RECENT_PREFIXES`, and the marked ones; for ChatML templates
-every message start is found in the prompt itself), and the prompt is tokenized once. A template
-that fails on the messages is a 400.
+every message start is found in the prompt itself), and the prompt is tokenized once. A chat
+re-sends its history every turn, so the prefix renders are kept (:class:`PrefixRenders`, keyed by
+a digest of the template, the tools, the template arguments and the messages): a turn renders
+the prompt and only the prefixes the previous turns did not (a 24-message chat with a 3,000-word
+system message: 10 renders, 6.4 ms on the 2-core CPU machine, before). A template that fails on
+the messages is a 400.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -86,6 +94,64 @@ def _try_render(tokenizer, messages, tools, add_generation_prompt, kwargs) -> st
         return None
 
 
+class PrefixRenders:
+    """Prefix renders (``messages[:i]``, no generation prompt) kept across requests, least
+    recently used first out, at most ``max_chars`` characters in all; thread-safe (the server
+    prepares chats on a thread pool). A render is a function of the template, the messages, the
+    tools and the template arguments, which the key digests; a template that reads the clock
+    (``strftime_now``) may keep yesterday's date in a kept prefix, which then is no prefix of
+    the prompt and gives no boundary (hints are lost, never tokens)."""
+
+    def __init__(self, max_chars: int = 32 << 20) -> None:
+        self.max_chars = max_chars
+        self.chars = 0
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[bytes, str | None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def digests(tokenizer, messages: Sequence[dict], tools, kwargs: dict) -> list[bytes]:
+        """``digests[i]``: the key of ``messages[:i]`` (each built on the one before: linear)."""
+        head = json.dumps([getattr(tokenizer, "chat_template", None), tools, kwargs], sort_keys=True, default=str,
+                          ensure_ascii=False)
+        d = hashlib.blake2b(f"{id(tokenizer)}\0{head}".encode(), digest_size=16).digest()
+        out = [d]
+        for m in messages:
+            d = hashlib.blake2b(d + json.dumps(m, sort_keys=True, default=str, ensure_ascii=False).encode(),
+                                digest_size=16).digest()
+            out.append(d)
+        return out
+
+    def render(self, key: bytes, tokenizer, messages: Sequence[dict], tools, kwargs: dict) -> str | None:
+        """:func:`_try_render` of ``messages`` without a generation prompt, kept under ``key``."""
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return self._entries[key]
+            self.misses += 1
+        text = _try_render(tokenizer, messages, tools, False, kwargs)
+        size = len(text or "")
+        if size > self.max_chars:
+            return text
+        with self._lock:
+            if key not in self._entries:
+                self._entries[key] = text
+                self.chars += size
+            while self.chars > self.max_chars:
+                _, old = self._entries.popitem(last=False)
+                self.chars -= len(old or "")
+        return text
+
+
+#: the server's prefix renders
+PREFIX_RENDERS = PrefixRenders()
+
+
 def _common_prefix_len(a: str, b: str) -> int:
     return len(os.path.commonprefix([a, b]))
 
@@ -136,8 +202,9 @@ def prepare_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | 
     ends: dict[int, int] = {}  # message count i -> char offset of the end of messages[:i]
     counts = {1, *range(max(1, n_msgs - RECENT_PREFIXES + 1), n_msgs + 1)}
     counts |= {m.message_index + 1 for m in markers if 0 <= m.message_index < n_msgs}
+    keys = PrefixRenders.digests(tokenizer, messages, tools, kwargs)
     for i in sorted(counts):
-        pre = _try_render(tokenizer, messages[:i], tools, False, kwargs)
+        pre = PREFIX_RENDERS.render(keys[i], tokenizer, messages[:i], tools, kwargs)
         if pre and full.startswith(pre):
             ends[i] = len(pre)
     chatml = [i for i in _find_all(full, CHATML_START) if i > 0]

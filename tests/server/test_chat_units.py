@@ -102,3 +102,50 @@ def test_the_request_path_is_warmed_before_the_server_listens():
     bare = ByteTokenizer()
     bare.chat_template = None
     assert warm_request_path(bare) is False  # completions only: nothing to warm, no error
+
+
+def test_prefix_renders_are_kept_across_turns():
+    """A chat re-sends its history: a later turn renders only the prefixes no earlier turn did,
+    and what it prepares equals a preparation with nothing kept (hints, boundaries, tokens)."""
+    from hpc_cli.server.chat import PrefixRenders
+    import hpc_cli.server.chat as chat
+
+    tok = ByteTokenizer()
+    kept, fresh = PrefixRenders(), None
+    msgs = [{"role": "system", "content": "You answer briefly."}]
+    old = chat.PREFIX_RENDERS
+    try:
+        for turn in range(6):
+            msgs.append({"role": "user", "content": f"question {turn} " * (turn + 1)})
+            chat.PREFIX_RENDERS = kept
+            misses = kept.misses
+            got = prepare_chat(tok, msgs)
+            new_renders = kept.misses - misses
+            chat.PREFIX_RENDERS = fresh = PrefixRenders()
+            want = prepare_chat(tok, msgs)
+            assert (got.prompt_tokens, got.tap_hints, got.message_boundaries, got.opener_position, got.system_end) == \
+                   (want.prompt_tokens, want.tap_hints, want.message_boundaries, want.opener_position, want.system_end)
+            if turn >= 1:
+                assert new_renders == 2, f"turn {turn}: {new_renders} prefixes rendered (the new user and answer)"
+            msgs.append({"role": "assistant", "content": f"answer {turn}"})
+        # another template argument is another key: nothing kept is used for it
+        misses = kept.misses
+        chat.PREFIX_RENDERS = kept
+        prepare_chat(tok, msgs + [{"role": "user", "content": "q"}], template_kwargs={"enable_thinking": False})
+        assert kept.misses - misses == len({1, *range(len(msgs) + 1 - chat.RECENT_PREFIXES + 1, len(msgs) + 2)})
+    finally:
+        chat.PREFIX_RENDERS = old
+    assert fresh is not None and fresh.hits == 0
+
+
+def test_prefix_renders_are_bounded():
+    from hpc_cli.server.chat import PrefixRenders
+
+    tok = ByteTokenizer()
+    pr = PrefixRenders(max_chars=600)
+    for i in range(20):
+        msgs = [{"role": "user", "content": f"{i} " + "x" * 100}]
+        keys = PrefixRenders.digests(tok, msgs, None, {})
+        assert pr.render(keys[1], tok, msgs, None, {}).startswith("<|im_start|>user")
+        assert pr.chars <= 600
+    assert pr.misses == 20 and len(pr) < 20
