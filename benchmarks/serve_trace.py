@@ -485,6 +485,10 @@ def _phases(records: Sequence[RequestRecord]) -> dict[str, float] | None:
         return None
     out = {p: _p50([float(t.get(p) or 0.0) for t in timed]) for p in PHASES}
     out["passes"] = _p50([float(len(t.get("prefill_passes") or ())) for t in timed], 1)
+    for name in ("server_prepare", "server_first_send"):  # the server's own part (a server that reports it)
+        seen = [float(t[name]) for t in timed if t.get(name) is not None]
+        if seen:
+            out[name] = _p50(seen)
     # the engine's submit-to-first-token, and what the client waited beyond it (the HTTP exchange,
     # the template and the tokenizer, the stream's first chunk)
     engine = [(r, float(r.timing["time_to_first_token"])) for r in records

@@ -24,7 +24,7 @@ from hpc_cli.server.openai_common import (OpenAIStreamWriter, finish_reason, ope
 from hpc_cli.server.schemas import ChatRequest, ContentPart, ToolCallIn
 from hpc_cli.server.state import ServerState
 from hpc_cli.server.streaming import collect, raise_for_finish, sse_response, stream_events
-from hpc_cli.server.timing import wants_timing, with_timing
+from hpc_cli.server.timing import ServerMarks, wants_timing, with_timing
 from hpc_cli.server.tools import ToolParser, ToolStream, tools_enabled
 from hpc_cli.server.tracking import tracked
 from hpc_cli.server.validate import JSONValue, parse_json_object, template_kwargs
@@ -37,6 +37,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        marks = ServerMarks()
         body, model = await read_body(state, request, ChatRequest)
         if body.stream and body.n > 1:
             raise RequestError("n > 1 is not supported with stream", param="n")
@@ -62,6 +63,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                               tap_hints=list(prepared.tap_hints), message_boundaries=list(prepared.message_boundaries),
                               cache_salt=body.cache_salt, media=list(media))
             for i in range(body.n)])
+        marks.submit(handles[0])
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if body.stream:
@@ -71,8 +73,9 @@ def register(app: FastAPI, state: ServerState) -> None:
             skip = set(state.stop_token_ids())
             asm = TextAssembler(state.tokenizer, stops(body.stop), skip)
             writer = ChatStreamWriter(state, body, prepared, asm, skip, base, include_usage)
+            writer.marks = marks
             return sse_response(stream_events(state, request, handles[0], "chat", asm, writer))
-        return await _chat_full(state, request, handles, body, prepared, rid, created, model)
+        return await _chat_full(state, request, handles, body, prepared, rid, created, model, marks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,7 +186,7 @@ def _logprob_entry(tokenizer, ev: TokenEvent, top: bool) -> dict:
 
 
 async def _chat_full(state: ServerState, request: Request, handles, body: ChatRequest, prepared: PreparedChat,
-                     rid: str, created: int, model: str) -> JSONResponse:
+                     rid: str, created: int, model: str, marks: ServerMarks) -> JSONResponse:
     skip = set(state.stop_token_ids())
     parser = _tool_parser(body)
     choices = []
@@ -193,7 +196,7 @@ async def _chat_full(state: ServerState, request: Request, handles, body: ChatRe
         for i, (h, tr) in enumerate(zip(handles, trackers)):
             tokens, asm, fin = await collect(state, request, h, tr, stops(body.stop), skip)
             raise_for_finish(fin)
-            tr.finish("ok", fin.usage)
+            tr.finish("ok", fin.usage, marks if i == 0 else None)
             usages.append(fin.usage)
             reasoning_tokens += asm.reasoning_tokens(prepared.opens_thinking)
             reasoning, content = _split_reasoning(asm.text, prepared.opens_thinking)
@@ -215,7 +218,7 @@ async def _chat_full(state: ServerState, request: Request, handles, body: ChatRe
     first = usages[0]
     usage = with_timing(openai_usage(first.prompt_tokens or len(prepared.prompt_tokens),
                                      sum(u.completion_tokens for u in usages), first.reuse_tokens, reasoning_tokens),
-                        first, wants_timing(state, body.hpc))
+                        first, wants_timing(state, body.hpc), marks)
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                          "choices": choices, "usage": usage, "system_fingerprint": None})
 
@@ -283,4 +286,5 @@ class ChatStreamWriter(OpenAIStreamWriter):
         u, prepared = fin.usage, self.prepared
         yield from self.closing(lambda: with_timing(openai_usage(
             u.prompt_tokens or len(prepared.prompt_tokens), u.completion_tokens, u.reuse_tokens,
-            self.asm.reasoning_tokens(prepared.opens_thinking)), u, wants_timing(self.state, self.body.hpc)))
+            self.asm.reasoning_tokens(prepared.opens_thinking)), u, wants_timing(self.state, self.body.hpc),
+            self.marks))

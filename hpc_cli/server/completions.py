@@ -22,13 +22,14 @@ from hpc_cli.server.openai_common import (OpenAIStreamWriter, finish_reason, ope
 from hpc_cli.server.schemas import CompletionRequest
 from hpc_cli.server.state import ServerState
 from hpc_cli.server.streaming import collect, raise_for_finish, sse_response, stream_events
-from hpc_cli.server.timing import wants_timing, with_timing
+from hpc_cli.server.timing import ServerMarks, wants_timing, with_timing
 from hpc_cli.server.tracking import tracked
 
 
 def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
+        marks = ServerMarks()
         body, model = await read_body(state, request, CompletionRequest)
         state.gate.check(prompt_count(body.prompt) * body.n, param="prompt")
         if body.suffix:
@@ -52,6 +53,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                     sampling=sampling_params(state, body, max_tokens, body.logprobs, want_prompt_lp, seed_offset=j)))
                 plan.append((pi, ids, text))
         handles = state.submit_all(requests)
+        marks.submit(handles[0])
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if body.stream:
@@ -60,8 +62,9 @@ def register(app: FastAPI, state: ServerState) -> None:
             skip = set() if body.ignore_eos else set(state.stop_token_ids())
             asm = TextAssembler(state.tokenizer, stops(body.stop), skip)
             writer = CompletionStreamWriter(state, body, prompts[0], asm, skip, base, include_usage)
+            writer.marks = marks
             return sse_response(stream_events(state, request, handles[0], "completions", asm, writer))
-        return await _completion_full(state, request, handles, plan, body, rid, created, model)
+        return await _completion_full(state, request, handles, plan, body, rid, created, model, marks)
 
 
 def prompt_count(prompt: str | list) -> int:
@@ -137,7 +140,7 @@ def completion_logprobs(tok, prompt_ids: list[int] | None, fin: FinishEvent | No
 
 
 async def _completion_full(state: ServerState, request: Request, handles, plan, body: CompletionRequest, rid: str,
-                           created: int, model: str) -> JSONResponse:
+                           created: int, model: str, marks: ServerMarks) -> JSONResponse:
     skip = set() if body.ignore_eos else set(state.stop_token_ids())
     choices = []
     prompt_total = completion_total = cached_total = 0
@@ -147,7 +150,7 @@ async def _completion_full(state: ServerState, request: Request, handles, plan, 
         for i, (h, tr, (pi, ids, text)) in enumerate(zip(handles, trackers, plan)):
             tokens, asm, fin = await collect(state, request, h, tr, stops(body.stop), skip)
             raise_for_finish(fin)
-            tr.finish("ok", fin.usage)
+            tr.finish("ok", fin.usage, marks if i == 0 else None)
             if first is None:
                 first = fin.usage
             if pi not in seen_prompts:
@@ -164,7 +167,7 @@ async def _completion_full(state: ServerState, request: Request, handles, plan, 
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                          "choices": choices,
                          "usage": with_timing(openai_usage(prompt_total, completion_total, cached_total), first,
-                                              wants_timing(state, body.hpc)),
+                                              wants_timing(state, body.hpc), marks),
                          "system_fingerprint": None})
 
 
@@ -195,4 +198,4 @@ class CompletionStreamWriter(OpenAIStreamWriter):
         u = fin.usage
         yield from self.closing(lambda: with_timing(
             openai_usage(u.prompt_tokens or len(self.ids), u.completion_tokens, u.reuse_tokens),
-            u, wants_timing(self.state, self.body.hpc)))
+            u, wants_timing(self.state, self.body.hpc), self.marks))

@@ -25,7 +25,7 @@ from hpc_cli.server.schemas import MessagesRequest
 from hpc_cli.server.state import ServerState
 from hpc_cli.server.streaming import (StreamWriter, collect, raise_for_finish, sse_event, sse_response,
                                       stream_events)
-from hpc_cli.server.timing import wants_timing, with_timing
+from hpc_cli.server.timing import ServerMarks, wants_timing, with_timing
 from hpc_cli.server.tools import ToolParser, ToolStream, tools_enabled
 from hpc_cli.server.tracking import tracked
 from hpc_cli.server.vision_prompt import anthropic_sources, media_limits, prepare_images, require_vision
@@ -38,6 +38,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/messages")
     async def messages(request: Request):
+        marks = ServerMarks()
         body = await state.read_body(request, MessagesRequest)
         salt = request_salt(body)
         model = state.check_model(body.model)
@@ -64,17 +65,19 @@ def register(app: FastAPI, state: ServerState) -> None:
                                 message_boundaries=list(prepared.message_boundaries), cache_salt=salt,
                                 media=list(media))
         handle = state.submit(req)
+        marks.submit(handle)
         reply = Reply(prepared, ttls, f"msg_{uuid.uuid4().hex[:24]}", model, prepared.opens_thinking and thinking,
                       ToolParser(tools) if tools_enabled(tools, body.tool_choice) else None,
-                      wants_timing(state, body.hpc))
+                      wants_timing(state, body.hpc), marks)
         if body.stream:
             asm = TextAssembler(state.tokenizer, stop, set(state.stop_token_ids()))
-            return sse_response(stream_events(state, request, handle, "messages", asm,
-                                              MessagesStreamWriter(reply, asm)))
+            writer = MessagesStreamWriter(reply, asm)
+            writer.marks = marks
+            return sse_response(stream_events(state, request, handle, "messages", asm, writer))
         with tracked(state, "messages", [handle]) as (tracker,):
             _, asm, fin = await collect(state, request, handle, tracker, stop, set(state.stop_token_ids()))
             raise_for_finish(fin)
-        tracker.finish("ok", fin.usage)
+        tracker.finish("ok", fin.usage, marks)
         return JSONResponse(reply.message(asm, fin))
 
 
@@ -106,15 +109,15 @@ class Reply:
     """What the answer to one request is made with, streamed or not."""
 
     def __init__(self, prepared: PreparedChat, ttls: list[str], mid: str, model: str, thinking: bool,
-                 parser: ToolParser | None, timing: bool) -> None:
+                 parser: ToolParser | None, timing: bool, marks: ServerMarks | None = None) -> None:
         self.prepared, self.ttls, self.mid, self.model = prepared, ttls, mid, model
-        self.thinking, self.parser, self.timing = thinking, parser, timing
+        self.thinking, self.parser, self.timing, self.marks = thinking, parser, timing, marks
 
     def usage(self, usage: Usage | None, reuse: int, output_tokens: int) -> dict:
         return anthropic_usage(self.prepared, usage, reuse, output_tokens, self.ttls)
 
     def final_usage(self, u: Usage) -> dict:
-        return with_timing(self.usage(u, u.reuse_tokens, u.completion_tokens), u, self.timing)
+        return with_timing(self.usage(u, u.reuse_tokens, u.completion_tokens), u, self.timing, self.marks)
 
     def content_blocks(self, text: str) -> list[dict]:
         parts = ReasoningSplitter(self.thinking).feed(text, final=True)

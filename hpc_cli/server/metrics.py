@@ -26,6 +26,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from hpc_cli.engine.api import PHASES, Usage
+from hpc_cli.server.timing import SERVER_PHASES
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -113,6 +114,12 @@ class Metrics:
                           "phases are disjoint, once per request, zero included)",
                           ["phase"], buckets=PHASE_BUCKETS, registry=reg)
         self.phases = {name: phase.labels(phase=name) for name in PHASES}
+        server = Histogram("hpc_server_phase_seconds",
+                           "the server's own seconds of each finished request: prepare (request taken to "
+                           "submitted: template, tokenizer, images), first_send (the engine's first token to "
+                           "the first chunk with output written; streamed requests)",
+                           ["phase"], buckets=PHASE_BUCKETS, registry=reg)
+        self.server_phases = {name: server.labels(phase=name) for name in SERVER_PHASES}
         self.pass_seconds = Histogram("hpc_prefill_pass_seconds", "seconds of each prefill pass (less restore "
                                       "waits and taps)", buckets=PHASE_BUCKETS, registry=reg)
         self.pass_tokens = Histogram("hpc_prefill_pass_tokens", "tokens of each prefill pass",
@@ -150,6 +157,11 @@ class Metrics:
         for p in usage.timing.passes:
             self.pass_seconds.observe(p.seconds)
             self.pass_tokens.observe(p.tokens)
+
+    def server(self, phases: dict[str, float]) -> None:
+        """The server's phases of a finished request (:meth:`hpc_cli.server.timing.ServerMarks.phases`)."""
+        for name, seconds in phases.items():
+            self.server_phases[name].observe(seconds)
 
     def inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)

@@ -30,6 +30,7 @@ from hpc_cli.server.tracking import RequestTracker
 
 if TYPE_CHECKING:
     from hpc_cli.server.state import ServerState
+    from hpc_cli.server.timing import ServerMarks
 
 #: a failed finish's reason -> the HTTP status and the message when the engine gave none
 FAILURES: dict[FinishReason, tuple[int, str]] = {
@@ -68,7 +69,11 @@ def settle_reason(fin: FinishEvent, asm: TextAssembler) -> None:
 
 
 class StreamWriter:
-    """How one route writes its stream: each method returns the events to send, in order."""
+    """How one route writes its stream: each method returns the events to send, in order.
+    ``marks``: the request's :class:`~hpc_cli.server.timing.ServerMarks` (the stream notes the
+    first chunk with output written in it), or None."""
+
+    marks: "ServerMarks | None" = None
 
     def opening(self) -> Iterable[str]:
         """Before any engine event."""
@@ -110,8 +115,12 @@ async def stream_events(state: "ServerState", request: Request, handle: RequestH
                 piece = asm.push(ev.token_id)
                 if asm.stopped is not None:
                     handle.cancel()  # the engine stops at the same token; this only makes sure
+                chunks = 0
                 for s in writer.token(ev, piece):
                     yield s
+                    chunks += 1
+                if chunks and writer.marks is not None:
+                    writer.marks.sent()  # resumed: the chunk is written
             elif isinstance(ev, FinishEvent):
                 if ev.reason in FAILURES:
                     outcome = ev.reason
@@ -125,7 +134,7 @@ async def stream_events(state: "ServerState", request: Request, handle: RequestH
                 for s in writer.finish(ev, tail):
                     yield s
                 outcome = "ok"
-                tracker.finish("ok", ev.usage)
+                tracker.finish("ok", ev.usage, writer.marks)
                 return
     except ClientDisconnected:
         outcome = "cancelled"  # the client went away

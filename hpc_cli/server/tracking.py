@@ -20,6 +20,7 @@ from hpc_cli.server.reqlog import log_request
 
 if TYPE_CHECKING:
     from hpc_cli.server.state import ServerState
+    from hpc_cli.server.timing import ServerMarks
 
 
 class RequestTracker:
@@ -37,13 +38,17 @@ class RequestTracker:
             self.state.metrics.inter_token(now - self.last)
         self.last = now
 
-    def finish(self, outcome: str, usage: Usage | None = None) -> None:
+    def finish(self, outcome: str, usage: Usage | None = None, marks: "ServerMarks | None" = None) -> None:
+        """Count the request once: its outcome, and its usage and the server's phases (``marks``)
+        when it has them."""
         if self.done:
             return
         self.done = True
         self.state.metrics.add_running(-1)
         if usage is not None:
             self.state.metrics.usage(usage)
+            if marks is not None:
+                self.state.metrics.server(marks.phases(usage))
         self.state.metrics.request_done(self.endpoint, outcome)
         log_request(self.endpoint, outcome, usage, time.monotonic() - self.started)
 

@@ -53,7 +53,7 @@ def families(text: str) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
-def check_timing(timing: dict, wall: float, prompt_tokens: int, cached_tokens: int) -> None:
+def check_timing(timing: dict, wall: float, prompt_tokens: int, cached_tokens: int, streamed: bool = False) -> None:
     assert set(PHASES) <= set(timing), timing
     assert all(timing[p] >= 0.0 for p in PHASES), timing
     assert sum(timing[p] for p in PHASES) <= wall, (timing, wall)
@@ -63,6 +63,10 @@ def check_timing(timing: dict, wall: float, prompt_tokens: int, cached_tokens: i
     assert isinstance(timing["taps"], int) and timing["taps"] >= 0
     # the engine's submit-to-first-token: after the admission, within the wall
     assert timing["admission"] <= timing["time_to_first_token"] <= wall, (timing, wall)
+    # the server's own part: taking the request to the submit, and (streamed) the first token to its chunk
+    assert ("server_first_send" in timing) == streamed, timing
+    server = timing["server_prepare"] + timing.get("server_first_send", 0.0)
+    assert timing["server_prepare"] >= 0.0 and server + timing["time_to_first_token"] <= wall, (timing, wall)
 
 
 def chat(client, content: str, **kw):
@@ -96,7 +100,8 @@ def test_openai_streaming_and_completions_timing(live):
     wall = time.monotonic() - t0
     assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
     u = chunks[-1].usage
-    check_timing(u.model_dump()["hpc_timing"], wall, u.prompt_tokens, u.prompt_tokens_details.cached_tokens)
+    check_timing(u.model_dump()["hpc_timing"], wall, u.prompt_tokens, u.prompt_tokens_details.cached_tokens,
+                 streamed=True)
     t0 = time.monotonic()
     r = client.completions.create(model="builtin:random", prompt="hello there", max_tokens=3, extra_body=TIMING)
     wall = time.monotonic() - t0
@@ -122,6 +127,7 @@ def test_anthropic_timing_only_when_asked(live):
     (delta,) = deltas
     timing = delta.usage.model_dump()["hpc_timing"]
     assert all(timing[p] >= 0.0 for p in PHASES) and sum(timing[p] for p in PHASES) <= wall
+    assert timing["server_prepare"] + timing["time_to_first_token"] + timing["server_first_send"] <= wall, timing
 
 
 def test_bad_timing_option_is_a_400(live):
@@ -163,6 +169,8 @@ def test_phase_histograms_after_requests(live):
     for name in ("hpc_prefill_pass_seconds", "hpc_prefill_pass_tokens"):
         count = next(s.value for s in fam[name].samples if s.name == name + "_count")
         assert count >= counts["prefill"], name  # at least one pass per request
+    server = {s.labels["phase"]: s.value for s in fam["hpc_server_phase_seconds"].samples if s.name.endswith("_count")}
+    assert server["prepare"] > 0 and "first_send" in server, server  # once per request (its first choice)
     tokens = next(s.value for s in fam["hpc_prefill_pass_tokens"].samples if s.name.endswith("_sum"))
     prefilled = next(s.value for s in fam["hpc_prefill_tokens"].samples if s.name == "hpc_prefill_tokens_total")
     assert tokens == prefilled > 0
