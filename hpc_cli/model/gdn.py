@@ -321,15 +321,15 @@ class GatedDeltaNet(nn.Module):
 
     def prefill_slots(self, x: torch.Tensor, conv_slots: torch.Tensor, rec_slots: torch.Tensor, slot: torch.Tensor,
                       rows: "ValidRows", taps: torch.Tensor, dst: torch.Tensor,
-                      image_slots: torch.Tensor | None = None) -> torch.Tensor:
+                      image_slots: torch.Tensor) -> torch.Tensor:
         """:meth:`prefill` of the lane in state slot ``slot`` (``[1]`` on the device) of
         ``conv_slots`` ``[N, conv_dim, kernel-1]`` and ``rec_slots`` ``[N, H_v, d_k, d_v]``, both
         read and written there (the recurrent state in place, through
         :func:`hpc_cli.model.gdn_taps.tap_rule`), with ``rows`` on the device; also writes the
         state images of the taps at the offsets ``taps`` (``[S]`` on the device, ``0`` for a slot
         not used) into the slots ``dst`` (``[S]``): the graph form of :meth:`prefill_tapped`.
-        ``image_slots`` ``[1 + S]`` is ``slot`` then ``dst`` (one tensor; ``slot`` when there is no
-        tap) and ``rows.conv_index`` the new conv window's columns, then each tap's: one gather
+        ``image_slots`` ``[1 + S]`` is ``slot`` then ``dst`` (one tensor: ``slot`` itself when there
+        is no tap) and ``rows.conv_index`` the new conv window's columns, then each tap's: one gather
         takes every window and one ``index_copy_`` writes them. A slot not used names the lane's
         own slot and columns, so it writes the lane's own window there (equal values, in any
         order). Returns the output."""
@@ -338,9 +338,9 @@ class GatedDeltaNet(nn.Module):
         k1 = self.kernel - 1
         _, cols, z, q, k, v, g, beta = self._mix_padded(x, conv_slots.index_select(0, slot)[0], None, rows)
         core = tap_rule(q, k, v, g, beta, rec_slots, slot, taps, dst, self.use_fla)
-        into = slot if image_slots is None else image_slots
-        assert cols.shape[1] == into.shape[0] * k1, f"{cols.shape[1]} conv columns for {into.shape[0]} slots"
-        conv_slots.index_copy_(0, into, cols.to(conv_slots.dtype).unflatten(1, (-1, k1)).transpose(0, 1))
+        assert cols.shape[1] == image_slots.shape[0] * k1, \
+            f"{cols.shape[1]} conv columns for {image_slots.shape[0]} slots"
+        conv_slots.index_copy_(0, image_slots, cols.to(conv_slots.dtype).unflatten(1, (-1, k1)).transpose(0, 1))
         return self._finish(core[0], z)
 
 

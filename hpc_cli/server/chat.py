@@ -116,9 +116,12 @@ class PrefixRenders:
     @staticmethod
     def digests(tokenizer, messages: Sequence[dict], tools, kwargs: dict) -> list[bytes]:
         """``digests[i]``: the key of ``messages[:i]`` (each built on the one before: linear)."""
-        head = json.dumps([getattr(tokenizer, "chat_template", None), tools, kwargs], sort_keys=True, default=str,
-                          ensure_ascii=False)
-        d = hashlib.blake2b(f"{id(tokenizer)}\0{head}".encode(), digest_size=16).digest()
+        # what a render reads besides the messages: the template, the special tokens it is given,
+        # the tools and the template arguments
+        specials = getattr(tokenizer, "special_tokens_map", dict)()
+        head = json.dumps([getattr(tokenizer, "chat_template", None), specials, tools, kwargs], sort_keys=True,
+                          default=str, ensure_ascii=False)
+        d = hashlib.blake2b(head.encode(), digest_size=16).digest()
         out = [d]
         for m in messages:
             d = hashlib.blake2b(d + json.dumps(m, sort_keys=True, default=str, ensure_ascii=False).encode(),

@@ -115,12 +115,10 @@ async def stream_events(state: "ServerState", request: Request, handle: RequestH
                 piece = asm.push(ev.token_id)
                 if asm.stopped is not None:
                     handle.cancel()  # the engine stops at the same token; this only makes sure
-                chunks = 0
                 for s in writer.token(ev, piece):
                     yield s
-                    chunks += 1
-                if chunks and writer.marks is not None:
-                    writer.marks.sent()  # resumed: the chunk is written
+                    if writer.marks is not None:
+                        writer.marks.sent()  # resumed: the chunk is written (the first one counts)
             elif isinstance(ev, FinishEvent):
                 if ev.reason in FAILURES:
                     outcome = ev.reason

@@ -149,3 +149,22 @@ def test_prefix_renders_are_bounded():
         assert pr.render(keys[1], tok, msgs, None, {}).startswith("<|im_start|>user")
         assert pr.chars <= 600
     assert pr.misses == 20 and len(pr) < 20
+
+
+def test_prefix_render_keys_cover_what_a_render_reads():
+    """The key digests the template, its special tokens, the tools and the arguments: equal
+    inputs give equal keys (another tokenizer object too), any other input another key."""
+    from hpc_cli.server.chat import PrefixRenders
+
+    class Other(ByteTokenizer):
+        def special_tokens_map(self):
+            return {"bos_token": "<s>"}
+
+    msgs = [{"role": "user", "content": "hi"}]
+    base = PrefixRenders.digests(ByteTokenizer(), msgs, None, {})
+    assert PrefixRenders.digests(ByteTokenizer(), msgs, None, {}) == base
+    for other in (PrefixRenders.digests(Other(), msgs, None, {}),
+                  PrefixRenders.digests(ByteTokenizer(), msgs, [{"type": "function"}], {}),
+                  PrefixRenders.digests(ByteTokenizer(), msgs, None, {"enable_thinking": False}),
+                  PrefixRenders.digests(ByteTokenizer(), [{"role": "user", "content": "ho"}], None, {})):
+        assert other[1] != base[1]
