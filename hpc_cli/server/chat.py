@@ -27,8 +27,11 @@ every message start is found in the prompt itself), and the prompt is tokenized 
 re-sends its history every turn, so the prefix renders are kept (:class:`PrefixRenders`, keyed by
 a digest of the template, the tools, the template arguments and the messages): a turn renders
 the prompt and only the prefixes the previous turns did not (a 24-message chat with a 3,000-word
-system message: 10 renders, 6.4 ms on the 2-core CPU machine, before). A template that fails on
-the messages is a 400.
+system message: 10 renders, 6.4 ms on the 2-core CPU machine, before). A ChatML prompt that is
+one ``<|im_start|>{role}`` block per message, in order, with the first message's render ending
+where the second block starts, has its message ends at its block starts, which one scan finds:
+such a chat renders only the prompt and its first message (kept, so once per system prompt),
+unless it has markers (:func:`_chatml_framed`). A template that fails on the messages is a 400.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ CHATML_START = "<|im_start|>"
 SENTINEL = "\ue000\ue001"
 #: the last message prefixes rendered for message ends (besides the first and the marked ones)
 RECENT_PREFIXES = 8
+#: a ChatML prompt with one block per message takes its message ends from the prompt itself
+#: (:func:`_chatml_framed`); off, every chat renders its recent prefixes (tests compare the two)
+CHATML_SCAN = True
 
 
 @dataclass(slots=True)
@@ -203,14 +209,21 @@ def prepare_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | 
 
     # message ends from prefix renders: a bounded number of them (see the module doc)
     ends: dict[int, int] = {}  # message count i -> char offset of the end of messages[:i]
-    counts = {1, *range(max(1, n_msgs - RECENT_PREFIXES + 1), n_msgs + 1)}
-    counts |= {m.message_index + 1 for m in markers if 0 <= m.message_index < n_msgs}
-    keys = PrefixRenders.digests(tokenizer, messages, tools, kwargs)
-    for i in sorted(counts):
-        pre = PREFIX_RENDERS.render(keys[i], tokenizer, messages[:i], tools, kwargs)
-        if pre and full.startswith(pre):
-            ends[i] = len(pre)
-    chatml = [i for i in _find_all(full, CHATML_START) if i > 0]
+    keys = PrefixRenders.digests(tokenizer, messages[:1], tools, kwargs)
+    starts = _find_all(full, CHATML_START)
+    first = PREFIX_RENDERS.render(keys[1], tokenizer, messages[:1], tools, kwargs)
+    if first and full.startswith(first):
+        ends[1] = len(first)
+    if not (CHATML_SCAN and not markers and not continue_final
+            and _chatml_framed(full, starts, messages, add_generation_prompt, ends.get(1))):
+        counts = set(range(max(1, n_msgs - RECENT_PREFIXES + 1), n_msgs + 1))
+        counts |= {m.message_index + 1 for m in markers if 0 <= m.message_index < n_msgs}
+        keys = PrefixRenders.digests(tokenizer, messages, tools, kwargs)
+        for i in sorted(counts - {1}):
+            pre = PREFIX_RENDERS.render(keys[i], tokenizer, messages[:i], tools, kwargs)
+            if pre and full.startswith(pre):
+                ends[i] = len(pre)
+    chatml = [i for i in starts if i > 0]
     boundary_chars = set(ends.values()) | set(chatml)
 
     opener = None
@@ -282,6 +295,24 @@ def prepare_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | 
     return PreparedChat(text=full, prompt_tokens=tokens, tap_hints=sorted(hints.values(), key=lambda h: h.position),
                         message_boundaries=boundaries, opener_position=pos(opener), system_end=pos(system_end),
                         tools_end=pos(tools_end), marker_positions=marker_positions, opens_thinking=opens_thinking)
+
+
+def _chatml_framed(full: str, starts: list[int], messages: Sequence[dict], add_generation_prompt: bool,
+                   first_end: int | None) -> bool:
+    """Whether the prompt is one ``<|im_start|>{role}`` block per message, in order, then the
+    generation opener, with the first message's own render ending where the second block starts.
+    Then the end of ``messages[:i]`` is the start of block ``i`` and the prefix renders would
+    find no boundary the scan does not (see the module doc)."""
+    n = len(messages)
+    if len(starts) != n + (1 if add_generation_prompt else 0) or n < 2 or not starts or starts[0] != 0:
+        return False
+    if first_end != starts[1]:
+        return False
+    for at, m in zip(starts, messages):
+        role = m.get("role")
+        if not isinstance(role, str) or not full.startswith(f"{CHATML_START}{role}\n", at):
+            return False
+    return not add_generation_prompt or full.startswith(CHATML_START + "assistant", starts[-1])
 
 
 def _find_all(text: str, needle: str) -> list[int]:

@@ -104,12 +104,13 @@ def test_the_request_path_is_warmed_before_the_server_listens():
     assert warm_request_path(bare) is False  # completions only: nothing to warm, no error
 
 
-def test_prefix_renders_are_kept_across_turns():
+def test_prefix_renders_are_kept_across_turns(monkeypatch):
     """A chat re-sends its history: a later turn renders only the prefixes no earlier turn did,
     and what it prepares equals a preparation with nothing kept (hints, boundaries, tokens)."""
     from hpc_cli.server.chat import PrefixRenders
     import hpc_cli.server.chat as chat
 
+    monkeypatch.setattr(chat, "CHATML_SCAN", False)  # every chat renders its recent prefixes
     tok = ByteTokenizer()
     kept, fresh = PrefixRenders(), None
     msgs = [{"role": "system", "content": "You answer briefly."}]
@@ -168,3 +169,75 @@ def test_prefix_render_keys_cover_what_a_render_reads():
                   PrefixRenders.digests(ByteTokenizer(), msgs, None, {"enable_thinking": False}),
                   PrefixRenders.digests(ByteTokenizer(), [{"role": "user", "content": "ho"}], None, {})):
         assert other[1] != base[1]
+
+
+def _prepared(p):
+    return (p.text, p.prompt_tokens, p.tap_hints, p.message_boundaries, p.opener_position, p.system_end,
+            p.tools_end, p.marker_positions, p.opens_thinking)
+
+
+def _chats():
+    think = "<think>\nlet me see\n</think>\n\n"
+    tool = {"type": "function", "function": {"name": "get", "description": "d", "parameters": {"type": "object"}}}
+    base = [{"role": "system", "content": SYS}, {"role": "user", "content": "é first"},
+            {"role": "assistant", "content": think + "ok"}, {"role": "user", "content": "a\nb"}]
+    yield "system", base, None, {}
+    yield "no system", base[1:], None, {}
+    yield "thinking off", base, None, {"enable_thinking": False}
+    yield "tools", base, [tool], {}
+    yield "tools, no system", base[1:], [tool], {}
+    yield "one message", base[:1], None, {}
+    yield "tool result", base + [{"role": "assistant", "content": "",
+                                  "tool_calls": [{"type": "function", "function": {"name": "get", "arguments": {}}}]},
+                                 {"role": "tool", "content": "42"}], [tool], {}
+    yield "<|im_start|> in a message", base + [{"role": "assistant", "content": "<|im_start|>user\nx"},
+                                                {"role": "user", "content": "y"}], None, {}
+    long = [{"role": "system", "content": SYS}]
+    for i in range(12):
+        long += [{"role": "user", "content": f"q{i} " * (i + 1)}, {"role": "assistant", "content": think + f"a{i}"}]
+    yield "24 messages", long + [{"role": "user", "content": "last"}], None, {}
+
+
+def _tiny_tokenizer():
+    from hpc_cli.model.builtin import TINY_DIR
+    from hpc_cli.model.tokenizer import HFTokenizer
+
+    return HFTokenizer(TINY_DIR)
+
+
+def test_chatml_scan_equals_the_prefix_renders(monkeypatch):
+    """A ChatML prompt with one block per message takes its message ends from its own block
+    starts: what it prepares equals what the prefix renders give, for both shipped templates and
+    every kind of chat (with and without a system message, tools, a tool result, reasoning in
+    the history, a message that contains the block marker), and it renders only the prompt and
+    the first message."""
+    import hpc_cli.server.chat as chat
+    from hpc_cli.server.chat import PrefixRenders
+
+    scanned = 0
+    for tok in (ByteTokenizer(), _tiny_tokenizer()):
+        calls = []
+        render = tok.apply_chat_template
+
+        def counting(messages, *a, _render=render, **kw):
+            calls.append(len(messages))
+            return _render(messages, *a, **kw)
+
+        tok.apply_chat_template = counting
+        for name, msgs, tools, kwargs in _chats():
+            for continue_final in (False, True):
+                if continue_final and msgs[-1]["role"] != "user":
+                    continue
+                chat_msgs = msgs + [{"role": "assistant", "content": "The answer"}] if continue_final else msgs
+                monkeypatch.setattr(chat, "PREFIX_RENDERS", PrefixRenders())
+                monkeypatch.setattr(chat, "CHATML_SCAN", False)
+                want = prepare_chat(tok, chat_msgs, tools=tools, template_kwargs=kwargs, continue_final=continue_final)
+                monkeypatch.setattr(chat, "PREFIX_RENDERS", PrefixRenders())
+                monkeypatch.setattr(chat, "CHATML_SCAN", True)
+                calls.clear()
+                got = prepare_chat(tok, chat_msgs, tools=tools, template_kwargs=kwargs, continue_final=continue_final)
+                assert _prepared(got) == _prepared(want), f"{type(tok).__name__}, {name}, continue {continue_final}"
+                if len(calls) == 2 and len(chat_msgs) > 2:
+                    scanned += 1
+                    assert sorted(calls) == [1, len(chat_msgs)], name
+    assert scanned >= 8  # the plain chats of both templates took the scan
