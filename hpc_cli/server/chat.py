@@ -301,8 +301,9 @@ def _chatml_framed(full: str, starts: list[int], messages: Sequence[dict], add_g
                    first_end: int | None) -> bool:
     """Whether the prompt is one ``<|im_start|>{role}`` block per message, in order, then the
     generation opener, with the first message's own render ending where the second block starts.
-    Then the end of ``messages[:i]`` is the start of block ``i`` and the prefix renders would
-    find no boundary the scan does not (see the module doc)."""
+    Then the end of ``messages[:i]`` is taken to be the start of block ``i``, as it is for the
+    first message (a template whose later renders ended elsewhere would lose those ends as tap
+    hints, never a token: the prompt is rendered and tokenized whole either way)."""
     n = len(messages)
     if len(starts) != n + (1 if add_generation_prompt else 0) or n < 2 or not starts or starts[0] != 0:
         return False
