@@ -319,23 +319,23 @@ class GatedDeltaNet(nn.Module):
         core, state = gated_delta_prefill(q, k, v, g, beta, rec_state.unsqueeze(0), self.use_fla)
         return self._finish(core[0], z), new_conv, state[0]
 
-    def prefill_slots(self, x: torch.Tensor, conv_slots: torch.Tensor, rec_slots: torch.Tensor, slot: torch.Tensor,
-                      rows: "ValidRows", taps: torch.Tensor, dst: torch.Tensor,
-                      image_slots: torch.Tensor) -> torch.Tensor:
-        """:meth:`prefill` of the lane in state slot ``slot`` (``[1]`` on the device) of
-        ``conv_slots`` ``[N, conv_dim, kernel-1]`` and ``rec_slots`` ``[N, H_v, d_k, d_v]``, both
-        read and written there (the recurrent state in place, through
-        :func:`hpc_cli.model.gdn_taps.tap_rule`), with ``rows`` on the device; also writes the
-        state images of the taps at the offsets ``taps`` (``[S]`` on the device, ``0`` for a slot
-        not used) into the slots ``dst`` (``[S]``): the graph form of :meth:`prefill_tapped`.
-        ``image_slots`` ``[1 + S]`` is ``slot`` then ``dst`` (one tensor: ``slot`` itself when there
-        is no tap) and ``rows.conv_index`` the new conv window's columns, then each tap's: one gather
-        takes every window and one ``index_copy_`` writes them. A slot not used names the lane's
-        own slot and columns, so it writes the lane's own window there (equal values, in any
-        order). Returns the output."""
+    def prefill_slots(self, x: torch.Tensor, conv_slots: torch.Tensor, rec_slots: torch.Tensor,
+                      rows: "ValidRows", taps: torch.Tensor, image_slots: torch.Tensor) -> torch.Tensor:
+        """:meth:`prefill` of the lane in state slot ``image_slots[0]`` of ``conv_slots``
+        ``[N, conv_dim, kernel-1]`` and ``rec_slots`` ``[N, H_v, d_k, d_v]``, both read and written
+        there (the recurrent state in place, through :func:`hpc_cli.model.gdn_taps.tap_rule`), with
+        ``rows`` on the device; also writes the state images of the taps at the offsets ``taps``
+        (``[S]`` on the device, ``0`` for a slot not used) into the slots ``image_slots[1:]``: the
+        graph form of :meth:`prefill_tapped`. ``image_slots`` ``[1 + S]`` (on the device) is the
+        lane's slot then each tap's, and ``rows.conv_index`` the new conv window's columns, then
+        each tap's: one gather takes every window and one ``index_copy_`` writes them. A slot not
+        used names the lane's own slot and columns, so it writes the lane's own window there (equal
+        values, in any order). Returns the output."""
         from hpc_cli.model.gdn_taps import tap_rule
 
         k1 = self.kernel - 1
+        slot = image_slots[:1]
+        dst = image_slots[1:] if taps.numel() else taps  # no tap: the empty offsets stand for both
         _, cols, z, q, k, v, g, beta = self._mix_padded(x, conv_slots.index_select(0, slot)[0], None, rows)
         core = tap_rule(q, k, v, g, beta, rec_slots, slot, taps, dst, self.use_fla)
         assert cols.shape[1] == image_slots.shape[0] * k1, \

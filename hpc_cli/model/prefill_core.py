@@ -50,13 +50,13 @@ class PrefillIndex:
     ``tokens``/``positions``/``write`` ``[L]`` (``write``: the KV slot of each row, ``-1`` for a
     padding row), ``pages`` ``[W]`` the lane's page table (padded with page 0, never read past the
     pass's last position), ``meta`` ``[2]`` (start, valid rows) for the paged prefill kernel,
-    ``slot`` ``[1]`` the lane's state slot, ``last`` ``[1]`` the last valid row, ``conv_index``
+    ``image_slots`` ``[1 + slots]`` the lane's state slot (``slot``), then the slot each tap's
+    image goes to (``tap_dst``), ``last`` ``[1]`` the last valid row, ``conv_index``
     ``[kernel-1]`` the window columns of the new conv state. ``host``: (start, valid) for the
     paths that read host values (the gather + SDPA attention).
 
     A pass with room for ``slots`` taps (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) also
-    carries ``image_slots`` ``[1 + slots]`` (the lane's state slot, then the slot each tap's image
-    goes to, ``tap_dst``), ``conv_cols`` ``[(1 + slots) * (kernel-1)]`` (``conv_index``, then each
+    carries ``conv_cols`` ``[(1 + slots) * (kernel-1)]`` (``conv_index``, then each
     tap's conv window columns: one gather and one ``index_copy_`` per GDN layer take and write
     every conv window), ``tap_pos`` ``[slots]`` (each tap's offset in the pass, in order) and
     ``tap_last`` ``[slots]`` (the row before it, whose hidden the tap keeps). A slot not used holds
@@ -73,16 +73,24 @@ class PrefillIndex:
     write: torch.Tensor
     pages: torch.Tensor
     meta: torch.Tensor
-    slot: torch.Tensor
+    image_slots: torch.Tensor  # [1 + slots]: the lane's state slot, then each tap's
     last: torch.Tensor
     conv_index: torch.Tensor
     host: tuple[int, int] | None = None
     slots: int = 0
-    image_slots: torch.Tensor | None = None
     conv_cols: torch.Tensor | None = None
     tap_pos: torch.Tensor | None = None
     tap_last: torch.Tensor | None = None
-    tap_dst: torch.Tensor | None = None
+
+    @property
+    def slot(self) -> torch.Tensor:
+        """``[1]``: the lane's state slot."""
+        return self.image_slots[:1]
+
+    @property
+    def tap_dst(self) -> torch.Tensor:
+        """``[slots]``: the state slot each tap's image goes to."""
+        return self.image_slots[1:]
 
     @staticmethod
     def pack(tokens: Sequence[int] | torch.Tensor, start: int, block_table: Sequence[int], state_slot: int,
@@ -131,12 +139,11 @@ class PrefillIndex:
         k1 = (packed.shape[0] - (3 * L + W + 4) - 3 * slots) // (1 + slots)
         tokens, positions, write, pages, meta, image_slots, last, conv_all, tap_pos, tap_last = torch.split(
             packed, [L, L, L, W, 2, 1 + slots, 1, k1 * (1 + slots), slots, slots])
-        idx = cls(L, W, packed, tokens, positions, write, pages, meta, image_slots[:1], last, conv_all[:k1], host)
+        idx = cls(L, W, packed, tokens, positions, write, pages, meta, image_slots, last, conv_all[:k1], host)
         if slots:
             idx.slots = slots
-            idx.image_slots = image_slots
             idx.conv_cols = conv_all
-            idx.tap_pos, idx.tap_last, idx.tap_dst = tap_pos, tap_last, image_slots[1:]
+            idx.tap_pos, idx.tap_last = tap_pos, tap_last
         return idx
 
     @classmethod
@@ -173,11 +180,7 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
     # the GDN layers read and write the lane's state slot in place where the tap recurrence runs
     # (CUDA with fla's kernels; every pass with tap slots)
     in_slots = bool(idx.slots) or (dev.type == "cuda" and fla_taps_supported(model.config.linear_key_head_dim))
-    if idx.slots:
-        tap_pos, tap_dst, image_slots = idx.tap_pos, idx.tap_dst, idx.image_slots
-    else:
-        tap_pos = tap_dst = torch.zeros(0, dtype=torch.long, device=dev)
-        image_slots = idx.slot
+    tap_pos = idx.tap_pos if idx.slots else torch.zeros(0, dtype=torch.long, device=dev)
     cos, sin = model.rotary.cos_sin(idx.positions, model.dtype)
     paged = kv.paged_attention_supported(model.config.num_attention_heads)
     x = model._embed(idx.tokens)
@@ -188,7 +191,7 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
             g = model.state_index[i]
             conv, rec = states.conv[g], states.recurrent[g]
             if in_slots:
-                out = layer.linear_attn.prefill_slots(h, conv, rec, slot, rows, tap_pos, tap_dst, image_slots)
+                out = layer.linear_attn.prefill_slots(h, conv, rec, rows, tap_pos, idx.image_slots)
             else:
                 out, new_conv, new_rec = layer.linear_attn.prefill(h, conv.index_select(0, slot)[0],
                                                                    rec.index_select(0, slot)[0], rows=rows)

@@ -305,7 +305,7 @@ def _chatml_framed(full: str, starts: list[int], messages: Sequence[dict], add_g
     first message (a template whose later renders ended elsewhere would lose those ends as tap
     hints, never a token: the prompt is rendered and tokenized whole either way)."""
     n = len(messages)
-    if len(starts) != n + (1 if add_generation_prompt else 0) or n < 2 or not starts or starts[0] != 0:
+    if n < 2 or len(starts) != n + (1 if add_generation_prompt else 0) or starts[0] != 0:
         return False
     if first_end != starts[1]:
         return False

@@ -70,7 +70,7 @@ def test_index_layout():
     assert (idx.write[3:] == -1).all()
     assert idx.meta.tolist() == [130, 3] and idx.slot.tolist() == [5] and idx.last.tolist() == [2]
     assert idx.conv_index.tolist() == [3, 4, 5]
-    assert idx.image_slots is None and idx.slots == 0
+    assert idx.image_slots.tolist() == [5] and idx.slots == 0
 
 
 def test_index_layout_with_tap_slots():
