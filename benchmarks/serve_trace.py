@@ -46,7 +46,6 @@ import json
 import math
 import os
 import platform
-import random
 import re
 import shlex
 import signal
@@ -58,7 +57,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
     import httpx
@@ -80,6 +79,8 @@ OWN_FLAGS = ("--cache-mode", "--no-prefix-reuse", "--port", "--host", "--model")
 # The words and the trace: hpc_cli.bench.trace (shared with `hpc-cli bench generate`)
 # ---------------------------------------------------------------------------------------------
 
+from hpc_cli.engine.api import PHASES  # noqa: E402
+from hpc_cli.server.timing import SERVER_PHASES  # noqa: E402
 from hpc_cli.bench.trace import (Edit, Lexicon, SessionPlan, TokenCounter, Trace, TraceConfig,  # noqa: E402,F401
                                  TurnPlan, build_trace, compose, render, strip_thinking)
 
@@ -476,16 +477,13 @@ def _p50(values: Sequence[float], digits: int = 5) -> float | None:
     return round(percentile(values, 0.5), digits) if values else None
 
 
-PHASES = ("admission", "restore_wait", "prefill", "tap", "decode", "finish")
-
-
 def _phases(records: Sequence[RequestRecord]) -> dict[str, float] | None:
     timed = [r.timing for r in records if r.timing]
     if not timed:
         return None
     out = {p: _p50([float(t.get(p) or 0.0) for t in timed]) for p in PHASES}
     out["passes"] = _p50([float(len(t.get("prefill_passes") or ())) for t in timed], 1)
-    for name in ("server_prepare", "server_first_send"):  # the server's own part (a server that reports it)
+    for name in (f"server_{p}" for p in SERVER_PHASES):  # the server's own part (a server that reports it)
         seen = [float(t[name]) for t in timed if t.get(name) is not None]
         if seen:
             out[name] = _p50(seen)
