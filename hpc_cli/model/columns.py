@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from hpc_cli.model.moe import SparseMoE
 
 from hpc_cli.model.gdn import gated_delta_decode
+from hpc_cli.model.layers import fused
+from hpc_kernels import gdn_decode
 
 #: rows per block of the row-wise ops by device type (``HybridModel.row_block`` overrides it): on
 #: a GPU a GEMM of 16 rows costs what one of 1 row costs (memory-bound) and covers 4 lanes x k+1
@@ -152,16 +154,22 @@ class ColumnsOut:
     states: list[torch.Tensor] | None  # per GDN layer [B, T, H, dk, dv] (keep_all)
 
 
-def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec0: torch.Tensor, keep_all: bool,
-         R: int):
+def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: torch.Tensor,
+         slot_t: torch.Tensor, keep_all: bool, R: int):
+    """The GDN layer's columns. ``rec`` is the layer's state slots, the lanes' in ``slot_t``: with
+    ``keep_all`` they are read only (every column's state comes back ``[B, T, H, dk, dv]``), else
+    the last column's state is written back there (and ``None`` comes back)."""
     mixed, z, b, a = blocks(la._project, R, h)
     C = mixed.shape[-1]
     m = mixed[:n].view(B, T, C)
+    window = torch.cat([conv0.to(m.dtype), m.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+    if fused(h) and la.use_fla is not False and gdn_decode.supported(la.d_k, la.d_v):
+        core, state = _gdn_fused(la, window, a, b, B, T, rec, slot_t, keep_all)
+        return blocks(la._finish, R, _pad_rows(core, h.shape[0]), z), window, state
     w = la.conv1d.weight[:, 0, :]  # [C, K]
     K = w.shape[-1]
-    window = torch.cat([conv0.to(m.dtype), m.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
     b3, a3 = b[:n].view(B, T, -1), a[:n].view(B, T, -1)
-    state = rec0
+    state = rec.index_select(0, slot_t)
     outs, states = [], []
     for t in range(T):
         # decode's exact calls on contiguous [B, ...] operands: on CPU even an elementwise op
@@ -177,7 +185,29 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec0:
     core = torch.cat(outs, dim=1).reshape(n, *outs[0].shape[2:])  # rows b*T + t
     core = _pad_rows(core, h.shape[0])
     out = blocks(la._finish, R, core, z)
-    return out, window, (torch.stack(states, dim=1) if keep_all else state)
+    if keep_all:
+        return out, window, torch.stack(states, dim=1)
+    rec.index_copy_(0, slot_t, state)
+    return out, window, None
+
+
+def _gdn_fused(la, window: torch.Tensor, a: torch.Tensor, b: torch.Tensor, B: int, T: int, rec: torch.Tensor,
+               slot_t: torch.Tensor, keep_all: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The columns through :func:`hpc_kernels.gdn_decode.gdn_step`, one launch a column, output
+    rows ``b * T + t``: decode steps the lanes' slots in place; the verify pass (``keep_all``)
+    writes column ``t``'s state to row ``b * T + t`` of a ``[B * T, ...]`` buffer, reading column
+    ``t - 1``'s from there."""
+    o = window.new_empty(B * T, la.n_v, la.d_v)
+    w = la.conv1d.weight[:, 0, :].contiguous()
+    if not keep_all:
+        for t in range(T):
+            gdn_decode.gdn_step(window, t, w, a, b, la.A_log, la.dt_bias, rec, slot_t, rec, slot_t, la.n_k, T, o)
+        return o, None
+    kept = rec.new_empty(B * T, *rec.shape[1:])
+    for t in range(T):
+        src, src_idx = (rec, slot_t) if t == 0 else (kept, None)
+        gdn_decode.gdn_step(window, t, w, a, b, la.A_log, la.dt_bias, src, src_idx, kept, None, la.n_k, T, o)
+    return o, kept.view(B, T, *rec.shape[1:])
 
 
 class _GroupKV:
@@ -271,15 +301,14 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
         if layer.kind == "linear_attention":
             g = model.state_index[i]
             conv, rec = states.conv[g], states.recurrent[g]
-            out, window, st = _gdn(layer.linear_attn, h, n, B, T, conv.index_select(0, slot_t),
-                                   rec.index_select(0, slot_t), keep_all, R)
+            out, window, st = _gdn(layer.linear_attn, h, n, B, T, conv.index_select(0, slot_t), rec, slot_t,
+                                   keep_all, R)
             if keep_all:
                 windows.append(window)
                 kept.append(st)
             else:
                 K1 = conv.shape[-1]
                 conv.index_copy_(0, slot_t, window[:, :, -K1:].to(conv.dtype))
-                rec.index_copy_(0, slot_t, st)
         else:
             out = _attention(layer.self_attn, h, idx, kv, model.kv_index[i], cos, sin, R, paged)
 

@@ -208,7 +208,44 @@ def gated_delta_decode(q, k, v, g, beta, initial_state, use_fla: bool | None = N
 # -- the layer ---------------------------------------------------------------------------------
 from torch import nn  # noqa: E402
 
-from hpc_cli.model.layers import GatedRMSNorm, Linear, param  # noqa: E402
+from hpc_cli.model.layers import GatedRMSNorm, Linear, fused, param  # noqa: E402
+from hpc_kernels import causal_conv  # noqa: E402
+
+
+class ConvWindow:
+    """A run's conv window ``[C, k-1+T]``: the previous conv state's ``k-1`` columns, then the
+    run's pre-conv projections as columns. Held either as one ``columns`` tensor (a view where the
+    conv read it so) or as its two parts, ``state`` ``[C, k-1]`` and ``rows`` ``[T, C]`` (the fused
+    conv reads the rows where they are, so no window is built; the few columns a conv state or a
+    tap keeps are gathered from the parts)."""
+
+    __slots__ = ("columns", "state", "rows")
+
+    def __init__(self, columns: torch.Tensor | None = None, state: torch.Tensor | None = None,
+                 rows: torch.Tensor | None = None) -> None:
+        assert (columns is None) != (state is None or rows is None), "a window is its columns or its two parts"
+        self.columns, self.state, self.rows = columns, state, rows
+
+    def cols(self, index: torch.Tensor) -> torch.Tensor:
+        """The columns ``index`` (``[n]`` on the device) ``[C, n]``, by advanced indexing: one
+        thread per element (``index_select`` along the columns loops over them in each thread, 7 us
+        a GDN layer for 15 columns on an H200)."""
+        if self.columns is not None:
+            return self.columns[:, index]
+        k1 = self.state.shape[1]
+        from_state = self.state[:, index.clamp(max=k1 - 1)]
+        from_rows = self.rows[(index - k1).clamp(min=0)].t()
+        return torch.where(index < k1, from_state, from_rows)
+
+    def span(self, a: int, b: int) -> torch.Tensor:
+        """The columns ``[a, b)`` ``[C, b - a]``."""
+        if self.columns is not None:
+            return self.columns[:, a:b]
+        k1 = self.state.shape[1]
+        parts = [self.state[:, a:min(b, k1)]] if a < k1 else []
+        if b > k1:
+            parts.append(self.rows[max(a - k1, 0):b - k1].t())
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 class GatedDeltaNet(nn.Module):
@@ -257,19 +294,24 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(y.reshape(*lead, self.value_dim))
 
     def _mix(self, x: torch.Tensor, conv_state: torch.Tensor):
-        """The projections, the conv window ``[C, k-1+T]`` (the previous conv state, then this
-        run's pre-conv columns) and the gated delta rule's inputs of a run of ``T`` tokens."""
+        """The projections, the conv window (:class:`ConvWindow`: the previous conv state, then
+        this run's pre-conv columns) and the gated delta rule's inputs of a run of ``T`` tokens."""
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
         w = self.conv1d.weight
-        if x.device.type == "cpu":  # time-major: the window is a view of the rows the conv reads
+        if fused(mixed) and causal_conv.available(mixed):  # one launch, time-major, no window copy
+            window = ConvWindow(state=conv_state.to(mixed.dtype), rows=mixed)
+            mixed = causal_conv.conv_silu(window.state, mixed, w[:, 0, :])
+        elif x.device.type == "cpu":  # time-major: the window is a view of the rows the conv reads
             rows = torch.cat([conv_state.to(mixed.dtype).t(), mixed], dim=0)  # [k-1+T, C]
-            window = rows.t()
+            window = ConvWindow(columns=rows.t())
             conv = causal_conv_time_major(rows, w).t()  # [C, T]
+            mixed = F.silu(conv).to(mixed.dtype).transpose(0, 1)
         else:
-            window = torch.cat([conv_state.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)  # [C, k-1+T]
-            conv = F.conv1d(window.unsqueeze(0).to(w.dtype), w, groups=self.conv_dim)[0]  # [C, T]
-        mixed = F.silu(conv).to(mixed.dtype).transpose(0, 1)
+            columns = torch.cat([conv_state.to(mixed.dtype), mixed.transpose(0, 1)], dim=-1)  # [C, k-1+T]
+            window = ConvWindow(columns=columns)
+            conv = F.conv1d(columns.unsqueeze(0).to(w.dtype), w, groups=self.conv_dim)[0]  # [C, T]
+            mixed = F.silu(conv).to(mixed.dtype).transpose(0, 1)
         q, k, v, g, beta = self._heads(mixed, b, a, (1, t))
         return window, z, q, k, v, g.view(1, t, -1), beta.view(1, t, -1)
 
@@ -281,16 +323,14 @@ class GatedDeltaNet(nn.Module):
         window, z, q, k, v, g, beta = self._mix(x, conv_state)
         if rows is not None:
             keep = rows.mask.view(1, t, 1)
-            # the window columns by advanced indexing: one thread per column element (index_select
-            # along dim 1 loops over the columns in each thread, 7 us a GDN layer for 15 on an H200)
-            return window, window[:, rows.conv_index], z, q, k, v, \
+            return window, window.cols(rows.conv_index), z, q, k, v, \
                 torch.where(keep, g, 0.0), torch.where(keep, beta, 0.0)
         n = t if valid is None else int(valid)
         if n < t:
             g, beta = g.clone(), beta.clone()
             g[:, n:] = 0.0
             beta[:, n:] = 0.0
-        return window, window[:, n:n + self.kernel - 1], z, q, k, v, g, beta
+        return window, window.span(n, n + self.kernel - 1), z, q, k, v, g, beta
 
     def prefill_tapped(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
                        taps: Sequence[int], valid: int | None = None
@@ -305,7 +345,7 @@ class GatedDeltaNet(nn.Module):
         window, new_conv, z, q, k, v, g, beta = self._mix_padded(x, conv_state, valid, None)
         core, state, states = tapped_rule(q, k, v, g, beta, rec_state.unsqueeze(0), taps, use_fla=self.use_fla)
         k1 = self.kernel - 1
-        tapped = [(window[:, p:p + k1].clone(), st[0]) for p, st in zip(taps, states)]
+        tapped = [(window.span(p, p + k1).clone(), st[0]) for p, st in zip(taps, states)]
         return self._finish(core[0], z), new_conv, state[0], tapped
 
     def prefill(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, valid: int | None = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -16,8 +17,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpc_kernels import rms_norm as norm_kernels
+from hpc_kernels import swiglu
+
 if TYPE_CHECKING:
     from hpc_cli.model.quant_linear import QuantizedWeight
+
+#: the fused kernels of the norms and of the GDN decode step on CUDA (``HPC_FUSED_KERNELS=0``: the
+#: torch ops they replace, for A/B runs); read once, when the model is imported
+FUSED_KERNELS = os.environ.get("HPC_FUSED_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def fused(x: torch.Tensor) -> bool:
+    """Whether the fused kernels take ``x``: on CUDA with Triton (or under Triton's interpreter, for
+    tests), unless turned off."""
+    return FUSED_KERNELS and norm_kernels.available(x)
 
 #: set while a model is built whose Linear weights the loader fills one by one (see
 #: :func:`deferred_linear_weights`)
@@ -77,9 +91,9 @@ class RMSNorm(nn.Module):
         self.weight = param(dim, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).type_as(x)
+        if fused(x):
+            return norm_kernels.rms_norm(x, self.weight, self.eps)
+        return norm_kernels.rms_norm_ref(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -91,11 +105,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = param(dim, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * y.to(dtype)
-        return (y * F.silu(gate.float())).to(dtype)
+        if fused(x):
+            return norm_kernels.gated_rms_norm(x, self.weight, gate, self.eps)
+        return norm_kernels.gated_rms_norm_ref(x, self.weight, gate, self.eps)
 
 
 class MLP(nn.Module):
@@ -107,7 +119,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, **fk)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if fused(gate) and gate.dim() == 2:
+            return self.down_proj(swiglu.swiglu(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Rotary:

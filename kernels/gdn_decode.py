@@ -1,0 +1,164 @@
+"""One GDN decode column in one launch: the causal conv of the new token, silu, the gates, the
+l2 norms of q and k, and the gated delta rule's step on the state, read from and written to the
+state slots in place.
+
+In torch the same column is some 30 launches per GDN layer (the conv window's product-sum,
+silu, the gate math, repeating the key heads for the value heads, fla's recurrent kernel, and a
+gather and a scatter of the 3 MiB state around it at the 27B widths); at batch 1 on a GPU each
+launch costs more than its work. Here one program takes one lane, one value head and a block of
+``BV`` value columns:
+
+* the conv of column ``t`` over the lane's window ``win[b, :, t : t + KW]`` (``win`` ``[B, C,
+  KW - 1 + T]``: the conv state's ``KW - 1`` columns, then the pass's pre-conv projections),
+  rounded to the model dtype as the conv's output is, then silu, rounded again (the values the
+  torch path hands fla); for its key head's ``K`` q and k channels and its ``BV`` v channels;
+* ``q, k`` l2-normalised in fp32 (q scaled by ``K^-1/2``), ``beta = sigmoid(b)`` (rounded to the
+  model dtype), ``g = -exp(A_log) * softplus(a + dt_bias)`` in fp32;
+* the step, in fla's fused recurrent order: ``S *= exp(g)``, ``v' = beta (v - S^T k)``,
+  ``S += k v'^T``, ``o = S^T q``; the fp32 state block read from row ``in`` of ``s_in`` and
+  written to row ``out`` of ``s_out`` (the same slot for decode: in place, each program owns its
+  block), ``o`` in the model dtype.
+
+A lane's column depends on its own window, projections and state alone, so the verify pass's
+columns (the same kernel, column by column) equal decode's bit for bit. The state rows are a
+lane's slot (``IN_SLOT``/``OUT_SLOT``: read from ``in_idx``/``out_idx`` on the device) or row
+``b * T + t`` of a ``[B * T, ...]`` buffer (the verify pass keeps every column's state). No
+argument depends on values, so the launch is captured in the decode graphs.
+
+:func:`gdn_step_ref` is the torch twin (the same rounding points), checked against the kernel
+under Triton's interpreter; the model's CPU path keeps its own ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # no Triton: the torch twin only
+    triton = None
+
+#: value columns per program (one lane and value head has ``V / BV`` programs)
+BV = 32
+NUM_WARPS = 4
+
+
+def supported(key_dim: int, value_dim: int) -> bool:
+    """Whether the kernel takes these head dims (Triton present, powers of two, ``<= 256``)."""
+    pow2 = lambda d: d > 0 and d & (d - 1) == 0 and d <= 256  # noqa: E731
+    return triton is not None and pow2(key_dim) and pow2(value_dim)
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["t", "T"])
+    def _step_kernel(win, sw_b, sw_c, conv_w, a, sa, b, sb, A_log, dt_bias,
+                     s_in, in_idx, s_out, out_idx, o, t, T, scale,
+                     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KW: tl.constexpr,
+                     BV: tl.constexpr, IN_SLOT: tl.constexpr, OUT_SLOT: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        i_v = tl.program_id(1)
+        i_b, i_h = pid // HV, pid % HV
+        i_k = i_h // (HV // HK)
+        dt = o.dtype.element_ty
+        o_k = tl.arange(0, K)
+        o_v = i_v * BV + tl.arange(0, BV)
+        # the channels of this program's q, k and v in the conv's [q | k | v] layout
+        c_q = i_k * K + o_k
+        c_k = HK * K + i_k * K + o_k
+        c_v = 2 * HK * K + i_h * V + o_v
+        lane = win + i_b * sw_b + t
+        q = tl.zeros([K], dtype=tl.float32)
+        k = tl.zeros([K], dtype=tl.float32)
+        v = tl.zeros([BV], dtype=tl.float32)
+        for j in tl.static_range(KW):
+            q += tl.load(lane + c_q * sw_c + j).to(tl.float32) * tl.load(conv_w + c_q * KW + j).to(tl.float32)
+            k += tl.load(lane + c_k * sw_c + j).to(tl.float32) * tl.load(conv_w + c_k * KW + j).to(tl.float32)
+            v += tl.load(lane + c_v * sw_c + j).to(tl.float32) * tl.load(conv_w + c_v * KW + j).to(tl.float32)
+        q = q.to(dt).to(tl.float32)
+        k = k.to(dt).to(tl.float32)
+        v = v.to(dt).to(tl.float32)
+        q = (q / (1.0 + tl.exp(-q))).to(dt).to(tl.float32)
+        k = (k / (1.0 + tl.exp(-k))).to(dt).to(tl.float32)
+        v = (v / (1.0 + tl.exp(-v))).to(dt).to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+        # the gates of this lane's column t and value head
+        r_ab = i_b * T + t
+        b_raw = tl.load(b + r_ab * sb + i_h).to(tl.float32)
+        beta = (1.0 / (1.0 + tl.exp(-b_raw))).to(dt).to(tl.float32)
+        x = tl.load(a + r_ab * sa + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        g = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * softplus
+        # the state block [K, BV], read and written by row
+        if IN_SLOT:
+            r_in = tl.load(in_idx + i_b)
+        else:
+            r_in = i_b * T + t - 1
+        if OUT_SLOT:
+            r_out = tl.load(out_idx + i_b)
+        else:
+            r_out = i_b * T + t
+        blk = i_h * K * V + o_k[:, None] * V + o_v[None, :]
+        S = tl.load(s_in + r_in * HV * K * V + blk)
+        S *= tl.exp(g)
+        vn = (v - tl.sum(S * k[:, None], 0)) * beta
+        S += k[:, None] * vn[None, :]
+        out = tl.sum(S * q[:, None], 0)
+        tl.store(s_out + r_out * HV * K * V + blk, S)
+        tl.store(o + (r_ab * HV + i_h) * V + o_v, out.to(dt))
+
+
+def gdn_step(win: torch.Tensor, t: int, conv_w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             A_log: torch.Tensor, dt_bias: torch.Tensor, s_in: torch.Tensor, in_idx: torch.Tensor | None,
+             s_out: torch.Tensor, out_idx: torch.Tensor | None, n_k: int, T: int, o: torch.Tensor) -> None:
+    """Column ``t`` of the lanes' GDN step (see the module doc). ``win`` ``[B, C, KW-1+T]``
+    contiguous; ``conv_w`` ``[C, KW]``; ``a``, ``b`` ``[rows, HV]``: row ``b * T + t`` holds the lane's
+    gate inputs; ``s_in``/``s_out`` fp32 ``[N, HV, K,
+    V]`` contiguous, rows from ``in_idx``/``out_idx`` ``[B]`` (int64, on the device), or, where
+    None, row ``b * T + t - 1`` / ``b * T + t``; row ``b * T + t`` of ``o`` ``[B * T, HV, V]``
+    (the model dtype) is written."""
+    B, C, _ = win.shape
+    HV, K, V = s_in.shape[1:]
+    KW = conv_w.shape[1]
+    assert win.is_contiguous() and s_in.is_contiguous() and s_out.is_contiguous() and conv_w.is_contiguous(), \
+        "the GDN step reads contiguous windows, weights and states"
+    assert s_in.dtype == torch.float32 and s_out.dtype == torch.float32, "the GDN states are fp32"
+    assert C == 2 * n_k * K + HV * V, f"{C} conv channels for {n_k} key and {HV} value heads"
+    assert a.stride(1) == 1 and b.stride(1) == 1 and o.is_contiguous() and o.shape == (B * T, HV, V), "rows of a and b, and o, contiguous"
+    bv = min(BV, V)
+    dummy = s_in.new_zeros(0, dtype=torch.long) if in_idx is None or out_idx is None else None
+    _step_kernel[(B * HV, V // bv)](
+        win, win.stride(0), win.stride(1), conv_w, a, a.stride(0), b, b.stride(0), A_log, dt_bias,
+        s_in, in_idx if in_idx is not None else dummy, s_out, out_idx if out_idx is not None else dummy, o,
+        t, T, K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv, IN_SLOT=in_idx is not None,
+        OUT_SLOT=out_idx is not None, num_warps=NUM_WARPS)
+
+
+def gdn_step_ref(win: torch.Tensor, t: int, conv_w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                 n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gdn_step` in torch for one column: ``a``, ``b`` ``[B, HV]``, ``state`` ``[B, HV, K,
+    V]`` fp32. Returns ``o`` ``[B, HV, V]`` (``win``'s dtype) and the new state."""
+    B, C, _ = win.shape
+    HV, K, V = state.shape[1:]
+    KW = conv_w.shape[1]
+    dt = win.dtype
+    x = win[:, :, t:t + KW].float()
+    conv = (x * conv_w.float()).sum(-1).to(dt).float()  # [B, C]
+    act = F.silu(conv).to(dt).float()
+    q, k, v = torch.split(act, [n_k * K, n_k * K, HV * V], dim=-1)
+    rep = HV // n_k
+    q = q.view(B, n_k, K).repeat_interleave(rep, dim=1)
+    k = k.view(B, n_k, K).repeat_interleave(rep, dim=1)
+    v = v.view(B, HV, V)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * K ** -0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    beta = torch.sigmoid(b.float()).to(dt).float()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    S = state * g.exp()[..., None, None]
+    vn = (v - (S * k[..., None]).sum(-2)) * beta[..., None]
+    S = S + k[..., None] * vn[..., None, :]
+    o = (S * q[..., None]).sum(-2)
+    return o.to(dt), S

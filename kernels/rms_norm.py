@@ -1,0 +1,110 @@
+"""The two RMSNorms of the Qwen3.5 text stack, one launch per call, one program per row.
+
+* ``rms_norm``: the zero-centred norm, ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, cast back
+  to ``x``'s dtype (the layers' and attention heads' norm);
+* ``gated_rms_norm``: the GDN output norm, ``w * norm(x)`` (the normed row cast to ``x``'s dtype
+  first, then multiplied by the weight in that dtype) times ``silu(z)`` in fp32, cast back.
+
+In torch each is 9-12 elementwise and reduction kernels; a decode step runs 27 of them (two a
+layer, two per attention layer's heads, one per GDN layer's output, the final norm), so on a GPU
+they were about half of a decode step's launches. Here each is one launch whatever the row
+count: a program reads its row once, sums its squares in fp32 and writes the row.
+
+A row's result depends on that row alone (one program, one reduction order, whatever the number
+of rows), which the column pass's verify-equals-decode identity needs. The rows may sit at any
+uniform stride (a head's rows inside a wider projection, as q's inside ``[query | gate]``).
+:func:`rms_norm_ref` and :func:`gated_rms_norm_ref` are the torch twins (the model's CPU path);
+the kernels run under Triton's interpreter too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # no Triton: the torch twins only
+    triton = None
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the kernels take ``x``: Triton present and ``x`` on CUDA (or the interpreter)."""
+    return triton is not None and (x.is_cuda or _interpreting())
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+    @triton.jit
+    def _norm_kernel(x, w, z, y, D, eps, sx, sz, sy, BLOCK: tl.constexpr, GATED: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        o = tl.arange(0, BLOCK)
+        m = o < D
+        xf = tl.load(x + row * sx + o, mask=m, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+        wv = tl.load(w + o, mask=m, other=0.0)
+        if GATED:
+            # w * norm(x) in x's dtype (the normed row rounded first), then * silu(z) in fp32
+            yw = ((xf * r).to(y.dtype.element_ty).to(tl.float32) * wv.to(tl.float32)).to(y.dtype.element_ty)
+            zf = tl.load(z + row * sz + o, mask=m, other=0.0).to(tl.float32)
+            out = yw.to(tl.float32) * (zf / (1.0 + tl.exp(-zf)))
+        else:
+            out = xf * r * (1.0 + wv.to(tl.float32))
+        tl.store(y + row * sy + o, out.to(y.dtype.element_ty), mask=m)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, D]`` at a uniform row stride (a view where the layout allows)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float) -> torch.Tensor:
+    D = x.shape[-1]
+    assert w.shape == (D,), f"weight {tuple(w.shape)} for rows of {D}"
+    x2 = _rows(x)
+    z2 = _rows(z) if z is not None else x2
+    assert z2.shape == x2.shape, f"gate {tuple(z.shape)} for rows {tuple(x.shape)}"
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, D)
+    n = x2.shape[0]
+    if n:
+        block = triton.next_power_of_2(D)
+        warps = 1 if block <= 256 else 4 if block <= 2048 else 8
+        _norm_kernel[(n,)](x2, w, z2, y2, D, eps, x2.stride(0), z2.stride(0), y2.stride(0),
+                           BLOCK=block, GATED=z is not None, num_warps=warps)
+    return y
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The zero-centred RMSNorm of ``x`` ``[..., D]`` over its last dim (one launch)."""
+    if not available(x):
+        return rms_norm_ref(x, w, eps)
+    return _launch(x, w, None, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
+    """The GDN output norm of ``x`` ``[..., D]`` gated by ``silu(z)`` (one launch)."""
+    if not available(x):
+        return gated_rms_norm_ref(x, w, z, eps)
+    return _launch(x, w, z, eps)
+
+
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + w.float())).type_as(x)
+
+
+def gated_rms_norm_ref(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = w * y.to(dtype)
+    return (y * F.silu(z.float())).to(dtype)

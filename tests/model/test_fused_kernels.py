@@ -1,0 +1,238 @@
+"""hpc_kernels.rms_norm and hpc_kernels.gdn_decode: the fused norms and the fused GDN decode
+column. On the CPU: the GDN column's torch twin against the model's own torch column (fp32), and
+the kernels against their twins in Triton's interpreter (a child process: TRITON_INTERPRET is
+read at import), also through the whole column pass (decode and verify with the kernels equal
+each other bit for bit and the torch pass within bf16 rounding). On CUDA the same checks run
+compiled (``-m gpu``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_kernels import causal_conv, gdn_decode, rms_norm, swiglu
+
+HERE = Path(__file__).resolve()
+
+
+def _layer_inputs(B: int, T: int, n_k: int, HV: int, K: int, V: int, dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    C = 2 * n_k * K + HV * V
+    win = torch.randn(B, C, 3 + T, generator=g).to(dtype)
+    conv_w = (torch.randn(C, 4, generator=g) * 0.5).to(dtype)
+    a = torch.randn(B * T, HV, generator=g).to(dtype)
+    b = torch.randn(B * T, HV, generator=g).to(dtype)
+    A_log = torch.rand(HV, generator=g).to(dtype)
+    dt_bias = torch.randn(HV, generator=g).to(dtype)
+    state = torch.randn(B, HV, K, V, generator=g) * 0.2
+    return win, conv_w, a, b, A_log, dt_bias, state
+
+
+def test_twin_equals_the_model_column_in_fp32():
+    """The twin's conv, gates, norms and step are the model's own (hpc_cli.model.gdn's torch
+    recurrence on the column's ops), here in fp32 where the rounding points do not matter."""
+    import torch.nn.functional as F
+
+    from hpc_cli.model.gdn import recurrent_rule
+
+    B, n_k, HV, K, V = 2, 2, 4, 16, 8
+    win, conv_w, a, b, A_log, dt_bias, state = _layer_inputs(B, 1, n_k, HV, K, V, torch.float32)
+    o, S = gdn_decode.gdn_step_ref(win, 0, conv_w, a, b, A_log, dt_bias, state, n_k)
+    conv = F.silu((win[:, :, 0:4] * conv_w).sum(-1))
+    q, k, v = torch.split(conv, [n_k * K, n_k * K, HV * V], dim=-1)
+    g = -A_log.exp() * F.softplus(a + dt_bias)
+    ro, rS = recurrent_rule(q.view(B, 1, n_k, K), k.view(B, 1, n_k, K), v.view(B, 1, HV, V), g.view(B, 1, HV),
+                            b.sigmoid().view(B, 1, HV), state)
+    assert torch.allclose(o, ro[:, 0], atol=1e-5, rtol=1e-4)
+    assert torch.allclose(S, rS, atol=1e-5, rtol=1e-4)
+
+
+def test_conv_twin_equals_the_model_conv():
+    """The fused conv's twin is the CPU path's time-major conv with its silu: the same sums in the
+    same order and the same rounding points (the CPU path fuses its multiply-adds, so the fp32
+    sums may differ in their last bit)."""
+    import torch.nn.functional as F
+
+    from hpc_cli.model.gdn import causal_conv_time_major
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        state = torch.randn(40, 3, generator=g).to(dtype)
+        x = torch.randn(9, 40, generator=g).to(dtype)
+        w = torch.randn(40, 1, 4, generator=g).to(dtype)
+        model = F.silu(causal_conv_time_major(torch.cat([state.t(), x]), w)).to(dtype)
+        got = causal_conv.conv_silu_ref(state, x, w[:, 0, :])
+        assert _rel(got, model) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_conv_window_parts_give_the_columns_of_the_whole():
+    from hpc_cli.model.gdn import ConvWindow
+
+    state, rows = torch.randn(6, 3), torch.randn(10, 6)
+    whole = ConvWindow(columns=torch.cat([state, rows.t()], dim=1))
+    parts = ConvWindow(state=state, rows=rows)
+    for idx in ([0, 1, 2], [2, 3, 4], [10, 11, 12], [4, 0, 12, 7]):
+        i = torch.tensor(idx)
+        assert torch.equal(parts.cols(i), whole.cols(i))
+    for a, b in ((0, 3), (1, 4), (3, 6), (5, 13), (0, 13)):
+        assert torch.equal(parts.span(a, b), whole.span(a, b))
+
+
+def test_kernels_fall_back_to_the_twins_off_cuda():
+    x = torch.randn(3, 5, 32)
+    w = torch.randn(32)
+    assert torch.equal(rms_norm.rms_norm(x, w, 1e-6), rms_norm.rms_norm_ref(x, w, 1e-6))
+    z = torch.randn(3, 5, 32)
+    assert torch.equal(rms_norm.gated_rms_norm(x, w, z, 1e-6), rms_norm.gated_rms_norm_ref(x, w, z, 1e-6))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+
+def _kernel_cases(device: str) -> dict:
+    """Each kernel against its twin, on ``device`` (the interpreter's CPU, or CUDA)."""
+    out: dict = {"norm": [], "step": [], "conv": [], "swiglu": []}
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        # rows at a uniform stride inside a wider projection (q inside [query | gate])
+        proj = torch.randn(5, 3, 2 * 64, generator=g).to(dtype).to(device)
+        q = proj[..., :64]
+        w = torch.randn(64, generator=g).to(dtype).to(device)
+        z = torch.randn(15, 64, generator=g).to(dtype).to(device)
+        x = torch.randn(15, 64, generator=g).to(dtype).to(device)
+        wide = torch.randn(4, 320, generator=g).to(dtype).to(device)  # a dim that is not a power of two
+        w320 = torch.randn(320, generator=g).to(dtype).to(device)
+        out["norm"].append({
+            "dtype": str(dtype),
+            "strided": _rel(rms_norm.rms_norm(q, w, 1e-6), rms_norm.rms_norm_ref(q, w, 1e-6)),
+            "wide": _rel(rms_norm.rms_norm(wide, w320, 1e-6), rms_norm.rms_norm_ref(wide, w320, 1e-6)),
+            "gated": _rel(rms_norm.gated_rms_norm(x, w, z, 1e-6), rms_norm.gated_rms_norm_ref(x, w, z, 1e-6)),
+            "rows_alone": bool(torch.equal(rms_norm.rms_norm(q[1:2], w, 1e-6), rms_norm.rms_norm(q, w, 1e-6)[1:2])),
+        })
+        for T in (1, 2, 37):  # fewer rows than the conv's width; rows past one tile
+            st = torch.randn(200, 3, generator=g).to(dtype).to(device)
+            x = torch.randn(T, 2 * 200, generator=g).to(dtype).to(device)[:, :200]  # rows at a wider stride
+            cw = torch.randn(200, 4, generator=g).to(dtype).to(device)
+            out["conv"].append({"dtype": str(dtype), "T": T,
+                                "rel": _rel(causal_conv.conv_silu(st, x, cw), causal_conv.conv_silu_ref(st, x, cw))})
+        gate = torch.randn(3, 2 * 3000, generator=g).to(dtype).to(device)[:, :3000]
+        up = torch.randn(3, 3000, generator=g).to(dtype).to(device)
+        out["swiglu"].append({"dtype": str(dtype), "rel": _rel(swiglu.swiglu(gate, up), swiglu.swiglu_ref(gate, up))})
+        B, T, n_k, HV, K, V = 2, 3, 2, 4, 32, 64
+        win, conv_w, a, b, A_log, dt_bias, state = (t.to(device) for t in _layer_inputs(B, T, n_k, HV, K, V, dtype))
+        slots = torch.zeros(5, HV, K, V, device=device)
+        lanes = torch.tensor([3, 1], device=device)
+        slots[lanes] = state
+        kept = torch.zeros(B * T, HV, K, V, device=device)
+        o = torch.empty(B * T, HV, V, dtype=dtype, device=device)
+        # the verify form: column t's state in row b*T+t of kept
+        for t in range(T):
+            src, idx = (slots, lanes) if t == 0 else (kept, None)
+            gdn_decode.gdn_step(win, t, conv_w, a, b, A_log, dt_bias, src, idx, kept, None, n_k, T, o)
+        ref_S, ref_o, ref_kept = state, [], []
+        for t in range(T):
+            ro, ref_S = gdn_decode.gdn_step_ref(win, t, conv_w, a.view(B, T, HV)[:, t], b.view(B, T, HV)[:, t],
+                                                A_log, dt_bias, ref_S, n_k)
+            ref_o.append(ro)
+            ref_kept.append(ref_S)
+        ref_o = torch.stack(ref_o, 1).reshape(B * T, HV, V)
+        ref_kept = torch.stack(ref_kept, 1).reshape(B * T, HV, K, V)
+        # the decode form, in place in the slots: column by column equals the verify form bit for bit
+        dec_o = torch.empty(B, HV, V, dtype=dtype, device=device)
+        same = True
+        for t in range(T):
+            wt = win[:, :, t:t + 4].contiguous()  # decode's window: the conv state, then the column
+            gdn_decode.gdn_step(wt, 0, conv_w, a.view(B, T, HV)[:, t].contiguous(), b.view(B, T, HV)[:, t].contiguous(),
+                                A_log, dt_bias, slots, lanes, slots, lanes, n_k, 1, dec_o)
+            same &= bool(torch.equal(dec_o, o.view(B, T, HV, V)[:, t]))
+            same &= bool(torch.equal(slots[lanes], kept.view(B, T, HV, K, V)[:, t]))
+        out["step"].append({"dtype": str(dtype), "o": _rel(o, ref_o), "states": _rel(kept, ref_kept),
+                            "decode_equals_verify": same,
+                            "others_untouched": bool((slots[[0, 2, 4]] == 0).all())})
+    return out
+
+
+def _check_kernel_cases(cases: dict) -> None:
+    for c in cases["norm"]:
+        tol = 1e-6 if "float32" in c["dtype"] else 2e-2
+        assert max(c["strided"], c["wide"], c["gated"]) < tol, c
+        assert c["rows_alone"], c
+    for c in cases["conv"] + cases["swiglu"]:
+        assert c["rel"] < (1e-6 if "float32" in c["dtype"] else 2e-2), c
+    for c in cases["step"]:
+        tol = 1e-5 if "float32" in c["dtype"] else 2e-2
+        assert max(c["o"], c["states"]) < tol, c
+        assert c["decode_equals_verify"] and c["others_untouched"], c
+
+
+def _model_case(device: str) -> dict:
+    """The column pass of builtin:random with the kernels against the torch ops: decode, then a
+    3-column verify from the same state (every column equals decode's bit for bit)."""
+    from hpc_cli.model import layers
+    from hpc_cli.model.columns import columns_pass
+    from hpc_cli.model.model import HybridModel
+
+    model = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device=device)
+    kv = model.new_kv_storage("bf16", 8)
+    states = model.new_state_slots(3)
+    prompt = list(range(5, 70))
+    nxt = [7, 9, 11]
+    res, first = {}, {}
+    for mode in (False, True):
+        layers.FUSED_KERNELS = mode
+        first[mode] = model.prefill(prompt, 0, [0, 1], 0, kv, states).logits.float()
+        states.copy_slot(0, 1)
+        dec = []
+        for j, tok in enumerate(nxt):
+            dec.append(model.decode([tok], [len(prompt) + j], [[0, 1]], [1], kv, states)[0].float())
+        states.copy_slot(0, 2)
+        ver = columns_pass(model, torch.tensor([nxt]), [len(prompt)], [[0, 1]], [2], kv, states, keep_all=True)
+        res[mode] = (torch.stack(dec), ver.logits[0].float())
+    layers.FUSED_KERNELS = True
+    dec_f, ver_f = res[True]
+    dec_t, _ = res[False]
+    return {"verify_equals_decode": bool(torch.equal(dec_f, ver_f)), "fused_vs_torch": _rel(dec_f, dec_t),
+            "prefill_fused_vs_torch": _rel(first[True], first[False]),
+            "same_top1": bool(torch.equal(dec_f.argmax(-1), dec_t.argmax(-1)))}
+
+
+def _child() -> dict:
+    return {"kernels": _kernel_cases("cpu"), "model": _model_case("cpu")}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_interpreted_kernels_equal_the_twins():
+    path = os.pathsep.join([str(HERE.parents[2])] + [p for p in sys.path if p])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, "-m", "tests.model.test_fused_kernels"], cwd=HERE.parents[2], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-6000:]}"
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    _check_kernel_cases(got["kernels"])
+    m = got["model"]
+    assert m["verify_equals_decode"], m
+    assert m["fused_vs_torch"] < 5e-2 and m["prefill_fused_vs_torch"] < 5e-2 and m["same_top1"], m
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_kernels_equal_the_twins():
+    cases = _kernel_cases("cuda")
+    m = _model_case("cuda")
+    print(json.dumps({"kernels": cases, "model": m}))
+    _check_kernel_cases(cases)
+    assert m["verify_equals_decode"], m
+    assert m["fused_vs_torch"] < 5e-2 and m["prefill_fused_vs_torch"] < 5e-2 and m["same_top1"], m
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (it sets TRITON_INTERPRET=1)"
+    print(json.dumps(_child()))
