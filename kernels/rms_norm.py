@@ -2,6 +2,8 @@
 
 * ``rms_norm``: the zero-centred norm, ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, cast back
   to ``x``'s dtype (the layers' and attention heads' norm);
+* ``rms_norm_rope``: that norm of the attention heads' q or k, then their rotary, in the same
+  launch;
 * ``gated_rms_norm``: the GDN output norm, ``w * norm(x)`` (the normed row cast to ``x``'s dtype
   first, then multiplied by the weight in that dtype) times ``silu(z)`` in fp32, cast back.
 
@@ -42,14 +44,32 @@ def _interpreting() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _norm_kernel(x, w, z, y, D, eps, sx, sz, sy, BLOCK: tl.constexpr, GATED: tl.constexpr):
+    def _norm_kernel(x, w, z, y, cos, sin, heads, D, eps, sx, sz, sy, BLOCK: tl.constexpr, GATED: tl.constexpr,
+                     RD: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         o = tl.arange(0, BLOCK)
         m = o < D
         xf = tl.load(x + row * sx + o, mask=m, other=0.0).to(tl.float32)
         r = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
         wv = tl.load(w + o, mask=m, other=0.0)
-        if GATED:
+        if RD > 0:
+            # then rotary on the first RD dims, in the output dtype as torch's: x*cos + rotate(x)*sin,
+            # each product rounded, then the sum; rotate(x)[i] = -x[i + RD/2] below RD/2, else x[i - RD/2]
+            dt = y.dtype.element_ty
+            yn = (xf * r * (1.0 + wv.to(tl.float32))).to(dt)
+            half: tl.constexpr = RD // 2
+            m_r = o < RD
+            p = tl.where(o < half, o + half, o - half)
+            xp = tl.load(x + row * sx + p, mask=m_r, other=0.0).to(tl.float32)
+            wp = tl.load(w + p, mask=m_r, other=0.0).to(tl.float32)
+            partner = (xp * r * (1.0 + wp)).to(dt).to(tl.float32)
+            partner = tl.where(o < half, -partner, partner)
+            tok = row // heads
+            c = tl.load(cos + tok * RD + o, mask=m_r, other=0.0).to(tl.float32)
+            s = tl.load(sin + tok * RD + o, mask=m_r, other=0.0).to(tl.float32)
+            rot = ((yn.to(tl.float32) * c).to(dt).to(tl.float32) + (partner * s).to(dt).to(tl.float32)).to(dt)
+            out = tl.where(m_r, rot, yn).to(tl.float32)
+        elif GATED:
             # w * norm(x) in x's dtype (the normed row rounded first), then * silu(z) in fp32
             yw = ((xf * r).to(y.dtype.element_ty).to(tl.float32) * wv.to(tl.float32)).to(y.dtype.element_ty)
             zf = tl.load(z + row * sz + o, mask=m, other=0.0).to(tl.float32)
@@ -65,7 +85,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float,
+            rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     D = x.shape[-1]
     assert w.shape == (D,), f"weight {tuple(w.shape)} for rows of {D}"
     x2 = _rows(x)
@@ -77,8 +98,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float
     if n:
         block = triton.next_power_of_2(D)
         warps = 1 if block <= 256 else 4 if block <= 2048 else 8
-        _norm_kernel[(n,)](x2, w, z2, y2, D, eps, x2.stride(0), z2.stride(0), y2.stride(0),
-                           BLOCK=block, GATED=z is not None, num_warps=warps)
+        cos, sin = rope if rope is not None else (x2, x2)
+        rd = cos.shape[-1] if rope is not None else 0
+        if rope is not None:
+            assert x.dim() == 3 and cos.shape == sin.shape == (x.shape[0], rd) and cos.is_contiguous() \
+                and sin.is_contiguous() and rd % 2 == 0 and rd <= D, \
+                f"rotary cos/sin {tuple(cos.shape)} for rows {tuple(x.shape)}"
+        heads = x.shape[1] if rope is not None else 1
+        _norm_kernel[(n,)](x2, w, z2, y2, cos, sin, heads, D, eps, x2.stride(0), z2.stride(0), y2.stride(0),
+                           BLOCK=block, GATED=z is not None, RD=rd, num_warps=warps)
     return y
 
 
@@ -87,6 +115,15 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if not available(x):
         return rms_norm_ref(x, w, eps)
     return _launch(x, w, None, eps)
+
+
+def rms_norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rms_norm` of the heads ``x`` ``[N, H, D]``, then rotary on their first
+    ``cos.shape[-1]`` dims with ``cos``/``sin`` ``[N, rd]`` (one launch; the attention layer's
+    q and k)."""
+    if not available(x):
+        return rms_norm_rope_ref(x, w, eps, cos, sin)
+    return _launch(x, w, None, eps, (cos, sin))
 
 
 def gated_rms_norm(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,6 +137,16 @@ def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (1.0 + w.float())).type_as(x)
+
+
+def rms_norm_rope_ref(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+    y = rms_norm_ref(x, w, eps)  # then the model's rotary (hpc_cli.model.layers.apply_rotary)
+    r = cos.shape[-1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rot, rest = y[..., :r], y[..., r:]
+    rotated = torch.cat((-rot[..., r // 2:], rot[..., :r // 2]), dim=-1)
+    return torch.cat((rot * c + rotated * s, rest), dim=-1)
 
 
 def gated_rms_norm_ref(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:

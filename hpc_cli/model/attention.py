@@ -14,7 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc_cli.model.layers import Linear, RMSNorm, apply_rotary
+from hpc_cli.model.layers import Linear, RMSNorm, apply_rotary, fused
+from hpc_kernels import rms_norm as norm_kernels
+
+
+def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary(norm(x), cos, sin)`` for heads ``x`` ``[N, H, d]``: one launch where the
+    fused kernels run (:func:`hpc_kernels.rms_norm.rms_norm_rope`)."""
+    if fused(x) and cos.dim() == 2 and cos.shape[0] == x.shape[0]:
+        return norm_kernels.rms_norm_rope(x, norm.weight, norm.eps, cos.contiguous(), sin.contiguous())
+    return apply_rotary(norm(x), cos, sin)
 
 
 class GatedAttention(nn.Module):
@@ -36,15 +45,14 @@ class GatedAttention(nn.Module):
         n = x.shape[0]
         q, gate = torch.chunk(self.q_proj(x).view(n, self.n_heads, 2 * self.head_dim), 2, dim=-1)
         gate = gate.reshape(n, -1)
-        q = self.q_norm(q)
         k, v = self.kv(x, cos, sin)
-        return apply_rotary(q, cos, sin), gate, k, v
+        return _norm_rope(self.q_norm, q, cos, sin), gate, k, v
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[N, hidden]`` -> the K (normed, rotated) and V ``[N, H_kv, d]`` that :meth:`qkv` gives."""
         n = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(n, self.n_kv, self.head_dim))
-        return apply_rotary(k, cos, sin), self.v_proj(x).view(n, self.n_kv, self.head_dim)
+        k = _norm_rope(self.k_norm, self.k_proj(x).view(n, self.n_kv, self.head_dim), cos, sin)
+        return k, self.v_proj(x).view(n, self.n_kv, self.head_dim)
 
     def finish(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``attn`` ``[N, H, d]`` -> ``o_proj(attn * sigmoid(gate))``."""

@@ -85,6 +85,16 @@ def test_conv_window_parts_give_the_columns_of_the_whole():
         assert torch.equal(parts.span(a, b), whole.span(a, b))
 
 
+def test_rope_twin_is_the_model_rotary_of_the_norm():
+    from hpc_cli.model.layers import apply_rotary
+
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 2, 32, generator=g).bfloat16(), torch.randn(32, generator=g).bfloat16()
+    cos, sin = torch.randn(3, 8, generator=g).bfloat16(), torch.randn(3, 8, generator=g).bfloat16()
+    want = apply_rotary(rms_norm.rms_norm_ref(x, w, 1e-6), cos, sin)
+    assert torch.equal(rms_norm.rms_norm_rope_ref(x, w, 1e-6, cos, sin), want)
+
+
 def test_kernels_fall_back_to_the_twins_off_cuda():
     x = torch.randn(3, 5, 32)
     w = torch.randn(32)
@@ -110,8 +120,11 @@ def _kernel_cases(device: str) -> dict:
         x = torch.randn(15, 64, generator=g).to(dtype).to(device)
         wide = torch.randn(4, 320, generator=g).to(dtype).to(device)  # a dim that is not a power of two
         w320 = torch.randn(320, generator=g).to(dtype).to(device)
+        cos = torch.randn(5, 16, generator=g).to(dtype).to(device)
+        sin = torch.randn(5, 16, generator=g).to(dtype).to(device)
         out["norm"].append({
             "dtype": str(dtype),
+            "rope": _rel(rms_norm.rms_norm_rope(q, w, 1e-6, cos, sin), rms_norm.rms_norm_rope_ref(q, w, 1e-6, cos, sin)),
             "strided": _rel(rms_norm.rms_norm(q, w, 1e-6), rms_norm.rms_norm_ref(q, w, 1e-6)),
             "wide": _rel(rms_norm.rms_norm(wide, w320, 1e-6), rms_norm.rms_norm_ref(wide, w320, 1e-6)),
             "gated": _rel(rms_norm.gated_rms_norm(x, w, z, 1e-6), rms_norm.gated_rms_norm_ref(x, w, z, 1e-6)),
@@ -163,7 +176,7 @@ def _kernel_cases(device: str) -> dict:
 def _check_kernel_cases(cases: dict) -> None:
     for c in cases["norm"]:
         tol = 1e-6 if "float32" in c["dtype"] else 2e-2
-        assert max(c["strided"], c["wide"], c["gated"]) < tol, c
+        assert max(c["strided"], c["wide"], c["gated"], c["rope"]) < tol, c
         assert c["rows_alone"], c
     for c in cases["conv"] + cases["swiglu"]:
         assert c["rel"] < (1e-6 if "float32" in c["dtype"] else 2e-2), c
