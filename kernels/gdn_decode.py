@@ -42,7 +42,7 @@ except Exception:  # no Triton: the torch twin only
 
 #: value columns per program (one lane and value head has ``V / BV`` programs)
 BV = 32
-NUM_WARPS = 4
+NUM_WARPS = 2
 
 
 def supported(key_dim: int, value_dim: int) -> bool:

@@ -188,28 +188,31 @@ def _check_kernel_cases(cases: dict) -> None:
 
 def _model_case(device: str) -> dict:
     """The column pass of builtin:random with the kernels against the torch ops: decode, then a
-    3-column verify from the same state (every column equals decode's bit for bit)."""
+    3-column verify from the same state (every column equals decode's bit for bit). A model per
+    mode: on CUDA decode replays graphs captured with the kernels of their mode."""
     from hpc_cli.model import layers
     from hpc_cli.model.columns import columns_pass
     from hpc_cli.model.model import HybridModel
 
-    model = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device=device)
-    kv = model.new_kv_storage("bf16", 8)
-    states = model.new_state_slots(3)
     prompt = list(range(5, 70))
     nxt = [7, 9, 11]
     res, first = {}, {}
-    for mode in (False, True):
-        layers.FUSED_KERNELS = mode
-        first[mode] = model.prefill(prompt, 0, [0, 1], 0, kv, states).logits.float()
-        states.copy_slot(0, 1)
-        dec = []
-        for j, tok in enumerate(nxt):
-            dec.append(model.decode([tok], [len(prompt) + j], [[0, 1]], [1], kv, states)[0].float())
-        states.copy_slot(0, 2)
-        ver = columns_pass(model, torch.tensor([nxt]), [len(prompt)], [[0, 1]], [2], kv, states, keep_all=True)
-        res[mode] = (torch.stack(dec), ver.logits[0].float())
-    layers.FUSED_KERNELS = True
+    try:
+        for mode in (False, True):
+            layers.FUSED_KERNELS = mode
+            model = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device=device)
+            kv = model.new_kv_storage("bf16", 8)
+            states = model.new_state_slots(3)
+            first[mode] = model.prefill(prompt, 0, [0, 1], 0, kv, states).logits.float()
+            states.copy_slot(0, 1)
+            dec = []
+            for j, tok in enumerate(nxt):
+                dec.append(model.decode([tok], [len(prompt) + j], [[0, 1]], [1], kv, states)[0].float())
+            states.copy_slot(0, 2)
+            ver = columns_pass(model, torch.tensor([nxt]), [len(prompt)], [[0, 1]], [2], kv, states, keep_all=True)
+            res[mode] = (torch.stack(dec), ver.logits[0].float())
+    finally:
+        layers.FUSED_KERNELS = True
     dec_f, ver_f = res[True]
     dec_t, _ = res[False]
     return {"verify_equals_decode": bool(torch.equal(dec_f, ver_f)), "fused_vs_torch": _rel(dec_f, dec_t),
