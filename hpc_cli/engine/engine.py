@@ -39,6 +39,7 @@ from hpc_cli.engine.stats import StatsPublisher, StatsRequest
 from hpc_cli.engine.stats_types import EngineStats
 from hpc_cli.engine.worker import Worker
 from hpc_cli.errors import EngineError, RequestError, UnavailableError
+from hpc_cli.model import layers as model_layers
 
 MiB = 1 << 20
 log = logging.getLogger("hpc_cli.engine")
@@ -57,6 +58,7 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         self.config = c = config
         self.model = model
         model.cuda_graphs = bool(c.cuda_graphs)  # hpc_cli.model.graphs reads it
+        model_layers.FUSED_KERNELS = bool(c.fused_kernels)  # one engine a process: the model's kernels
         self.settings = c.settings
         self.tokenizer = getattr(model, "tokenizer", None)
         self.model_name = c.model_name or model.config.name

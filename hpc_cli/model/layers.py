@@ -23,8 +23,9 @@ from hpc_kernels import swiglu
 if TYPE_CHECKING:
     from hpc_cli.model.quant_linear import QuantizedWeight
 
-#: the fused kernels of the norms and of the GDN decode step on CUDA (``HPC_FUSED_KERNELS=0``: the
-#: torch ops they replace, for A/B runs); read once, when the model is imported
+#: the fused kernels on CUDA (:func:`fused`): ``[engine] fused_kernels`` sets it for the process's
+#: engine; ``HPC_FUSED_KERNELS=0`` turns them off for a model used without one (the torch ops they
+#: replace, for A/B runs)
 FUSED_KERNELS = os.environ.get("HPC_FUSED_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 

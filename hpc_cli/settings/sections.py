@@ -42,6 +42,8 @@ class EngineSettings(_Section):
     pending_timeout_ms: int = Field(600_000, ge=1, description="queue timeout of a waiting request")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request names none")
     cuda_graphs: bool = Field(True, description="replay decode and verify passes as CUDA graphs (dense models)")
+    fused_kernels: bool = Field(True, description="run the norms, the MLP gate, the GDN conv and the GDN decode step "
+                                                  "as fused Triton kernels on CUDA (false: torch's ops)")
     seed: int = Field(0, ge=-(1 << 63), lt=1 << 64,
                       description="base seed of sampling for requests that name no seed: the k-th request of a "
                                   "run draws from (seed, k); a request's own seed wins")
