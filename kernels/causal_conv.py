@@ -31,12 +31,6 @@ BC = 128
 NUM_WARPS = 4
 
 
-def available(x: torch.Tensor) -> bool:
-    import os
-
-    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-
-
 if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _conv_kernel(x, sx, st, ss, w, y, T, C, KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):

@@ -128,10 +128,9 @@ def gdn_step(win: torch.Tensor, t: int, conv_w: torch.Tensor, a: torch.Tensor, b
     assert C == 2 * n_k * K + HV * V, f"{C} conv channels for {n_k} key and {HV} value heads"
     assert a.stride(1) == 1 and b.stride(1) == 1 and o.is_contiguous() and o.shape == (B * T, HV, V), "rows of a and b, and o, contiguous"
     bv = min(BV, V)
-    dummy = s_in.new_zeros(0, dtype=torch.long) if in_idx is None or out_idx is None else None
     _step_kernel[(B * HV, V // bv)](
         win, win.stride(0), win.stride(1), conv_w, a, a.stride(0), b, b.stride(0), A_log, dt_bias,
-        s_in, in_idx if in_idx is not None else dummy, s_out, out_idx if out_idx is not None else dummy, o,
+        s_in, in_idx if in_idx is not None else s_in, s_out, out_idx if out_idx is not None else s_out, o,
         t, T, K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv, IN_SLOT=in_idx is not None,
         OUT_SLOT=out_idx is not None, num_warps=NUM_WARPS)
 

@@ -24,22 +24,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hpc_kernels.launch import launchable
+
 try:
     import triton
     import triton.language as tl
 except Exception:  # no Triton: the torch twins only
     triton = None
-
-
-def available(x: torch.Tensor) -> bool:
-    """Whether the kernels take ``x``: Triton present and ``x`` on CUDA (or the interpreter)."""
-    return triton is not None and (x.is_cuda or _interpreting())
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -112,7 +103,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """The zero-centred RMSNorm of ``x`` ``[..., D]`` over its last dim (one launch)."""
-    if not available(x):
+    if not launchable(x):
         return rms_norm_ref(x, w, eps)
     return _launch(x, w, None, eps)
 
@@ -121,14 +112,14 @@ def rms_norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tenso
     """:func:`rms_norm` of the heads ``x`` ``[N, H, D]``, then rotary on their first
     ``cos.shape[-1]`` dims with ``cos``/``sin`` ``[N, rd]`` (one launch; the attention layer's
     q and k)."""
-    if not available(x):
+    if not launchable(x):
         return rms_norm_rope_ref(x, w, eps, cos, sin)
     return _launch(x, w, None, eps, (cos, sin))
 
 
 def gated_rms_norm(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
     """The GDN output norm of ``x`` ``[..., D]`` gated by ``silu(z)`` (one launch)."""
-    if not available(x):
+    if not launchable(x):
         return gated_rms_norm_ref(x, w, z, eps)
     return _launch(x, w, z, eps)
 

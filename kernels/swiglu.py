@@ -18,12 +18,6 @@ BLOCK = 2048
 NUM_WARPS = 4
 
 
-def available(x: torch.Tensor) -> bool:
-    import os
-
-    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-
-
 if triton is not None:
     @triton.jit
     def _swiglu_kernel(g, sg, u, su, y, D, BLOCK: tl.constexpr):

@@ -19,6 +19,7 @@ from torch import nn
 
 from hpc_kernels import rms_norm as norm_kernels
 from hpc_kernels import swiglu
+from hpc_kernels.launch import launchable
 
 if TYPE_CHECKING:
     from hpc_cli.model.quant_linear import QuantizedWeight
@@ -32,7 +33,7 @@ FUSED_KERNELS = os.environ.get("HPC_FUSED_KERNELS", "1").strip().lower() not in 
 def fused(x: torch.Tensor) -> bool:
     """Whether the fused kernels take ``x``: on CUDA with Triton (or under Triton's interpreter, for
     tests), unless turned off."""
-    return FUSED_KERNELS and norm_kernels.available(x)
+    return FUSED_KERNELS and launchable(x)
 
 #: set while a model is built whose Linear weights the loader fills one by one (see
 #: :func:`deferred_linear_weights`)
