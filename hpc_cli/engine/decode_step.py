@@ -17,6 +17,10 @@ from hpc_cli.engine.media import decode_offsets
 from hpc_cli.engine.sampling import sample
 
 
+def _greedy(lane: Lane) -> bool:
+    return lane.request.sampling.temperature == 0.0
+
+
 class DecodeStep(EngineCore):
     """Runs one decode round and hands out its tokens (mixed into the engine)."""
 
@@ -42,18 +46,22 @@ class DecodeStep(EngineCore):
         self.commit_passes()
         self._finish_lanes(list(finishing), deliver=False)
         dt = time.monotonic() - t0
+        # greedy lanes' tokens in one argmax and one read of the device (a read per lane waits for
+        # the device once per lane)
+        greedy = torch.argmax(logits, dim=-1).tolist() if sum(_greedy(l) for l in lanes) > 1 else None
         for i, lane in enumerate(lanes):
             lane.pos += 1
             lane.next_token = None
             self.cache.commit_blocks(lane)
             if not lane.finish_reason:
-                self._sample(lane, logits[i])
+                self._sample(lane, logits[i], greedy[i] if greedy is not None and _greedy(lane) else None)
             self.itl.append(dt)
         self.counters["decode_rounds"] += 1
 
-    def _sample(self, lane: Lane, logits: torch.Tensor) -> None:
+    def _sample(self, lane: Lane, logits: torch.Tensor, greedy: int | None = None) -> None:
+        """``greedy``: the token a greedy lane's ``logits`` choose, when taken already."""
         try:
-            event = sample(logits, lane.request.sampling, lane.generator)
+            event = sample(logits, lane.request.sampling, lane.generator, token=greedy)
         except Exception as exc:  # this request's sampling failed: it alone ends
             self._fail_lane(lane, exc)
             return

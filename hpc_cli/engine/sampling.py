@@ -54,11 +54,13 @@ def event_for(logits: torch.Tensor, token: int, params: SamplingParams) -> Token
     return event
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> TokenEvent:
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           token: int | None = None) -> TokenEvent:
     """Choose one token from ``logits`` ``[vocab]`` (any device); logprobs come from the
-    unmodified distribution, as the OpenAI API reports them."""
+    unmodified distribution, as the OpenAI API reports them. ``token``: a greedy choice already
+    made from these logits (a batched argmax)."""
     if params.temperature == 0.0:
-        token = int(torch.argmax(logits))
+        token = int(torch.argmax(logits)) if token is None else token
     else:
         token = int(torch.multinomial(target_probs(logits, params), 1, generator=generator))
     return event_for(logits, token, params)
