@@ -1,4 +1,4 @@
-"""The quantized-weight matmul kernels (``kernels/quant_gemm.py``) at the 27B model's Linear
+"""The quantized-weight matmul kernels (``hpc_kernels/quant_gemm.py``) at the 27B model's Linear
 shapes, against bf16 ``F.linear`` on the same device: for decode-sized passes each decode tile
 of a sweep (tensor-core and register variants), for prefill-sized ones the
 dequantise-then-cuBLAS path and (FP8) cuBLAS's block-scaled product. A component benchmark: it

@@ -1,8 +1,8 @@
 """Built-in KV profiles (spec §3.1): bf16, int8-g64, fp8-e4m3fn-row256, nvfp4-g16, k8v4.
 
 Each profile says which *side format* (``hpc_kernels.kv_quant_ref.SideFormat``) stores its K and
-its V; the numeric definition of every format lives in ``kernels/kv_quant_ref.py`` (the torch
-reference) with its Triton twin in ``kernels/kv_quant_triton.py``. Byte layouts, rounding rules
+its V; the numeric definition of every format lives in ``hpc_kernels/kv_quant_ref.py`` (the torch
+reference) with its Triton twin in ``hpc_kernels/kv_quant_triton.py``. Byte layouts, rounding rules
 and the zero/-0/NaN/inf policy: docs/kv-profiles.md.
 """
 

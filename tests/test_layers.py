@@ -99,7 +99,7 @@ def test_the_cache_imports_only_errors():
 
 
 def test_no_private_names_cross_modules():
-    roots = [ROOT, ROOT.parent / "plugins", ROOT.parent / "kernels"]
+    roots = [ROOT, ROOT.parent / "plugins", ROOT.parent / "hpc_kernels"]
     bad = []
     for root in roots:
         for path in root.rglob("*.py"):

@@ -68,7 +68,7 @@ def _third_party_imports() -> dict[str, set[str]]:
 
     own = {"hpc_cli", "hpc_plugins", "hpc_kernels"}
     found: dict[str, set[str]] = {}
-    for folder in ("hpc_cli", "plugins", "kernels"):
+    for folder in ("hpc_cli", "plugins", "hpc_kernels"):
         for path in (ROOT / folder).rglob("*.py"):
             for node in _runtime_nodes(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):

@@ -9,7 +9,7 @@ pass from one packed int64 index (:class:`PrefillIndex`) that a single host-to-d
 * the ``L`` rows (the pass padded to a multiple of 64) have their tokens, positions and KV write
   slots in the index (padding rows write nowhere: slot ``-1``);
 * the paged prefill kernel reads ``start`` and the valid row count from the index
-  (``kernels/paged_prefill.py``, ``meta``), and the page table is a fixed-width row of it;
+  (``hpc_kernels/paged_prefill.py``, ``meta``), and the page table is a fixed-width row of it;
 * the GDN layers take their padding mask and the new conv window's columns from it
   (:class:`hpc_cli.model.gdn.ValidRows`), and read and write the lane's state slot by index;
 * the last valid row's hidden and logits are picked by index.

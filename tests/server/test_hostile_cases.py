@@ -81,10 +81,10 @@ def test_case01_a_sampling_failure_fails_that_request_only(world, monkeypatch):
 
     real = engine_module.sample
 
-    def failing(logits, params, generator):
+    def failing(logits, params, generator, token=None):
         if params.top_k == 7:
             raise RuntimeError("probability tensor contains inf or nan")
-        return real(logits, params, generator)
+        return real(logits, params, generator, token=token)
 
     monkeypatch.setattr(engine_module, "sample", failing)
     bad = engine.submit(GenerationRequest(list(b"hello there"), SamplingParams(max_tokens=3, top_k=7)))
