@@ -14,7 +14,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_steps.sh
 
-for f in tests/kv/test_gpu.py tests/model/test_paged_attention.py tests/model/test_prefill_graphs_gpu.py \
+for f in tests/kv/test_gpu.py tests/model/test_paged_attention.py tests/model/test_fused_kernels.py \
+         tests/model/test_prefill_graphs_gpu.py tests/model/test_gdn_taps_gpu.py \
          tests/memory/test_transfer_engine_gpu.py \
          tests/engine/test_engine_gpu.py tests/engine/test_cache_modes_gpu.py tests/spec/test_bf16_gpu.py tests/experts/test_gpu.py \
          tests/experts/test_placement.py; do
