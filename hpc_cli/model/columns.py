@@ -17,7 +17,10 @@ construction, also in bf16 and on CUDA (docs/speculative.md, "Bit-identical veri
   ``[B, 1, ...]``, one program per lane and head) and attention (one query per lane, the K/V of
   column ``t`` written just before column ``t`` reads the pages) are the very calls decode
   makes, in decode's order. A lane's attention reads exactly its own pages up to its position
-  (lanes with equal spans share a call), so its key span never depends on the other lanes.
+  (lanes with equal spans share a call), so its key span never depends on the other lanes. With
+  the fused kernels (CUDA) a GDN column is one launch of :func:`hpc_kernels.gdn_decode.gdn_step`
+  over all lanes, one program per lane, value head and block of value columns, in decode and in
+  verify alike.
 """
 
 from __future__ import annotations
