@@ -34,11 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # no Triton: the torch twin only
-    triton = None
+from hpc_kernels.launch import tl, triton
 
 #: value columns per program (one lane and value head has ``V / BV`` programs)
 BV = 32

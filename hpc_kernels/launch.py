@@ -1,6 +1,7 @@
-"""Where the fused Triton kernels can launch: Triton imports, and the tensor is on CUDA, or
-Triton's interpreter runs (``TRITON_INTERPRET=1``, read once at import as Triton reads it: the
-kernels then run on CPU tensors, which is how the CPU tests check them)."""
+"""What the fused Triton kernels share: Triton itself (``triton``/``tl``, None where it does not
+import), where they can launch (the tensor on CUDA, or Triton's interpreter running:
+``TRITON_INTERPRET=1``, read once at import as Triton reads it, which is how the CPU tests check
+them), and their view of an operand as rows."""
 
 from __future__ import annotations
 
@@ -10,14 +11,21 @@ import torch
 
 try:
     import triton
+    import triton.language as tl
 except Exception:  # no Triton, or one that cannot load here: the torch twins only
-    triton = None
+    triton = tl = None
 
 TRITON = triton is not None
-
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def launchable(x: torch.Tensor) -> bool:
     """Whether a fused kernel can take ``x``."""
     return TRITON and (x.is_cuda or INTERPRETING)
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., D]`` as ``[rows, D]`` at a uniform row stride and unit stride along ``D`` (a
+    view where the layout allows, as a head's rows inside a wider projection, else a copy)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()

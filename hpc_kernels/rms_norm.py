@@ -3,7 +3,7 @@
 * ``rms_norm``: the zero-centred norm, ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, cast back
   to ``x``'s dtype (the layers' and attention heads' norm);
 * ``rms_norm_rope``: that norm of the attention heads' q or k, then their rotary, in the same
-  launch;
+  launch (its twin is the model's norm and rotary);
 * ``gated_rms_norm``: the GDN output norm, ``w * norm(x)`` (the normed row cast to ``x``'s dtype
   first, then multiplied by the weight in that dtype) times ``silu(z)`` in fp32, cast back.
 
@@ -24,13 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpc_kernels.launch import launchable
-
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # no Triton: the torch twins only
-    triton = None
+from hpc_kernels.launch import as_rows, launchable, tl, triton
 
 
 if triton is not None:
@@ -70,18 +64,12 @@ if triton is not None:
         tl.store(y + row * sy + o, out.to(y.dtype.element_ty), mask=m)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``[rows, D]`` at a uniform row stride (a view where the layout allows)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
 def _launch(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float,
             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     D = x.shape[-1]
     assert w.shape == (D,), f"weight {tuple(w.shape)} for rows of {D}"
-    x2 = _rows(x)
-    z2 = _rows(z) if z is not None else x2
+    x2 = as_rows(x)
+    z2 = as_rows(z) if z is not None else x2
     assert z2.shape == x2.shape, f"gate {tuple(z.shape)} for rows {tuple(x.shape)}"
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y2 = y.view(-1, D)
@@ -111,9 +99,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """:func:`rms_norm` of the heads ``x`` ``[N, H, D]``, then rotary on their first
     ``cos.shape[-1]`` dims with ``cos``/``sin`` ``[N, rd]`` (one launch; the attention layer's
-    q and k)."""
-    if not launchable(x):
-        return rms_norm_rope_ref(x, w, eps, cos, sin)
+    q and k). Its twin is the model's own: ``apply_rotary(rms_norm_ref(x), cos, sin)``
+    (:mod:`hpc_cli.model.layers`), which the caller runs where the kernel cannot launch."""
+    assert launchable(x), "the fused rope norm launches on CUDA or under Triton's interpreter"
     return _launch(x, w, None, eps, (cos, sin))
 
 
@@ -128,16 +116,6 @@ def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (1.0 + w.float())).type_as(x)
-
-
-def rms_norm_rope_ref(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor,
-                      sin: torch.Tensor) -> torch.Tensor:
-    y = rms_norm_ref(x, w, eps)  # then the model's rotary (hpc_cli.model.layers.apply_rotary)
-    r = cos.shape[-1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    rot, rest = y[..., :r], y[..., r:]
-    rotated = torch.cat((-rot[..., r // 2:], rot[..., :r // 2]), dim=-1)
-    return torch.cat((rot * c + rotated * s, rest), dim=-1)
 
 
 def gated_rms_norm_ref(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,11 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # no Triton: the torch twin only
-    triton = None
+from hpc_kernels.launch import as_rows, tl, triton
 
 BLOCK = 2048
 NUM_WARPS = 4
@@ -31,13 +27,13 @@ if triton is not None:
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``[rows, D]`` operands with unit stride along ``D``."""
-    assert gate.shape == up.shape and gate.dim() == 2, f"gate {tuple(gate.shape)}, up {tuple(up.shape)}"
-    assert gate.stride(1) == 1 and up.stride(1) == 1, "rows with unit stride"
-    n, D = gate.shape
-    y = torch.empty(n, D, dtype=gate.dtype, device=gate.device)
+    """``silu(gate) * up`` for ``[..., D]`` operands."""
+    assert gate.shape == up.shape, f"gate {tuple(gate.shape)}, up {tuple(up.shape)}"
+    g2, u2 = as_rows(gate), as_rows(up)
+    n, D = g2.shape
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if n:
-        _swiglu_kernel[(n, triton.cdiv(D, BLOCK))](gate, gate.stride(0), up, up.stride(0), y, D, BLOCK=BLOCK,
+        _swiglu_kernel[(n, triton.cdiv(D, BLOCK))](g2, g2.stride(0), u2, u2.stride(0), y, D, BLOCK=BLOCK,
                                                    num_warps=NUM_WARPS)
     return y
 

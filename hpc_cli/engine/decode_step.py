@@ -17,10 +17,6 @@ from hpc_cli.engine.media import decode_offsets
 from hpc_cli.engine.sampling import sample
 
 
-def _greedy(lane: Lane) -> bool:
-    return lane.request.sampling.temperature == 0.0
-
-
 class DecodeStep(EngineCore):
     """Runs one decode round and hands out its tokens (mixed into the engine)."""
 
@@ -48,13 +44,14 @@ class DecodeStep(EngineCore):
         dt = time.monotonic() - t0
         # greedy lanes' tokens in one argmax and one read of the device (a read per lane waits for
         # the device once per lane)
-        greedy = torch.argmax(logits, dim=-1).tolist() if sum(_greedy(l) for l in lanes) > 1 else None
+        greedy = [l.request.sampling.temperature == 0.0 for l in lanes]
+        chosen = torch.argmax(logits, dim=-1).tolist() if sum(greedy) > 1 else None
         for i, lane in enumerate(lanes):
             lane.pos += 1
             lane.next_token = None
             self.cache.commit_blocks(lane)
             if not lane.finish_reason:
-                self._sample(lane, logits[i], greedy[i] if greedy is not None and _greedy(lane) else None)
+                self._sample(lane, logits[i], chosen[i] if chosen is not None and greedy[i] else None)
             self.itl.append(dt)
         self.counters["decode_rounds"] += 1
 

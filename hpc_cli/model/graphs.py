@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
@@ -42,6 +41,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from hpc_cli.model.columns import ColumnIndex, ColumnsOut, columns_core, table_width
+from hpc_cli.model.layers import env_switch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -113,7 +113,7 @@ class ColumnGraphs:
     def wanted(model, kv) -> bool:
         from hpc_cli.model.moe import SparseMoE
 
-        if os.environ.get("HPC_CUDA_GRAPHS", "1").strip().lower() in ("0", "false", "no", "off"):
+        if not env_switch("HPC_CUDA_GRAPHS"):
             return False
         if not model.cuda_graphs:  # [engine] cuda_graphs = false
             return False

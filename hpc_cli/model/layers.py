@@ -24,10 +24,17 @@ from hpc_kernels.launch import launchable
 if TYPE_CHECKING:
     from hpc_cli.model.quant_linear import QuantizedWeight
 
+
+def env_switch(name: str) -> bool:
+    """A model-level switch for a model used without an engine (``HPC_CUDA_GRAPHS``,
+    ``HPC_FUSED_KERNELS``): on unless the variable says 0, false, no or off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 #: the fused kernels on CUDA (:func:`fused`): ``[engine] fused_kernels`` sets it for the process's
 #: engine; ``HPC_FUSED_KERNELS=0`` turns them off for a model used without one (the torch ops they
 #: replace, for A/B runs)
-FUSED_KERNELS = os.environ.get("HPC_FUSED_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+FUSED_KERNELS = env_switch("HPC_FUSED_KERNELS")
 
 
 def fused(x: torch.Tensor) -> bool:
@@ -122,9 +129,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if fused(gate) and gate.dim() == 2:
-            return self.down_proj(swiglu.swiglu(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu.swiglu(gate, up) if fused(gate) else swiglu.swiglu_ref(gate, up))
 
 
 class Rotary:

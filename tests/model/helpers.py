@@ -1,8 +1,12 @@
-"""Helpers for the Qwen3.5 runtime tests: an exact fp32 KV profile, error metric, checkpoint rewriting."""
+"""Helpers for the Qwen3.5 runtime tests: an exact fp32 KV profile, error metric, checkpoint
+rewriting, a test module's kernel checks run in Triton's interpreter."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -88,3 +92,16 @@ def rewrite_checkpoint(src: Path, dst: Path, *, language_model: bool = False, fu
             weight_map.update({k: name for k in part})
         (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return dst
+
+
+def run_interpreted(module: str, env: dict[str, str] | None = None, timeout: float = 600):
+    """``python -m module`` in a child process with ``TRITON_INTERPRET=1`` (Triton reads it at
+    import, so the Triton kernels run on CPU tensors there), from the repository root; the JSON
+    document the child prints last."""
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join([str(root)] + [p for p in sys.path if p])
+    child_env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, **(env or {}))
+    proc = subprocess.run([sys.executable, "-m", module], cwd=root, env=child_env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -10,16 +10,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from hpc_cli.model.layers import apply_rotary
 from hpc_kernels import causal_conv, gdn_decode, rms_norm, swiglu
 
-HERE = Path(__file__).resolve()
+from .helpers import run_interpreted
 
 
 def _layer_inputs(B: int, T: int, n_k: int, HV: int, K: int, V: int, dtype, seed: int = 0):
@@ -85,16 +83,6 @@ def test_conv_window_parts_give_the_columns_of_the_whole():
         assert torch.equal(parts.span(a, b), whole.span(a, b))
 
 
-def test_rope_twin_is_the_model_rotary_of_the_norm():
-    from hpc_cli.model.layers import apply_rotary
-
-    g = torch.Generator().manual_seed(4)
-    x, w = torch.randn(3, 2, 32, generator=g).bfloat16(), torch.randn(32, generator=g).bfloat16()
-    cos, sin = torch.randn(3, 8, generator=g).bfloat16(), torch.randn(3, 8, generator=g).bfloat16()
-    want = apply_rotary(rms_norm.rms_norm_ref(x, w, 1e-6), cos, sin)
-    assert torch.equal(rms_norm.rms_norm_rope_ref(x, w, 1e-6, cos, sin), want)
-
-
 def test_kernels_fall_back_to_the_twins_off_cuda():
     x = torch.randn(3, 5, 32)
     w = torch.randn(32)
@@ -124,7 +112,7 @@ def _kernel_cases(device: str) -> dict:
         sin = torch.randn(5, 16, generator=g).to(dtype).to(device)
         out["norm"].append({
             "dtype": str(dtype),
-            "rope": _rel(rms_norm.rms_norm_rope(q, w, 1e-6, cos, sin), rms_norm.rms_norm_rope_ref(q, w, 1e-6, cos, sin)),
+            "rope": _rel(rms_norm.rms_norm_rope(q, w, 1e-6, cos, sin), apply_rotary(rms_norm.rms_norm_ref(q, w, 1e-6), cos, sin)),
             "strided": _rel(rms_norm.rms_norm(q, w, 1e-6), rms_norm.rms_norm_ref(q, w, 1e-6)),
             "wide": _rel(rms_norm.rms_norm(wide, w320, 1e-6), rms_norm.rms_norm_ref(wide, w320, 1e-6)),
             "gated": _rel(rms_norm.gated_rms_norm(x, w, z, 1e-6), rms_norm.gated_rms_norm_ref(x, w, z, 1e-6)),
@@ -226,12 +214,7 @@ def _child() -> dict:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_interpreted_kernels_equal_the_twins():
-    path = os.pathsep.join([str(HERE.parents[2])] + [p for p in sys.path if p])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, "-m", "tests.model.test_fused_kernels"], cwd=HERE.parents[2], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-6000:]}"
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_interpreted("tests.model.test_fused_kernels", timeout=900)
     _check_kernel_cases(got["kernels"])
     m = got["model"]
     assert m["verify_equals_decode"], m

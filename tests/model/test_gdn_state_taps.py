@@ -9,14 +9,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve()
+from .helpers import run_interpreted
+
 CHUNK = 64
 
 
@@ -155,12 +153,7 @@ def _child() -> list[dict]:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_interpreted_kernel_equals_the_twin():
-    path = os.pathsep.join([str(HERE.parents[2])] + [p for p in sys.path if p])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, "-m", "tests.model.test_gdn_state_taps"], cwd=HERE.parents[2], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-6000:]}"
-    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    cases = run_interpreted("tests.model.test_gdn_state_taps")
     assert len(cases) == len(CASES)
     for c in cases:
         tol = 1e-5 if c["case"][-1] == "float32" else 2e-2

@@ -12,8 +12,6 @@ import json
 import logging
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,10 +25,9 @@ from hpc_cli.model.layers import Linear
 from hpc_cli.model.quant_linear import FP8Weight, NVFP4Weight, Residency, WeightsChoice, residency
 from hpc_cli.model.quant_weights import UNQUANTIZED, Layout, QuantScheme, WeightFormat
 
-from .helpers import F32
+from .helpers import F32, run_interpreted
 
 TOKENS = torch.randint(0, 300, (70,), generator=torch.Generator().manual_seed(5))
-HERE = Path(__file__).resolve()
 
 
 def _quantized(src: Path, out: Path, fmt: str) -> Path:
@@ -265,12 +262,7 @@ TILE_VARIANTS = {"shipped": None,
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 @pytest.mark.parametrize("variant", sorted(TILE_VARIANTS))
 def test_interpreted_kernels_equal_the_dequantised_product(variant):
-    path = os.pathsep.join([str(HERE.parents[2])] + [p for p in sys.path if p])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, QUANT_TEST_TILE=json.dumps(TILE_VARIANTS[variant]))
-    proc = subprocess.run([sys.executable, "-m", "tests.model.test_quant_linear"], cwd=HERE.parents[2], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-6000:]}"
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    doc = run_interpreted("tests.model.test_quant_linear", {"QUANT_TEST_TILE": json.dumps(TILE_VARIANTS[variant])})
     cases = doc["cases"]
     assert len(cases) == 3 * len(SHAPES)
     # the decode-sized shapes split K over programs (partial sums added by the second kernel)
