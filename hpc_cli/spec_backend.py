@@ -40,6 +40,10 @@ class BackendPoolSpec:
 #                                   the backend's own state (MTP K/V, DFlash K/V, DFlash2 rings) up to
 #                                   date; pre_hidden is the slot's hidden before the pass (h[start-1])
 #   propose(lanes, k, states) -> list[list[int]]   k drafts per lane following lane.next_token
+#   warm(batches, widths, k, states, num_pages, max_model_len) -> int   optional: compile and
+#                                   capture the drafter's own shapes at the engine's warm-up (MTP's
+#                                   k steps in a CUDA graph per lanes x table width); returns the
+#                                   shapes warmed
 #
 # Verification, acceptance and the rollback of the GDN state are the runtime's (the same for
 # every backend): hpc_cli/speculative/runtime.py and ops.py.

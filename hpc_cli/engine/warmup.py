@@ -178,4 +178,9 @@ def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
                 done += 1
                 if progress is not None:
                     progress(done, shapes.steps)
+    warm = getattr(spec.drafter, "warm", None)  # a drafter's own captured shapes (MTP's k steps)
+    if warm is not None and warm(shapes.verify_batches, shapes.decode_widths, spec.k, states, kv.num_pages,
+                                 engine.max_model_len):
+        for s in range(max(shapes.verify_batches)):
+            states.reset(s)
     return done

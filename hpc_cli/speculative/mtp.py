@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from hpc_cli.kv_profile import PAGE_TOKENS
+from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs
 from hpc_cli.speculative.ops import page_table, paged_attention, reads_in_place, write_kv
 
 
@@ -43,10 +44,20 @@ class MTPDrafter:
         self.mtp = model.mtp
         self.base_layer = len(model.config.attention_layers)  # first MTP layer of pages in the main pool
         self.storage = None
+        self.graphs: DraftGraphs | None = None  # the captured proposals (CUDA, a pool the paged kernel reads)
 
     def bind(self, storage, backend_storage, states) -> None:
+        from hpc_cli.model.graphs import ColumnGraphs
+        from hpc_cli.model.moe import SparseMoE
+
         assert storage.num_layers >= self.base_layer + len(self.mtp.layers), "main pool lacks the MTP layer"
         self.storage = storage
+        # the k steps replay as one graph where the main model's decode does (a dense head: MoE
+        # layers route on values), the steps' attention reading the pages in place
+        dense = not any(isinstance(layer.mlp, SparseMoE) for layer in self.mtp.layers)
+        wanted = (dense and ColumnGraphs.wanted(self.model, storage)
+                  and reads_in_place(self.mtp.layers[0].self_attn, storage, 1))
+        self.graphs = DraftGraphs(self.model.device) if wanted else None
 
     # ------------------------------------------------------------------ the MTP stack
     @torch.inference_mode()
@@ -117,6 +128,8 @@ class MTPDrafter:
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
     def propose(self, lanes, k: int, states) -> list[list[int]]:
+        if self.graphs is not None:
+            return self._propose_packed(lanes, k, states)
         dev = self.model.device
         tables = [l.pages for l in lanes]
         tok = torch.tensor([[l.next_token] for l in lanes], dtype=torch.long, device=dev)
@@ -143,3 +156,68 @@ class MTPDrafter:
             steps.append(tok)
             hid, pos = g, pos + 1
         return torch.cat(steps, 1).tolist()
+
+    # ------------------------------------------------------------------ drafting in a graph
+    def _steps(self, packed: torch.Tensor, W: int, k: int, states) -> torch.Tensor:
+        """The ``k`` draft steps of :meth:`propose` on packed inputs on the device (each lane's
+        next token, state slot, position ``pos - 1``, bridge write flag, then its page table of
+        width ``W``; :data:`~hpc_cli.speculative.draft_graphs.INPUT_COLUMNS`): the drafts
+        ``[B, k]``, computed without reading anything back to the host (capturable)."""
+        tok = packed[:, 0:1]
+        hid = states.hidden.index_select(0, packed[:, 1])[:, None]
+        pos = packed[:, 2:3]
+        write = packed[:, 3] != 0
+        table = (packed[:, INPUT_COLUMNS:], W)
+        steps: list[torch.Tensor] = []
+        for i in range(k):
+            logits, g = self._run(tok, hid, pos, (), (), write=write if i == 0 else None, table=table)
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            steps.append(tok)
+            hid, pos = g, pos + 1
+        return torch.cat(steps, 1)
+
+    def _propose_packed(self, lanes, k: int, states) -> list[list[int]]:
+        """:meth:`propose` through :class:`~hpc_cli.speculative.draft_graphs.DraftGraphs`: the
+        round's inputs packed into one pinned host tensor, the steps replayed from a graph."""
+        assert self.graphs is not None, "packed proposals need the drafter's graphs"
+        attn = self.mtp.layers[0].self_attn
+        table, W = page_table(attn, self.storage, [l.pages for l in lanes], [l.pos - 2 + k for l in lanes], 1, "cpu")
+        # position pos-1 is the bridge: already valid where the prefill had the next token
+        head = torch.tensor([[l.next_token, l.state_slot, l.pos - 1, int((l.backend_frontier or 0) <= l.pos - 1)]
+                             for l in lanes], dtype=torch.long)
+        packed = torch.cat([head, table], 1).pin_memory()
+        key = DraftGraphs.key(len(lanes), W, k, self.storage, states, int(getattr(self.model, "row_block", None) or 0))
+        drafts = self.graphs.run(key, packed, lambda p: self._steps(p, W, k, states))
+        for l in lanes:
+            l.backend_frontier = max(l.backend_frontier or 0, l.pos)
+        return drafts.tolist()
+
+    def warm(self, batches, widths, k: int, states, num_pages: int, max_model_len: int) -> int:
+        """Compile and capture the proposal of every ``batches`` x ``widths`` x ``1..k`` drafts
+        (a round near ``max_tokens`` drafts fewer) before serving: the engine's warm-up, on its
+        worker thread, while the pool holds no cached block (the steps write the MTP K/V of the
+        pages they name and read the slots' hidden). Returns the shapes warmed (none without
+        graphs: the eager steps' kernels compile with the verify passes')."""
+        if self.graphs is None:
+            return 0
+        done = 0
+        for B in batches:
+            for W in widths:
+                last = min(W * PAGE_TOKENS, max_model_len) - 1  # the last step's position
+                need = last // PAGE_TOKENS + 1
+                tables = [[(b * need + i) % num_pages for i in range(need)] for b in range(B)]
+                for drafts in range(1, k + 1):
+                    pos = max(1, last + 2 - drafts)
+                    lanes = [_WarmLane(1 + b, b, pos, tables[b]) for b in range(B)]
+                    for _ in range(2):  # eager, then the capture of its graph
+                        self._propose_packed(lanes, drafts, states)
+                    done += 1
+        return done
+
+
+class _WarmLane:
+    """What a proposal reads of a lane, for the warm-up's shapes."""
+
+    def __init__(self, next_token: int, state_slot: int, pos: int, pages: list[int]) -> None:
+        self.next_token, self.state_slot, self.pos, self.pages = next_token, state_slot, pos, pages
+        self.backend_frontier = 0

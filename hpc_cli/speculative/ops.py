@@ -39,9 +39,13 @@ def _table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int, 
 
 
 def _write(kv, layer: int, table: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           write: Sequence[bool] | None) -> None:
+           write: Sequence[bool] | torch.Tensor | None) -> None:
     page = kv.page_tokens
     slots = (table.gather(1, pos // page) * page + pos % page).reshape(-1)
+    if torch.is_tensor(write):  # per lane on the device (a captured step): a negative slot writes nothing
+        keep = write[:, None].expand(pos.shape).reshape(-1)
+        kv.write(layer, torch.where(keep, slots, torch.full_like(slots, -1)), k, v)
+        return
     if write is None or all(write):
         kv.write(layer, slots, k, v)
         return
@@ -64,12 +68,15 @@ def write_kv(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int], tabl
 
 def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int], tables: Sequence[Sequence[int]],
                     kv, layer: int, cos: torch.Tensor, sin: torch.Tensor,
-                    write: Sequence[bool] | None = None, table: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                    write: Sequence[bool] | torch.Tensor | None = None,
+                    table: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """A gated attention layer for ``B`` lanes x ``T`` queries at positions ``pos`` ``[B, T]``
     (``last``: each lane's last position, known on the host, so nothing here waits for the
     device): the new K/V are written into the lanes' pages of ``kv`` layer ``layer``, then every
     query reads its lane's pages causally (key position <= its own). ``h`` ``[B*T, hidden]``;
-    ``write`` (per lane): False keeps a lane's K/V out of the pages (it is already there);
+    ``write`` (per lane, a list or a bool tensor on the device; the tensor form only on a pool
+    the paged decode kernel reads, whose writes skip negative slots): False keeps a lane's K/V
+    out of the pages (it is already there);
     ``table``: the padded page table and its width, built once by the caller for several calls
     (:func:`page_table`). One query per lane (``T == 1``) on a pool the paged decode kernel reads
     goes through that kernel; otherwise the span is gathered and SDPA runs with a causal mask."""

@@ -69,6 +69,9 @@ def test_cuda_spec_warmup_covers_serving():
             assert prefill is not None and prefill.disabled is None, f"{name}: prefill passes run without graphs"
             counts = watch()
             before, captures = counts.compilations + counts.autotunes, graphs.captures
+            drafts = getattr(e.spec.drafter, "graphs", None)  # MTP's k steps: captured at the warm-up
+            assert (drafts is not None and drafts.captures > 0) == (name == "mtp"), f"{name}: draft graphs"
+            draft_captures = drafts.captures if drafts is not None else 0
             for n in (30, 700):  # 1 and 11+ pages of context: two table widths
                 run(e, tokens(n, n), 6)  # 6 tokens, k = 3: a last round drafting fewer
             handles = [e.submit(GenerationRequest(tokens(n, n + 1), greedy(7))) for n in (100, 520)]
@@ -76,6 +79,46 @@ def test_cuda_spec_warmup_covers_serving():
                 h.result(timeout=300)
             assert counts.compilations + counts.autotunes == before, f"{name}: a speculative round compiled a kernel"
             assert graphs.captures == captures, f"{name}: {graphs.captures - captures} verify graphs captured while serving"
+            if drafts is not None:
+                assert drafts.disabled is None and drafts.replays > 0, drafts.disabled
+                assert drafts.captures == draft_captures, f"{name}: draft graphs captured while serving"
             assert graphs.disabled is None, graphs.disabled
         finally:
             settle(e)
+
+
+def test_cuda_mtp_graph_drafts_equal_eager_drafts():
+    """MTP's k draft steps replayed from a CUDA graph propose what the eager steps propose, token
+    for token, round by round (rounds near max_tokens drafting fewer; one and eleven pages of
+    context), and the output is plain greedy output either way."""
+    m = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device="cuda")
+    prompts = [tokens(150, 31), tokens(700, 32)]
+    off = make(m, reuse=False, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
+    refs = [run(off, p, 13)[0] for p in prompts]
+    settle(off)
+    proposed: dict[str, list] = {}
+    for mode in ("graphs", "eager"):
+        e = make(m, "mtp", kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
+        drafter = e.spec.drafter
+        if mode == "eager":
+            drafter.graphs = None
+        else:
+            e.warmup()
+            assert drafter.graphs is not None and drafter.graphs.captures > 0, "MTP proposes without graphs"
+        seen = proposed[mode] = []
+        inner = drafter.propose
+
+        def record(lanes, k, states, inner=inner, seen=seen):
+            out = inner(lanes, k, states)
+            seen.append((k, out))
+            return out
+
+        drafter.propose = record
+        try:
+            for p, ref in zip(prompts, refs):  # one at a time: the same rounds in both engines
+                assert run(e, p, 13)[0] == ref, mode
+            if mode == "graphs":
+                assert drafter.graphs.replays > 0 and drafter.graphs.disabled is None, drafter.graphs.disabled
+        finally:
+            settle(e)
+    assert proposed["graphs"] and proposed["graphs"] == proposed["eager"]

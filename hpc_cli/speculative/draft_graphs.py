@@ -1,0 +1,89 @@
+"""CUDA graphs of a drafter's proposal: its ``k`` draft steps replayed as one launch.
+
+A drafter step is a few dozen small kernels (the MTP head: embedding, the combining projection,
+one attention layer, its MLP, the norm, ``lm_head``, the argmax); launched one by one from
+Python a round's ``k`` steps cost more host time than the verify pass that checks them. As the
+column pass's graphs do (:mod:`hpc_cli.model.graphs`), one graph per ``(lanes, page table width,
+k)`` serves every round: the round's inputs (per lane its next token, state slot, position,
+whether the step writes the bridge's K/V, and its page table) are packed into one host tensor and
+copied into the graph's static buffer before the replay.
+
+* The first proposal of a key runs the same steps eagerly on the packed inputs (it compiles the
+  Triton kernels); the second captures them and replays, so a captured proposal computes what the
+  eager one does, bit for bit.
+* Graphs bake in the pools' storage (the KV pool, the state slots) and the NVFP4 global scales;
+  the key carries their serials and values, so other pools never replay an old graph.
+* A failed capture turns the graphs off for the drafter, with one warning; proposals run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from hpc_cli.model.graphs import capture_graph, pool_serials
+
+log = logging.getLogger(__name__)
+
+#: columns of a packed input row before the page table: next token, state slot, position, write
+INPUT_COLUMNS = 4
+
+
+@dataclass
+class _DraftGraph:
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # the static packed inputs ``[B, INPUT_COLUMNS + W]``
+    drafts: torch.Tensor  # the static drafts ``[B, k]``
+
+
+class DraftGraphs:
+    """The captured proposals of one drafter, keyed by lanes, table width and ``k``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.graphs: dict[tuple, _DraftGraph] = {}
+        self.seen: set[tuple] = set()
+        self.pool = None
+        self.disabled: str | None = None
+        self.captures = 0
+        self.replays = 0
+
+    @staticmethod
+    def key(B: int, W: int, k: int, kv, states, row_block: int) -> tuple:
+        """What a graph bakes in: the shape, the pools' serials, the NVFP4 global scales."""
+        scales = tuple(kv.global_scales.flatten().tolist()) if kv.profile.uses_global_scale else ()
+        return (B, W, k, pool_serials(kv, states), scales, row_block)
+
+    def run(self, key: tuple, packed: torch.Tensor, steps: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The drafts ``[B, k]`` of ``steps`` (a function of the packed inputs on the device) on
+        ``packed`` (pinned host memory): eagerly the first time a key is met, then from its graph.
+        A graph's result is its static buffer: read it before the next proposal of the key."""
+        entry = self.graphs.get(key)
+        if entry is None and key in self.seen and self.disabled is None:
+            entry = self._capture(key, packed, steps)
+        if entry is None:
+            self.seen.add(key)
+            return steps(packed.to(self.device, non_blocking=True))
+        entry.inputs.copy_(packed, non_blocking=True)
+        entry.graph.replay()
+        self.replays += 1
+        return entry.drafts
+
+    def _capture(self, key: tuple, packed: torch.Tensor,
+                 steps: Callable[[torch.Tensor], torch.Tensor]) -> _DraftGraph | None:
+        static = packed.to(self.device)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        try:
+            graph, drafts = capture_graph(self.pool, lambda: steps(static))
+        except Exception as exc:  # a kernel that cannot be captured: propose eagerly from now on
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture of the drafter failed, proposing without graphs: %s", self.disabled)
+            return None
+        self.captures += 1
+        entry = _DraftGraph(graph, static, drafts)
+        self.graphs[key] = entry
+        return entry
