@@ -6,7 +6,8 @@ On CUDA a prefill pass is padded to a multiple of ``model.prefill_pad`` tokens
 ``ceil(chunk / pad)`` lengths; a decode step's shapes are its lane count ``B <= C`` and its page
 table width ``W`` (a power of two >= 8, :func:`hpc_cli.model.columns.table_width`), so decode
 meets ``C * log2(max W / 4)`` shapes (with speculation, the verify pass's ``k + 1`` column counts
-for each). :func:`plan` lists them all and :func:`run_shapes` runs
+for each, and the drafter's own captured shapes: MTP's steps for each lanes x width x ``1..k``
+drafts). :func:`plan` lists them all and :func:`run_shapes` runs
 each once, twice where CUDA graphs are used (decode, and prefill passes: the first pass of a graph
 key runs eagerly, the second captures); where the cache mode has passes take their exact taps
 themselves, each prefill length also runs with taps (the graph with tap slots).

@@ -24,13 +24,12 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, apply_rotary, param
+from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, apply_rotary
 
 RING_PART = "dflash2_ring"
 
