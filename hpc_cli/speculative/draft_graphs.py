@@ -75,9 +75,9 @@ class DraftGraphs:
     def _capture(self, key: tuple, packed: torch.Tensor,
                  steps: Callable[[torch.Tensor], torch.Tensor]) -> _DraftGraph | None:
         static = packed.to(self.device)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         try:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
             graph, drafts = capture_graph(self.pool, lambda: steps(static))
         except Exception as exc:  # a kernel that cannot be captured: propose eagerly from now on
             self.disabled = f"{type(exc).__name__}: {exc}"

@@ -185,7 +185,9 @@ class MTPDrafter:
         # position pos-1 is the bridge: already valid where the prefill had the next token
         head = torch.tensor([[l.next_token, l.state_slot, l.pos - 1, int((l.backend_frontier or 0) <= l.pos - 1)]
                              for l in lanes], dtype=torch.long)
-        packed = torch.cat([head, table], 1).pin_memory()
+        packed = torch.cat([head, table], 1)
+        if self.model.device.type == "cuda":
+            packed = packed.pin_memory()  # copied to the device without waiting
         key = DraftGraphs.key(len(lanes), W, k, self.storage, states, int(getattr(self.model, "row_block", None) or 0))
         drafts = self.graphs.run(key, packed, lambda p: self._steps(p, W, k, states))
         for l in lanes:

@@ -128,3 +128,43 @@ def test_draft_page_table_has_a_decode_graph_width():
     assert width == 16
     table, width = page_table(attn, InPlacePool(), [[5, 6, 7], [9]], [130, 10], 4, "cpu")  # gathered
     assert width == 3 and table[1].tolist() == [9, 9, 9]
+
+
+def test_mtp_packed_steps_draft_what_the_eager_steps_draft(model, caplog):
+    """The steps a CUDA graph captures (``MTPDrafter._steps`` on one packed input, the bridge's
+    K/V kept out by a negative write slot) propose what the eager steps propose, round by round,
+    and the output is plain greedy output; off CUDA their capture fails once, with a warning, and
+    the packed steps run eagerly from then on."""
+    from helpers import greedy, make, run, settle, tokens
+
+    from hpc_cli.speculative.draft_graphs import DraftGraphs
+
+    prompts = [tokens(150, 41), tokens(90, 42)]
+    off = make(model, reuse=False)
+    refs = [run(off, p, 11)[0] for p in prompts]
+    settle(off)
+    proposed: dict[str, list] = {}
+    for mode in ("packed", "eager"):
+        e = make(model, "mtp")
+        drafter = e.spec.drafter
+        assert drafter.graphs is None  # the CPU drafts eagerly
+        if mode == "packed":
+            drafter.graphs = DraftGraphs(model.device)
+        seen = proposed[mode] = []
+        inner = drafter.propose
+
+        def record(lanes, k, states, inner=inner, seen=seen):
+            out = inner(lanes, k, states)
+            seen.append((k, out))
+            return out
+
+        drafter.propose = record
+        try:
+            for p, ref in zip(prompts, refs):
+                assert run(e, p, 11, sampling=greedy(11))[0] == ref, mode
+            if mode == "packed":
+                assert drafter.graphs.disabled is not None and drafter.graphs.captures == 0
+        finally:
+            settle(e)
+    assert proposed["packed"] and proposed["packed"] == proposed["eager"]
+    assert any("proposing without graphs" in r.getMessage() for r in caplog.records)
