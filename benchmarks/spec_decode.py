@@ -190,7 +190,8 @@ def main(argv=None) -> dict:
                      "matches_none": outs == ref, "generated_tokens": sum(len(o) for o in outs),
                      "accepted_histogram": st.accepted_histogram,
                      "propose_s": st.propose_s, "verify_s": st.verify_s,
-                     "rollback_s": st.rollback_s, "recomputed_columns": st.recomputed_columns}
+                     "rollback_s": st.rollback_s, "catch_up_s": st.catch_up_s,
+                     "recomputed_columns": st.recomputed_columns}
     doc = {"benchmark": "spec_decode", "model": name, "dtype": dtype,
            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "model_load_s": load_s,

@@ -54,7 +54,8 @@ class SpeculativeStats:
     accepted_histogram: dict[str, int]
     propose_s: float
     verify_s: float
-    rollback_s: float
+    rollback_s: float  # reading the logits (the wait for the verify pass), accepting, the rollback
+    catch_up_s: float  # the drafter's catch-up on the committed tokens and the block commits
     recomputed_columns: int
 
 
@@ -176,7 +177,8 @@ class SpecRuntime:
             lane.pos += n
             self.drafter.observe(lane, starts[b], n, out.hidden[b], feats, pre, extend=False)
             engine.commit_blocks(lane)
-        dt = time.monotonic() - t0
+        t4 = time.monotonic()
+        dt = t4 - t0
         emitted = sum(a + 1 for a in accepted)
         for lane in lanes:
             engine.record_itl(dt / max(1, emitted / len(lanes)))
@@ -189,6 +191,7 @@ class SpecRuntime:
         c["propose_us"] += int((t1 - t0) * 1e6)
         c["verify_us"] += int((t2 - t1) * 1e6)
         c["rollback_us"] += int((t3 - t2) * 1e6)
+        c["catch_up_us"] += int((t4 - t3) * 1e6)
 
     def _accept(self, engine: "RoundHost", lane, logits: torch.Tensor, drafts: list[int],
                 greedy: list[int] | None = None) -> int:
@@ -230,4 +233,5 @@ class SpecRuntime:
             mean_acceptance_length=c["committed_tokens"] / lr,
             accepted_histogram={str(a): n for a, n in sorted(self.accept_hist.items())},
             propose_s=c["propose_us"] / 1e6, verify_s=c["verify_us"] / 1e6,
-            rollback_s=c["rollback_us"] / 1e6, recomputed_columns=c["recomputed_columns"])
+            rollback_s=c["rollback_us"] / 1e6, catch_up_s=c["catch_up_us"] / 1e6,
+            recomputed_columns=c["recomputed_columns"])
