@@ -194,12 +194,13 @@ class MTPDrafter:
             l.backend_frontier = max(l.backend_frontier or 0, l.pos)
         return drafts.tolist()
 
+    @torch.inference_mode()
     def warm(self, batches, widths, k: int, states, num_pages: int, max_model_len: int) -> int:
         """Compile and capture the proposal of every ``batches`` x ``widths`` x ``1..k`` drafts
         (a round near ``max_tokens`` drafts fewer) before serving: the engine's warm-up, on its
         worker thread, while the pool holds no cached block (the steps write the MTP K/V of the
         pages they name and read the slots' hidden). Returns the shapes warmed (none without
-        graphs: the eager steps' kernels compile with the verify passes')."""
+        graphs)."""
         if self.graphs is None:
             return 0
         done = 0

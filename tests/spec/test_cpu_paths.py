@@ -168,3 +168,28 @@ def test_mtp_packed_steps_draft_what_the_eager_steps_draft(model, caplog):
             settle(e)
     assert proposed["packed"] and proposed["packed"] == proposed["eager"]
     assert any("proposing without graphs" in r.getMessage() for r in caplog.records)
+
+
+def test_mtp_warm_runs_every_lanes_width_and_draft_count(model):
+    """The warm-up's MTP shapes: every lanes x table width x 1..k drafts through the packed steps
+    (forced on the CPU, where no graph is captured), on the worker thread of an engine whose pool
+    holds nothing yet; the engine then answers as plain greedy decoding does."""
+    from helpers import make, run, settle, tokens
+
+    from hpc_cli.speculative.draft_graphs import DraftGraphs
+
+    off = make(model, reuse=False)
+    ref = run(off, tokens(120, 51), 9)[0]
+    settle(off)
+    e = make(model, "mtp", max_model_len=1024)
+    drafter = e.spec.drafter
+    drafter.graphs = DraftGraphs(model.device)
+    try:
+        done = e.call(lambda: drafter.warm([1, 2], [8, 16], 3, e.states, e.storage.num_pages, 1024))
+        assert done == 2 * 2 * 3
+        assert len(drafter.graphs.seen) == done  # one key a shape
+        for s in range(2):
+            e.states.reset(s)
+        assert run(e, tokens(120, 51), 9)[0] == ref
+    finally:
+        settle(e)
