@@ -74,9 +74,9 @@ def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int
     (``last``: each lane's last position, known on the host, so nothing here waits for the
     device): the new K/V are written into the lanes' pages of ``kv`` layer ``layer``, then every
     query reads its lane's pages causally (key position <= its own). ``h`` ``[B*T, hidden]``;
-    ``write`` (per lane, a list or a bool tensor on the device; the tensor form only on a pool
-    the paged decode kernel reads, whose writes skip negative slots): False keeps a lane's K/V
-    out of the pages (it is already there);
+    ``write`` (per lane, a list or a bool tensor on the device; the tensor form only on a
+    built-in profile's pool, whose writes skip negative slots): False keeps a lane's K/V out of
+    the pages (it is already there);
     ``table``: the padded page table and its width, built once by the caller for several calls
     (:func:`page_table`). One query per lane (``T == 1``) on a pool the paged decode kernel reads
     goes through that kernel; otherwise the span is gathered and SDPA runs with a causal mask."""
