@@ -136,6 +136,7 @@ def run_shapes(engine: "Engine", shapes: WarmupPlan,
             if progress is not None:
                 progress(done, shapes.steps)
     done = _verify_shapes(engine, shapes, done, progress)
+    _draft_shapes(engine, shapes)
     for s in range(engine.C):
         states.reset(s)
     torch.cuda.synchronize(model.device)
@@ -179,9 +180,15 @@ def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
                 done += 1
                 if progress is not None:
                     progress(done, shapes.steps)
-    warm = getattr(spec.drafter, "warm", None)  # a drafter's own captured shapes (MTP's k steps)
-    if warm is not None and warm(shapes.verify_batches, shapes.decode_widths, spec.k, states, kv.num_pages,
-                                 engine.max_model_len):
-        for s in range(max(shapes.verify_batches)):
-            states.reset(s)
     return done
+
+
+def _draft_shapes(engine: "Engine", shapes: WarmupPlan) -> None:
+    """The drafter's own captured shapes, where it has any (MTP's ``k`` steps: every lanes x
+    table width x ``1..k`` drafts), through the drafter contract's optional ``warm`` (the slots it
+    touches are reset with every other after the decode shapes)."""
+    spec = engine.spec
+    warm = getattr(spec.drafter, "warm", None) if spec is not None else None
+    if warm is not None and shapes.verify_batches:
+        warm(shapes.verify_batches, shapes.decode_widths, spec.k, engine.states, engine.storage.num_pages,
+             engine.max_model_len)

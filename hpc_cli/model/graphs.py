@@ -82,6 +82,32 @@ def capture_graph(pool, fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
     return graph, out
 
 
+class CapturedGraphs:
+    """What every set of CUDA graphs keeps (the column passes', the prefill passes', a drafter's):
+    the memory pool their intermediates share, why capturing was turned off, and counts."""
+
+    def __init__(self) -> None:
+        self.pool = None
+        self.disabled: str | None = None
+        self.replays = 0
+        self.captures = 0
+
+    def try_capture(self, fn: Callable[[], T], what: str) -> tuple[torch.cuda.CUDAGraph, T] | None:
+        """:func:`capture_graph` of ``fn`` into this set's pool (made on first use); None when it
+        fails: a kernel or library that cannot be captured turns capturing off for the set
+        (:attr:`disabled`), with one warning naming ``what`` runs without graphs from now on."""
+        try:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            captured = capture_graph(self.pool, fn)
+        except Exception as exc:
+            self.disabled = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture failed, %s without graphs: %s", what, self.disabled)
+            return None
+        self.captures += 1
+        return captured
+
+
 def pool_serials(kv, states) -> tuple[int, int]:
     """Serial numbers of the KV pool and the state slots a graph writes: graphs hold raw addresses
     of their storage, and an object id can be reused after its pool is freed."""
@@ -91,10 +117,11 @@ def pool_serials(kv, states) -> tuple[int, int]:
     return (kv._graph_serial, states._graph_serial)
 
 
-class ColumnGraphs:
+class ColumnGraphs(CapturedGraphs):
     """The graphs of one model's column passes (decode steps and speculative verify passes)."""
 
     def __init__(self, model) -> None:
+        super().__init__()
         self.model = model
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently used first
         self.seen: set[tuple] = set()
@@ -104,10 +131,6 @@ class ColumnGraphs:
         self.bound: tuple | None = None  # serials of the pools the kept graphs write
         total = torch.cuda.get_device_properties(model.device).total_memory if model.device.type == "cuda" else 0
         self.budget = min(OUTPUT_BUDGET_MAX, int(OUTPUT_BUDGET_SHARE * total))
-        self.pool = None
-        self.disabled: str | None = None
-        self.replays = 0
-        self.captures = 0
 
     @staticmethod
     def wanted(model, kv) -> bool:
@@ -179,16 +202,11 @@ class ColumnGraphs:
         model = self.model
         static = packed.to(model.device)
         idx = ColumnIndex.view(static, B, T, W)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        try:
-            graph, out = capture_graph(self.pool, lambda: columns_core(model, idx, kv, states, keep_all=keep_all,
-                                                                        capture=capture, logits=logits))
-        except Exception as exc:  # a kernel or library that cannot be captured: decode eagerly
-            self.disabled = f"{type(exc).__name__}: {exc}"
-            log.warning("CUDA graph capture failed, decoding without graphs: %s", self.disabled)
+        captured = self.try_capture(lambda: columns_core(model, idx, kv, states, keep_all=keep_all,
+                                                         capture=capture, logits=logits), "decoding")
+        if captured is None:
             return None
-        self.captures += 1
+        graph, out = captured
         return self._keep(key, _Graph(graph, idx, out, _out_bytes(out)))
 
     def _keep(self, key, entry: _Graph) -> _Graph | None:

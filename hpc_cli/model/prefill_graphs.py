@@ -28,13 +28,12 @@ device indices only, so its kernels can be captured once per shape and replayed:
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from hpc_cli.model.graphs import capture_graph, pool_serials
+from hpc_cli.model.graphs import CapturedGraphs, pool_serials
 from hpc_cli.model.gdn_taps import tap_capacity
 from hpc_cli.model.prefill_core import PrefillCoreOut, PrefillIndex, prefill_core, table_width
 
@@ -42,8 +41,6 @@ if TYPE_CHECKING:
     from hpc_cli.memory.kv_pool import PagedKVStorage
     from hpc_cli.memory.state_pool import StateSlots
     from hpc_cli.model.model import HybridModel
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,18 +50,15 @@ class _PrefillGraph:
     out: PrefillCoreOut
 
 
-class PrefillGraphs:
+class PrefillGraphs(CapturedGraphs):
     """The prefill graphs of one model (intermediates share one memory pool)."""
 
     def __init__(self, model: "HybridModel") -> None:
+        super().__init__()
         self.model = model
         self.graphs: dict[tuple, _PrefillGraph] = {}
         self.seen: set[tuple] = set()
         self.bound: tuple | None = None
-        self.pool = None
-        self.disabled: str | None = None
-        self.replays = 0
-        self.captures = 0
         self.eager = 0
         #: taps a pass takes itself (0 where fla's kernels or the tap recurrence do not take the
         #: model: the pass splits at each)
@@ -116,15 +110,10 @@ class PrefillGraphs:
                  states: "StateSlots") -> _PrefillGraph | None:
         model = self.model
         idx = PrefillIndex.view(packed.to(model.device), L, W, slots=slots)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        try:
-            graph, out = capture_graph(self.pool, lambda: prefill_core(model, idx, kv, states))
-        except Exception as exc:  # a kernel or library that cannot be captured: prefill eagerly
-            self.disabled = f"{type(exc).__name__}: {exc}"
-            log.warning("CUDA graph capture of a prefill pass failed, prefilling without graphs: %s", self.disabled)
+        captured = self.try_capture(lambda: prefill_core(model, idx, kv, states), "prefilling")
+        if captured is None:
             return None
-        self.captures += 1
+        graph, out = captured
         entry = _PrefillGraph(graph, idx, out)
         self.graphs[key] = entry
         return entry

@@ -13,20 +13,18 @@ copied into the graph's static buffer before the replay.
   eager one does, bit for bit.
 * Graphs bake in the pools' storage (the KV pool, the state slots) and the NVFP4 global scales;
   the key carries their serials and values, so other pools never replay an old graph.
-* A failed capture turns the graphs off for the drafter, with one warning; proposals run eagerly.
+* A failed capture turns the graphs off for the drafter, with one warning
+  (:meth:`~hpc_cli.model.graphs.CapturedGraphs.try_capture`); proposals run eagerly.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from hpc_cli.model.graphs import capture_graph, pool_serials
-
-log = logging.getLogger(__name__)
+from hpc_cli.model.graphs import CapturedGraphs, pool_serials
 
 #: columns of a packed input row before the page table: next token, state slot, position, write
 INPUT_COLUMNS = 4
@@ -39,17 +37,14 @@ class _DraftGraph:
     drafts: torch.Tensor  # the static drafts ``[B, k]``
 
 
-class DraftGraphs:
+class DraftGraphs(CapturedGraphs):
     """The captured proposals of one drafter, keyed by lanes, table width and ``k``."""
 
     def __init__(self, device: torch.device) -> None:
+        super().__init__()
         self.device = device
         self.graphs: dict[tuple, _DraftGraph] = {}
         self.seen: set[tuple] = set()
-        self.pool = None
-        self.disabled: str | None = None
-        self.captures = 0
-        self.replays = 0
 
     @staticmethod
     def key(B: int, W: int, k: int, kv, states, row_block: int) -> tuple:
@@ -75,15 +70,10 @@ class DraftGraphs:
     def _capture(self, key: tuple, packed: torch.Tensor,
                  steps: Callable[[torch.Tensor], torch.Tensor]) -> _DraftGraph | None:
         static = packed.to(self.device)
-        try:
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            graph, drafts = capture_graph(self.pool, lambda: steps(static))
-        except Exception as exc:  # a kernel that cannot be captured: propose eagerly from now on
-            self.disabled = f"{type(exc).__name__}: {exc}"
-            log.warning("CUDA graph capture of the drafter failed, proposing without graphs: %s", self.disabled)
+        captured = self.try_capture(lambda: steps(static), "proposing")
+        if captured is None:
             return None
-        self.captures += 1
+        graph, drafts = captured
         entry = _DraftGraph(graph, static, drafts)
         self.graphs[key] = entry
         return entry

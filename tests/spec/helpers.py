@@ -50,3 +50,17 @@ def settle(engine: Engine) -> dict:
     held = {k: v for k, v in cache.leftovers().items() if v}  # pins, sequences, pages, lanes, transfers
     assert not held, held
     return to_json(cache.index.stats() if cache.mode == "hybrid" else cache.stats())
+
+
+def record_proposals(drafter) -> list[tuple[int, list[list[int]]]]:
+    """Wrap ``drafter.propose`` so that each round's ``(k, drafts)`` is appended to the list returned."""
+    seen: list[tuple[int, list[list[int]]]] = []
+    inner = drafter.propose
+
+    def propose(lanes, k, states):
+        out = inner(lanes, k, states)
+        seen.append((k, out))
+        return out
+
+    drafter.propose = propose
+    return seen

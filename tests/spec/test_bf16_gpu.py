@@ -10,7 +10,7 @@ import torch
 from hpc_cli.engine.api import GenerationRequest
 from hpc_cli.model.model import HybridModel
 
-from helpers import backend, greedy, make, run, settle, tokens
+from helpers import backend, greedy, make, record_proposals, run, settle, tokens
 from test_bf16 import check_columns, wide_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -105,15 +105,7 @@ def test_cuda_mtp_graph_drafts_equal_eager_drafts():
         else:
             e.warmup()
             assert drafter.graphs is not None and drafter.graphs.captures > 0, "MTP proposes without graphs"
-        seen = proposed[mode] = []
-        inner = drafter.propose
-
-        def record(lanes, k, states, inner=inner, seen=seen):
-            out = inner(lanes, k, states)
-            seen.append((k, out))
-            return out
-
-        drafter.propose = record
+        proposed[mode] = record_proposals(drafter)
         try:
             for p, ref in zip(prompts, refs):  # one at a time: the same rounds in both engines
                 assert run(e, p, 13)[0] == ref, mode

@@ -135,7 +135,7 @@ def test_mtp_packed_steps_draft_what_the_eager_steps_draft(model, caplog):
     K/V kept out by a negative write slot) propose what the eager steps propose, round by round,
     and the output is plain greedy output; off CUDA their capture fails once, with a warning, and
     the packed steps run eagerly from then on."""
-    from helpers import greedy, make, run, settle, tokens
+    from helpers import greedy, make, record_proposals, run, settle, tokens
 
     from hpc_cli.speculative.draft_graphs import DraftGraphs
 
@@ -150,15 +150,7 @@ def test_mtp_packed_steps_draft_what_the_eager_steps_draft(model, caplog):
         assert drafter.graphs is None  # the CPU drafts eagerly
         if mode == "packed":
             drafter.graphs = DraftGraphs(model.device)
-        seen = proposed[mode] = []
-        inner = drafter.propose
-
-        def record(lanes, k, states, inner=inner, seen=seen):
-            out = inner(lanes, k, states)
-            seen.append((k, out))
-            return out
-
-        drafter.propose = record
+        proposed[mode] = record_proposals(drafter)
         try:
             for p, ref in zip(prompts, refs):
                 assert run(e, p, 11, sampling=greedy(11))[0] == ref, mode
