@@ -40,6 +40,13 @@ class BackendPoolSpec:
 #                                   the backend's own state (MTP K/V, DFlash K/V, DFlash2 rings) up to
 #                                   date; pre_hidden is the slot's hidden before the pass (h[start-1])
 #   propose(lanes, k, states) -> list[list[int]]   k drafts per lane following lane.next_token
+#   propose_device(lanes, k, states) -> Tensor   optional: the drafts [B, k] left on the device
+#                                   (the verify pass reads them there; the host reads them with
+#                                   its verdicts, one wait a round)
+#   catches_up_columns: bool, catch_up_columns(out, accepted)   optional: the catch-up of a
+#                                   round's accepted positions on the device, from the verify
+#                                   pass's outputs and index, capturable (captured with the
+#                                   round's commit: hpc_cli/speculative/round_tail.py)
 #   warm(batches, widths, k, states, num_pages, max_model_len) -> int   optional: compile and
 #                                   capture the drafter's own shapes at the engine's warm-up (MTP's
 #                                   k steps in a CUDA graph per lanes x table width); returns the

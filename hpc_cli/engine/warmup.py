@@ -147,7 +147,8 @@ def run_shapes(engine: "Engine", shapes: WarmupPlan,
 def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
                    progress: Callable[[int, int], None] | None) -> int:
     """The speculative verify passes of every planned shape, eager then captured, the way the
-    rounds will run them (the runtime's rollback and the drafter's captured layers). A graph is
+    rounds will run them (the runtime's rollback and the drafter's captured layers), each followed
+    by the round's tail (the commit, and the drafter's catch-up), eager then captured. A graph is
     captured only while the kept graphs' outputs fit their budget (a verify graph keeps every
     column's GDN states): past it a shape runs once, which compiles its kernels, and its graph is
     captured when serving meets it twice. Returns the steps done."""
@@ -171,10 +172,11 @@ def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
                 fits = graphs is not None and graphs.held + per_column * B * T <= graphs.budget
                 for _ in range(2 if fits else 1):  # eager, then the capture of its graph
                     held = graphs.held if graphs is not None else 0
-                    verify_pass(model, tokens, [last - T + 1] * B, tables, list(range(B)), kv, states,
-                                keep_all=keep_all, capture=capture)
+                    out = verify_pass(model, tokens, [last - T + 1] * B, tables, list(range(B)), kv, states,
+                                      keep_all=keep_all, capture=capture)
                     if graphs is not None and graphs.held > held and not per_column:
                         per_column = (graphs.held - held) // (B * T)
+                spec.warm_tails(out)  # the round's commit (and catch-up) after this verify graph
                 for s in range(B):
                     states.reset(s)
                 done += 1

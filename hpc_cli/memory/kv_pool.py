@@ -66,6 +66,12 @@ class PagedKVStorage:
             return None
         return self.global_scales[layer, 0 if side == "k" else 1]
 
+    @property
+    def skips_negative_slots(self) -> bool:
+        """Whether :meth:`write` skips a token whose slot is negative (a built-in profile's pool),
+        so that a write of fixed shape can leave tokens out on the device (a captured step)."""
+        return self._formats is not None
+
     # -- data -------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantise ``k``/``v`` ``[N, kv_heads, head_dim]`` and store token i at ``slots[i]``

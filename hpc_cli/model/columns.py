@@ -140,6 +140,12 @@ class ColumnIndex:
         return cls(B, T, W, packed, parts[0], parts[1], parts[2], parts[3].view(T, B), parts[4].view(T, B),
                    parts[5].view(T, B), parts[6].view(B, W), host)
 
+    def put_drafts(self, drafts: torch.Tensor) -> None:
+        """Columns ``1..T-1`` of the tokens from ``drafts`` ``[B, T - 1]`` on the device (one
+        device copy into the packed buffer, no read by the host)."""
+        assert tuple(drafts.shape) == (self.B, self.T - 1), f"drafts {tuple(drafts.shape)} for {self.B} x {self.T} columns"
+        self.tokens.view(self.B, self.T)[:, 1:].copy_(drafts, non_blocking=True)
+
     @classmethod
     def build(cls, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
               slots: Sequence[int], page: int, device: torch.device,
@@ -159,6 +165,10 @@ class ColumnsOut:
     features: torch.Tensor | None  # [B, T, len(capture) * hidden]
     windows: list[torch.Tensor] | None  # per GDN layer [B, C, K-1+T] (keep_all)
     states: list[torch.Tensor] | None  # per GDN layer [B, T, H, dk, dv] (keep_all)
+    #: the device index the pass read (a graph's static one: its tokens, write slots, lengths)
+    index: ColumnIndex | None = None
+    #: a graph's static outputs (valid until the next replay of its key), not a pass's own tensors
+    static: bool = False
 
 
 def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: torch.Tensor,
@@ -275,15 +285,20 @@ def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, page
 
 def columns_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
                  slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = (),
-                 logits: bool = True, rope_offsets: Sequence[int] | None = None) -> ColumnsOut:
+                 logits: bool = True, rope_offsets: Sequence[int] | None = None,
+                 drafts: torch.Tensor | None = None) -> ColumnsOut:
     """Score ``tokens`` ``[B, T]`` at ``starts[b] + t``. With ``keep_all`` the slots are left
     untouched and the conv windows and recurrent states after every column come back; without it
     the state after the last column (and the last hidden) is written to each lane's slot.
-    ``rope_offsets[b]`` is added to lane ``b``'s rotary positions (a Vision prompt's mRoPE delta)."""
+    ``rope_offsets[b]`` is added to lane ``b``'s rotary positions (a Vision prompt's mRoPE delta).
+    ``drafts`` ``[B, T - 1]`` on the device: columns ``1..T-1`` of the tokens, read there (a
+    drafter's proposal that the host has not read; ``tokens`` holds placeholders there)."""
     B, T = tokens.shape
     assert len(starts) == len(tables) == len(slots) == B, "one start, block table and state slot per lane"
     assert len(set(slots)) == B, f"lanes share a state slot: {list(slots)}"
     idx = ColumnIndex.build(tokens, starts, tables, slots, kv.page_tokens, model.device, rope_offsets)
+    if drafts is not None:
+        idx.put_drafts(drafts)
     return columns_core(model, idx, kv, states, keep_all=keep_all, capture=capture, logits=logits)
 
 
@@ -340,4 +355,4 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
         states.hidden.index_copy_(0, slot_t, hidden[:, -1].to(states.hidden.dtype))
     lg = blocks(model.lm_head, R, xn)[:n].view(B, T, -1) if logits else None
     return ColumnsOut(lg, hidden, torch.cat(feats, dim=-1).view(B, T, -1) if feats else None,
-                      windows if keep_all else None, kept if keep_all else None)
+                      windows if keep_all else None, kept if keep_all else None, index=idx)

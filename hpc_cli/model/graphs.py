@@ -172,10 +172,13 @@ class ColumnGraphs(CapturedGraphs):
 
     def run(self, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
             slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = (),
-            logits: bool = True, rope_offsets: Sequence[int] | None = None) -> ColumnsOut:
+            logits: bool = True, rope_offsets: Sequence[int] | None = None,
+            drafts: torch.Tensor | None = None) -> ColumnsOut:
         """The column pass of ``tokens`` ``[B, T]`` (on the host) through a graph. The result's
         tensors are the graph's static outputs: valid until the next run with the same shape
-        (decode clones its logits; the speculative round consumes its verify result at once)."""
+        (decode clones its logits; the speculative round consumes its verify result at once).
+        ``drafts``: columns ``1..T-1`` of the tokens on the device (copied into the packed index
+        after the host's part, before the replay)."""
         model = self.model
         B, T = tokens.shape
         page = kv.page_tokens
@@ -191,8 +194,12 @@ class ColumnGraphs(CapturedGraphs):
         if entry is None:  # the first pass of this key (warm-up), or graphs unavailable
             self.seen.add(key)
             idx = ColumnIndex.view(packed.to(model.device, non_blocking=True), B, T, W)
+            if drafts is not None:
+                idx.put_drafts(drafts)
             return columns_core(model, idx, kv, states, keep_all=keep_all, capture=capture, logits=logits)
         entry.index.packed.copy_(packed, non_blocking=True)
+        if drafts is not None:
+            entry.index.put_drafts(drafts)
         entry.graph.replay()
         self.replays += 1
         return entry.out
@@ -207,6 +214,7 @@ class ColumnGraphs(CapturedGraphs):
         if captured is None:
             return None
         graph, out = captured
+        out.static = True
         return self._keep(key, _Graph(graph, idx, out, _out_bytes(out)))
 
     def _keep(self, key, entry: _Graph) -> _Graph | None:

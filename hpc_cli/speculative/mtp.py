@@ -125,9 +125,41 @@ class MTPDrafter:
         self._write_kv(toks, hid, pos, [limit - 1], [lane.pages[:math.ceil(limit / PAGE_TOKENS)]])
         lane.backend_frontier = limit
 
+    @property
+    def catches_up_columns(self) -> bool:
+        """Whether :meth:`catch_up_columns` serves this drafter's pool (one MTP layer, a pool
+        whose writes skip negative slots)."""
+        return len(self.mtp.layers) == 1 and self.storage is not None and self.storage.skips_negative_slots
+
+    @torch.inference_mode()
+    def catch_up_columns(self, out, accepted: torch.Tensor) -> None:
+        """A round's catch-up on the device: for every lane the MTP K/V of the ``accepted[b]``
+        positions ``start .. start + accepted[b] - 1`` of the verify pass ``out`` (its tokens,
+        hidden and write slots; the columns past a lane's count write nothing), which
+        :meth:`observe` of the round computes lane by lane. No host value is read, so the
+        runtime captures it with the round's commit (:mod:`hpc_cli.speculative.round_tail`).
+        Only for lanes whose frontier is the round's start (``propose`` moved it there)."""
+        idx = out.index
+        B, T = idx.B, idx.T
+        k = T - 1
+        toks = idx.tokens.view(B, T)[:, 1:]  # the token after each position: the drafts
+        pos = idx.seqlens[:k].transpose(0, 1) - 1  # [B, k] (the lengths are positions + 1)
+        keep = torch.arange(k, device=pos.device)[None, :] < accepted[:, None]
+        slots = torch.where(keep, idx.write[:k].transpose(0, 1), torch.full_like(pos, -1))
+        x, cos, sin = self._input(toks, out.hidden[:, :k], pos)
+        layer = self.mtp.layers[0]
+        kk, vv = layer.self_attn.kv(layer.input_layernorm(x), cos, sin)
+        self.storage.write(self.base_layer, slots.reshape(-1), kk, vv)
+
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
     def propose(self, lanes, k: int, states) -> list[list[int]]:
+        return self.propose_device(lanes, k, states).tolist()
+
+    @torch.inference_mode()
+    def propose_device(self, lanes, k: int, states) -> torch.Tensor:
+        """:meth:`propose`'s drafts ``[B, k]`` left on the device (the k steps and the verify
+        pass queue without a wait; a graph's static buffer: read it within the round)."""
         if self.graphs is not None:
             return self._propose_packed(lanes, k, states)
         dev = self.model.device
@@ -155,7 +187,7 @@ class MTPDrafter:
             tok = logits[:, -1].argmax(-1, keepdim=True)
             steps.append(tok)
             hid, pos = g, pos + 1
-        return torch.cat(steps, 1).tolist()
+        return torch.cat(steps, 1)
 
     # ------------------------------------------------------------------ drafting in a graph
     def _steps(self, packed: torch.Tensor, W: int, k: int, states) -> torch.Tensor:
@@ -176,7 +208,7 @@ class MTPDrafter:
             hid, pos = g, pos + 1
         return torch.cat(steps, 1)
 
-    def _propose_packed(self, lanes, k: int, states) -> list[list[int]]:
+    def _propose_packed(self, lanes, k: int, states) -> torch.Tensor:
         """:meth:`propose` through :class:`~hpc_cli.speculative.draft_graphs.DraftGraphs`: the
         round's inputs packed into one pinned host tensor, the steps replayed from a graph."""
         assert self.graphs is not None, "packed proposals need the drafter's graphs"
@@ -192,7 +224,7 @@ class MTPDrafter:
         drafts = self.graphs.run(key, packed, lambda p: self._steps(p, W, k, states))
         for l in lanes:
             l.backend_frontier = max(l.backend_frontier or 0, l.pos)
-        return drafts.tolist()
+        return drafts
 
     @torch.inference_mode()
     def warm(self, batches, widths, k: int, states, num_pages: int, max_model_len: int) -> int:

@@ -120,28 +120,37 @@ VerifyOut = ColumnsOut
 
 @torch.inference_mode()
 def verify_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
-                slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = ()) -> VerifyOut:
+                slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = (),
+                drafts: torch.Tensor | None = None) -> VerifyOut:
     """Score ``tokens`` ``[B, T]`` at ``starts[b] + t``: the column pass that
     :meth:`HybridModel.decode` runs with one column, so column ``t`` is bit-identical to decoding
     that token (hpc_cli.model.columns). With ``keep_all`` the slots are left untouched and the
     per-column states come back (commit with :func:`commit_states`); without it the final state
     of every lane is written to its slot (the ``recompute`` rollback). On CUDA the pass runs
     through the model's graphs (hpc_cli.model.graphs), whose outputs live until the next pass of
-    the same shape: consume them within the round."""
+    the same shape: consume them within the round. ``drafts`` ``[B, T - 1]`` on the device:
+    the draft columns of ``tokens``, read there (a proposal the host has not waited for)."""
     graphs = model.column_graphs(kv)
     if graphs is not None:
         return graphs.run(torch.as_tensor(tokens).cpu(), starts, tables, slots, kv, states, keep_all=keep_all,
-                          capture=capture)
-    return columns_pass(model, tokens, starts, tables, slots, kv, states, keep_all=keep_all, capture=capture)
+                          capture=capture, drafts=drafts)
+    return columns_pass(model, tokens, starts, tables, slots, kv, states, keep_all=keep_all, capture=capture,
+                        drafts=drafts)
 
 
 @torch.inference_mode()
 def commit_states(states, out: VerifyOut, slots: Sequence[int], keep: Sequence[int]) -> None:
     """Write into each lane's slot the state after column ``keep[b]`` (the last accepted one)."""
-    dev = out.logits.device
+    dev = out.hidden.device
+    commit_columns(states, out, torch.tensor(list(slots), dtype=torch.long, device=dev),
+                   torch.tensor(list(keep), dtype=torch.long, device=dev))
+
+
+def commit_columns(states, out: VerifyOut, slot_t: torch.Tensor, j: torch.Tensor) -> None:
+    """:func:`commit_states` on device tensors (``slot_t``, ``j`` ``[B]``): no host value read,
+    so a round's tail can be captured (:mod:`hpc_cli.speculative.round_tail`)."""
+    dev = out.hidden.device
     B, T = out.hidden.shape[:2]
-    slot_t = torch.tensor(list(slots), dtype=torch.long, device=dev)
-    j = torch.tensor(list(keep), dtype=torch.long, device=dev)
     flat = torch.arange(B, device=dev) * T + j  # row b * T + keep[b] of the [B * T, ...] views
     for g, (window, st) in enumerate(zip(out.windows, out.states)):
         conv = states.conv[g]

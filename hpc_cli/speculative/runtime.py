@@ -28,7 +28,8 @@ import torch
 
 from hpc_cli.engine.sampling import event_for, target_probs
 from hpc_cli.kv_profile import PAGE_TOKENS
-from hpc_cli.speculative.ops import Snapshot, commit_states, verify_pass
+from hpc_cli.speculative.ops import Snapshot, commit_columns, commit_states, verify_pass
+from hpc_cli.speculative.round_tail import RoundTails
 
 if TYPE_CHECKING:
     from hpc_cli.engine.api import TokenEvent
@@ -54,6 +55,8 @@ class SpeculativeStats:
     accepted_histogram: dict[str, int]
     propose_s: float
     verify_s: float
+    #: MTP leaves its drafts on the device: its propose_s and verify_s are the launches, and the
+    #: wait for both is in rollback_s
     rollback_s: float  # reading the logits (the wait for the verify pass), accepting, the rollback
     catch_up_s: float  # the drafter's catch-up on the committed tokens and the block commits
     recomputed_columns: int
@@ -90,6 +93,7 @@ class SpecRuntime:
     def bind(self, storage, backend_storage, states) -> None:
         self.storage, self.states = storage, states
         self.drafter.bind(storage, backend_storage, states)
+        self.tails = RoundTails(self.model.device, self.model.column_graphs(storage) is not None)
 
     # ------------------------------------------------------------------ prefill side
     def prefill_kwargs(self) -> dict[str, Any]:
@@ -130,24 +134,44 @@ class SpecRuntime:
     def _round(self, engine: "RoundHost", lanes, k: int) -> None:
         t0 = time.monotonic()
         model, states = self.model, self.states
-        drafts = self.drafter.propose(lanes, k, states) if k else [[] for _ in lanes]
+        keep_all = self.rollback == "per_token"
+        # drafts left on the device where the drafter can (MTP): the proposal and the verify pass
+        # queue without a wait, and the host reads drafts and verdicts at once
+        on_device = k > 0 and keep_all and hasattr(self.drafter, "propose_device")
+        if on_device:
+            dev_drafts = self.drafter.propose_device(lanes, k, states)
+            drafts = None
+        else:
+            drafts = self.drafter.propose(lanes, k, states) if k else [[] for _ in lanes]
         t1 = time.monotonic()
         T = k + 1
-        tokens = torch.tensor([[l.next_token] + list(d) for l, d in zip(lanes, drafts)], dtype=torch.long)
+        tokens = torch.tensor([[l.next_token] + (list(d) if d is not None else [0] * k)
+                               for l, d in zip(lanes, drafts or [None] * len(lanes))], dtype=torch.long)
         starts = [l.pos for l in lanes]
         tables = [l.pages[:math.ceil((l.pos + T) / PAGE_TOKENS)] for l in lanes]
         slots = [l.state_slot for l in lanes]
-        keep_all = self.rollback == "per_token"
         snap = Snapshot(states, slots) if not keep_all and k else None
+        # the catch-up runs on the device with the commit where the drafter can and every lane's
+        # frontier is the round's start (else lane by lane, after the commit)
+        tail_catch_up = (keep_all and k > 0 and getattr(self.drafter, "catches_up_columns", False)
+                         and all(l.backend_frontier == l.pos for l in lanes))
         pre_hid = (states.hidden.index_select(0, torch.tensor(slots, device=states.hidden.device))
-                   if self.drafter.needs_hidden else None)
+                   if self.drafter.needs_hidden and not tail_catch_up else None)
         out = verify_pass(model, tokens, starts, tables, slots, engine.storage, states, keep_all=keep_all,
-                          capture=self.drafter.capture)
+                          capture=self.drafter.capture, drafts=dev_drafts if on_device else None)
         t2 = time.monotonic()
         logits = out.logits.float()
-        # every column's greedy token in one read of the device (not one per column)
-        greedy = (out.logits.argmax(-1).tolist() if any(l.request.sampling.temperature == 0.0 for l in lanes)
-                  else None)
+        any_greedy = any(l.request.sampling.temperature == 0.0 for l in lanes)
+        # every column's greedy token in one read of the device (not one per column), with the
+        # drafts when they were left there
+        greedy = None
+        if on_device:
+            both = torch.cat([dev_drafts, out.logits.argmax(-1)], 1) if any_greedy else dev_drafts
+            rows = both.tolist()
+            drafts = [r[:k] for r in rows]
+            greedy = [r[k:] for r in rows] if any_greedy else None
+        elif any_greedy:
+            greedy = out.logits.argmax(-1).tolist()
         accepted = []
         for b, lane in enumerate(lanes):
             acc = self._accept(engine, lane, logits[b], drafts[b], greedy[b] if greedy is not None else None)
@@ -156,7 +180,9 @@ class SpecRuntime:
             lane.usage.accepted_draft_tokens += acc
             self.accept_hist[acc] += 1
         # roll the GDN state to the last accepted column
-        if keep_all:
+        if keep_all and k:
+            self._run_tail(out, accepted, tail_catch_up)
+        elif keep_all:
             commit_states(states, out, slots, accepted)
         elif snap is not None:
             redo = [b for b, a in enumerate(accepted) if a < k]
@@ -172,10 +198,13 @@ class SpecRuntime:
         t3 = time.monotonic()
         for b, lane in enumerate(lanes):
             n = accepted[b] + 1
-            feats = out.features[b] if out.features is not None else None
-            pre = pre_hid[b] if pre_hid is not None else None
             lane.pos += n
-            self.drafter.observe(lane, starts[b], n, out.hidden[b], feats, pre, extend=False)
+            if tail_catch_up:  # the MTP K/V of [start, start + accepted) were written in the tail
+                lane.backend_frontier = max(lane.backend_frontier, starts[b] + accepted[b])
+            else:
+                feats = out.features[b] if out.features is not None else None
+                pre = pre_hid[b] if pre_hid is not None else None
+                self.drafter.observe(lane, starts[b], n, out.hidden[b], feats, pre, extend=False)
             engine.commit_blocks(lane)
         t4 = time.monotonic()
         dt = t4 - t0
@@ -192,6 +221,32 @@ class SpecRuntime:
         c["verify_us"] += int((t2 - t1) * 1e6)
         c["rollback_us"] += int((t3 - t2) * 1e6)
         c["catch_up_us"] += int((t4 - t3) * 1e6)
+
+    def _run_tail(self, out, accepted: list[int], catch_up: bool) -> None:
+        """The round's tail after the verify pass ``out`` (:mod:`~hpc_cli.speculative.round_tail`):
+        each lane's state after its last accepted column into its slot and, with ``catch_up``,
+        the drafter's K/V of the accepted positions."""
+        states = self.states
+        step = self.drafter.catch_up_columns if catch_up else None
+
+        def tail(o, acc):
+            commit_columns(states, o, o.index.slots, acc)
+            if step is not None:
+                step(o, acc)
+
+        self.tails.run(out, accepted, self.storage, states, "commit+catch-up" if catch_up else "commit", tail)
+
+    def warm_tails(self, out) -> int:
+        """The tails a round can run after the verify pass ``out`` (a warm-up shape: its slots
+        are reset afterwards), eager then captured where ``out`` is a graph's: the commit alone,
+        and with the drafter's catch-up where it has one. Returns the tails run."""
+        if self.rollback != "per_token" or out.index is None or out.index.T < 2:
+            return 0
+        variants = [False, True] if getattr(self.drafter, "catches_up_columns", False) else [False]
+        for catch_up in variants:
+            for _ in range(2 if out.static else 1):
+                self._run_tail(out, [0] * out.index.B, catch_up)
+        return len(variants)
 
     def _accept(self, engine: "RoundHost", lane, logits: torch.Tensor, drafts: list[int],
                 greedy: list[int] | None = None) -> int:

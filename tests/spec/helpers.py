@@ -53,14 +53,16 @@ def settle(engine: Engine) -> dict:
 
 
 def record_proposals(drafter) -> list[tuple[int, list[list[int]]]]:
-    """Wrap ``drafter.propose`` so that each round's ``(k, drafts)`` is appended to the list returned."""
+    """Wrap the drafter's proposal (``propose_device`` where it has one, which the runtime calls
+    then, else ``propose``) so that each round's ``(k, drafts)`` is appended to the list returned."""
     seen: list[tuple[int, list[list[int]]]] = []
-    inner = drafter.propose
+    name = "propose_device" if hasattr(drafter, "propose_device") else "propose"
+    inner = getattr(drafter, name)
 
     def propose(lanes, k, states):
         out = inner(lanes, k, states)
-        seen.append((k, out))
+        seen.append((k, out.tolist() if name == "propose_device" else out))
         return out
 
-    drafter.propose = propose
+    setattr(drafter, name, propose)
     return seen

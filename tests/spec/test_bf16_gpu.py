@@ -72,6 +72,9 @@ def test_cuda_spec_warmup_covers_serving():
             drafts = getattr(e.spec.drafter, "graphs", None)  # MTP's k steps: captured at the warm-up
             assert (drafts is not None and drafts.captures > 0) == (name == "mtp"), f"{name}: draft graphs"
             draft_captures = drafts.captures if drafts is not None else 0
+            tails = e.spec.tails  # the rounds' commit (and MTP's catch-up): captured at the warm-up
+            assert tails.captures > 0 and tails.disabled is None, f"{name}: round tails {tails.disabled}"
+            tail_captures = tails.captures
             for n in (30, 700):  # 1 and 11+ pages of context: two table widths
                 run(e, tokens(n, n), 6)  # 6 tokens, k = 3: a last round drafting fewer
             handles = [e.submit(GenerationRequest(tokens(n, n + 1), greedy(7))) for n in (100, 520)]
@@ -83,6 +86,8 @@ def test_cuda_spec_warmup_covers_serving():
                 assert drafts.disabled is None and drafts.replays > 0, drafts.disabled
                 assert drafts.captures == draft_captures, f"{name}: draft graphs captured while serving"
             assert graphs.disabled is None, graphs.disabled
+            assert tails.replays > 0 and tails.captures == tail_captures, \
+                f"{name}: {tails.captures - tail_captures} round tails captured while serving"
         finally:
             settle(e)
 

@@ -130,6 +130,43 @@ def test_draft_page_table_has_a_decode_graph_width():
     assert width == 3 and table[1].tolist() == [9, 9, 9]
 
 
+def test_mtp_round_catch_up_writes_what_observe_writes(model):
+    """The round's tail catch-up (``catch_up_columns``: one call over every lane's verify
+    columns, the columns past a lane's accepted count kept out by negative write slots) stores
+    the K/V that observe's lane-by-lane catch-up stores, and nothing past each lane's count."""
+    from hpc_cli.model.columns import ColumnIndex, ColumnsOut
+
+    c = model.config
+    base = len(c.attention_layers)
+    B, T = 3, 4
+    starts, accepted = [5, 70, 130], [0, 2, 3]
+    tables = [[0, 1], [2, 3], [4, 5, 6]]
+    g = torch.Generator().manual_seed(5)
+    toks = torch.randint(1, 250, (B, T), generator=g)
+    hidden = torch.randn(B, T, c.hidden_size, generator=g)
+    pools = []
+    for mode in ("tail", "observe"):
+        kv = PagedKVStorage(kv_profile("bf16"), base + 1, c.num_key_value_heads, c.head_dim, 8)
+        drafter = MTPDrafter(model)
+        drafter.bind(kv, None, None)
+        if mode == "tail":
+            assert drafter.catches_up_columns
+            idx = ColumnIndex.build(toks, starts, tables, list(range(B)), kv.page_tokens, model.device)
+            drafter.catch_up_columns(ColumnsOut(None, hidden, None, None, None, index=idx), torch.tensor(accepted))
+        else:
+            for b, n in enumerate(accepted):
+                if n:
+                    pos = torch.arange(starts[b], starts[b] + n)[None]
+                    drafter._write_kv(toks[b:b + 1, 1:1 + n], hidden[b:b + 1, :n], pos, [starts[b] + n - 1],
+                                      [tables[b]])
+        pools.append(kv)
+    tail, observed = (kv.gather(base, list(range(7)), 7 * kv.page_tokens, torch.float32) for kv in pools)
+    for a, b in zip(tail, observed):
+        assert torch.count_nonzero(b) > 0, "observe wrote nothing"
+        assert torch.equal(a != 0, b != 0), "the tail wrote other positions than observe"
+        assert torch.equal(a, b), "the tail wrote other K/V than observe"
+
+
 def test_mtp_packed_steps_draft_what_the_eager_steps_draft(model, caplog):
     """The steps a CUDA graph captures (``MTPDrafter._steps`` on one packed input, the bridge's
     K/V kept out by a negative write slot) propose what the eager steps propose, round by round,
