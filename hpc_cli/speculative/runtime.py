@@ -151,9 +151,11 @@ class SpecRuntime:
         tables = [l.pages[:math.ceil((l.pos + T) / PAGE_TOKENS)] for l in lanes]
         slots = [l.state_slot for l in lanes]
         snap = Snapshot(states, slots) if not keep_all and k else None
-        # the catch-up runs on the device with the commit where the drafter can and every lane's
-        # frontier is the round's start (else lane by lane, after the commit)
-        tail_catch_up = (keep_all and k > 0 and getattr(self.drafter, "catches_up_columns", False)
+        # the catch-up runs with the commit in the tail's graph where the drafter can and every
+        # lane's frontier is the round's start; else (and without graphs, where the lane-by-lane
+        # catch-up skips the lanes that accepted nothing and costs less) lane by lane
+        tail_catch_up = (keep_all and k > 0 and self.tails.use_graphs
+                         and getattr(self.drafter, "catches_up_columns", False)
                          and all(l.backend_frontier == l.pos for l in lanes))
         pre_hid = (states.hidden.index_select(0, torch.tensor(slots, device=states.hidden.device))
                    if self.drafter.needs_hidden and not tail_catch_up else None)
@@ -242,7 +244,8 @@ class SpecRuntime:
         and with the drafter's catch-up where it has one. Returns the tails run."""
         if self.rollback != "per_token" or out.index is None or out.index.T < 2:
             return 0
-        variants = [False, True] if getattr(self.drafter, "catches_up_columns", False) else [False]
+        variants = [False, True] if self.tails.use_graphs and getattr(self.drafter, "catches_up_columns", False) \
+            else [False]
         for catch_up in variants:
             for _ in range(2 if out.static else 1):
                 self._run_tail(out, [0] * out.index.B, catch_up)

@@ -167,6 +167,45 @@ def test_mtp_round_catch_up_writes_what_observe_writes(model):
         assert torch.equal(a, b), "the tail wrote other K/V than observe"
 
 
+def test_mtp_rounds_with_the_tail_catch_up_propose_what_lane_by_lane_rounds_propose():
+    """With the round's tail catching MTP up (every lane in one call, as the CUDA graph of the
+    tail runs it; forced on the CPU, where the tail runs eagerly) an engine proposes what one
+    catching up lane by lane proposes, round by round, two lanes at a time, and answers as plain
+    greedy decoding does."""
+    from helpers import greedy, make, record_proposals, settle
+
+    from hpc_cli.engine.api import GenerationRequest
+    from hpc_cli.model.model import HybridModel
+
+    model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)  # its MTP head accepts drafts
+    tok = model.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                  enable_thinking=False))
+               for q in ("What does json.dumps do?", "What is functools.partial?", "Explain datetime.timedelta.")]
+    off = make(model, reuse=False)
+    refs = [off.generate(GenerationRequest(p, greedy(13)), timeout=300)[0] for p in prompts]
+    settle(off)
+    proposed: dict[str, list] = {}
+    for mode in ("tail", "lane by lane"):
+        e = make(model, "mtp")
+        drafter = e.spec.drafter
+        e.spec.tails.use_graphs = mode == "tail"
+        calls = []
+        inner = drafter.catch_up_columns
+        drafter.catch_up_columns = lambda out, acc: (calls.append(acc.tolist()), inner(out, acc))
+        proposed[mode] = record_proposals(drafter)
+        try:
+            handles = [e.submit(GenerationRequest(p, greedy(13))) for p in prompts]
+            assert [[t.token_id for t in h.result(timeout=300)[0]] for h in handles] == refs, mode
+            assert bool(calls) == (mode == "tail"), mode
+            if mode == "tail":
+                assert any(len(c) == 2 for c in calls), "no round of two lanes"
+                assert any(a > 0 for c in calls for a in c), "no round accepted a draft: nothing caught up"
+        finally:
+            settle(e)
+    assert proposed["tail"] and proposed["tail"] == proposed["lane by lane"]
+
+
 def test_mtp_packed_steps_draft_what_the_eager_steps_draft(model, caplog):
     """The steps a CUDA graph captures (``MTPDrafter._steps`` on one packed input, the bridge's
     K/V kept out by a negative write slot) propose what the eager steps propose, round by round,
