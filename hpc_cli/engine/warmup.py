@@ -104,6 +104,11 @@ def run_shapes(engine: "Engine", shapes: WarmupPlan,
 
     scratch = list(getattr(engine.cache, "tap_scratch", ()))
     slots = min(graphs.tap_slots, len(scratch)) if graphs is not None else 0
+    # a speculative backend's passes return every position's hidden or some layers' features
+    spec_kw = engine.spec.prefill_kwargs() if engine.spec is not None else {}
+    if graphs is not None and shapes.prefill_lengths:
+        graphs.reserve_rows = max(graphs.reserve_rows, -(-max(shapes.prefill_lengths) // model.prefill_pad)
+                                  * model.prefill_pad)
     for n in shapes.prefill_lengths:
         tokens = [(7 * i + 3) % max(2, vocab - 1) + 1 for i in range(n)]
         table = [i % num_pages for i in range(-(-n // BLOCK_TOKENS))]
@@ -112,7 +117,7 @@ def run_shapes(engine: "Engine", shapes: WarmupPlan,
         for tapped in variants:
             for _ in range(2 if graphs is not None else 1):  # eager, then the capture of its graph
                 states.reset(slot)
-                model.prefill(tokens, 0, table, slot, kv, states, taps=tapped)
+                model.prefill(tokens, 0, table, slot, kv, states, taps=tapped, **spec_kw)
         if done == 0:
             torch.cuda.synchronize(model.device)
             report.first_prefill_s = time.perf_counter() - t0

@@ -230,15 +230,17 @@ class HybridModel(nn.Module):
         into its own state slot, not ``state_slot``; as many as
         :func:`hpc_cli.model.gdn_taps.tap_capacity` allows), returned in ``PrefillOut.taps``."""
         assert start >= 0, f"prefill start must be >= 0, got {start}"
-        if media is None and not (all_logits or all_hidden or capture):
+        if media is None and not all_logits:
             graphs = self.prefill_graphs(kv)
             if graphs is not None and len(taps) <= graphs.tap_slots:
                 if layer_ready is not None:  # a graph runs every layer at once: the restore lands first
                     for i in range(len(self.layers)):
                         layer_ready(i)
                 out = graphs.run(tokens if torch.is_tensor(tokens) else list(tokens), start, block_table,
-                                 state_slot, kv, states, taps=[(t.position - start, t.slot) for t in taps])
-                return PrefillOut(logits=out.logits, hidden_last=out.hidden_last, taps=list(taps))
+                                 state_slot, kv, states, taps=[(t.position - start, t.slot) for t in taps],
+                                 all_hidden=all_hidden, capture=tuple(capture))
+                return PrefillOut(logits=out.logits, hidden_last=out.hidden_last, hidden=out.hidden,
+                                  features=out.features, taps=list(taps))
         tokens = self._tokens(tokens)
         t = tokens.shape[0]
         assert t >= 1, "prefill needs at least one token"

@@ -168,14 +168,23 @@ class PrefillIndex:
 class PrefillCoreOut:
     logits: torch.Tensor  # [vocab] of the last valid row
     hidden_last: torch.Tensor  # [hidden] after the final norm
+    #: ``[rows, hidden]`` after the final norm, every row (``hidden_out``: a speculative backend's)
+    hidden: torch.Tensor | None = None
+    #: ``[rows, len(capture) * hidden]``: the residual stream after each captured layer (DFlash)
+    features: torch.Tensor | None = None
 
 
 def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
-                 states: "StateSlots") -> PrefillCoreOut:
+                 states: "StateSlots", *, hidden_out: torch.Tensor | None = None,
+                 features_out: torch.Tensor | None = None, capture: Sequence[int] = ()) -> PrefillCoreOut:
     """One lane's prefill pass of ``idx.L`` rows (the valid ones first) from device indices only.
     Reads the pages through the paged prefill kernel where the pool allows (else gathers them with
     the host values in ``idx.host``); writes K/V, the lane's GDN states and its hidden. With tap
-    slots (``idx.slots``) the pass also writes its taps' images into their state slots (no split)."""
+    slots (``idx.slots``) the pass also writes its taps' images into their state slots (no split).
+    What a speculative backend reads of the pass goes into tensors the caller owns (a graph's
+    shared buffers): ``hidden_out`` ``[L, hidden]`` every row's hidden after the final norm, and
+    ``features_out`` ``[L, len(capture) * hidden]`` the residual stream after each layer of
+    ``capture``, in layer order."""
     from hpc_cli.model.attention import prefill_attention
 
     L = idx.L
@@ -191,6 +200,8 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
     paged = kv.paged_attention_supported(model.config.num_attention_heads)
     x = model._embed(idx.tokens)
     slot = idx.slot
+    captured = sorted(set(capture)) if features_out is not None else []
+    width = features_out.shape[-1] // max(1, len(captured)) if captured else 0
     for i, layer in enumerate(model.layers):
         h = layer.input_layernorm(x)
         if layer.kind == "linear_attention":
@@ -221,9 +232,16 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
             out = attn.finish(o, gate)
         x = x + out
         x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if i in captured:
+            j = captured.index(i)
+            features_out[:, j * width:(j + 1) * width].copy_(x)
     if idx.slots:  # before the lane's own hidden (a slot not used points at the lane's)
         states.hidden.index_copy_(0, idx.tap_dst, model.norm(x.index_select(0, idx.tap_last)).to(states.hidden.dtype))
-    x = model.norm(x.index_select(0, idx.last))
+    if hidden_out is not None:  # every row's hidden; the last one's from the same norm
+        hidden_out.copy_(model.norm(x))
+        x = hidden_out.index_select(0, idx.last)
+    else:
+        x = model.norm(x.index_select(0, idx.last))
     states.hidden.index_copy_(0, slot, x.to(states.hidden.dtype))
     logits = model.lm_head(x)
-    return PrefillCoreOut(logits=logits[0], hidden_last=x[0])
+    return PrefillCoreOut(logits=logits[0], hidden_last=x[0], hidden=hidden_out, features=features_out)

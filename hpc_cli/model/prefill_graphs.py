@@ -20,10 +20,15 @@ device indices only, so its kernels can be captured once per shape and replayed:
   graph of the same length with :data:`~hpc_cli.model.gdn_taps.TAP_SLOTS` tap slots (key
   ``slots``): the taps' offsets and state slots are read from the index, and the pass writes
   each tap's image straight into its state slot.
+* What a speculative backend reads of a pass (every position's hidden for MTP, the residual
+  stream after some layers for DFlash) is written into buffers that all the graphs share (one a
+  kind, as many rows as the longest pass: :attr:`PrefillGraphs.reserve_rows`, set by the warm-up)
+  and copied out after the replay, so a graph holds no output of its own for them; the key carries
+  which outputs a pass writes.
 * Used where the column graphs are (dense models on CUDA, a pool the paged kernel reads, ``[engine]
-  cuda_graphs``), for plain passes: a pass that wants every position's logits or hidden, captured
-  layer features (speculative backends) or image embeddings runs eagerly. A failed capture turns
-  prefill graphs off for the model with one warning.
+  cuda_graphs``); a pass that wants every position's logits (prompt logprobs) or carries image
+  embeddings runs eagerly. A failed capture turns prefill graphs off for the model with one
+  warning.
 """
 
 from __future__ import annotations
@@ -63,6 +68,34 @@ class PrefillGraphs(CapturedGraphs):
         #: taps a pass takes itself (0 where fla's kernels or the tap recurrence do not take the
         #: model: the pass splits at each)
         self.tap_slots = tap_capacity(model.device, model.config.linear_key_head_dim)
+        #: rows of the shared output buffers (the longest pass expected; a longer one makes them anew)
+        self.reserve_rows = 0
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._held: list[torch.Tensor] = []  # every buffer a graph was captured with stays alive
+
+    def _buffer(self, kind: str, cols: int, rows: int) -> torch.Tensor:
+        """The first ``rows`` rows of the shared ``kind`` output buffer of ``cols`` columns."""
+        buf = self._buffers.get((kind, cols))
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty(max(rows, self.reserve_rows), cols, dtype=self.model.dtype, device=self.model.device)
+            self._buffers[(kind, cols)] = buf
+            self._held.append(buf)  # a captured graph writes it by address
+        return buf[:rows]
+
+    def _outputs(self, L: int, all_hidden: bool, capture: tuple[int, ...], shared: bool) -> dict:
+        """``prefill_core``'s output tensors for a pass of ``L`` rows: views of the shared buffers
+        (``shared``: a graph's capture) or new tensors (an eager pass)."""
+        H = self.model.config.hidden_size
+        kw: dict = {}
+        if all_hidden:
+            kw["hidden_out"] = (self._buffer("hidden", H, L) if shared else
+                                torch.empty(L, H, dtype=self.model.dtype, device=self.model.device))
+        if capture:
+            cols = len(capture) * H
+            kw["features_out"] = (self._buffer("features", cols, L) if shared else
+                                  torch.empty(L, cols, dtype=self.model.dtype, device=self.model.device))
+            kw["capture"] = capture
+        return kw
 
     def _key(self, L: int, W: int, slots: int, kv: "PagedKVStorage", states: "StateSlots") -> tuple:
 
@@ -76,10 +109,13 @@ class PrefillGraphs(CapturedGraphs):
         return (L, W, slots, bound, scales)
 
     def run(self, tokens: Sequence[int] | torch.Tensor, start: int, block_table: Sequence[int], state_slot: int,
-            kv: "PagedKVStorage", states: "StateSlots", taps: Sequence[tuple[int, int]] = ()) -> PrefillCoreOut:
+            kv: "PagedKVStorage", states: "StateSlots", taps: Sequence[tuple[int, int]] = (), *,
+            all_hidden: bool = False, capture: Sequence[int] = ()) -> PrefillCoreOut:
         """One lane's pass of ``tokens`` at ``start ..``, padded to a multiple of the model's
         ``prefill_pad``; through a graph from the second pass of its shape on. ``taps``: ``(offset
-        inside the pass, state slot)`` of each image the pass writes (at most :attr:`tap_slots`)."""
+        inside the pass, state slot)`` of each image the pass writes (at most :attr:`tap_slots`).
+        ``all_hidden``/``capture``: every valid row's hidden / the residual stream after the
+        ``capture`` layers come back too (``hidden``, ``features``: ``[len(tokens), ...]``)."""
         model = self.model
         page = kv.page_tokens
         n = len(tokens)
@@ -90,27 +126,34 @@ class PrefillGraphs(CapturedGraphs):
         assert len(taps) <= self.tap_slots, f"{len(taps)} taps do not fit {self.tap_slots} tap slots"
         slots = self.tap_slots if taps else 0
         packed = PrefillIndex.pack(tokens, start, block_table, state_slot, L, W, page, k1, taps, slots).pin_memory()
-        key = self._key(L, W, slots, kv, states)
+        capture = tuple(sorted(set(capture)))
+        key = (*self._key(L, W, slots, kv, states), all_hidden, capture)
         entry = self.graphs.get(key)
         if entry is None and key in self.seen and self.disabled is None:
-            entry = self._capture(key, packed, L, W, slots, kv, states)
+            entry = self._capture(key, packed, L, W, slots, kv, states, all_hidden, capture)
         if entry is None:  # the first pass of this shape (warm-up), or graphs unavailable
             self.seen.add(key)
             self.eager += 1
             idx = PrefillIndex.view(packed.to(model.device, non_blocking=True), L, W, host=(start, n), slots=slots)
-            out = prefill_core(model, idx, kv, states)
+            out = prefill_core(model, idx, kv, states, **self._outputs(L, all_hidden, capture, shared=False))
+            hidden, feats = out.hidden, out.features
         else:
             entry.index.packed.copy_(packed, non_blocking=True)
             entry.graph.replay()
             self.replays += 1
             out = PrefillCoreOut(entry.out.logits.clone(), entry.out.hidden_last.clone())
+            hidden = entry.out.hidden.clone() if entry.out.hidden is not None else None
+            feats = entry.out.features.clone() if entry.out.features is not None else None
+        out.hidden = hidden[:n] if hidden is not None else None
+        out.features = feats[:n] if feats is not None else None
         return out
 
     def _capture(self, key: tuple, packed: torch.Tensor, L: int, W: int, slots: int, kv: "PagedKVStorage",
-                 states: "StateSlots") -> _PrefillGraph | None:
+                 states: "StateSlots", all_hidden: bool, capture: tuple[int, ...]) -> _PrefillGraph | None:
         model = self.model
         idx = PrefillIndex.view(packed.to(model.device), L, W, slots=slots)
-        captured = self.try_capture(lambda: prefill_core(model, idx, kv, states), "prefilling")
+        outputs = self._outputs(L, all_hidden, capture, shared=True)
+        captured = self.try_capture(lambda: prefill_core(model, idx, kv, states, **outputs), "prefilling")
         if captured is None:
             return None
         graph, out = captured

@@ -119,3 +119,35 @@ def test_indexed_pass_with_tap_slots_equals_the_tapped_pass(tiny, tokens, taps):
         assert torch.equal(states2.hidden[slot], states.hidden[slot]), f"slot {slot}: hidden"
     for slot in [0, 1, *range(3 + len(taps), 3 + TAP_SLOTS)]:
         assert all(bool((part[slot] == 3.0).all()) for part in states2.parts()), f"slot {slot} was written"
+
+
+@pytest.mark.parametrize("cuts", [[], [37, 101]], ids=lambda c: "-".join(map(str, c)) or "one")
+def test_indexed_pass_returns_what_a_speculative_backend_reads(tiny, tokens, cuts):
+    """Every position's hidden (MTP) and the residual stream after captured layers (DFlash), which
+    a graph writes into shared buffers: the eager pass's values bit for bit on the valid rows, and
+    the same logits and hidden state."""
+    capture = (3, 1)
+    bounds = [0, *cuts, N]
+    got, ref = [], []
+    for indexed in (True, False):
+        kv, states = tiny.new_kv_storage("bf16", 8), tiny.new_state_slots(3)
+        tiny.prefill_pad = 64
+        try:
+            for a, b in zip(bounds, bounds[1:]):
+                if indexed:
+                    L = -(-(b - a) // 64) * 64
+                    H = tiny.config.hidden_size
+                    idx = PrefillIndex.build(tiny, tokens[a:b], a, TABLE, 2, L, kv.page_tokens)
+                    out = prefill_core(tiny, idx, kv, states, hidden_out=torch.full((L, H), float("nan")),
+                                       features_out=torch.full((L, 2 * H), float("nan")), capture=capture)
+                    got.append((out.logits, out.hidden[:b - a], out.features[:b - a]))
+                else:
+                    out = tiny.prefill(tokens[a:b], a, TABLE, 2, kv, states, all_hidden=True, capture=capture)
+                    ref.append((out.logits, out.hidden, out.features))
+        finally:
+            tiny.prefill_pad = 1
+    assert len(got) == len(ref) == len(bounds) - 1
+    for (lg, hid, feats), (rlg, rhid, rfeats) in zip(got, ref):
+        assert torch.equal(lg, rlg), "logits differ"
+        assert torch.equal(hid, rhid), "every position's hidden differs"
+        assert torch.equal(feats, rfeats), "captured features differ"

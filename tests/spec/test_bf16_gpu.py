@@ -75,6 +75,7 @@ def test_cuda_spec_warmup_covers_serving():
             tails = e.spec.tails  # the rounds' commit (and MTP's catch-up): captured at the warm-up
             assert tails.captures > 0 and tails.disabled is None, f"{name}: round tails {tails.disabled}"
             tail_captures = tails.captures
+            prefill_captures = prefill.captures  # passes returning the hidden / features: captured too
             for n in (30, 700):  # 1 and 11+ pages of context: two table widths
                 run(e, tokens(n, n), 6)  # 6 tokens, k = 3: a last round drafting fewer
             handles = [e.submit(GenerationRequest(tokens(n, n + 1), greedy(7))) for n in (100, 520)]
@@ -88,6 +89,8 @@ def test_cuda_spec_warmup_covers_serving():
             assert graphs.disabled is None, graphs.disabled
             assert tails.replays > 0 and tails.captures == tail_captures, \
                 f"{name}: {tails.captures - tail_captures} round tails captured while serving"
+            assert prefill.replays > 0 and prefill.captures == prefill_captures, \
+                f"{name}: {prefill.captures - prefill_captures} prefill graphs captured while serving"
         finally:
             settle(e)
 
