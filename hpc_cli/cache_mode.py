@@ -49,7 +49,10 @@ class CacheMode:
     def tap_slots(self, options: BaseModel, *, model: "HybridModel", speculative: bool) -> int:
         """State slots a prefill pass of this mode writes the images of its exact taps into
         (the zero-split tap): the engine allocates them after :meth:`snapshot_slots` and hands
-        the count over in :class:`~hpc_cli.engine.binding.BindingContext` (``tap_slots``)."""
+        the count over in :class:`~hpc_cli.engine.binding.BindingContext` (``tap_slots``).
+        ``speculative``: the engine's speculative backend adds parts to the state image (DFlash2's
+        rings), which a pass does not tap (a backend whose state lives in pages, MTP or DFlash,
+        does not count)."""
         return 0
 
     def build(self, context: "BindingContext") -> "CacheBinding":

@@ -61,7 +61,8 @@ class HybridMode(CacheMode):
         return _hybrid_defaults(lanes, 0, host)["device_snapshot_slots"]
 
     def tap_slots(self, options: HybridOptions, *, model, speculative: bool) -> int:
-        # a speculative backend's state parts are not tapped inside a pass: it splits there
+        # a speculative backend's parts of the state image (DFlash2's rings) are not tapped
+        # inside a pass: it splits there
         from hpc_cli.model.gdn_taps import tap_capacity
 
         return 0 if speculative else tap_capacity(model.device, model.config.linear_key_head_dim)

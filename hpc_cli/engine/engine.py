@@ -90,7 +90,9 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
                                     drafter_path=c.drafter)
         self.spec_backend = backend
         extra_parts = backend.state_extra_parts(model) if self.spec is not None else None
-        tap_slots = self.cache_mode.tap_slots(options, model=model, speculative=self.spec is not None)
+        # a backend whose state lives in pages (MTP's layer, DFlash's pool) lets a pass take its
+        # taps itself; one that adds parts to the state image (DFlash2's rings) splits at each
+        tap_slots = self.cache_mode.tap_slots(options, model=model, speculative=bool(extra_parts))
         self.states = model.new_state_slots(self.C + mode_slots + tap_slots, extra_parts=extra_parts)
         transfer_factory = c.transfer_factory
         if c.transfer_copy is not None:  # [cache] transfer_copy: the transfer engine's and the taps' method

@@ -91,3 +91,31 @@ def test_taps_and_blocks_only_committed(model, name):
     ref, _ = run(off, edited, 12)
     settle(off)
     assert out == ref
+
+
+@pytest.mark.parametrize("name", ["mtp", "dflash", "dflash2"])
+def test_taps_inside_the_pass_with_a_backend(model, name):
+    """MTP's and DFlash's own state lives in pages, so their passes take exact taps themselves (no
+    split); DFlash2's rings are a part of the state image, which a pass does not tap, so its passes
+    split at each tap. Either way a request resumed from a tap answers as a cold one."""
+    from hpc_cli.engine.api import TapHint
+
+    prompt = tokens(300, seed=21)
+    hints = [TapHint(37, 3), TapHint(150, 1), TapHint(291, 2)]  # structural, explicit, opener
+    second = prompt[:200] + [7, 8, 9]
+    e = make(model, name, host_cache_mib=16, prefill_chunk=256, max_concurrency=1, kv_pages=64)
+    out, fin = e.generate(GenerationRequest(prompt, greedy(6), tap_hints=hints), timeout=120)
+    in_pass = e.cache.counters["taps_in_pass"]
+    again, fin2 = e.generate(GenerationRequest(second, greedy(6)), timeout=120)
+    passes = [p.tokens for p in fin.usage.timing.passes]
+    settle(e)
+    if name == "dflash2":
+        assert in_pass == 0 and passes == [37, 113, 141, 9], (in_pass, passes)
+    else:
+        assert in_pass == 3 and passes == [256, 44], (in_pass, passes)
+    assert fin.usage.timing.taps == 3
+    assert fin2.usage.reuse_tokens == 150, fin2.usage  # resumed from the explicit tap
+    off = make(model, reuse=False, prefill_chunk=256, kv_pages=64)
+    assert off.generate(GenerationRequest(prompt, greedy(6)), timeout=120)[0] == out
+    assert off.generate(GenerationRequest(second, greedy(6)), timeout=120)[0] == again
+    settle(off)
