@@ -122,3 +122,37 @@ def test_cuda_mtp_graph_drafts_equal_eager_drafts():
         finally:
             settle(e)
     assert proposed["graphs"] and proposed["graphs"] == proposed["eager"]
+
+
+def test_cuda_backend_passes_take_their_taps_from_warm_graphs():
+    """With MTP or DFlash a prefill pass takes its exact taps itself (no split) from a graph the
+    warm-up captured with the backend's outputs (every position's hidden, captured features):
+    nothing compiles or is captured while serving, and a request resumed from a tap answers as a
+    cold one."""
+    from hpc_cli.engine.api import TapHint
+    from hpc_cli.model.compile_watch import watch
+
+    m = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device="cuda")
+    prompt = tokens(300, seed=21)
+    hints = [TapHint(37, 3), TapHint(150, 1), TapHint(291, 2)]
+    second = prompt[:200] + [7, 8, 9]
+    off = make(m, reuse=False, prefill_chunk=256, kv_pages=64, max_concurrency=1)
+    refs = [off.generate(GenerationRequest(p, greedy(6)), timeout=120)[0] for p in (prompt, second)]
+    settle(off)
+    for name in ("mtp", "dflash"):
+        e = make(m, name, host_cache_mib=16, prefill_chunk=256, max_concurrency=1, kv_pages=64)
+        try:
+            e.warmup()
+            graphs = m.prefill_graphs(e.storage)
+            counts = watch()
+            compiled, captures = counts.compilations + counts.autotunes, graphs.captures
+            out, fin = e.generate(GenerationRequest(prompt, greedy(6), tap_hints=hints), timeout=120)
+            assert e.cache.counters["taps_in_pass"] == 3, e.cache.counters
+            assert [p.tokens for p in fin.usage.timing.passes] == [256, 44]
+            again, fin2 = e.generate(GenerationRequest(second, greedy(6)), timeout=120)
+            assert fin2.usage.reuse_tokens == 150, fin2.usage
+            assert (out, again) == tuple(refs), name
+            assert counts.compilations + counts.autotunes == compiled, f"{name}: compiled while serving"
+            assert graphs.captures == captures and graphs.replays > 0, f"{name}: prefill graphs captured while serving"
+        finally:
+            settle(e)
