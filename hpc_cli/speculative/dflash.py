@@ -227,15 +227,47 @@ class DFlashDrafter:
                 k, v = layer.self_attn.kv(ctx, cos, sin)
                 self.pool.write(l, slots, k, v)
         else:
-            W = self.cfg.window
-            ring = self.states.extra[RING_PART][lane.state_slot]  # [L, 2, W, heads, dim]
-            keep = slice(max(0, n - W), n)
-            idx = pos[keep] % W
-            for l, layer in enumerate(net.layers):
-                k, v = layer.self_attn.kv(ctx[keep], cos[keep], sin[keep])
-                ring[l, 0].index_copy_(0, idx, k.to(ring.dtype))
-                ring[l, 1].index_copy_(0, idx, v.to(ring.dtype))
+            self._write_ring(self.states.extra[RING_PART][lane.state_slot], ctx, pos, cos, sin)
         lane.backend_frontier = start + n
+
+    def _write_ring(self, ring: torch.Tensor, ctx: torch.Tensor, pos: torch.Tensor, cos, sin) -> None:
+        """DFlash2: the context K/V of positions ``pos`` (consecutive) into ``ring``
+        ``[L, 2, W, heads, dim]`` at ``pos % W`` (only the last ``W`` positions land)."""
+        W = self.cfg.window
+        n = pos.shape[0]
+        keep = slice(max(0, n - W), n)
+        idx = pos[keep] % W
+        for l, layer in enumerate(self.net.layers):
+            k, v = layer.self_attn.kv(ctx[keep], cos[keep], sin[keep])
+            ring[l, 0].index_copy_(0, idx, k.to(ring.dtype))
+            ring[l, 1].index_copy_(0, idx, v.to(ring.dtype))
+
+    #: DFlash2 fills its rings' part of the images a prefill pass takes inside itself
+    #: (:meth:`tap_parts`), so its passes need not split at taps
+    @property
+    def taps_its_parts(self) -> bool:
+        return self.cfg.kind == "dflash2"
+
+    @torch.inference_mode()
+    def tap_parts(self, lane, start: int, features: torch.Tensor, taps) -> None:
+        """The rings of the images the pass over ``[start, ...)`` took inside itself (spec §7.3, a
+        ring tap): each tap's slot gets the lane's ring as it stood at the tap's position ``p``,
+        the ring before the pass (positions below ``start``, slot ``q % W``) with the pass's
+        positions ``[max(start, p - W), p)`` written over it, wrapping round the ring as observe
+        does. Call before :meth:`observe` of the pass changes the lane's ring."""
+        if self.cfg.kind != "dflash2" or not taps:
+            return
+        m, net, dev = self.model, self.net, self.model.device
+        rings = self.states.extra[RING_PART]
+        last = max(t.position for t in taps)
+        ctx = net.hidden_norm(net.fc(features[:last - start].to(m.dtype)))
+        pos = torch.arange(start, last, device=dev)
+        cos, sin = self.rotary.cos_sin(pos, m.dtype)
+        for tap in taps:
+            n = tap.position - start
+            assert 0 < n <= last - start, f"tap at {tap.position} outside the pass from {start}"
+            rings[tap.slot].copy_(rings[lane.state_slot])
+            self._write_ring(rings[tap.slot], ctx[:n], pos[:n], cos[:n], sin[:n])
 
     def _context(self, lanes, l: int, dtype):
         """Context K/V ``[B, kv, S, d]`` of layer ``l`` and the mask ``[B, S]`` of valid keys."""

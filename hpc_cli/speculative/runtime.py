@@ -108,6 +108,8 @@ class SpecRuntime:
         return self.states.hidden[lane.state_slot].clone() if self.drafter.needs_hidden and lane.pos else None
 
     def after_prefill(self, lane, start: int, end: int, out, pre_hidden) -> None:
+        if getattr(out, "taps", None) and getattr(self.drafter, "taps_its_parts", False):
+            self.drafter.tap_parts(lane, start, out.features, out.taps)  # before observe moves the lane's parts on
         self.drafter.observe(lane, start, end - start, out.hidden, out.features, pre_hidden, extend=True)
 
     def admitted(self, lane) -> None:

@@ -125,8 +125,9 @@ def test_cuda_mtp_graph_drafts_equal_eager_drafts():
 
 
 def test_cuda_backend_passes_take_their_taps_from_warm_graphs():
-    """With MTP or DFlash a prefill pass takes its exact taps itself (no split) from a graph the
-    warm-up captured with the backend's outputs (every position's hidden, captured features):
+    """With MTP, DFlash or DFlash2 a prefill pass takes its exact taps itself (no split; DFlash2's
+    drafter fills the taps' rings) from a graph the warm-up captured with the backend's outputs
+    (every position's hidden, captured features):
     nothing compiles or is captured while serving, and a request resumed from a tap answers as a
     cold one."""
     from hpc_cli.engine.api import TapHint
@@ -139,7 +140,7 @@ def test_cuda_backend_passes_take_their_taps_from_warm_graphs():
     off = make(m, reuse=False, prefill_chunk=256, kv_pages=64, max_concurrency=1)
     refs = [off.generate(GenerationRequest(p, greedy(6)), timeout=120)[0] for p in (prompt, second)]
     settle(off)
-    for name in ("mtp", "dflash"):
+    for name in ("mtp", "dflash", "dflash2"):
         e = make(m, name, host_cache_mib=16, prefill_chunk=256, max_concurrency=1, kv_pages=64)
         try:
             e.warmup()
