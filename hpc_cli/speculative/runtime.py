@@ -147,8 +147,9 @@ class SpecRuntime:
             drafts = self.drafter.propose(lanes, k, states) if k else [[] for _ in lanes]
         t1 = time.monotonic()
         T = k + 1
-        tokens = torch.tensor([[l.next_token] + (list(d) if d is not None else [0] * k)
-                               for l, d in zip(lanes, drafts or [None] * len(lanes))], dtype=torch.long)
+        # drafts left on the device are placeholders here: the verify pass reads them there
+        tokens = torch.tensor([[l.next_token] + (list(drafts[b]) if drafts is not None else [0] * k)
+                               for b, l in enumerate(lanes)], dtype=torch.long)
         starts = [l.pos for l in lanes]
         tables = [l.pages[:math.ceil((l.pos + T) / PAGE_TOKENS)] for l in lanes]
         slots = [l.state_slot for l in lanes]
