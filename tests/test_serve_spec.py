@@ -1,0 +1,43 @@
+"""benchmarks/serve_spec.py on the CPU: speculative decoding through hpc-cli serve and the openai
+client, MTP against none in the same run on the embedded model's own chat questions."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_spec.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_mtp_against_none_through_http(tmp_path):
+    out = tmp_path / "spec.json"
+    cmd = [sys.executable, str(SCRIPT), "--backends", "mtp", "--sessions", "1", "--turns", "2", "--max-tokens", "24",
+           "--repeat", "1", "--port", str(_free_port()), "--serve-args", "--host-cache-mib 64",
+           "--log-dir", str(tmp_path), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc == json.loads(out.read_text())
+    assert doc["benchmark"] == "serve_spec" and set(doc["runs"]) == {"none", "mtp"}
+    none, mtp = doc["runs"]["none"], doc["runs"]["mtp"]
+    assert none["speedup"] == 1.0 and none["decode_tokens"] > 0
+    assert mtp["answers_equal_none"] is True  # greedy output does not depend on speculation
+    assert mtp["decode_tokens"] == none["decode_tokens"]
+    assert mtp["rounds"] > 0 and mtp["tokens_per_round"] > 1.0  # the trained MTP head accepts drafts
+    assert mtp["speedup"] > 0 and mtp["tpot_p50_ms"] > 0 and mtp["ttft_p50_ms"] > 0
+    assert "mtp" in proc.stderr and "tok/s" in proc.stderr  # the human table
+
+
+def test_unknown_backend_is_refused():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--backends", "eagle"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and "unknown backend" in proc.stderr
