@@ -261,3 +261,42 @@ def test_mtp_warm_runs_every_lanes_width_and_draft_count(model):
         assert run(e, tokens(120, 51), 9)[0] == ref
     finally:
         settle(e)
+
+
+def test_mtp_drafts_after_a_resume_from_an_in_pass_tap_match_a_split_tap():
+    """A request resumed from a tap that a pass took inside itself drafts what one resumed from
+    the same tap taken by splitting the pass drafts, round by round: the image's hidden (MTP's
+    bridge) is the one a pass ending there leaves (builtin:tiny, whose MTP head accepts drafts)."""
+    from helpers import greedy, record_proposals
+
+    from hpc_cli.engine.api import GenerationRequest, TapHint
+    from hpc_cli.engine.engine import Engine
+    from hpc_cli.model.model import HybridModel
+
+    model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
+    tok = model.tokenizer
+    chat = [{"role": "user", "content": "What does json.dumps do?"},
+            {"role": "assistant", "content": "Serialize obj to a JSON formatted str."},
+            {"role": "user", "content": "What is functools.partial?"}]
+    prompt = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True, enable_thinking=False))
+    cut = len(prompt) - 12
+    hints = [TapHint(cut, 1)]
+    second = prompt[:cut] + tok.encode("What does os.makedirs do?<|im_end|>\n<|im_start|>assistant\n")
+    proposed, outs = {}, {}
+    for mode in ("split", "in pass"):
+        e = Engine(model, speculative="mtp", kv_pages=64, prefill_chunk=256, max_concurrency=1, host_cache_mib=16)
+        if mode == "split":
+            e.cache.tap_scratch = []  # no tap slot: the pass splits at the tap
+        e.start()
+        try:
+            e.generate(GenerationRequest(prompt, greedy(4), tap_hints=hints), timeout=120)
+            assert e.cache.counters["taps_in_pass"] == (0 if mode == "split" else 1), e.cache.counters
+            proposed[mode] = record_proposals(e.spec.drafter)
+            outs[mode], fin = e.generate(GenerationRequest(second, greedy(24)), timeout=120)
+            assert fin.usage.reuse_tokens == cut, fin.usage
+        finally:
+            e.stop()
+        e.check_invariants()
+    assert outs["split"] == outs["in pass"]
+    assert proposed["in pass"] and proposed["in pass"] == proposed["split"]
+    assert any(d for _, drafts in proposed["split"] for d in drafts)
