@@ -93,7 +93,8 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         # a backend whose state lives in pages (MTP's layer, DFlash's pool) lets a pass take its
         # taps itself, and so does one that fills its parts of the state image for the pass's taps
         # (DFlash2's ring taps); another that adds parts to the image splits the pass at each tap
-        untapped = bool(extra_parts) and not getattr(self.spec.drafter if self.spec else None, "taps_its_parts", False)
+        drafter = self.spec.drafter if self.spec is not None else None
+        untapped = bool(extra_parts) and not getattr(drafter, "taps_its_parts", False)
         tap_slots = self.cache_mode.tap_slots(options, model=model, speculative=untapped)
         self.states = model.new_state_slots(self.C + mode_slots + tap_slots, extra_parts=extra_parts)
         transfer_factory = c.transfer_factory

@@ -167,8 +167,9 @@ class ColumnsOut:
     states: list[torch.Tensor] | None  # per GDN layer [B, T, H, dk, dv] (keep_all)
     #: the device index the pass read (a graph's static one: its tokens, write slots, lengths)
     index: ColumnIndex | None = None
-    #: a graph's static outputs (valid until the next replay of its key), not a pass's own tensors
-    static: bool = False
+    #: the serial number of the CUDA graph whose static outputs these are (valid until its next
+    #: replay; a graph captured again gets a new one), 0 for a pass's own tensors
+    static: int = 0
 
 
 def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: torch.Tensor,

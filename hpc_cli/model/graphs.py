@@ -214,7 +214,7 @@ class ColumnGraphs(CapturedGraphs):
         if captured is None:
             return None
         graph, out = captured
-        out.static = True
+        out.static = next(_SERIALS)
         return self._keep(key, _Graph(graph, idx, out, _out_bytes(out)))
 
     def _keep(self, key, entry: _Graph) -> _Graph | None:

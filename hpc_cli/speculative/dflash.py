@@ -255,7 +255,8 @@ class DFlashDrafter:
         the ring before the pass (positions below ``start``, slot ``q % W``) with the pass's
         positions ``[max(start, p - W), p)`` written over it, wrapping round the ring as observe
         does. Call before :meth:`observe` of the pass changes the lane's ring."""
-        if self.cfg.kind != "dflash2" or not taps:
+        assert self.taps_its_parts, f"{self.name} keeps no part of the state image to tap"
+        if not taps:
             return
         m, net, dev = self.model, self.net, self.model.device
         rings = self.states.extra[RING_PART]

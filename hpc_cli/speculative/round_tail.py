@@ -10,8 +10,9 @@ small kernels a round (a millisecond of host time on an H200 host for the 8-laye
 than the verify pass's replay); captured, it is one launch.
 
 * The tail reads the verify pass's outputs and index where they are: a graph of the tail is kept
-  per verify graph (its static tensors' addresses are in the key, with the pools' serials), so a
-  verify graph captured again (another budget, other pools) never meets an old tail.
+  per verify graph (the key is the verify graph's serial number, ``ColumnsOut.static``, which also
+  fixes the pools both write), so a verify graph captured again (another budget, other pools)
+  never meets an old tail.
 * As with the other graph sets, the first tail of a key runs eagerly and the second captures it;
   a verify pass that ran eagerly (its first pass, graphs off, the CPU) has its tail run eagerly.
   Eager or replayed, the tail runs the same function on the same shapes: the same bits.
@@ -26,7 +27,7 @@ from typing import Callable
 import torch
 
 from hpc_cli.model.columns import ColumnsOut
-from hpc_cli.model.graphs import CapturedGraphs, pool_serials
+from hpc_cli.model.graphs import CapturedGraphs
 
 #: tail graphs kept (least recently used dropped first): one per verify graph in use
 MAX_TAILS = 256
@@ -48,26 +49,19 @@ class RoundTails(CapturedGraphs):
         self.graphs: OrderedDict[tuple, _TailGraph] = OrderedDict()
         self.seen: set[tuple] = set()
 
-    @staticmethod
-    def key(out: ColumnsOut, kv, states, variant: str) -> tuple:
-        """The verify graph's static tensors the tail reads (their addresses and shapes), the
-        pools it writes and which tail it is (``variant``: the same verify graph can be followed
-        by the commit alone or by the commit and the drafter's catch-up)."""
-        parts = [out.hidden, out.index.packed, *(out.windows or ()), *(out.states or ())]
-        return (tuple((t.data_ptr(), tuple(t.shape)) for t in parts), pool_serials(kv, states), variant)
-
-    def run(self, out: ColumnsOut, accepted: list[int], kv, states, variant: str,
+    def run(self, out: ColumnsOut, accepted: list[int], variant: str,
             tail: Callable[[ColumnsOut, torch.Tensor], None]) -> None:
         """``tail(out, accepted)`` with the counts on the device: from a graph where ``out`` is a
-        verify graph's static output seen before with this ``variant`` of the tail, else
-        eagerly."""
+        verify graph's static output seen before with this ``variant`` of the tail (the same
+        verify graph can be followed by the commit alone or by the commit and the drafter's
+        catch-up), else eagerly."""
         counts = torch.tensor(accepted, dtype=torch.long)
         if self.device.type == "cuda":
             counts = counts.pin_memory()
         if not (self.use_graphs and out.static and self.disabled is None):
             tail(out, counts.to(self.device, non_blocking=True))
             return
-        key = self.key(out, kv, states, variant)
+        key = (out.static, variant)
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)

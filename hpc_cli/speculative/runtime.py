@@ -108,7 +108,7 @@ class SpecRuntime:
         return self.states.hidden[lane.state_slot].clone() if self.drafter.needs_hidden and lane.pos else None
 
     def after_prefill(self, lane, start: int, end: int, out, pre_hidden) -> None:
-        if getattr(out, "taps", None) and getattr(self.drafter, "taps_its_parts", False):
+        if out.taps and getattr(self.drafter, "taps_its_parts", False):
             self.drafter.tap_parts(lane, start, out.features, out.taps)  # before observe moves the lane's parts on
         self.drafter.observe(lane, start, end - start, out.hidden, out.features, pre_hidden, extend=True)
 
@@ -239,7 +239,7 @@ class SpecRuntime:
             if step is not None:
                 step(o, acc)
 
-        self.tails.run(out, accepted, self.storage, states, "commit+catch-up" if catch_up else "commit", tail)
+        self.tails.run(out, accepted, "commit+catch-up" if catch_up else "commit", tail)
 
     def warm_tails(self, out) -> int:
         """The tails a round can run after the verify pass ``out`` (a warm-up shape: its slots

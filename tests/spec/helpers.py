@@ -42,6 +42,15 @@ def make(model, spec=None, **kw) -> Engine:
     return Engine(model, speculative=spec, **kw).start()
 
 
+def tap_engine(model, spec, *, split: bool) -> Engine:
+    """A started engine of one lane, passes of 256 tokens and a 16 MiB host tier; ``split``: no
+    tap slot, so a pass splits at each tap (else the pass takes its taps itself)."""
+    e = Engine(model, speculative=spec, kv_pages=64, prefill_chunk=256, max_concurrency=1, host_cache_mib=16)
+    if split:
+        e.cache.tap_scratch = []
+    return e.start()
+
+
 def settle(engine: Engine) -> dict:
     engine.stop()
     engine.check_invariants()

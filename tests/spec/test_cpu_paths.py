@@ -267,10 +267,9 @@ def test_mtp_drafts_after_a_resume_from_an_in_pass_tap_match_a_split_tap():
     """A request resumed from a tap that a pass took inside itself drafts what one resumed from
     the same tap taken by splitting the pass drafts, round by round: the image's hidden (MTP's
     bridge) is the one a pass ending there leaves (builtin:tiny, whose MTP head accepts drafts)."""
-    from helpers import greedy, record_proposals
+    from helpers import greedy, record_proposals, tap_engine
 
     from hpc_cli.engine.api import GenerationRequest, TapHint
-    from hpc_cli.engine.engine import Engine
     from hpc_cli.model.model import HybridModel
 
     model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
@@ -284,10 +283,7 @@ def test_mtp_drafts_after_a_resume_from_an_in_pass_tap_match_a_split_tap():
     second = prompt[:cut] + tok.encode("What does os.makedirs do?<|im_end|>\n<|im_start|>assistant\n")
     proposed, outs = {}, {}
     for mode in ("split", "in pass"):
-        e = Engine(model, speculative="mtp", kv_pages=64, prefill_chunk=256, max_concurrency=1, host_cache_mib=16)
-        if mode == "split":
-            e.cache.tap_scratch = []  # no tap slot: the pass splits at the tap
-        e.start()
+        e = tap_engine(model, "mtp", split=mode == "split")
         try:
             e.generate(GenerationRequest(prompt, greedy(4), tap_hints=hints), timeout=120)
             assert e.cache.counters["taps_in_pass"] == (0 if mode == "split" else 1), e.cache.counters

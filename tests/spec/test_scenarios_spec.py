@@ -9,7 +9,7 @@ from hpc_cli.cache.keys import BLOCK_TOKENS
 from hpc_cli.cache.snapshot import SnapshotKind
 from hpc_cli.engine.api import GenerationRequest
 
-from helpers import BACKENDS, backend, greedy, make, run, settle, tokens
+from helpers import BACKENDS, backend, greedy, make, run, settle, tap_engine, tokens
 
 
 def floor64(x: int) -> int:
@@ -124,7 +124,6 @@ def test_dflash2_ring_taps_equal_split_taps(model):
     a pass ending at the tap leaves, slot for slot, with the window wrapping inside the pass (a
     window of 64 positions, taps at 37, 150 and 291 in passes of 256 and 44 tokens)."""
     from hpc_cli.engine.api import TapHint
-    from hpc_cli.engine.engine import Engine
     from hpc_cli.speculative.dflash import RING_PART
 
     prompt = tokens(300, seed=22)
@@ -137,10 +136,7 @@ def test_dflash2_ring_taps_equal_split_taps(model):
     small.ring_window = 64  # the passes wrap round the ring
     rings = {}
     for mode in ("split", "in pass"):
-        e = Engine(model, speculative=small, kv_pages=64, prefill_chunk=256, max_concurrency=1, host_cache_mib=16)
-        if mode == "split":
-            e.cache.tap_scratch = []  # no tap slot: the pass splits at each tap
-        e.start()
+        e = tap_engine(model, small, split=mode == "split")
         try:
             e.generate(GenerationRequest(prompt, greedy(4), tap_hints=hints), timeout=120)
             assert e.cache.counters["taps_in_pass"] == (0 if mode == "split" else 3), e.cache.counters
