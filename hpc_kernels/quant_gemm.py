@@ -11,8 +11,12 @@ Two kinds of pass, as their limits differ:
 
 * **Decode-sized** (up to ``DECODE_ROWS`` rows: decode, speculative verify) is bound by reading
   the weight. Each program takes ``BN`` outputs and a share of K for all the rows, and streams
-  ``BN x BK`` tiles of codes once, summing each row's products per scale block in fp32 (no
-  tensor-core dot). K splits over programs until the device has ``waves`` programs per
+  ``BN x BK`` tiles of codes once. An FP8 weight with bf16/fp16 rows on a device with FP8 matrix
+  units meets the rows there as they are: each row's 128 inputs of the step quantized to e4m3
+  in the program (``amax / 448``, as the prefill's FP8 product does), the weight tile the
+  product's left operand, the fp32 result scaled by the weight's and the row's scales. Otherwise
+  the tile, exact in the rows' dtype, meets them on the matrix units (or, a sweep's option, in
+  registers). K splits over programs until the device has ``waves`` programs per
   multiprocessor; the splits' partial sums are added in a fixed order. The splits depend on the
   weight's shape and the device only, and each row runs the same operations whatever the row
   count, so a row's numbers never depend on the other rows (the engine's decode/verify bit
@@ -42,10 +46,14 @@ from .kv_quant_triton import e2m1_value
 #: the most rows a pass reads the weight in place for (decode, speculative verify)
 DECODE_ROWS = 16
 #: tiles: a decode-sized product of each format runs one program per (BN outputs, K split) for
-#: all its rows, reading BK inputs a step, on the matrix units (``dot``, the weight tile as the
-#: left operand when ``swap``) or summed in registers; a prefill pass's dequantisation writes
+#: all its rows, reading BK inputs a step, on the FP8 matrix units (``e4m3``: the rows quantized
+#: per 128 inputs, the weight tile the left operand), on the matrix units in the rows' dtype
+#: (``dot``, the weight tile as the left operand when ``swap``) or summed in registers;
+#: ``fp8_exact`` is FP8's tile where the rows stay as they are (fp32 rows, a device without FP8
+#: matrix units, scale blocks narrower than 128 inputs); a prefill pass's dequantisation writes
 #: BN x BK tiles. Chosen by measurement (``benchmarks/quant_gemm.py --sweep``)
-TILES = {"fp8": {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "waves": 8, "dot": True},
+TILES = {"fp8": {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3, "waves": 4, "e4m3": True},
+         "fp8_exact": {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "waves": 8, "dot": True},
          "nvfp4": {"BN": 64, "BK": 128, "num_warps": 8, "num_stages": 4, "waves": 8, "dot": True},
          "prefill": {"BN": 32, "BK": 256, "num_warps": 4}}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -207,6 +215,37 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, st
 
 
 @triton.jit(do_not_specialize=["M"])
+def _fp8_e4m3_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym,
+                          stride_ys, SB_N: tl.constexpr, SB_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr):
+    """The ``M <= BM`` rows of ``x`` against ``BN`` weight rows over this program's share of K on
+    the FP8 matrix units: each step's ``BK`` (one 128-input group, within one weight scale block)
+    inputs of every row quantized to e4m3 with the row's own scale (``amax / 448``), the ``BN x
+    BK`` weight tile the product's left operand, its fp32 result scaled by the weight block's and
+    the rows' scales. Each row runs the same operations whatever ``M``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    nmask = rn < N
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
+    for k0 in range(pid_k * K_SPLIT, k_end, BK):
+        kk = k0 + rk
+        kmask = kk < k_end
+        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk[None, :], mask=nmask[:, None] & kmask[None, :],
+                    other=0.0)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        xs = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+        xq = tl.clamp(x / xs[:, None], -448.0, 448.0).to(w.dtype)
+        s = tl.load(s_ptr + (rn // SB_N) * stride_sn + k0 // SB_K, mask=nmask, other=0.0)
+        acc += tl.dot(w, tl.trans(xq)) * (s[:, None] * xs[None, :])
+    _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, True)
+
+
+@triton.jit(do_not_specialize=["M"])
 def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_pn, stride_sn,
                        stride_ym, stride_ys, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr):
@@ -287,15 +326,17 @@ def _rows_product(rows_kernel, tile: dict, x2: torch.Tensor, n: int, k: int, wei
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if not m:
         return y
-    dot = bool(tile.get("dot"))
+    e4m3 = bool(tile.get("e4m3"))
+    dot = e4m3 or bool(tile.get("dot"))
     bk = min(tile["BK"], bk_limit) if bk_limit else tile["BK"]
     splits, per = k_splits(n, k, tile["BN"], bk, tile["waves"], sm_count(x2.device))
     out = y if splits == 1 else torch.empty(splits, m, n, device=x2.device, dtype=torch.float32)
+    if not e4m3:
+        meta = {**meta, "DOT": dot, "SWAP": dot and bool(tile.get("swap")), "IEEE": x2.dtype == torch.float32}
     rows_kernel[(triton.cdiv(n, tile["BN"]), splits)](
         x2, *weights, out, m, n, k, per, x2.stride(0), *weight_strides, out.stride(-2),
         out.stride(0) if splits > 1 else 0, BM=DECODE_ROWS if dot else triton.next_power_of_2(m), BN=tile["BN"],
-        BK=bk, DOT=dot, SWAP=dot and bool(tile.get("swap")), IEEE=x2.dtype == torch.float32,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
+        BK=bk, num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
     if splits > 1:
         _sum_splits_kernel[(m, triton.cdiv(n, 1024))](out, y, m, n, splits, out.stride(0), out.stride(1), y.stride(0),
                                                       BLOCK=1024)
@@ -364,6 +405,31 @@ def scales_for_mm(scale: torch.Tensor) -> torch.Tensor:
     return F.pad(scale, (0, -kb % 4)).contiguous().t() if kb % 4 else scale.contiguous().t()
 
 
+def fp8_matrix_units(device: torch.device) -> bool:
+    """Whether ``device`` multiplies e4m3 operands on its matrix units (compute capability 8.9 and
+    later). Off CUDA only Triton's interpreter runs these kernels, and it takes the same tiles."""
+    if device.type != "cuda":
+        return True
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def fp8_decode_tile(dtype: torch.dtype, block: tuple[int, int], device: torch.device) -> dict:
+    """The tile a decode-sized FP8 product of ``dtype`` rows and ``block`` scales runs: the FP8
+    matrix units' (``TILES["fp8"]``, rows quantized to e4m3 per 128 inputs) for bf16/fp16 rows,
+    scale blocks of whole 128-input groups and a device that has them; ``TILES["fp8_exact"]``
+    (the rows as they are) otherwise."""
+    tile = TILES["fp8"]
+    if tile.get("e4m3") and not (dtype != torch.float32 and block[1] % 128 == 0 and tile["BK"] == 128
+                                 and fp8_matrix_units(device)):
+        return TILES["fp8_exact"]
+    return tile
+
+
 def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, mm_scales: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ W^T`` on the FP8 tensor cores: ``x`` quantized to e4m3 per row and 128 inputs
     (as fine-grained FP8 checkpoints are served), ``weight [N, K]`` e4m3 with 128 x 128 block
@@ -380,9 +446,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
                mm_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ W^T`` for a block-scaled FP8 ``weight [N, K]`` with float32 ``scale
     [ceil(N / block[0]), ceil(K / block[1])]``. Up to ``DECODE_ROWS`` rows read the weight in
-    place (:func:`_fp8_rows_kernel`); a prefill pass of a 128 x 128-block weight with
-    ``mm_scales`` (:func:`scales_for_mm`) on a device that takes it runs :func:`fp8_scaled_mm`;
-    other prefill passes dequantise the weight and run cuBLAS's product."""
+    place (:func:`_fp8_e4m3_rows_kernel` on the FP8 matrix units, :func:`_fp8_rows_kernel` where
+    :func:`fp8_decode_tile` keeps the rows as they are); a prefill pass of a 128 x 128-block
+    weight with ``mm_scales`` (:func:`scales_for_mm`) on a device that takes it runs
+    :func:`fp8_scaled_mm`; other prefill passes dequantise the weight and run cuBLAS's product."""
     n, k = weight.shape
     sb_n, sb_k = block
     assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32, "fp8 weight, float32 scales"
@@ -391,8 +458,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     tensor_cores = (mm_scales is not None and block == (128, 128) and x.dtype != torch.float32 and n % 16 == 0
                     and k % 128 == 0 and scaled_mm_ready(x.device))
     if x2.shape[0] <= DECODE_ROWS and not (tensor_cores and TILES["fp8"].get("scaled_mm")):
-        y = _rows_product(_fp8_rows_kernel, TILES["fp8"], x2, n, k, (weight, scale),
-                          (weight.stride(0), scale.stride(0)), {"SB_N": sb_n, "SB_K": sb_k}, bk_limit=sb_k)
+        tile = fp8_decode_tile(x2.dtype, block, x2.device)
+        kernel = _fp8_e4m3_rows_kernel if tile.get("e4m3") else _fp8_rows_kernel
+        y = _rows_product(kernel, tile, x2, n, k, (weight, scale), (weight.stride(0), scale.stride(0)),
+                          {"SB_N": sb_n, "SB_K": sb_k}, bk_limit=sb_k)
     elif tensor_cores:
         y = fp8_scaled_mm(x2, weight, mm_scales)
     else:

@@ -200,11 +200,13 @@ def test_a_kernel_that_cannot_run_leaves_the_weights_dequantised(caplog):
 # -- the kernels in Triton's interpreter (a child process: TRITON_INTERPRET is read at import) ----
 
 SHAPES = [(1, 200, 320), (3, 130, 256), (16, 64, 64), (2, 40, 1104), (17, 96, 160), (40, 130, 256)]
+#: decode-sized products on the FP8 matrix units' tile (inputs in whole 128-input groups)
+E4M3_SHAPES = [(1, 200, 384), (3, 130, 256), (16, 64, 1024), (5, 96, 640)]
 
 
 def _child() -> dict:
     from hpc_cli.model.quant_weights import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
-    from hpc_kernels.quant_gemm import fp8_linear, nvfp4_linear, quantize_rows
+    from hpc_kernels.quant_gemm import fp8_decode_tile, fp8_linear, nvfp4_linear, quantize_rows
 
     torch.manual_seed(0)
     out = []
@@ -224,6 +226,23 @@ def _child() -> dict:
         alone = _rows_alone(lambda r: nvfp4_linear(r, p, sc, float(1.0 / g), 16), x, y)
         out.append({"fmt": "nvfp4", "shape": [m, n, k], "err": float((y - ref).abs().max()),
                     "scale": float(ref.abs().max()), "rows_alone": alone})
+    # bf16 rows on the FP8 matrix units' tile, each row's 128-input groups exact in e4m3 times a
+    # power of two (so the interpreter's cast, below, is exact): the product of those rows (the
+    # interpreter's e4m3 product is not exact, so the check is 1% of the largest output: a wrong
+    # scale, group or split is off by its whole size)
+    e4m3 = []
+    for m, n, k in E4M3_SHAPES:
+        w = torch.randn(n, k)
+        x = _e4m3_exact_rows(m, k)
+        for block in ((128, 128), (64, 256)):
+            if not fp8_decode_tile(x.dtype, block, x.device).get("e4m3"):
+                continue
+            q, s = quantize_fp8(w, block)
+            ref = x.float() @ dequantize_fp8(q, s, block, torch.float32).T
+            y = fp8_linear(x, q, s, block)
+            alone = _rows_alone(lambda r: fp8_linear(r, q, s, block), x, y)
+            e4m3.append({"fmt": f"fp8 e4m3 {block}", "shape": [m, n, k], "scale": float(ref.abs().max()),
+                         "err": float((y.float() - ref).abs().max()), "rows_alone": alone})
     # the codes themselves are compared on CUDA: the interpreter's float -> e4m3 cast rounds
     # values just below a power of two down a binade (124.3 -> 64), the hardware's does not
     x = torch.randn(5, 384) * torch.logspace(-3, 3, 384)
@@ -231,7 +250,18 @@ def _child() -> dict:
     quant = {"scale_err": float((s[:5] * 448 / x.view(5, 3, 128).abs().amax(-1) - 1).abs().max()),
              "padding_zero": bool(q[5:].float().abs().sum() == 0 and s[5:].abs().sum() == 0),
              "column_major": s.stride() == (1, 8)}
-    return {"cases": out, "quantize_rows": quant}
+    return {"cases": out, "e4m3_cases": e4m3, "quantize_rows": quant}
+
+
+def _e4m3_exact_rows(m: int, k: int) -> torch.Tensor:
+    """``[m, k]`` bf16 rows whose every 128-input group is e4m3 codes times a power of two, its
+    largest magnitude 448 times that power: quantized per group (``amax / 448``), they round to
+    themselves."""
+    g = torch.Generator().manual_seed(m * 7919 + k)
+    codes = (torch.randn(m, k // 128, 128, generator=g) * 80).clamp(-440, 440).to(torch.float8_e4m3fn).float()
+    codes[:, :, 0] = 448.0 * torch.where(torch.rand(m, k // 128, generator=g) < 0.5, -1.0, 1.0)
+    powers = 2.0 ** torch.randint(-12, 2, (m, k // 128, 1), generator=g).float()
+    return (codes * powers).reshape(m, k).bfloat16()
 
 
 def _rows_alone(f, x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -265,11 +295,17 @@ def test_interpreted_kernels_equal_the_dequantised_product(variant):
     doc = run_interpreted("tests.model.test_quant_linear", {"QUANT_TEST_TILE": json.dumps(TILE_VARIANTS[variant])})
     cases = doc["cases"]
     assert len(cases) == 3 * len(SHAPES)
+    # the shipped FP8 tile multiplies bf16 rows on the FP8 matrix units (the other variants keep
+    # the rows as they are)
+    e4m3 = doc["e4m3_cases"]
+    assert len(e4m3) == (2 * len(E4M3_SHAPES) if variant == "shipped" else 0), e4m3
     # the decode-sized shapes split K over programs (partial sums added by the second kernel)
     assert max(_splits_taken(n, k) for m, n, k in SHAPES if m <= 16) > 1
-    # fp32 in: only the summation order differs from the reference product, and a row of up to 16
-    # runs in programs of its own, so its numbers never depend on the other rows
+    # fp32 in (and bf16 rows that e4m3 holds exactly): only the summation order differs from the
+    # reference product, and a row of up to 16 runs the same operations whatever the other rows
+    # hold, so its numbers never depend on them
     bad = [c for c in cases if c["err"] > 1e-5 * max(1.0, c["scale"]) or not c["rows_alone"]]
+    bad += [c for c in e4m3 if c["err"] > 1e-2 * c["scale"] or not c["rows_alone"]]
     assert not bad, bad
     quant = doc["quantize_rows"]
     assert quant["scale_err"] <= 1e-6, quant  # one scale per row and 128 inputs: amax / 448
@@ -281,7 +317,7 @@ def test_interpreted_kernels_equal_the_dequantised_product(variant):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compiled_kernels_on_cuda(dtype):
     from hpc_cli.model.quant_weights import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
-    from hpc_kernels.quant_gemm import fp8_linear, nvfp4_linear
+    from hpc_kernels.quant_gemm import fp8_decode_tile, fp8_linear, nvfp4_linear
 
     torch.manual_seed(0)
     for m, n, k in SHAPES + [(16, 5120, 5120), (512, 1024, 5120)]:
@@ -290,7 +326,15 @@ def test_compiled_kernels_on_cuda(dtype):
         q, s = quantize_fp8(w, (128, 128))
         ref = x.float() @ dequantize_fp8(q, s, (128, 128), torch.float32).T
         y = fp8_linear(x, q, s, (128, 128))
-        assert (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max(), ("fp8", m, n, k)
+        # a decode-sized pass on the FP8 matrix units rounds its rows to e4m3 (2-3%), as prefill does
+        assert (y.float() - ref).abs().max() <= 5e-2 * ref.abs().max(), ("fp8", m, n, k)
+        if m <= 16 and fp8_decode_tile(dtype, (128, 128), x.device).get("e4m3"):
+            # the rows as the kernel rounds them, per 128 inputs (torch's cast: round to nearest even)
+            xg = torch.nn.functional.pad(x.float(), (0, -k % 128)).view(m, -1, 128)
+            xs = xg.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448
+            xq = ((xg / xs).to(torch.float8_e4m3fn).float() * xs).view(m, -1)[:, :k]
+            emu = xq @ dequantize_fp8(q, s, (128, 128), torch.float32).T
+            assert (y.float() - emu).abs().max() <= 1e-2 * emu.abs().max(), ("fp8 e4m3", m, n, k)
         assert torch.equal(fp8_linear(x[-1:], q, s, (128, 128)), y[-1:]) or m > 16
         p, sc, g = quantize_nvfp4(w)
         ref = x.float() @ dequantize_nvfp4(p, sc, float(1.0 / g), 16, torch.float32).T
