@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from hpc_cli.kv_profile import KVProfile
     from hpc_cli.memory.kv_pool import PagedKVStorage
     from hpc_cli.model.compile_watch import CompileCounts
+    from hpc_cli.model.graphs import PreparedDecode
     from hpc_cli.speculative import SpecRuntime
     from hpc_cli.speculative.runtime import RoundHost
 
@@ -56,6 +57,7 @@ class EngineCore:
     _waiting: collections.deque[Lane]
     _lanes: list[Lane]
     _pass_commits: list[Lane]  # lanes whose last pass's commits and taps wait (Lane.pass_commit)
+    _prepared_decode: "PreparedDecode | None"  # the next decode step's index, built ahead
     _by_id: dict[str, Lane]
     _stopping: threading.Event
     _count: int

@@ -32,15 +32,20 @@ class DecodeStep(EngineCore):
         tokens = [l.next_token for l in lanes]
         positions = [l.pos for l in lanes]
         tables = [l.pages[:math.ceil((l.pos + 1) / BLOCK_TOKENS)] for l in lanes]
-        logits = self.model.decode(tokens, positions, tables, [l.state_slot for l in lanes],
-                                   self.storage, self.states, **decode_offsets(lanes))
+        slots = [l.state_slot for l in lanes]
+        offsets = decode_offsets(lanes)
+        prepared, self._prepared_decode = self._prepared_decode, None
+        logits = self.model.decode(tokens, positions, tables, slots, self.storage, self.states, prepared=prepared,
+                                   **offsets)
         # while the device computes the step (CUDA runs it asynchronously; sampling waits for
-        # it): the server sends the tokens just emitted (first tokens, last tokens), then the
-        # host runs the last prefill passes' commits and taps and ends the finished lanes
+        # it): the server sends the tokens just emitted (first tokens, last tokens), the host
+        # runs the last prefill passes' commits and taps and ends the finished lanes, and builds
+        # the next step's index for these lanes should they all go on (used only if they do)
         if self._pass_commits or finishing:
             self._deliver([*self._pass_commits, *finishing])
         self.commit_passes()
         self._finish_lanes(list(finishing), deliver=False)
+        self._prepare_next_decode(lanes, slots, offsets)
         dt = time.monotonic() - t0
         # greedy lanes' tokens in one argmax and one read of the device (a read per lane waits for
         # the device once per lane)
@@ -54,6 +59,17 @@ class DecodeStep(EngineCore):
                 self._sample(lane, logits[i], chosen[i] if chosen is not None and greedy[i] else None)
             self.itl.append(dt)
         self.counters["decode_rounds"] += 1
+
+    def _prepare_next_decode(self, lanes: list[Lane], slots: list[int], offsets: dict[str, list[int]]) -> None:
+        """The host's part of the next decode step of ``lanes`` (each one position on, its pages
+        as they are now), built while the device runs this one; the next step uses it only if
+        its inputs are exactly these (:meth:`PreparedDecode.matches`)."""
+        positions = [l.pos + 1 for l in lanes]
+        if any(len(l.pages) * BLOCK_TOKENS <= p for l, p in zip(lanes, positions)):
+            return  # a lane needs a page it does not hold yet
+        tables = [l.pages[:p // BLOCK_TOKENS + 1] for l, p in zip(lanes, positions)]
+        self._prepared_decode = self.model.prepare_decode(positions, tables, slots, self.storage, self.states,
+                                                          **offsets)
 
     def _sample(self, lane: Lane, logits: torch.Tensor, greedy: int | None = None) -> None:
         """``greedy``: the token a greedy lane's ``logits`` choose, when taken already."""

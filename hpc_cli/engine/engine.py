@@ -125,6 +125,7 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         self._waiting: collections.deque[Lane] = collections.deque()
         self._lanes: list[Lane] = []
         self._pass_commits: list[Lane] = []
+        self._prepared_decode = None
         self._by_id: dict[str, Lane] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()

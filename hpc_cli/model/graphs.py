@@ -65,6 +65,27 @@ class _Graph:
     nbytes: int
 
 
+@dataclass
+class PreparedDecode:
+    """A decode step's packed index built ahead, while the device runs the step before, with its
+    tokens left to fill (``packed[:B]``), and the graph it replays. It is used only for exactly
+    the inputs it was built from (:meth:`matches`): the packed index is a function of the tokens,
+    positions, page tables, state slots and rotary offsets alone."""
+    key: tuple
+    entry: _Graph
+    packed: torch.Tensor  # pinned int64 host buffer; its first B entries are the tokens
+    positions: list[int]
+    tables: list[list[int]]
+    slots: list[int]
+    rope_offsets: list[int] | None
+
+    def matches(self, positions: Sequence[int], tables: Sequence[Sequence[int]], slots: Sequence[int],
+                rope_offsets: Sequence[int] | None) -> bool:
+        return (self.positions == list(positions) and self.slots == list(slots)
+                and self.rope_offsets == (None if rope_offsets is None else list(rope_offsets))
+                and self.tables == [list(t) for t in tables])
+
+
 def _out_bytes(out: ColumnsOut) -> int:
     parts = [out.logits, out.hidden, out.features, *(out.windows or ()), *(out.states or ())]
     return sum(t.numel() * t.element_size() for t in parts if t is not None)
@@ -128,6 +149,7 @@ class ColumnGraphs(CapturedGraphs):
         self.eager: set[tuple] = set()  # keys whose outputs alone exceed the budget
         self.held = 0  # static output bytes of the kept graphs
         self.evictions = 0
+        self.prepared_replays = 0  # decode steps whose packed index was built ahead
         self.bound: tuple | None = None  # serials of the pools the kept graphs write
         total = torch.cuda.get_device_properties(model.device).total_memory if model.device.type == "cuda" else 0
         self.budget = min(OUTPUT_BUDGET_MAX, int(OUTPUT_BUDGET_SHARE * total))
@@ -169,6 +191,40 @@ class ColumnGraphs(CapturedGraphs):
         out = self.run(tokens.view(-1, 1), positions, tables, slots, kv, states, keep_all=False,
                        rope_offsets=rope_offsets)
         return out.logits[:, 0].clone()
+
+    def prepare_decode(self, positions: Sequence[int], tables: Sequence[Sequence[int]], slots: Sequence[int],
+                       kv, states, rope_offsets: Sequence[int] | None = None) -> PreparedDecode | None:
+        """The packed index of a decode step at ``positions`` with its tokens to come, built while
+        the device still runs the step before (its host part off the step's critical path), when
+        that step's graph is captured already; None otherwise."""
+        B = len(positions)
+        page = kv.page_tokens
+        W = table_width(tables, positions, 1, page)
+        key = self._key(B, 1, W, kv, states, False, (), True)
+        entry = self.graphs.get(key)
+        if entry is None:
+            return None
+        tokens = torch.zeros(B, 1, dtype=torch.long)
+        packed = ColumnIndex.pack(tokens, positions, tables, slots, page, W, rope_offsets).pin_memory()
+        return PreparedDecode(key, entry, packed, list(positions), [list(t) for t in tables], list(slots),
+                              None if rope_offsets is None else list(rope_offsets))
+
+    def decode_prepared(self, prepared: PreparedDecode, tokens: Sequence[int], kv, states) -> torch.Tensor | None:
+        """Logits ``[B, vocab]`` of the step ``prepared`` was built for, with ``tokens``; None when
+        its graph is gone or its key changed since (the caller runs :meth:`decode`)."""
+        B = len(tokens)
+        assert B == len(prepared.positions), f"{B} tokens for a step of {len(prepared.positions)} lanes"
+        key = self._key(B, 1, prepared.entry.index.W, kv, states, False, (), True)
+        entry = self.graphs.get(key)
+        if key != prepared.key or entry is not prepared.entry:
+            return None
+        prepared.packed[:B] = torch.as_tensor(tokens, dtype=torch.long)
+        self.graphs.move_to_end(key)
+        entry.index.packed.copy_(prepared.packed, non_blocking=True)
+        entry.graph.replay()
+        self.replays += 1
+        self.prepared_replays += 1
+        return entry.out.logits[:, 0].clone()
 
     def run(self, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
             slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = (),

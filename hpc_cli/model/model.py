@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from hpc_cli.kv_profile import KVProfile
     from hpc_cli.memory.kv_pool import PagedKVStorage
     from hpc_cli.memory.state_pool import StateSlots
+    from hpc_cli.model.graphs import PreparedDecode
     from hpc_cli.model.image_processor import ImageProcessorConfig
     from hpc_cli.model.vision import MultimodalConfig, PrefillMedia, VisionTower
     from hpc_cli.shapes import HybridShape
@@ -316,13 +317,21 @@ class HybridModel(nn.Module):
     def decode(self, tokens: torch.Tensor | Sequence[int], positions: Sequence[int],
                block_tables: Sequence[Sequence[int]], state_slots: Sequence[int],
                kv: "PagedKVStorage", states: "StateSlots",
-               rope_offsets: Sequence[int] | None = None) -> torch.Tensor:
+               rope_offsets: Sequence[int] | None = None,
+               prepared: "PreparedDecode | None" = None) -> torch.Tensor:
         """One token for each of ``B`` lanes: logits ``[B, vocab]``. The column pass with one
         column (:mod:`hpc_cli.model.columns`), so the speculative verify pass, which runs the
         same code with ``k + 1`` columns, computes every column bit-identically to this.
         ``rope_offsets[b]``: lane ``b``'s rotary position is its position plus this (the mRoPE
-        delta of a Vision prompt; None: all 0)."""
+        delta of a Vision prompt; None: all 0). ``prepared``: this step's index built ahead
+        (:meth:`prepare_decode`), used when it was built for exactly these inputs."""
         from hpc_cli.model.columns import columns_pass
+
+        if prepared is not None and not torch.is_tensor(tokens) and prepared.matches(
+                positions, block_tables, state_slots, rope_offsets):
+            logits = self._graphs.decode_prepared(prepared, tokens, kv, states) if self._graphs else None
+            if logits is not None:
+                return logits
 
         if not torch.is_tensor(tokens):
             tokens = torch.tensor(list(tokens), dtype=torch.long)
@@ -338,6 +347,18 @@ class HybridModel(nn.Module):
         out = columns_pass(self, tokens.view(bsz, 1), list(positions), block_tables, list(state_slots), kv, states,
                            keep_all=False, rope_offsets=rope_offsets)
         return out.logits[:, 0]
+
+    def prepare_decode(self, positions: Sequence[int], block_tables: Sequence[Sequence[int]],
+                       state_slots: Sequence[int], kv: "PagedKVStorage", states: "StateSlots",
+                       rope_offsets: Sequence[int] | None = None) -> "PreparedDecode | None":
+        """The host's part of a later decode step (its packed index, the graph it replays), built
+        now so that the step itself only fills in its tokens: pass it to :meth:`decode` as
+        ``prepared``. None where decode steps do not replay graphs, or before the step's graph is
+        captured."""
+        graphs = self.column_graphs(kv)
+        if graphs is None:
+            return None
+        return graphs.prepare_decode(positions, block_tables, state_slots, kv, states, rope_offsets)
 
     def column_graphs(self, kv: "PagedKVStorage"):
         """The CUDA graphs of this model's column passes over ``kv`` (:mod:`hpc_cli.model.graphs`),

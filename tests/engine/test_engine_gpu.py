@@ -42,3 +42,36 @@ def test_cuda_resume_and_host_restore_match_cold(profile):
     assert f2.usage.reuse_tokens >= 1792 and resumed[:8] == cold[:8] and agree(resumed, cold) >= 0.9
     assert f3.usage.reuse_tokens >= 1792 and f3.usage.restored_host_bytes > 0
     assert restored[:8] == cold[:8] and agree(restored, cold) >= 0.9
+
+
+def test_cuda_decode_steps_built_ahead_equal_steps_built_in_turn():
+    """Each decode step's index is built while the device runs the step before, and used when the
+    lanes go on as they were: the tokens equal those of steps whose index is built in turn, for
+    one lane and for three (lanes joining and ending mid-decode, positions crossing pages)."""
+    from hpc_cli.model.model import HybridModel
+
+    model = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device="cuda")
+    prompts = [[(13 * i + 7 * n) % 250 + 1 for i in range(length)] for n, length in enumerate((50, 130, 200))]
+    sp = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (90, 70, 40)]
+
+    def run(ahead: bool) -> tuple[list[list[int]], int]:
+        if not ahead:
+            model.prepare_decode = lambda *a, **k: None  # every step builds its index in turn
+        eng = Engine(model, kv_profile="int8-g64", prefill_chunk=256, max_model_len=1024).start()
+        graphs = model.column_graphs(eng.storage)
+        before = graphs.prepared_replays if graphs is not None else 0
+        try:
+            alone = [eng.generate(GenerationRequest(p, s))[0] for p, s in zip(prompts, sp)]
+            handles = [eng.submit(GenerationRequest(p, s)) for p, s in zip(prompts, sp)]
+            together = [[ev.token_id for ev in h.result(timeout=120)[0]] for h in handles]
+            used = graphs.prepared_replays - before if graphs is not None else 0
+        finally:
+            eng.stop()
+            model.__dict__.pop("prepare_decode", None)
+        assert eng.fatal is None
+        return alone + together, used
+
+    ahead, used = run(True)
+    in_turn, unused = run(False)
+    assert unused == 0 and used >= 150, (used, unused)  # most of the 400 steps
+    assert ahead == in_turn

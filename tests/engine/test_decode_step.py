@@ -1,0 +1,73 @@
+"""The decode round (hpc_cli.engine.decode_step): while the device runs a step, the host builds
+the next step's index for the same lanes one position on (``model.prepare_decode``), and the next
+step hands it to ``model.decode``, which uses it only for exactly the inputs it was built from
+(``PreparedDecode.matches``). On the CPU no graph replays it; these tests check that what the
+engine builds ahead is what the next step asks for, so that on CUDA steps take it."""
+
+from __future__ import annotations
+
+import torch
+
+from hpc_cli.engine.api import GenerationRequest, SamplingParams
+from hpc_cli.engine.engine import Engine
+from hpc_cli.model.graphs import PreparedDecode
+
+
+def _watch(model, monkeypatch) -> dict[str, int]:
+    """Counts of decode steps, of steps handed an index built ahead, and of those whose index was
+    built for exactly their inputs; the decode itself runs as usual."""
+    counts = {"steps": 0, "handed": 0, "matched": 0}
+    decode = model.decode
+
+    def prepare(positions, tables, slots, kv, states, rope_offsets=None):
+        return PreparedDecode(key=(), entry=None, packed=torch.zeros(0, dtype=torch.long),  # type: ignore[arg-type]
+                              positions=list(positions), tables=[list(t) for t in tables], slots=list(slots),
+                              rope_offsets=None if rope_offsets is None else list(rope_offsets))
+
+    def watched(tokens, positions, tables, slots, kv, states, rope_offsets=None, prepared=None):
+        counts["steps"] += 1
+        counts["handed"] += prepared is not None
+        counts["matched"] += prepared is not None and prepared.matches(positions, tables, slots, rope_offsets)
+        return decode(tokens, positions, tables, slots, kv, states, rope_offsets=rope_offsets)
+
+    monkeypatch.setattr(model, "prepare_decode", prepare)
+    monkeypatch.setattr(model, "decode", watched)
+    return counts
+
+
+def test_a_lane_decoding_on_takes_the_index_built_during_its_previous_step(model, monkeypatch):
+    counts = _watch(model, monkeypatch)
+    eng = Engine(model, kv_profile="bf16", prefill_chunk=256, max_model_len=1024).start()
+    try:
+        # 70 prompt tokens and 150 generated: positions 70..218 cross pages at 128 and 192
+        toks, _ = eng.generate(GenerationRequest([(5 * i) % 200 + 1 for i in range(70)],
+                                                 SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)))
+    finally:
+        eng.stop()
+    assert eng.fatal is None and len(toks) == 150
+    # 149 steps (the first token comes from the prefill); the first has nothing built ahead, and
+    # every other step's index was built during the step before, for exactly its inputs
+    assert counts["steps"] == 149, counts
+    assert counts["handed"] == counts["matched"] == 148, counts
+
+
+def test_lanes_joining_and_ending_fall_back_to_an_index_built_in_turn(model, monkeypatch):
+    counts = _watch(model, monkeypatch)
+    eng = Engine(model, kv_profile="bf16", prefill_chunk=256, max_model_len=1024).start()
+    lengths, news = (30, 90, 150), (60, 25, 40)
+    try:
+        alone = [eng.generate(GenerationRequest([(3 * i + n) % 200 + 1 for i in range(length)],
+                                                SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)))[0]
+                 for n, (length, m) in enumerate(zip(lengths, news))]
+        handles = [eng.submit(GenerationRequest([(3 * i + n) % 200 + 1 for i in range(length)],
+                                                SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)))
+                   for n, (length, m) in enumerate(zip(lengths, news))]
+        together = [[ev.token_id for ev in h.result(timeout=120)[0]] for h in handles]
+    finally:
+        eng.stop()
+    assert eng.fatal is None
+    assert together == alone  # greedy: the same tokens whatever ran beside them
+    # a step whose lanes changed (one joined or ended) gets an index built for other inputs and
+    # builds its own; most steps keep their lanes
+    assert counts["handed"] - counts["matched"] >= 1, counts
+    assert counts["matched"] >= counts["steps"] - 12, counts
