@@ -6,7 +6,8 @@ Candidates, in priority order:
 2. the final assistant generation opener -- exact (dropped after an endpoint resume)
 3. structural boundaries (end of tools, end of the leading System/Developer block) -- exact,
    published as Boundary; protocol-automatic markers are planned here too but published as
-   ordinary taps
+   ordinary taps; so is the divergence from a cached path (the deepest cached block boundary
+   of a prompt that resumes below it), published as Boundary
 4. the prompt tail at floor64(n - 1) -- exact (block aligned: the snapshot anchors on committed
    blocks and owns no tail page), unless an exact tap of 1-3 already lies at or past it
 5. the geometric ladder n - G*2^k, snapped back to a message boundary within tap_min_gap --
@@ -46,11 +47,14 @@ class TapSource(IntEnum):
     PROMPT_TAIL = 5
     LADDER = 6
     MESSAGE = 7  # a message boundary: only snaps ladder candidates
+    #: the deepest cached block boundary of a prompt that leaves a cached path there (planned as
+    #: structural, published as Boundary): prompts sharing that prefix resume from it
+    DIVERGENCE = 8
 
     @property
     def priority(self) -> int:
         """The spec's priority 1..5."""
-        return {1: 1, 2: 2, 3: 3, 4: 3, 5: 4, 6: 5, 7: 6}[int(self)]
+        return {1: 1, 2: 2, 3: 3, 4: 3, 5: 4, 6: 5, 7: 6, 8: 3}[int(self)]
 
 
 class Placement(Enum):
@@ -72,7 +76,8 @@ class Tap:
     boundary: bool  # publish as a Boundary snapshot (§9.3)
 
 
-_SEMANTIC = (TapSource.OPENER, TapSource.STRUCTURAL, TapSource.AUTOMATIC)
+_SEMANTIC = (TapSource.OPENER, TapSource.STRUCTURAL, TapSource.AUTOMATIC, TapSource.DIVERGENCE)
+_SHARED = (TapSource.STRUCTURAL, TapSource.DIVERGENCE)  # published as Boundary snapshots
 
 
 @dataclass(slots=True, frozen=True)
@@ -138,7 +143,7 @@ class TapPlanner:
             if p is not None:
                 by_position.setdefault(p, []).append(h)
         for p, group in sorted(by_position.items()):
-            structural = any(h.source is TapSource.STRUCTURAL for h in group)  # published as Boundary
+            structural = any(h.source in _SHARED for h in group)  # published as Boundary
             src = min(h.source for h in group)
             if src is TapSource.AUTOMATIC and structural:
                 src = TapSource.STRUCTURAL

@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from hpc_cli.cache import Placement, TapHint, TapPlanner, TapSource
 
-SOURCES = [TapSource.EXPLICIT, TapSource.OPENER, TapSource.STRUCTURAL, TapSource.AUTOMATIC, TapSource.MESSAGE]
+SOURCES = [TapSource.EXPLICIT, TapSource.OPENER, TapSource.STRUCTURAL, TapSource.AUTOMATIC, TapSource.MESSAGE,
+           TapSource.DIVERGENCE]
 
 
 @st.composite
@@ -154,3 +155,16 @@ def test_ladder_snaps_back_to_a_message_boundary_and_keeps_the_min_gap():
     ladder = [t.position for t in taps if t.source is TapSource.LADDER]
     assert ladder[-1] == 15488  # 20000-4096 = 15904 snapped to 15500, then block aligned
     assert all(b - a >= 1024 for a, b in zip(ladder, ladder[1:]))
+
+
+def test_the_divergence_from_a_cached_path_is_an_exact_boundary_planned_as_structural():
+    p = TapPlanner(chunk=2048, host_tier=False)  # two taps
+    taps = p.plan(3200, 0, [TapHint(2944, TapSource.DIVERGENCE)])
+    assert [(t.position, t.placement, t.source, t.boundary) for t in taps] == [
+        (2944, Placement.EXACT, TapSource.DIVERGENCE, True), (3136, Placement.EXACT, TapSource.PROMPT_TAIL, False)]
+    # planned before the prompt tail: with one tap, the divergence is the one kept
+    one = TapPlanner(chunk=2048, max_new_taps=1).plan(3200, 0, [TapHint(2944, TapSource.DIVERGENCE)])
+    assert [t.position for t in one] == [2944]
+    # at an opener it adds the Boundary publication to the opener's tap
+    both = p.plan(3200, 0, [TapHint(2944, TapSource.DIVERGENCE), TapHint(2944, TapSource.OPENER)])
+    assert [(t.position, t.source, t.boundary) for t in both][0] == (2944, TapSource.OPENER, True)

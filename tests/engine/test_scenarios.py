@@ -280,6 +280,28 @@ def test_shared_preamble_stored_once_all_hit(model, mode):
     assert st["device"]["cached_page_bundles"] >= 12
 
 
+def test_prompts_leaving_a_cached_path_are_tapped_where_they_leave(model):
+    """Hybrid, raw prompts sharing a prefix that nothing marks (few-shot completions): the first
+    prompt is tapped at its own tail only, so the second, leaving its path at 704, finds the
+    blocks but no state there and recomputes them; it taps the deepest cached block boundary as a
+    Boundary snapshot, and every later prompt sharing the prefix resumes from it, answering as a
+    cold prefill does. Before, every such prompt recomputed the shared prefix."""
+    pre = tokens(740, seed=11)
+    prompts = [pre + tokens(90 + 13 * i, seed=30 + i) for i in range(5)]
+    e = make(model, "hybrid", host_cache_mib=16, kv_pages=96)
+    fins = [run(e, p, 6) for p in prompts]
+    reuse = [f.usage.reuse_tokens for _, f in fins]
+    cached = [f.usage.cached_prefix_tokens for _, f in fins]
+    assert cached == [0, 704, 704, 704, 704], cached
+    assert reuse == [0, 0, 704, 704, 704], reuse
+    st = settle(e)
+    assert st["snapshots"]["by_kind"].get("boundary", 0) == 1, st["snapshots"]
+    cold = make(model, "hybrid", reuse=False, kv_pages=96)
+    for (toks, _), p in zip(fins[2:], prompts[2:]):
+        assert agreement(toks, run(cold, p, 6)[0]) >= 4
+    settle(cold)
+
+
 # ----------------------------------------------------------------------------- host-only helpers
 def _push_out(e, n_fill: int = 3, seed: int = 50):
     """Run unrelated prompts until the device copies of earlier entries are evicted."""

@@ -135,8 +135,14 @@ class Restore(BindingParts):
             if tail_len:
                 self._copy_page(s.tail_pages[0], lane.pages[d], tail_len)
         lane.pos = q.reuse_tokens
-        lane.taps = self.planner.plan(lane.n_prompt, lane.pos,
-                                      planner_hints(lane.request.tap_hints, lane.request.message_boundaries),
+        hints = planner_hints(lane.request.tap_hints, lane.request.message_boundaries)
+        if q.cached_prefix_tokens - q.reuse_tokens >= BLOCK_TOKENS:
+            # the prompt leaves a cached path whose state is not kept where it leaves (another
+            # prompt's blocks went on from there, or its snapshot is gone): tap it there, so that
+            # the next prompt sharing this prefix resumes from it (spec §12.2's target, between
+            # requests rather than beside a sibling still prefilling)
+            hints.append(PlannerHint(q.cached_prefix_tokens, TapSource.DIVERGENCE))
+        lane.taps = self.planner.plan(lane.n_prompt, lane.pos, hints,
                                       existing=[x.frontier for x in q.match.candidates],
                                       vision_spans=lane.prepared.vision_spans,
                                       resumed_from_endpoint=seq.resumed_from_endpoint)
