@@ -5,30 +5,18 @@ run: from the third prompt on the hybrid server resumes at the shared prefix."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from ports import free_ports
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_prefix.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_shared_prefix_reused_through_completions(tmp_path):
     out = tmp_path / "prefix.json"
-    port = _free_port()
-    while True:  # two consecutive free ports
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                break
-            except OSError:
-                port = _free_port()
+    port = free_ports(2)  # hybrid, off
     cmd = [sys.executable, str(SCRIPT), "--requests", "4", "--prefix-words", "250", "--question-words", "80,120",
            "--max-tokens", "4", "--port", str(port), "--serve-args", "--host-cache-mib 64",
            "--log-dir", str(tmp_path), "--out", str(out)]

@@ -4,24 +4,19 @@ client, MTP against none in the same run on the embedded model's own chat questi
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from ports import free_ports
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_spec.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_mtp_against_none_through_http(tmp_path):
     out = tmp_path / "spec.json"
     cmd = [sys.executable, str(SCRIPT), "--backends", "mtp", "--sessions", "1", "--turns", "2", "--max-tokens", "24",
-           "--repeat", "1", "--port", str(_free_port()), "--serve-args", "--host-cache-mib 64",
+           "--repeat", "1", "--port", str(free_ports(2)), "--serve-args", "--host-cache-mib 64",
            "--log-dir", str(tmp_path), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
