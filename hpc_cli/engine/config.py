@@ -48,6 +48,8 @@ class EngineConfig:
     spec_rollback: str = "per_token"
     cuda_graphs: bool = True
     fused_kernels: bool = True
+    #: build each decode step's index while the device runs the step before (``[engine] decode_ahead``)
+    decode_ahead: bool = True
     #: ``[cache] transfer_copy``: the transfer engine's and the taps' copy method
     transfer_copy: str | None = None
     seed: int = 0
@@ -77,5 +79,5 @@ class EngineConfig:
                    model_name=s.server.served_model_name or s.model.name, settings=resolved,
                    speculative=s.speculative.backend, num_draft_tokens=s.speculative.num_draft_tokens,
                    drafter=s.speculative.drafter, cuda_graphs=s.engine.cuda_graphs,
-                   fused_kernels=s.engine.fused_kernels,
+                   fused_kernels=s.engine.fused_kernels, decode_ahead=s.engine.decode_ahead,
                    transfer_copy=s.cache.transfer_copy, seed=s.engine.seed)

@@ -58,6 +58,7 @@ class EngineCore:
     _lanes: list[Lane]
     _pass_commits: list[Lane]  # lanes whose last pass's commits and taps wait (Lane.pass_commit)
     _prepared_decode: "PreparedDecode | None"  # the next decode step's index, built ahead
+    decode_ahead: bool  # [engine] decode_ahead
     _by_id: dict[str, Lane]
     _stopping: threading.Event
     _count: int

@@ -64,6 +64,8 @@ class DecodeStep(EngineCore):
         """The host's part of the next decode step of ``lanes`` (each one position on, its pages
         as they are now), built while the device runs this one; the next step uses it only if
         its inputs are exactly these (:meth:`PreparedDecode.matches`)."""
+        if not self.decode_ahead:
+            return
         positions = [l.pos + 1 for l in lanes]
         if any(len(l.pages) * BLOCK_TOKENS <= p for l, p in zip(lanes, positions)):
             return  # a lane needs a page it does not hold yet

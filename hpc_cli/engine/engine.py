@@ -126,6 +126,7 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         self._lanes: list[Lane] = []
         self._pass_commits: list[Lane] = []
         self._prepared_decode = None
+        self.decode_ahead = bool(c.decode_ahead)
         self._by_id: dict[str, Lane] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()

@@ -44,6 +44,8 @@ class EngineSettings(_Section):
     cuda_graphs: bool = Field(True, description="replay decode and verify passes as CUDA graphs (dense models)")
     fused_kernels: bool = Field(True, description="run the norms, the MLP gate, the GDN conv and the GDN decode step "
                                                   "as fused Triton kernels on CUDA (false: torch's ops)")
+    decode_ahead: bool = Field(True, description="build each decode step's index while the device runs the step "
+                                                 "before (CUDA graphs; false: each step builds its own)")
     seed: int = Field(0, ge=-(1 << 63), lt=1 << 64,
                       description="base seed of sampling for requests that name no seed: the k-th request of a "
                                   "run draws from (seed, k); a request's own seed wins")

@@ -71,3 +71,15 @@ def test_lanes_joining_and_ending_fall_back_to_an_index_built_in_turn(model, mon
     # builds its own; most steps keep their lanes
     assert counts["handed"] - counts["matched"] >= 1, counts
     assert counts["matched"] >= counts["steps"] - 12, counts
+
+
+def test_decode_ahead_off_builds_every_step_in_turn(model, monkeypatch):
+    counts = _watch(model, monkeypatch)
+    eng = Engine(model, kv_profile="bf16", prefill_chunk=256, max_model_len=1024, decode_ahead=False).start()
+    try:
+        toks, _ = eng.generate(GenerationRequest(list(range(1, 71)),
+                                                 SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
+    finally:
+        eng.stop()
+    assert eng.fatal is None and len(toks) == 20
+    assert counts["steps"] == 19 and counts["handed"] == 0, counts

@@ -55,9 +55,7 @@ def test_cuda_decode_steps_built_ahead_equal_steps_built_in_turn():
     sp = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (90, 70, 40)]
 
     def run(ahead: bool) -> tuple[list[list[int]], int]:
-        if not ahead:
-            model.prepare_decode = lambda *a, **k: None  # every step builds its index in turn
-        eng = Engine(model, kv_profile="int8-g64", prefill_chunk=256, max_model_len=1024).start()
+        eng = Engine(model, kv_profile="int8-g64", prefill_chunk=256, max_model_len=1024, decode_ahead=ahead).start()
         graphs = model.column_graphs(eng.storage)
         before = graphs.prepared_replays if graphs is not None else 0
         try:
@@ -67,7 +65,6 @@ def test_cuda_decode_steps_built_ahead_equal_steps_built_in_turn():
             used = graphs.prepared_replays - before if graphs is not None else 0
         finally:
             eng.stop()
-            model.__dict__.pop("prepare_decode", None)
         assert eng.fatal is None
         return alone + together, used
 
