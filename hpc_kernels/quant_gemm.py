@@ -12,7 +12,7 @@ Two kinds of pass, as their limits differ:
 * **Decode-sized** (up to ``DECODE_ROWS`` rows: decode, speculative verify) is bound by reading
   the weight. Each program takes ``BN`` outputs and a share of K for all the rows, and streams
   ``BN x BK`` tiles of codes once. An FP8 weight with bf16/fp16 rows on a device with FP8 matrix
-  units meets the rows there as they are: each row's 128 inputs of the step quantized to e4m3
+  units is multiplied there as stored: each row's 128 inputs of the step quantized to e4m3
   in the program (``amax / 448``, as the prefill's FP8 product does), the weight tile the
   product's left operand, the fp32 result scaled by the weight's and the row's scales. Otherwise
   the tile, exact in the rows' dtype, meets them on the matrix units (or, a sweep's option, in
