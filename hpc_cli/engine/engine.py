@@ -30,6 +30,7 @@ from hpc_cli.engine.admission import Admission
 from hpc_cli.engine.api import FinishEvent, GenerationRequest, RequestHandle, SamplingParams
 from hpc_cli.engine.binding import BindingContext, CacheBinding, mode_options
 from hpc_cli.engine.config import EngineConfig
+from hpc_cli.engine.cpu_threads import release_thread_team
 from hpc_cli.engine.decode_step import DecodeStep
 from hpc_cli.engine.finish import Finish
 from hpc_cli.engine.lane import Lane
@@ -217,6 +218,8 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
     # ------------------------------------------------------------------ public API (any thread)
     def start(self) -> "Engine":
         if self._thread is None:
+            if self.model.device.type == "cpu":  # the worker computes: this thread's CPU team goes
+                release_thread_team()
             self._thread = threading.Thread(target=self._run, name="hpc-engine", daemon=True)
             self._thread.start()
         return self
