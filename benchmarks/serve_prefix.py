@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_trace import ManagedServer, percentile, served_model  # noqa: E402
+from serve_trace import ManagedServer, openai_client, percentile  # noqa: E402
 
 MODES = ("hybrid", "off")
 WORDS = ("the module returns a value for each item in the list when the function is called with a "
@@ -89,8 +89,6 @@ def main(argv=None) -> dict:
         raise SystemExit("--question-words wants MIN,MAX") from None
     if not 1 <= lo <= hi or args.requests < 3 or args.prefix_words < 1 or args.max_tokens < 1:
         raise SystemExit("need 1 <= MIN <= MAX question words, --requests >= 3, --prefix-words and --max-tokens >= 1")
-    import openai
-
     plan = prompts(args.requests, args.prefix_words, (lo, hi), args.seed)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="serve_prefix-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -103,9 +101,9 @@ def main(argv=None) -> dict:
                               args.startup_timeout, 60.0)
             s.start()
             servers[mode] = s
-        clients = {m: openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=600)
-                   for m, s in servers.items()}
-        names = {m: served_model(s.url) for m, s in servers.items()}
+        clients, names = {}, {}
+        for m, s in servers.items():
+            clients[m], names[m] = openai_client(s.url)
         for m in MODES:  # the client's and the connection's first use, on a prompt of its own
             one(clients[m], names[m], "Warm-up.", 1)
         for p in plan:

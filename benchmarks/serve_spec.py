@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_trace import ManagedServer, served_model  # noqa: E402
+from serve_trace import ManagedServer, openai_client  # noqa: E402
 from spec_decode import CHAT_QUESTIONS  # noqa: E402
 
 BACKENDS = ("none", "mtp", "dflash", "dflash2")
@@ -111,8 +111,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    import openai
-
     backends = ["none"] + [b for b in (x.strip() for x in args.backends.split(",")) if b and b != "none"]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
@@ -131,9 +129,9 @@ def main(argv=None) -> dict:
                               args.port + i, log_dir, args.startup_timeout, 60.0)
             s.start()
             servers[b] = s
-        clients = {b: openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=600)
-                   for b, s in servers.items()}
-        names = {b: served_model(s.url) for b, s in servers.items()}
+        clients, names = {}, {}
+        for b, s in servers.items():
+            clients[b], names[b] = openai_client(s.url)
         for b in backends:  # one untimed pass each: the servers' first requests
             one_pass(clients[b], names[b], plan[:1], args.max_tokens)
         before = {b: speculative_stats(servers[b].url) for b in backends if b != "none"}

@@ -360,6 +360,15 @@ def served_model(base: str) -> str:
         return str(r.json()["data"][0]["id"])
 
 
+def openai_client(base: str, timeout_s: float = 600.0) -> tuple["openai.OpenAI", str]:
+    """The official client for the server at ``base`` (no retries: a failed request is a figure)
+    and the name of the model it serves."""
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key=_api_key(), max_retries=0, timeout=timeout_s)
+    return client, served_model(base)
+
+
 # ---------------------------------------------------------------------------------------------
 # Summaries
 # ---------------------------------------------------------------------------------------------

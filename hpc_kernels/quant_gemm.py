@@ -181,12 +181,16 @@ def _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP: tl.
 @triton.jit(do_not_specialize=["M"])
 def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym,
                      stride_ys, SB_N: tl.constexpr, SB_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr):
+                     BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
+                     E4M3: tl.constexpr):
     """The ``M <= BM`` rows of ``x`` against ``BN`` weight rows over this program's share of K,
     each ``BN x BK`` fp8 tile (within one scale block of inputs) loaded once for all the rows.
-    ``DOT``: the tile, exact in ``x``'s dtype, meets the rows on the matrix units and the step's
-    product is scaled per weight row; otherwise the tile is scaled in fp32 registers and each row
-    sums its products there. Each row runs the same operations whatever ``M``."""
+    ``E4M3`` (with ``DOT`` and ``SWAP``): the step's ``BK`` inputs (one 128-input group) of every
+    row are quantized to e4m3 with the row's own scale (``amax / 448``) and meet the tile on the
+    FP8 matrix units, the product scaled by the weight block's and the rows' scales. ``DOT``: the
+    tile, exact in ``x``'s dtype, meets the rows on the matrix units and the step's product is
+    scaled per weight row; otherwise the tile is scaled in fp32 registers and each row sums its
+    products there. Each row runs the same operations whatever ``M``."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BM)
@@ -201,7 +205,13 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, st
         w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk[None, :],
                     mask=nmask[:, None] & kmask[None, :], other=0.0)
         s = tl.load(s_ptr + (rn // SB_N) * stride_sn + k0 // SB_K, mask=nmask, other=0.0)
-        if DOT:
+        if E4M3:
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            xs = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+            xq = tl.clamp(x / xs[:, None], -448.0, 448.0).to(w.dtype)
+            acc += tl.dot(w, tl.trans(xq)) * (s[:, None] * xs[None, :])
+        elif DOT:
             x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kmask[None, :],
                         other=0.0)
             acc += _row_dot(x, w.to(x.dtype), _zero_acc(BM, BN, SWAP), SWAP, IEEE) * _per_output(s, SWAP)
@@ -212,37 +222,6 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, st
                             other=0.0).to(tl.float32)
                 acc = _add_row(acc, rm, r, tl.sum(wf * x[None, :], axis=1))
     _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _fp8_e4m3_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym,
-                          stride_ys, SB_N: tl.constexpr, SB_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr):
-    """The ``M <= BM`` rows of ``x`` against ``BN`` weight rows over this program's share of K on
-    the FP8 matrix units: each step's ``BK`` (one 128-input group, within one weight scale block)
-    inputs of every row quantized to e4m3 with the row's own scale (``amax / 448``), the ``BN x
-    BK`` weight tile the product's left operand, its fp32 result scaled by the weight block's and
-    the rows' scales. Each row runs the same operations whatever ``M``."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    nmask = rn < N
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
-    for k0 in range(pid_k * K_SPLIT, k_end, BK):
-        kk = k0 + rk
-        kmask = kk < k_end
-        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk[None, :], mask=nmask[:, None] & kmask[None, :],
-                    other=0.0)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        xs = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-        xq = tl.clamp(x / xs[:, None], -448.0, 448.0).to(w.dtype)
-        s = tl.load(s_ptr + (rn // SB_N) * stride_sn + k0 // SB_K, mask=nmask, other=0.0)
-        acc += tl.dot(w, tl.trans(xq)) * (s[:, None] * xs[None, :])
-    _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, True)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -326,17 +305,16 @@ def _rows_product(rows_kernel, tile: dict, x2: torch.Tensor, n: int, k: int, wei
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if not m:
         return y
-    e4m3 = bool(tile.get("e4m3"))
+    e4m3 = bool(tile.get("e4m3"))  # FP8 only: the FP8 matrix units, the weight tile the left operand
     dot = e4m3 or bool(tile.get("dot"))
     bk = min(tile["BK"], bk_limit) if bk_limit else tile["BK"]
     splits, per = k_splits(n, k, tile["BN"], bk, tile["waves"], sm_count(x2.device))
     out = y if splits == 1 else torch.empty(splits, m, n, device=x2.device, dtype=torch.float32)
-    if not e4m3:
-        meta = {**meta, "DOT": dot, "SWAP": dot and bool(tile.get("swap")), "IEEE": x2.dtype == torch.float32}
     rows_kernel[(triton.cdiv(n, tile["BN"]), splits)](
         x2, *weights, out, m, n, k, per, x2.stride(0), *weight_strides, out.stride(-2),
         out.stride(0) if splits > 1 else 0, BM=DECODE_ROWS if dot else triton.next_power_of_2(m), BN=tile["BN"],
-        BK=bk, num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
+        BK=bk, DOT=dot, SWAP=e4m3 or (dot and bool(tile.get("swap"))), IEEE=x2.dtype == torch.float32,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
     if splits > 1:
         _sum_splits_kernel[(m, triton.cdiv(n, 1024))](out, y, m, n, splits, out.stride(0), out.stride(1), y.stride(0),
                                                       BLOCK=1024)
@@ -446,8 +424,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
                mm_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ W^T`` for a block-scaled FP8 ``weight [N, K]`` with float32 ``scale
     [ceil(N / block[0]), ceil(K / block[1])]``. Up to ``DECODE_ROWS`` rows read the weight in
-    place (:func:`_fp8_e4m3_rows_kernel` on the FP8 matrix units, :func:`_fp8_rows_kernel` where
-    :func:`fp8_decode_tile` keeps the rows as they are); a prefill pass of a 128 x 128-block
+    place (:func:`_fp8_rows_kernel`, on the FP8 matrix units where :func:`fp8_decode_tile` says
+    so); a prefill pass of a 128 x 128-block
     weight with ``mm_scales`` (:func:`scales_for_mm`) on a device that takes it runs
     :func:`fp8_scaled_mm`; other prefill passes dequantise the weight and run cuBLAS's product."""
     n, k = weight.shape
@@ -459,9 +437,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
                     and k % 128 == 0 and scaled_mm_ready(x.device))
     if x2.shape[0] <= DECODE_ROWS and not (tensor_cores and TILES["fp8"].get("scaled_mm")):
         tile = fp8_decode_tile(x2.dtype, block, x2.device)
-        kernel = _fp8_e4m3_rows_kernel if tile.get("e4m3") else _fp8_rows_kernel
-        y = _rows_product(kernel, tile, x2, n, k, (weight, scale), (weight.stride(0), scale.stride(0)),
-                          {"SB_N": sb_n, "SB_K": sb_k}, bk_limit=sb_k)
+        y = _rows_product(_fp8_rows_kernel, tile, x2, n, k, (weight, scale), (weight.stride(0), scale.stride(0)),
+                          {"SB_N": sb_n, "SB_K": sb_k, "E4M3": bool(tile.get("e4m3"))}, bk_limit=sb_k)
     elif tensor_cores:
         y = fp8_scaled_mm(x2, weight, mm_scales)
     else:

@@ -219,12 +219,19 @@ class ColumnGraphs(CapturedGraphs):
         if key != prepared.key or entry is not prepared.entry:
             return None
         prepared.packed[:B] = torch.as_tensor(tokens, dtype=torch.long)
+        self.prepared_replays += 1
+        return self._replay(key, entry, prepared.packed).logits[:, 0].clone()
+
+    def _replay(self, key: tuple, entry: _Graph, packed: torch.Tensor,
+                drafts: torch.Tensor | None = None) -> ColumnsOut:
+        """``entry``'s graph on the step's ``packed`` index (and ``drafts`` on the device)."""
         self.graphs.move_to_end(key)
-        entry.index.packed.copy_(prepared.packed, non_blocking=True)
+        entry.index.packed.copy_(packed, non_blocking=True)
+        if drafts is not None:
+            entry.index.put_drafts(drafts)
         entry.graph.replay()
         self.replays += 1
-        self.prepared_replays += 1
-        return entry.out.logits[:, 0].clone()
+        return entry.out
 
     def run(self, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
             slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = (),
@@ -243,9 +250,7 @@ class ColumnGraphs(CapturedGraphs):
         capture = tuple(sorted(set(capture)))
         key = self._key(B, T, W, kv, states, keep_all, capture, logits)
         entry = self.graphs.get(key)
-        if entry is not None:
-            self.graphs.move_to_end(key)
-        elif key in self.seen and key not in self.eager:
+        if entry is None and key in self.seen and key not in self.eager:
             entry = self._capture(key, packed, B, T, W, kv, states, keep_all, capture, logits)
         if entry is None:  # the first pass of this key (warm-up), or graphs unavailable
             self.seen.add(key)
@@ -253,12 +258,7 @@ class ColumnGraphs(CapturedGraphs):
             if drafts is not None:
                 idx.put_drafts(drafts)
             return columns_core(model, idx, kv, states, keep_all=keep_all, capture=capture, logits=logits)
-        entry.index.packed.copy_(packed, non_blocking=True)
-        if drafts is not None:
-            entry.index.put_drafts(drafts)
-        entry.graph.replay()
-        self.replays += 1
-        return entry.out
+        return self._replay(key, entry, packed, drafts)
 
     def _capture(self, key, packed: torch.Tensor, B: int, T: int, W: int, kv, states, keep_all: bool,
                  capture: tuple, logits: bool) -> _Graph | None:
