@@ -523,11 +523,13 @@ def train_drafters(model, nets, data, args, dev, report):
     capture = tuple(nets["dflash"].cfg.target_layers)
     rotaries = {k: Rotary(n.cfg.head_dim, n.cfg.rope_theta, device=dev) for k, n in nets.items()}
     answers = data.get("answers")
+    corpus = batches(data["train"], args.batch, SEED + 7)
     if answers is not None:
         rows_all, spans_all = answers
         it = batches(torch.cat([rows_all, spans_all], dim=1), args.batch, SEED + 7)
     else:
-        it = batches(data["train"], args.batch, SEED + 7)
+        it = corpus
+    every = getattr(args, "corpus_every", 0)
     gen = torch.Generator().manual_seed(SEED + 11)
     t0, curve, total = time.time(), [], args.draft_steps
     step = 0
@@ -540,10 +542,12 @@ def train_drafters(model, nets, data, args, dev, report):
         lr = args.draft_lr * (min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1, frac)))))
         for g in opt.param_groups:
             g["lr"] = lr
-        b = next(it)
         spans = None
-        if answers is not None:
+        if answers is not None and not (every and step % every == every - 1):
+            b = next(it)
             b, spans = b[:, :-2], b[:, -2:]
+        else:  # corpus rows (every --corpus-every'th step with answers: the drafters keep the corpus)
+            b = next(corpus)
         b = b.to(dev)
         tokens = b[:, :-1]
         B, T = tokens.shape
@@ -751,6 +755,11 @@ def main(argv=None) -> dict:
                     help="'benchmark': leave out the chat examples about the objects benchmarks/spec_decode.py "
                          "asks about (its CHAT_QUESTIONS); 'none': keep every example")
     ap.add_argument("--no-mtp", action="store_true", help="phase 2 leaves the MTP head as it is")
+    ap.add_argument("--target-layers", default=None,
+                    help="the layers whose residual stream the block drafters read, e.g. 1,3,5,6,7 "
+                         "(default: hpc_cli.speculative.dflash.default_config's)")
+    ap.add_argument("--corpus-every", type=int, default=0,
+                    help="with --chat-answers: every N-th drafter step trains on corpus rows instead of answers")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     args.block_sizes = [int(x) for x in args.block_sizes.split(",")]
@@ -811,6 +820,8 @@ def main(argv=None) -> dict:
     gen_seed = SEED + 3
     for kind in ("dflash", "dflash2"):
         c = default_config(kind, model, 1)
+        if args.target_layers:
+            c.target_layers = [int(x) for x in args.target_layers.split(",")]
         if args.init_drafters:  # continue from trained drafters
             from hpc_cli.speculative.dflash import load_drafter
 
