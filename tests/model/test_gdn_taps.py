@@ -105,6 +105,28 @@ def test_real_widths():
         assert rel_err(s.double(), ref) < 2e-5, f"tap {p}"
 
 
+def test_head_groups_on_the_cpu_change_no_bit(monkeypatch):
+    """On the CPU the chunk rule runs over groups of heads (``CPU_GROUP_STATE_BYTES``); with the
+    27B mixer widths (6 groups of at most 3 key heads here) the output, the final state and every
+    tap equal one call over all heads bit for bit, and the groups are really taken."""
+    from hpc_cli.model import gdn
+
+    xs = _inputs(300, seed=4, hk=16, hv=48, d=128)
+    taps = [1, 64, 130, 300]
+    calls = []
+    inner = gdn._chunk_states
+    monkeypatch.setattr(gdn, "_chunk_states", lambda *a: calls.append(a[1].shape[2]) or inner(*a))
+    monkeypatch.setattr(gdn, "CPU_GROUP_STATE_BYTES", 3 * 3 * 128 * 128 * 4)
+    out, final, kept = gdn.chunk_states(*xs, 64, taps)
+    assert calls == [3, 3, 3, 3, 3, 1], calls
+    monkeypatch.setattr(gdn, "CPU_GROUP_STATE_BYTES", 1 << 40)
+    calls.clear()
+    ref_out, ref_final, ref_kept = gdn.chunk_states(*xs, 64, taps)
+    assert calls == [16], calls
+    assert torch.equal(out, ref_out) and torch.equal(final, ref_final)
+    assert all(torch.equal(a, b) for a, b in zip(kept, ref_kept)) and len(kept) == len(taps)
+
+
 def test_layer_taps_conv_windows_are_a_host_gather():
     """GatedDeltaNet.prefill_tapped: each tap's conv window is the pre-conv projected columns
     [p - 3, p) (from the previous conv state where p < 3), byte for byte; its state matches the
