@@ -50,12 +50,16 @@ def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     return out, state
 
 
-#: on the CPU :func:`chunk_states` runs over groups of key heads (with the value heads they serve)
-#: whose recurrent state takes at most this many bytes: a chunk's intermediates (``[heads, chunks,
-#: 64, d]`` each, tens of MB for all 48 value heads of a 2k-token run) then stay in the caches. The
-#: heads are independent, so each head's numbers are the same bit for bit; a 2,400-token run of the
-#: 27B mixer widths (16 key / 48 value heads of 128) took 0.22-0.24 s against 0.37-0.38 s at once.
+#: on the CPU a run of more than :data:`CPU_GROUP_MIN_CHUNKS` chunks goes through :func:`chunk_states`
+#: in groups of key heads (with the value heads they serve) whose recurrent state takes at most
+#: this many bytes: a run's intermediates (``[heads, chunks, 64, d]`` each, tens of MB for all 48
+#: value heads of a 2k-token run) then stay in the caches. The heads are independent, so each
+#: head's numbers are the same bit for bit. The 27B mixer widths (16 key / 48 value heads of 128)
+#: on the 2-core CPU: 2,400 tokens 0.22-0.24 s against 0.37-0.38 s at once, 400 tokens 34 against
+#: 48 ms, 200 tokens 22 against 33 ms; runs of one or two chunks are faster at once (100 tokens 10.5
+#: against 12.1 ms: each group costs its own launches).
 CPU_GROUP_STATE_BYTES = 1 << 20
+CPU_GROUP_MIN_CHUNKS = 2
 
 
 def chunk_states(q, k, v, g, beta, initial_state, chunk: int, taps: Sequence[int]):
@@ -64,7 +68,7 @@ def chunk_states(q, k, v, g, beta, initial_state, chunk: int, taps: Sequence[int
     hk, hv = k.shape[2], v.shape[2]
     rep = hv // hk
     per = max(1, CPU_GROUP_STATE_BYTES // (rep * k.shape[3] * v.shape[3] * 4))
-    if q.device.type != "cpu" or per >= hk:
+    if q.device.type != "cpu" or per >= hk or k.shape[1] <= CPU_GROUP_MIN_CHUNKS * chunk:
         return _chunk_states(q, k, v, g, beta, initial_state, chunk, taps)
     parts = []
     for a in range(0, hk, per):
