@@ -529,7 +529,7 @@ def train_drafters(model, nets, data, args, dev, report):
         it = batches(torch.cat([rows_all, spans_all], dim=1), args.batch, SEED + 7)
     else:
         it = corpus
-    every = getattr(args, "corpus_every", 0)
+    every = args.corpus_every
     gen = torch.Generator().manual_seed(SEED + 11)
     t0, curve, total = time.time(), [], args.draft_steps
     step = 0
