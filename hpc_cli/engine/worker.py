@@ -14,6 +14,7 @@ import torch
 
 from hpc_cli.engine.api import FinishReason
 from hpc_cli.engine.core import EngineCore
+from hpc_cli.engine.cpu_threads import release_thread_team
 from hpc_cli.engine.lane import Lane
 from hpc_cli.engine.sampling import make_generator
 from hpc_cli.engine.stats import StatsRequest
@@ -65,6 +66,10 @@ class Worker(EngineCore):
                 # uses no CPU)
                 self._take_stats()
                 last_stats = now
+                # and its OpenMP team (cpu_threads): another engine in the process, a benchmark's
+                # other backend, then finds the cores free
+                if self.model.device.type == "cpu":
+                    release_thread_team()
                 self._wake.wait()
                 self._wake.clear()
             self._shutdown(FinishReason.UNAVAILABLE, "the server is stopping")
