@@ -174,15 +174,22 @@ def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, h, t, dk = k.shape
-    state = (torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=q.device) if initial_state is None
+    dv = v.shape[-1]
+    state = (torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
              else initial_state.float().clone())
     out = torch.empty_like(v)
+    # the state updated in place, its products as batched matrix products over the b * h heads:
+    # each step reads and writes the state about 3 times where elementwise products and sums
+    # over [b, h, dk, dv] temporaries did about 10 times (the 27B mixer widths, 3 MB of state a
+    # layer: through HTTP on the 2-core CPU a token of the hidden-256 checkpoint took 12.7 against
+    # 14.2 ms)
+    s3 = state.view(b * h, dk, dv)
     for i in range(t):
-        state = state * g[:, :, i].exp()[..., None, None]
-        kt = k[:, :, i]
-        delta = (v[:, :, i] - (state * kt.unsqueeze(-1)).sum(-2)) * beta[:, :, i].unsqueeze(-1)
-        state = state + kt.unsqueeze(-1) * delta.unsqueeze(-2)
-        out[:, :, i] = (state * q[:, :, i].unsqueeze(-1)).sum(-2)
+        s3.mul_(g[:, :, i].exp().reshape(b * h, 1, 1))
+        kt = k[:, :, i].reshape(b * h, 1, dk)
+        delta = (v[:, :, i].reshape(b * h, 1, dv) - torch.bmm(kt, s3)) * beta[:, :, i].reshape(b * h, 1, 1)
+        s3.baddbmm_(kt.transpose(1, 2), delta)  # state += k^T delta
+        out[:, :, i] = torch.bmm(q[:, :, i].reshape(b * h, 1, dk), s3).view(b, h, dv)
     return out.transpose(1, 2).to(out_dtype), state
 
 

@@ -99,19 +99,49 @@ def test_batched_decode_equals_single_lanes(tiny, tokens):
         assert err <= BOUND, f"lane {lane} (length {n}) differs in a batch by {err:.2e}"
 
 
-def test_gdn_chunk_rule_matches_recurrent_rule():
-    from hpc_cli.model.gdn import chunk_rule, recurrent_rule
-
-    g = torch.Generator().manual_seed(0)
-    b, t, hk, hv, d = 2, 70, 2, 4, 16
+def _rule_inputs(seed: int, b: int, t: int, hk: int, hv: int, d: int) -> tuple[torch.Tensor, ...]:
+    """q, k ``[b, t, hk, d]``, v ``[b, t, hv, d]``, log decay and beta ``[b, t, hv]``, a state ``[b, hv, d, d]``."""
+    g = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(b, t, hk, d, generator=g) for _ in range(2))
     v = torch.randn(b, t, hv, d, generator=g)
     decay = -torch.rand(b, t, hv, generator=g)
     beta = torch.rand(b, t, hv, generator=g)
-    s0 = torch.randn(b, hv, d, d, generator=g)
+    return q, k, v, decay, beta, torch.randn(b, hv, d, d, generator=g)
+
+
+def test_gdn_chunk_rule_matches_recurrent_rule():
+    from hpc_cli.model.gdn import chunk_rule, recurrent_rule
+
+    q, k, v, decay, beta, s0 = _rule_inputs(0, b=2, t=70, hk=2, hv=4, d=16)
     o1, s1 = chunk_rule(q, k, v, decay, beta, s0)
     o2, s2 = recurrent_rule(q, k, v, decay, beta, s0)
     assert rel_err(o1, o2) < 1e-5 and rel_err(s1, s2) < 1e-5
+
+
+def test_recurrent_rule_steps_the_delta_rule_and_leaves_the_initial_state_alone():
+    """The decode form (in-place state, batched matrix products) against the gated delta rule
+    written out token by token in fp64: S <- a S; S <- S + beta k (v - S^T k)^T; o = S^T q."""
+    from hpc_cli.model.gdn import recurrent_rule
+
+    t, hk, hv, d = 5, 2, 6, 16
+    q, k, v, decay, beta, s0 = _rule_inputs(1, b=2, t=t, hk=hk, hv=hv, d=d)
+    kept = s0.clone()
+    out, state = recurrent_rule(q, k, v, decay, beta, s0)
+    assert torch.equal(s0, kept), "the caller's initial state was written"
+    rep = hv // hk
+    S = s0.double().clone()
+    for i in range(t):
+        for h in range(hv):
+            qi = q[:, i, h // rep].double()
+            ki = k[:, i, h // rep].double()
+            qi = qi / qi.norm(dim=-1, keepdim=True) * d ** -0.5
+            ki = ki / ki.norm(dim=-1, keepdim=True)
+            Sh = S[:, h] * decay[:, i, h].double().exp()[:, None, None]
+            delta = (v[:, i, h].double() - torch.einsum("bkv,bk->bv", Sh, ki)) * beta[:, i, h].double()[:, None]
+            S[:, h] = Sh + ki[:, :, None] * delta[:, None, :]
+            ref = torch.einsum("bkv,bk->bv", S[:, h], qi)
+            assert rel_err(out[:, i, h].double(), ref) < 1e-5, (i, h)
+    assert rel_err(state.double(), S) < 1e-5
 
 
 @pytest.mark.parametrize("cuts", [[1], [37, 101], [64, 128]], ids=lambda c: "-".join(map(str, c)))
