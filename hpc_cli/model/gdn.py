@@ -176,7 +176,7 @@ def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     b, h, t, dk = k.shape
     dv = v.shape[-1]
     state = (torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
-             else initial_state.float().clone())
+             else initial_state.float().clone(memory_format=torch.contiguous_format))
     out = torch.empty_like(v)
     # the state updated in place, its products as batched matrix products over the b * h heads:
     # each step reads and writes the state about 3 times where elementwise products and sums

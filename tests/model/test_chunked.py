@@ -142,6 +142,9 @@ def test_recurrent_rule_steps_the_delta_rule_and_leaves_the_initial_state_alone(
             ref = torch.einsum("bkv,bk->bv", S[:, h], qi)
             assert rel_err(out[:, i, h].double(), ref) < 1e-5, (i, h)
     assert rel_err(state.double(), S) < 1e-5
+    strided = s0.transpose(0, 1).contiguous().transpose(0, 1)  # the same state, another layout
+    again, state_again = recurrent_rule(q, k, v, decay, beta, strided)
+    assert torch.equal(again, out) and torch.equal(state_again, state)
 
 
 @pytest.mark.parametrize("cuts", [[1], [37, 101], [64, 128]], ids=lambda c: "-".join(map(str, c)))
