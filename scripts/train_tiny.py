@@ -763,6 +763,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     args.block_sizes = [int(x) for x in args.block_sizes.split(",")]
+    if args.corpus_every and not args.chat_answers:
+        ap.error("--corpus-every mixes corpus rows into --chat-answers training; give --chat-answers N too")
+    if args.target_layers and args.init_drafters:
+        ap.error("--init-drafters continues drafters with their own target layers; leave out --target-layers")
+    target_layers = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
     torch.manual_seed(SEED)
     dev = torch.device(args.device)
     if dev.type == "cuda":
@@ -820,8 +825,8 @@ def main(argv=None) -> dict:
     gen_seed = SEED + 3
     for kind in ("dflash", "dflash2"):
         c = default_config(kind, model, 1)
-        if args.target_layers:
-            c.target_layers = [int(x) for x in args.target_layers.split(",")]
+        if target_layers:
+            c.target_layers = target_layers
         if args.init_drafters:  # continue from trained drafters
             from hpc_cli.speculative.dflash import load_drafter
 

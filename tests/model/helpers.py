@@ -1,5 +1,5 @@
-"""Helpers for the Qwen3.5 runtime tests: an exact fp32 KV profile, error metric, checkpoint
-rewriting, a test module's kernel checks run in Triton's interpreter."""
+"""Helpers for the Qwen3.5 runtime tests: an exact fp32 KV profile, error metric, the gated delta
+rule's inputs, checkpoint rewriting, a test module's kernel checks run in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -37,6 +37,18 @@ F32 = F32Profile()
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def rule_inputs(seed: int, b: int, t: int, hk: int, hv: int, d: int, dtype=torch.float32,
+                decay_scale: float = 1.0, state_scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+    """The gated delta rule's inputs, seeded: q, k ``[b, t, hk, d]``, v ``[b, t, hv, d]``, log decay
+    (in ``(-decay_scale, 0]``) and beta ``[b, t, hv]``, an initial state ``[b, hv, d, d]``."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(b, t, hk, d, generator=g, dtype=dtype) for _ in range(2))
+    v = torch.randn(b, t, hv, d, generator=g, dtype=dtype)
+    decay = -torch.rand(b, t, hv, generator=g, dtype=dtype) * decay_scale
+    beta = torch.rand(b, t, hv, generator=g, dtype=dtype)
+    return q, k, v, decay, beta, torch.randn(b, hv, d, d, generator=g, dtype=dtype) * state_scale
 
 
 def rewrite_checkpoint(src: Path, dst: Path, *, language_model: bool = False, fuse_experts: bool = False,

@@ -7,7 +7,7 @@ import torch
 
 from hpc_cli.model import HybridModel
 
-from .helpers import F32, rel_err
+from .helpers import F32, rel_err, rule_inputs
 
 BOUND = 2e-5  # fp32 rounding: split runs sum in another order
 N = 200
@@ -99,20 +99,10 @@ def test_batched_decode_equals_single_lanes(tiny, tokens):
         assert err <= BOUND, f"lane {lane} (length {n}) differs in a batch by {err:.2e}"
 
 
-def _rule_inputs(seed: int, b: int, t: int, hk: int, hv: int, d: int) -> tuple[torch.Tensor, ...]:
-    """q, k ``[b, t, hk, d]``, v ``[b, t, hv, d]``, log decay and beta ``[b, t, hv]``, a state ``[b, hv, d, d]``."""
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(b, t, hk, d, generator=g) for _ in range(2))
-    v = torch.randn(b, t, hv, d, generator=g)
-    decay = -torch.rand(b, t, hv, generator=g)
-    beta = torch.rand(b, t, hv, generator=g)
-    return q, k, v, decay, beta, torch.randn(b, hv, d, d, generator=g)
-
-
 def test_gdn_chunk_rule_matches_recurrent_rule():
     from hpc_cli.model.gdn import chunk_rule, recurrent_rule
 
-    q, k, v, decay, beta, s0 = _rule_inputs(0, b=2, t=70, hk=2, hv=4, d=16)
+    q, k, v, decay, beta, s0 = rule_inputs(0, b=2, t=70, hk=2, hv=4, d=16)
     o1, s1 = chunk_rule(q, k, v, decay, beta, s0)
     o2, s2 = recurrent_rule(q, k, v, decay, beta, s0)
     assert rel_err(o1, o2) < 1e-5 and rel_err(s1, s2) < 1e-5
@@ -124,7 +114,7 @@ def test_recurrent_rule_steps_the_delta_rule_and_leaves_the_initial_state_alone(
     from hpc_cli.model.gdn import recurrent_rule
 
     t, hk, hv, d = 5, 2, 6, 16
-    q, k, v, decay, beta, s0 = _rule_inputs(1, b=2, t=t, hk=hk, hv=hv, d=d)
+    q, k, v, decay, beta, s0 = rule_inputs(1, b=2, t=t, hk=hk, hv=hv, d=d)
     kept = s0.clone()
     out, state = recurrent_rule(q, k, v, decay, beta, s0)
     assert torch.equal(s0, kept), "the caller's initial state was written"

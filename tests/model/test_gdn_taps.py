@@ -9,19 +9,13 @@ import torch
 from hpc_cli.model.gdn import chunk_rule, recurrent_rule
 from hpc_cli.model.gdn_taps import tapped_rule
 
-from .helpers import rel_err
+from .helpers import rel_err, rule_inputs
 
 B, HK, HV, D = 1, 2, 4, 16  # small heads: the sweep covers every phase and length
 
 
 def _inputs(t: int, seed: int, hk: int = HK, hv: int = HV, d: int = D, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(B, t, hk, d, generator=g, dtype=dtype) for _ in range(2))
-    v = torch.randn(B, t, hv, d, generator=g, dtype=dtype)
-    decay = -torch.rand(B, t, hv, generator=g, dtype=dtype) * 0.5
-    beta = torch.rand(B, t, hv, generator=g, dtype=dtype)
-    s0 = torch.randn(B, hv, d, d, generator=g, dtype=dtype) * 0.1
-    return q, k, v, decay, beta, s0
+    return rule_inputs(seed, B, t, hk, hv, d, dtype, decay_scale=0.5, state_scale=0.1)
 
 
 def _cut(xs, n):
