@@ -505,12 +505,13 @@ def _main_step(model, opt, rows, dev, lr):
     return loss.detach()
 
 
-def train_drafters(model, nets, data, args, dev, report):
+def train_drafters(model, nets, data, args, dev, report, checkpoint=None):
     """Phase 2: the MTP head (unless ``args.no_mtp``) and the block drafters ``nets`` on the frozen
     model's greedy token at every position. With ``data["answers"]`` (rows of one conversation and
     their answer spans: the model's own answers to chat prompts) the block drafters' anchors lie in
     the answers, where a chat request's draft rounds start, and columns past the answer's end weigh
-    nothing."""
+    nothing. ``checkpoint(step)``, if given, is called every ``args.checkpoint_every`` seconds of
+    training (a long run leaves usable drafters behind it as it goes)."""
     for p in model.parameters():
         p.requires_grad_(False)
     mtp_params = [] if args.no_mtp else list(model.mtp.parameters())
@@ -532,8 +533,11 @@ def train_drafters(model, nets, data, args, dev, report):
     every = args.corpus_every
     gen = torch.Generator().manual_seed(SEED + 11)
     t0, curve, total = time.time(), [], args.draft_steps
-    step = 0
+    step, saved = 0, time.time()
     while True:
+        if checkpoint is not None and args.checkpoint_every and time.time() - saved > args.checkpoint_every:
+            checkpoint(step)
+            saved = time.time()
         if total > 0 and step >= total:
             break
         if total <= 0 and time.time() - t0 > args.draft_seconds:
@@ -737,6 +741,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--val-rows", type=int, default=256)
     ap.add_argument("--final-val-rows", type=int, default=10 ** 9, help="rows of the final validation loss")
     ap.add_argument("--log-every", type=int, default=20)
+    ap.add_argument("--checkpoint-every", type=float, default=0,
+                    help="seconds of drafter training between exports to OUT/step-N/tiny (0: at the end only)")
     ap.add_argument("--init-from", default=None,
                     help="a trained checkpoint directory: skip phase 1, train the MTP head and drafters")
     ap.add_argument("--init-drafters", default=None, help="start the drafters from this directory's dflash/, dflash2/")
@@ -845,7 +851,10 @@ def main(argv=None) -> dict:
         print("chat answers before (validation objects)", json.dumps(report["val_chat_answer_accuracy_before"]),
               flush=True)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    train_drafters(model, nets, data, args, dev, report)
+    def checkpoint(step: int) -> None:
+        print("checkpoint", export(model, nets, tok_file, out / f"step-{step}", tok), flush=True)
+
+    train_drafters(model, nets, data, args, dev, report, checkpoint)
     d = export(model, nets, tok_file, out, tok)
     report["runtime_check"] = check_against_runtime(d, data["val"], ())
     report["files"] = {p.relative_to(d).as_posix(): {"bytes": p.stat().st_size,

@@ -16,7 +16,7 @@ make the server hold are :mod:`.limits`; request bodies are checked by :mod:`.va
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,11 +32,12 @@ from hpc_cli.server.state import ServerState
 
 if TYPE_CHECKING:
     from hpc_cli.server.stop import StopController
+    from hpc_cli.settings.sections import HpcSettings, ResolvedSettings
 
 log = logging.getLogger("hpc_cli.server")
 
 
-def create_app(engine: Engine, settings: Any, stop_controller: "StopController | None" = None) -> FastAPI:
+def create_app(engine: Engine, settings: ResolvedSettings | HpcSettings, stop_controller: "StopController | None" = None) -> FastAPI:
     """The HTTP application over a started engine. ``settings``: ResolvedSettings or HpcSettings."""
     app = FastAPI(title="hpc-cli", docs_url=None, redoc_url=None, openapi_url=None)
     state = ServerState(engine, settings)

@@ -19,6 +19,7 @@ from hpc_cli.server.common import Unavailable
 from hpc_cli.server.limits import AdmissionGate
 from hpc_cli.server.metrics import Metrics, add_engine_fatal_gauge
 from hpc_cli.server.validate import echo, read_model
+from hpc_cli.settings.sections import HpcSettings, ResolvedSettings
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -26,8 +27,8 @@ Body = TypeVar("Body", bound=BaseModel)
 class ServerState:
     """What the routes share: the engine, settings, metrics and the admission switch."""
 
-    def __init__(self, engine: Engine, settings: Any) -> None:
-        hs = getattr(settings, "settings", settings)  # ResolvedSettings or HpcSettings
+    def __init__(self, engine: Engine, settings: ResolvedSettings | HpcSettings) -> None:
+        hs = settings.settings if isinstance(settings, ResolvedSettings) else settings
         self.engine = engine
         self.settings = hs
         self.resolved = settings if hs is not settings else None
