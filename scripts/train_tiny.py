@@ -535,13 +535,13 @@ def train_drafters(model, nets, data, args, dev, report, checkpoint=None):
     t0, curve, total = time.time(), [], args.draft_steps
     step, saved = 0, time.time()
     while True:
-        if checkpoint is not None and args.checkpoint_every and time.time() - saved > args.checkpoint_every:
-            checkpoint(step)
-            saved = time.time()
         if total > 0 and step >= total:
             break
         if total <= 0 and time.time() - t0 > args.draft_seconds:
             break
+        if checkpoint is not None and step and args.checkpoint_every and time.time() - saved > args.checkpoint_every:
+            checkpoint(step)  # the drafters after `step` steps (the last ones are exported after the loop)
+            saved = time.time()
         frac = (time.time() - t0) / args.draft_seconds if total <= 0 else step / total
         lr = args.draft_lr * (min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1, frac)))))
         for g in opt.param_groups:

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpc_cli.server")
 
 
-def create_app(engine: Engine, settings: ResolvedSettings | HpcSettings, stop_controller: "StopController | None" = None) -> FastAPI:
+def create_app(engine: Engine, settings: ResolvedSettings | HpcSettings,
+               stop_controller: "StopController | None" = None) -> FastAPI:
     """The HTTP application over a started engine. ``settings``: ResolvedSettings or HpcSettings."""
     app = FastAPI(title="hpc-cli", docs_url=None, redoc_url=None, openapi_url=None)
     state = ServerState(engine, settings)

@@ -135,3 +135,33 @@ def test_drafter_chat_data_holds_out_the_benchmark_questions():
     rows, spans = train_tiny.answer_rows([[1, 2, 3], [4, 5], [6]], [[7, 8, 9], [10], [11, 12]], 4)
     assert rows.tolist() == [[1, 2, 3, 7, 8], [6, 11, 12, 12, 12]]  # [4, 5] + [10]: nothing to draft
     assert spans.tolist() == [[3, 5], [1, 3]]
+
+
+@pytest.mark.parametrize("every", [0.0, 1e-9])
+def test_drafter_training_exports_checkpoints_as_it_goes(tiny, every):
+    """``scripts/train_tiny.py --checkpoint-every S``: the drafter phase hands its step to the
+    checkpoint callback every S seconds (here: between every two steps), and never with 0."""
+    from types import SimpleNamespace
+
+    from hpc_cli.speculative.dflash import DFlashNet, default_config
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny
+
+    nets = {}
+    for kind in ("dflash", "dflash2"):
+        nets[kind] = DFlashNet(default_config(kind, tiny, 1), dtype=torch.float32)
+        train_tiny.init_weights(nets[kind], 1)
+    rows = torch.randint(0, 6000, (4, 65), generator=torch.Generator().manual_seed(0))
+    args = SimpleNamespace(no_mtp=True, draft_lr=1e-3, draft_steps=3, draft_seconds=1e9, block_sizes=[3],
+                           anchors=4, batch=2, log_every=100, corpus_every=0, checkpoint_every=every)
+    steps: list[int] = []
+    report: dict = {}
+    try:
+        train_tiny.train_drafters(tiny, nets, {"train": rows, "val": rows}, args, torch.device("cpu"), report,
+                                  steps.append)
+    finally:
+        for p in tiny.parameters():
+            p.requires_grad_(False)
+    assert report["drafters"]["steps"] == 3
+    assert steps == ([] if every == 0 else [1, 2]), steps
