@@ -10,7 +10,8 @@
 # DATA (default .tiny-data, from `python3 scripts/tiny_corpus.py --out .tiny-data`) is the corpus;
 # SECONDS_EACH (default 140) the training time of each recipe; ANCHORS (default 128) the draft
 # blocks a row; RECIPES (default "continue scratch"): `continue` starts from the shipped drafters,
-# `scratch` from seeded weights. About 10 minutes on an H200 with both recipes.
+# `scratch` from seeded weights with LAYERS (default 2) drafter layers. About 10 minutes on an
+# H200 with both recipes.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_drafters.sh OUT_DIR}
@@ -21,7 +22,7 @@ DATA=${DATA:-.tiny-data}
 SECS=${SECONDS_EACH:-140}
 ANCH=${ANCHORS:-128}
 for recipe in ${RECIPES:-continue scratch}; do
-    extra=(--draft-lr 2e-3)
+    extra=(--draft-lr 2e-3 --draft-layers "${LAYERS:-2}")
     [ "$recipe" = continue ] && extra=(--init-drafters hpc_cli/model/tiny --draft-lr 1e-3)
     step "train-$recipe" $((SECS + 240)) python3 scripts/train_tiny.py --data "$DATA" --out "$OUT/$recipe" \
         --init-from hpc_cli/model/tiny --no-mtp --block-sizes 3 --anchors "$ANCH" --draft-seconds "$SECS" \

@@ -51,6 +51,11 @@ class BackendPoolSpec:
 #                                   capture the drafter's own shapes at the engine's warm-up (MTP's
 #                                   k steps in a CUDA graph per lanes x table width); returns the
 #                                   shapes warmed
+#   pool_spec() -> BackendPoolSpec | None, state_parts() -> dict   optional: the drafter's own pool
+#                                   and state image parts, sized after its checkpoint (a DFlash
+#                                   drafter of any depth); without them the engine takes the
+#                                   backend's backend_pool(shape) and state_extra_parts(model),
+#                                   which also size the memory plans before a drafter is built
 #
 # Verification, acceptance and the rollback of the GDN state are the runtime's (the same for
 # every backend): hpc_cli/speculative/runtime.py and ops.py.

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_tiny as tt  # noqa: E402
 from hpc_cli.memory.kv_pool import PagedKVStorage  # noqa: E402
 from hpc_cli.plugins import kv_profile  # noqa: E402
-from hpc_cli.speculative.dflash import RING_PART, DFlashDrafter, load_drafter  # noqa: E402
+from hpc_cli.speculative.dflash import DFlashDrafter, load_drafter  # noqa: E402
 from hpc_cli.model.loader import load_checkpoint  # noqa: E402
 
 
@@ -28,12 +28,10 @@ def main(d):
         p, k = 100, 3
         hid_t = tt.drafter_forward(net, m, rot, feats, toks, torch.tensor([[p]]), k)[0, 0]
         dr = DFlashDrafter(m, net)
-        c = net.cfg
-        extra = ({RING_PART: ((c.num_layers, 2, c.window, c.num_kv_heads, c.head_dim), torch.bfloat16)}
-                 if kind == "dflash2" else None)
-        states = m.new_state_slots(1, extra_parts=extra)
-        pool = (PagedKVStorage(kv_profile("bf16"), c.num_layers, c.num_kv_heads, c.head_dim, 4, device="cpu", name="b")
-                if kind == "dflash" else None)
+        states = m.new_state_slots(1, extra_parts=dr.state_parts() or None)  # the geometry the engine gives it
+        spec = dr.pool_spec()
+        pool = (PagedKVStorage(kv_profile("bf16"), spec.layers, spec.kv_heads, spec.head_dim, 4, device="cpu", name="b")
+                if spec is not None else None)
         dr.bind(None, pool, states)
         lane = SimpleNamespace(pos=0, state_slot=0, pages=[0, 1, 2, 3], next_token=int(toks[0, p]), backend_frontier=0)
         dr.observe(lane, 0, p, None, feats[0, :p], None, extend=False)

@@ -761,6 +761,8 @@ def main(argv=None) -> dict:
                     help="'benchmark': leave out the chat examples about the objects benchmarks/spec_decode.py "
                          "asks about (its CHAT_QUESTIONS); 'none': keep every example")
     ap.add_argument("--no-mtp", action="store_true", help="phase 2 leaves the MTP head as it is")
+    ap.add_argument("--draft-layers", type=int, default=1,
+                    help="layers of new block drafters (the served pool and rings follow the checkpoint)")
     ap.add_argument("--target-layers", default=None,
                     help="the layers whose residual stream the block drafters read, e.g. 1,3,5,6,7 "
                          "(default: hpc_cli.speculative.dflash.default_config's)")
@@ -773,6 +775,10 @@ def main(argv=None) -> dict:
         ap.error("--corpus-every mixes corpus rows into --chat-answers training; give --chat-answers N too")
     if args.target_layers and args.init_drafters:
         ap.error("--init-drafters continues drafters with their own target layers; leave out --target-layers")
+    if args.draft_layers != 1 and args.init_drafters:
+        ap.error("--init-drafters continues drafters with their own layers; leave out --draft-layers")
+    if args.draft_layers < 1:
+        ap.error("--draft-layers must be at least 1")
     target_layers = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
     torch.manual_seed(SEED)
     dev = torch.device(args.device)
@@ -830,7 +836,7 @@ def main(argv=None) -> dict:
     nets = {}
     gen_seed = SEED + 3
     for kind in ("dflash", "dflash2"):
-        c = default_config(kind, model, 1)
+        c = default_config(kind, model, args.draft_layers)
         if target_layers:
             c.target_layers = target_layers
         if args.init_drafters:  # continue from trained drafters

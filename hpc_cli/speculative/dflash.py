@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, apply_rotary
+from hpc_cli.spec_backend import BackendPoolSpec
 
 RING_PART = "dflash2_ring"
 
@@ -197,6 +198,21 @@ class DFlashDrafter:
         self.rotary = Rotary(self.cfg.head_dim, self.cfg.rope_theta, device=model.device)
         self.pool = None
         self.states = None
+
+    # ------------------------------------------------------------------ geometry
+    def pool_spec(self) -> BackendPoolSpec | None:
+        """DFlash's own BF16 pool, sized after this drafter (its layers, KV heads and head dim), so
+        a drafter checkpoint of any depth gets the pool it reads; DFlash2 has none."""
+        c = self.cfg
+        return BackendPoolSpec(c.num_layers, c.num_kv_heads, c.head_dim) if c.kind == "dflash" else None
+
+    def state_parts(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The parts this drafter adds to every state image (``StateSlots`` ``extra_parts``):
+        DFlash2's rings ``[layers, K|V, window, kv heads, head dim]`` BF16, sized after it."""
+        c = self.cfg
+        if c.kind != "dflash2":
+            return {}
+        return {RING_PART: ((c.num_layers, 2, c.window, c.num_kv_heads, c.head_dim), torch.bfloat16)}
 
     def bind(self, storage, backend_storage, states) -> None:
         self.states = states

@@ -15,7 +15,7 @@ from hpc_cli.memory.kv_pool import PagedKVStorage
 from hpc_cli.memory.state_pool import StateSlots
 from hpc_cli.shapes import preset
 
-from helpers import backend, greedy, make, run, settle, tokens
+from helpers import backend, make, run, settle, tokens
 
 MiB = 1 << 20
 S27 = preset("qwen3.5-27b")
@@ -184,6 +184,34 @@ def test_drafter_checkpoint_round_trip(model, tmp_path):
 
     with pytest.raises(ConfigError):
         make(model, "dflash", drafter=str(tmp_path / "d2"))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_a_deeper_drafter_checkpoint_gets_a_pool_and_rings_of_its_depth(model, kind, tmp_path):
+    """A drafter checkpoint with more layers than the backend's default for the model's shape is
+    served: its own pool (DFlash) or its rings in the state image (DFlash2) are sized after it,
+    and greedy output stays the output without speculation."""
+    from hpc_cli.speculative.dflash import RING_PART, DFlashNet, default_config, save_drafter, seed_weights
+
+    default = plugins.spec_backend(kind)
+    layers = (default.backend_pool(model.shape()).layers if kind == "dflash"
+              else default.ring_geometry(model.shape())[0]) + 1
+    net = DFlashNet(default_config(kind, model, layers, **({"window": 64} if kind == "dflash2" else {})),
+                    dtype=torch.float32)
+    seed_weights(net, 3)
+    save_drafter(net, str(tmp_path / kind))
+    p = tokens(90, 5)
+    plain = make(model)
+    ref, _ = run(plain, p, 12)
+    settle(plain)
+    e = make(model, kind, drafter=str(tmp_path / kind))
+    got, fin = run(e, p, 12)
+    if kind == "dflash":
+        assert e.backend_storage.num_layers == layers
+    else:
+        assert tuple(e.states.extra[RING_PART].shape[1:]) == (layers, 2, 64, net.cfg.num_kv_heads, net.cfg.head_dim)
+    settle(e)
+    assert got == ref and fin.usage.draft_tokens > 0
 
 
 def test_from_settings_builds_the_backend():
