@@ -53,9 +53,10 @@ class BackendPoolSpec:
 #                                   shapes warmed
 #   pool_spec() -> BackendPoolSpec | None, state_parts() -> dict   optional: the drafter's own pool
 #                                   and state image parts, sized after its checkpoint (a DFlash
-#                                   drafter of any depth); without them the engine takes the
-#                                   backend's backend_pool(shape) and state_extra_parts(model),
-#                                   which also size the memory plans before a drafter is built
+#                                   drafter of any depth); without them SpecRuntime.pool_spec and
+#                                   state_parts take the backend's backend_pool(shape) and
+#                                   state_extra_parts(model), which also size the memory plans
+#                                   before a drafter is built
 #
 # Verification, acceptance and the rollback of the GDN state are the runtime's (the same for
 # every backend): hpc_cli/speculative/runtime.py and ops.py.

@@ -80,12 +80,9 @@ class DFlash2Backend(SpecBackend):
         return layers * window * heads * dim * 2 * 2  # K and V, bf16
 
     def state_extra_parts(self, model) -> dict:
-        from hpc_cli.speculative.dflash import RING_PART
+        from hpc_cli.speculative.dflash import ring_parts  # lazily: listing plugins must not import torch
 
-        layers, window, heads, dim = self.ring_geometry(model.shape())
-        import torch  # lazily: listing plugins and loading settings must not import torch
-
-        return {RING_PART: ((layers, 2, window, heads, dim), torch.bfloat16)}
+        return ring_parts(*self.ring_geometry(model.shape()))
 
     def build_drafter(self, model, path=None, seed=None):
         return _build_block_drafter(self, "dflash2", model, path, seed, window=self.ring_window)

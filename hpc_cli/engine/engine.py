@@ -90,13 +90,8 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
             self.spec = SpecRuntime(backend, model, k=c.num_draft_tokens, rollback=c.spec_rollback,
                                     drafter_path=c.drafter)
         self.spec_backend = backend
-        # the image parts: a drafter that knows its own geometry (a DFlash2 checkpoint's ring
-        # layers) sizes them, else the backend's default for the model's shape
+        extra_parts = self.spec.state_parts() if self.spec is not None else None
         drafter = self.spec.drafter if self.spec is not None else None
-        extra_parts = None
-        if self.spec is not None:
-            sized = getattr(drafter, "state_parts", None)
-            extra_parts = sized() if sized is not None else backend.state_extra_parts(model)
         # a backend whose state lives in pages (MTP's layer, DFlash's pool) lets a pass take its
         # taps itself, and so does one that fills its parts of the state image for the pass's taps
         # (DFlash2's ring taps); another that adds parts to the image splits the pass at each tap
@@ -199,8 +194,7 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         extra = b.extra_main_kv_layers and len(model.mtp.layers if getattr(model, "mtp", None) else [0])
         main = PagedKVStorage(self.kv_profile, len(c.attention_layers) + extra, c.num_key_value_heads, c.head_dim,
                               pages, device=model.device, name="main")
-        sized = getattr(self.spec.drafter, "pool_spec", None)  # a drafter's own geometry first
-        spec = sized() if sized is not None else b.backend_pool(model.shape())
+        spec = self.spec.pool_spec()
         own = None
         if spec is not None:
             own = PagedKVStorage(plugins.kv_profile("bf16"), spec.layers, spec.kv_heads, spec.head_dim, pages,

@@ -28,10 +28,10 @@ class ServerState:
     """What the routes share: the engine, settings, metrics and the admission switch."""
 
     def __init__(self, engine: Engine, settings: ResolvedSettings | HpcSettings) -> None:
-        hs = settings.settings if isinstance(settings, ResolvedSettings) else settings
+        self.resolved = settings if isinstance(settings, ResolvedSettings) else None
+        hs = self.resolved.settings if self.resolved is not None else settings
         self.engine = engine
         self.settings = hs
-        self.resolved = settings if hs is not settings else None
         self.metrics = Metrics()
         self.accepting = True
         self.started = time.time()

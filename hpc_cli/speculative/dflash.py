@@ -35,6 +35,13 @@ from hpc_cli.spec_backend import BackendPoolSpec
 RING_PART = "dflash2_ring"
 
 
+def ring_parts(layers: int, window: int, kv_heads: int,
+               head_dim: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """DFlash2's part of every state image (``StateSlots`` ``extra_parts``): the local rings
+    ``[layers, K|V, window, kv heads, head dim]`` BF16."""
+    return {RING_PART: ((layers, 2, window, kv_heads, head_dim), torch.bfloat16)}
+
+
 @dataclass
 class DrafterConfig:
     kind: str  # "dflash" | "dflash2"
@@ -207,12 +214,10 @@ class DFlashDrafter:
         return BackendPoolSpec(c.num_layers, c.num_kv_heads, c.head_dim) if c.kind == "dflash" else None
 
     def state_parts(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """The parts this drafter adds to every state image (``StateSlots`` ``extra_parts``):
-        DFlash2's rings ``[layers, K|V, window, kv heads, head dim]`` BF16, sized after it."""
+        """The parts this drafter adds to every state image: DFlash2's rings (:func:`ring_parts`),
+        sized after it; DFlash adds none."""
         c = self.cfg
-        if c.kind != "dflash2":
-            return {}
-        return {RING_PART: ((c.num_layers, 2, c.window, c.num_kv_heads, c.head_dim), torch.bfloat16)}
+        return ring_parts(c.num_layers, c.window, c.num_kv_heads, c.head_dim) if c.kind == "dflash2" else {}
 
     def bind(self, storage, backend_storage, states) -> None:
         self.states = states

@@ -34,6 +34,7 @@ from hpc_cli.speculative.round_tail import RoundTails
 if TYPE_CHECKING:
     from hpc_cli.engine.api import TokenEvent
     from hpc_cli.memory.kv_pool import PagedKVStorage
+    from hpc_cli.spec_backend import BackendPoolSpec
 
 ROLLBACKS = ("per_token", "recompute")
 
@@ -89,6 +90,19 @@ class SpecRuntime:
     @property
     def name(self) -> str:
         return self.backend.name
+
+    # ------------------------------------------------------------------ geometry
+    def state_parts(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The parts the backend adds to every state image: sized after the drafter where it knows
+        its own geometry (a DFlash2 checkpoint's rings), else the backend's default for the shape."""
+        own = getattr(self.drafter, "state_parts", None)
+        return own() if own is not None else self.backend.state_extra_parts(self.model)
+
+    def pool_spec(self) -> "BackendPoolSpec | None":
+        """The backend's own BF16 pool: the drafter's (a DFlash checkpoint's layers, KV heads and
+        head dim) where it knows it, else the backend's default for the model's shape."""
+        own = getattr(self.drafter, "pool_spec", None)
+        return own() if own is not None else self.backend.backend_pool(self.model.shape())
 
     def bind(self, storage, backend_storage, states) -> None:
         self.storage, self.states = storage, states
