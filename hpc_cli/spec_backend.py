@@ -43,14 +43,16 @@ class BackendPoolSpec:
 #   propose_device(lanes, k, states) -> Tensor   optional: the drafts [B, k] left on the device
 #                                   (the verify pass reads them there; the host reads them with
 #                                   its verdicts, one wait a round)
-#   catches_up_columns: bool, catch_up_columns(out, accepted)   optional: the catch-up of a
-#                                   round's accepted positions on the device, from the verify
-#                                   pass's outputs and index, capturable (captured with the
-#                                   round's commit: hpc_cli/speculative/round_tail.py)
+#   catches_up_columns: bool, catch_up_columns(out, accepted), columns_behind: int   optional:
+#                                   the catch-up of a round's committed positions on the device,
+#                                   from the verify pass's outputs and index, capturable (captured
+#                                   with the round's commit: hpc_cli/speculative/round_tail.py);
+#                                   after it the lane's backend_frontier is its committed length
+#                                   less columns_behind (MTP 1, DFlash 0)
 #   warm(batches, widths, k, states, num_pages, max_model_len) -> int   optional: compile and
 #                                   capture the drafter's own shapes at the engine's warm-up (MTP's
-#                                   k steps in a CUDA graph per lanes x table width); returns the
-#                                   shapes warmed
+#                                   k steps, DFlash's block forward, in a CUDA graph per lanes x
+#                                   table width x k); returns the shapes warmed
 #   pool_spec() -> BackendPoolSpec | None, state_parts() -> dict   optional: the drafter's own pool
 #                                   and state image parts, sized after its checkpoint (a DFlash
 #                                   drafter of any depth); without them SpecRuntime.pool_spec and

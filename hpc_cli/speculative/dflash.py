@@ -29,8 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpc_cli.kv_profile import PAGE_TOKENS
+from hpc_cli.model.columns import graph_width
 from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, apply_rotary
 from hpc_cli.spec_backend import BackendPoolSpec
+from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, WarmLane
 
 RING_PART = "dflash2_ring"
 
@@ -204,7 +207,9 @@ class DFlashDrafter:
         self.capture = tuple(net.cfg.target_layers)
         self.rotary = Rotary(self.cfg.head_dim, self.cfg.rope_theta, device=model.device)
         self.pool = None
+        self.storage = None
         self.states = None
+        self.graphs: DraftGraphs | None = None  # the captured proposals (CUDA, where decode runs graphs)
 
     # ------------------------------------------------------------------ geometry
     def pool_spec(self) -> BackendPoolSpec | None:
@@ -220,12 +225,16 @@ class DFlashDrafter:
         return ring_parts(c.num_layers, c.window, c.num_kv_heads, c.head_dim) if c.kind == "dflash2" else {}
 
     def bind(self, storage, backend_storage, states) -> None:
-        self.states = states
+        from hpc_cli.model.graphs import ColumnGraphs
+
+        self.storage, self.states = storage, states
         if self.cfg.kind == "dflash":
             assert backend_storage is not None and backend_storage.num_layers == self.cfg.num_layers
             self.pool = backend_storage
         else:
             assert RING_PART in states.extra, "state slots lack the DFlash2 rings"
+        # the block's forward replays as one graph where the main model's decode does
+        self.graphs = DraftGraphs(self.model.device) if ColumnGraphs.wanted(self.model, storage) else None
 
     def admitted(self, lane) -> None:
         lane.backend_frontier = lane.pos  # context K/V of [0, pos) came with the blocks and the tail/image
@@ -237,7 +246,7 @@ class DFlashDrafter:
         if n <= 0:
             return
         m, net, dev = self.model, self.net, self.model.device
-        ctx = net.hidden_norm(net.fc(features[:n].to(m.dtype)))
+        ctx = self._context_vectors(features[:n])
         pos = torch.arange(start, start + n, device=dev)
         cos, sin = self.rotary.cos_sin(pos, m.dtype)
         if self.cfg.kind == "dflash":
@@ -250,6 +259,51 @@ class DFlashDrafter:
         else:
             self._write_ring(self.states.extra[RING_PART][lane.state_slot], ctx, pos, cos, sin)
         lane.backend_frontier = start + n
+
+    def _context_vectors(self, features: torch.Tensor) -> torch.Tensor:
+        """One context vector per position from the target's captured features ``[n, F]``."""
+        return self.net.hidden_norm(self.net.fc(features.to(self.model.dtype)))
+
+    @property
+    def catches_up_columns(self) -> bool:
+        """Whether :meth:`catch_up_columns` serves this drafter's pool (DFlash: a pool whose writes
+        skip negative slots; DFlash2: its rings, always)."""
+        return self.cfg.kind == "dflash2" or (self.pool is not None and self.pool.skips_negative_slots)
+
+    #: positions a lane's context K/V stays behind its committed tokens after a catch-up
+    columns_behind = 0
+
+    @torch.inference_mode()
+    def catch_up_columns(self, out, accepted: torch.Tensor) -> None:
+        """A round's catch-up on the device: for every lane the context K/V of its ``accepted[b] +
+        1`` committed positions ``start .. start + accepted[b]`` from the verify pass ``out``'s
+        captured features (DFlash: into the pool at the pass's write slots, the columns past a
+        lane's count written to slot -1, which the pool skips; DFlash2: into the lane's rings, the
+        columns past its count writing back what the ring holds), which :meth:`observe` of the
+        round does lane by lane. No host value is read, so the runtime captures it with the
+        round's commit (:mod:`hpc_cli.speculative.round_tail`)."""
+        idx = out.index
+        B, T = idx.B, idx.T
+        dev = accepted.device
+        pos = idx.seqlens[:T].transpose(0, 1) - 1  # [B, T] (the lengths are positions + 1)
+        keep = torch.arange(T, device=dev)[None, :] <= accepted[:, None]
+        ctx = self._context_vectors(out.features.reshape(B * T, -1))
+        cos, sin = self.rotary.cos_sin(pos.reshape(-1), self.model.dtype)
+        if self.cfg.kind == "dflash":
+            slots = torch.where(keep, idx.write[:T].transpose(0, 1), torch.full_like(pos, -1)).reshape(-1)
+            for l, layer in enumerate(self.net.layers):
+                k, v = layer.self_attn.kv(ctx, cos, sin)
+                self.pool.write(l, slots, k, v)
+            return
+        rings = self.states.extra[RING_PART]  # [N, layers, K|V, W, heads, dim]
+        W = self.cfg.window
+        where = (idx.slots[:, None], pos % W)  # [B, 1], [B, T]: the lane's ring slot of each column
+        for l, layer in enumerate(self.net.layers):
+            k, v = layer.self_attn.kv(ctx, cos, sin)
+            for j, x in enumerate((k, v)):
+                ring = rings[:, l, j]  # [N, W, heads, dim]
+                new = x.view(B, T, *x.shape[1:]).to(ring.dtype)
+                ring.index_put_(where, torch.where(keep[..., None, None], new, ring[where]))
 
     def _write_ring(self, ring: torch.Tensor, ctx: torch.Tensor, pos: torch.Tensor, cos, sin) -> None:
         """DFlash2: the context K/V of positions ``pos`` (consecutive) into ``ring``
@@ -279,10 +333,10 @@ class DFlashDrafter:
         assert self.taps_its_parts, f"{self.name} keeps no part of the state image to tap"
         if not taps:
             return
-        m, net, dev = self.model, self.net, self.model.device
+        m, dev = self.model, self.model.device
         rings = self.states.extra[RING_PART]
         last = max(t.position for t in taps)
-        ctx = net.hidden_norm(net.fc(features[:last - start].to(m.dtype)))
+        ctx = self._context_vectors(features[:last - start])
         pos = torch.arange(start, last, device=dev)
         cos, sin = self.rotary.cos_sin(pos, m.dtype)
         for tap in taps:
@@ -319,17 +373,38 @@ class DFlashDrafter:
         held = pos - 1 - torch.remainder(pos - 1 - j, W)  # the position ring slot j holds
         return k, v, held >= 0
 
+    def _context_packed(self, packed: torch.Tensor, W: int, l: int, dtype):
+        """:meth:`_context` from the packed inputs on the device (a graph's): the DFlash pool
+        through the page table of width ``W`` (masked past each lane's position), DFlash2's whole
+        rings (masked where a ring slot holds no position yet)."""
+        dev = packed.device
+        B = packed.shape[0]
+        pos = packed[:, 2]
+        if self.cfg.kind == "dflash":
+            span = W * self.pool.page_tokens
+            k, v = self.pool.gather(l, packed[:, INPUT_COLUMNS:].reshape(-1), B * span, dtype)
+            k = k.view(B, span, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
+            v = v.view(B, span, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
+            return k, v, torch.arange(span, device=dev)[None] < pos[:, None]
+        Wr = self.cfg.window
+        ring = self.states.extra[RING_PART][:, l].index_select(0, packed[:, 1])  # [B, 2, W, heads, dim]
+        k, v = ring[:, 0].transpose(1, 2).to(dtype), ring[:, 1].transpose(1, 2).to(dtype)
+        p = pos[:, None]
+        held = p - 1 - torch.remainder(p - 1 - torch.arange(Wr, device=dev)[None], Wr)
+        return k, v, held >= 0
+
     # ------------------------------------------------------------------ drafting
-    @torch.inference_mode()
-    def propose(self, lanes, k: int, states) -> list[list[int]]:
-        m, net, cfg, dev = self.model, self.net, self.cfg, self.model.device
-        B, T = len(lanes), k + 1
-        toks = torch.full((B, T), cfg.mask_token_id, dtype=torch.long, device=dev)
-        toks[:, 0] = torch.tensor([l.next_token for l in lanes], dtype=torch.long, device=dev)
-        pos = torch.tensor([l.pos for l in lanes], dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
+    def _block(self, next_tokens: torch.Tensor, pos: torch.Tensor, k: int, context) -> torch.Tensor:
+        """The drafts ``[B, k]`` (on the device) of one block forward: per lane ``[next_token,
+        MASK x k]`` at positions ``pos[b] ..`` (``next_tokens``, ``pos`` ``[B]`` on the device),
+        each layer reading its context K/V from ``context(layer, dtype)`` -> ``(k, v, valid)``."""
+        m, net, cfg = self.model, self.net, self.cfg
+        dev = next_tokens.device
+        B, T = next_tokens.shape[0], k + 1
+        toks = torch.cat([next_tokens[:, None], torch.full((B, k), cfg.mask_token_id, dtype=torch.long, device=dev)], 1)
+        pos = pos[:, None] + torch.arange(T, device=dev)
         cos, sin = self.rotary.cos_sin(pos.reshape(-1), m.dtype)
         x = m._embed(toks.reshape(-1))  # [B*T, H]
-        rep = cfg.num_heads // cfg.num_kv_heads
         for l, layer in enumerate(net.layers):
             if cfg.kind == "dflash2":
                 x = x + layer.dconv(layer.conv_norm(x).view(B, T, -1)).reshape(B * T, -1)
@@ -339,13 +414,13 @@ class DFlashDrafter:
             kb, vb = attn.kv(h, cos, sin)
             kb = kb.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
             vb = vb.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
-            kc, vc, valid = self._context(lanes, l, q.dtype)
+            kc, vc, valid = context(l, q.dtype)
             keys = torch.cat([kc, kb], dim=2)
             vals = torch.cat([vc, vb], dim=2)
             mask = torch.cat([valid, torch.ones(B, T, dtype=torch.bool, device=dev)], dim=1)[:, None, None, :]
-            if rep > 1:
-                keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
-            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)  # non-causal in the block
+            # non-causal in the block; grouped queries read their K/V head in place (a repeated
+            # copy of a long context would be ``num_heads / num_kv_heads`` times its size)
+            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=cfg.num_heads > cfg.num_kv_heads)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B * T, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         hid = net.norm(x).view(B, T, -1)[:, 1:]  # [B, k, H]
@@ -356,7 +431,69 @@ class DFlashDrafter:
             emb = m._embed(top.indices.reshape(-1)).view(*top.indices.shape, -1)
             kb_ = net.selector_b(emb)  # [B, k, c, r]
             score = top.values.float() + (kb_ * qa[:, :, None]).sum(-1).float() / math.sqrt(cfg.selector_rank)
-            best = top.indices.gather(-1, score.argmax(-1, keepdim=True))[..., 0]
-        else:
-            best = logits.argmax(-1)
-        return best.tolist()
+            return top.indices.gather(-1, score.argmax(-1, keepdim=True))[..., 0]
+        return logits.argmax(-1)
+
+    @torch.inference_mode()
+    def propose(self, lanes, k: int, states) -> list[list[int]]:
+        return self.propose_device(lanes, k, states).tolist()
+
+    @torch.inference_mode()
+    def propose_device(self, lanes, k: int, states) -> torch.Tensor:
+        """:meth:`propose`'s drafts ``[B, k]`` left on the device (the block forward and the verify
+        pass queue without a wait); from a graph where the drafter has them (its static buffer:
+        read it within the round)."""
+        if self.graphs is not None:
+            return self._propose_packed(lanes, k)
+        dev = self.model.device
+        nxt = torch.tensor([l.next_token for l in lanes], dtype=torch.long, device=dev)
+        pos = torch.tensor([l.pos for l in lanes], dtype=torch.long, device=dev)
+        return self._block(nxt, pos, k, lambda l, dtype: self._context(lanes, l, dtype))
+
+    # ------------------------------------------------------------------ drafting in a graph
+    def _steps(self, packed: torch.Tensor, W: int, k: int) -> torch.Tensor:
+        """The block forward of :meth:`propose` on packed inputs on the device (each lane's next
+        token, state slot, position, an unused column, then DFlash's page table of width ``W``;
+        :data:`~hpc_cli.speculative.draft_graphs.INPUT_COLUMNS`): the drafts ``[B, k]``, computed
+        without reading anything back to the host (capturable)."""
+        return self._block(packed[:, 0], packed[:, 2], k, lambda l, dtype: self._context_packed(packed, W, l, dtype))
+
+    def _propose_packed(self, lanes, k: int) -> torch.Tensor:
+        """:meth:`propose` through :class:`~hpc_cli.speculative.draft_graphs.DraftGraphs`: the
+        round's inputs packed into one pinned host tensor, the block forward replayed from a graph
+        per lanes x page-table width (DFlash; a decode graph's width, so many context lengths
+        share one) x ``k``."""
+        assert self.graphs is not None, "packed proposals need the drafter's graphs"
+        head = torch.tensor([[l.next_token, l.state_slot, l.pos, 0] for l in lanes], dtype=torch.long)
+        W = 0
+        if self.cfg.kind == "dflash":
+            page = self.pool.page_tokens
+            need = [max(1, math.ceil(l.pos / page)) for l in lanes]
+            W = graph_width(max(need))
+            rows = [list(l.pages[:n]) + [l.pages[0]] * (W - n) for l, n in zip(lanes, need)]
+            head = torch.cat([head, torch.tensor(rows, dtype=torch.long)], 1)
+        if self.model.device.type == "cuda":
+            head = head.pin_memory()  # copied to the device without waiting
+        key = DraftGraphs.key(len(lanes), W, k, self.pool if self.pool is not None else self.storage, self.states, 0)
+        return self.graphs.run(key, head, lambda p: self._steps(p, W, k))
+
+    @torch.inference_mode()
+    def warm(self, batches, widths, k: int, states, num_pages: int, max_model_len: int) -> int:
+        """Compile and capture the proposal of every ``batches`` x ``1..k`` drafts (x ``widths``
+        for DFlash, whose context is paged) before serving, on the engine's worker thread (the
+        forward reads the pool and the rings, writes nothing). Returns the shapes warmed (none
+        without graphs)."""
+        if self.graphs is None:
+            return 0
+        done = 0
+        for B in batches:
+            for W in (widths if self.cfg.kind == "dflash" else [1]):
+                pos = max(1, min(W * PAGE_TOKENS, max_model_len - 1 - k))  # a context of W pages
+                need = max(1, math.ceil(pos / PAGE_TOKENS))
+                tables = [[(b * need + i) % num_pages for i in range(need)] for b in range(B)]
+                for drafts in range(1, k + 1):
+                    lanes = [WarmLane(1 + b, b, pos, tables[b]) for b in range(B)]
+                    for _ in range(2):  # eager, then the capture of its graph
+                        self._propose_packed(lanes, drafts)
+                    done += 1
+        return done

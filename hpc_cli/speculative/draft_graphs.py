@@ -77,3 +77,11 @@ class DraftGraphs(CapturedGraphs):
         entry = _DraftGraph(graph, static, drafts)
         self.graphs[key] = entry
         return entry
+
+
+class WarmLane:
+    """What a proposal reads of a lane, for the warm-up's shapes (a drafter's ``warm``)."""
+
+    def __init__(self, next_token: int, state_slot: int, pos: int, pages: list[int]) -> None:
+        self.next_token, self.state_slot, self.pos, self.pages = next_token, state_slot, pos, pages
+        self.backend_frontier = 0

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from hpc_cli.kv_profile import PAGE_TOKENS
-from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs
+from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, WarmLane
 from hpc_cli.speculative.ops import page_table, paged_attention, reads_in_place, write_kv
 
 
@@ -124,6 +124,10 @@ class MTPDrafter:
         pos = torch.arange(f, limit, device=dev)[None]
         self._write_kv(toks, hid, pos, [limit - 1], [lane.pages[:math.ceil(limit / PAGE_TOKENS)]])
         lane.backend_frontier = limit
+
+    #: positions MTP's K/V stays behind the committed tokens after a catch-up (it needs the token
+    #: after a position)
+    columns_behind = 1
 
     @property
     def catches_up_columns(self) -> bool:
@@ -243,16 +247,9 @@ class MTPDrafter:
                 tables = [[(b * need + i) % num_pages for i in range(need)] for b in range(B)]
                 for drafts in range(1, k + 1):
                     pos = max(1, last + 2 - drafts)
-                    lanes = [_WarmLane(1 + b, b, pos, tables[b]) for b in range(B)]
+                    lanes = [WarmLane(1 + b, b, pos, tables[b]) for b in range(B)]
                     for _ in range(2):  # eager, then the capture of its graph
                         self._propose_packed(lanes, drafts, states)
                     done += 1
         return done
 
-
-class _WarmLane:
-    """What a proposal reads of a lane, for the warm-up's shapes."""
-
-    def __init__(self, next_token: int, state_slot: int, pos: int, pages: list[int]) -> None:
-        self.next_token, self.state_slot, self.pos, self.pages = next_token, state_slot, pos, pages
-        self.backend_frontier = 0

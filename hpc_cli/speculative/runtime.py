@@ -218,8 +218,8 @@ class SpecRuntime:
         for b, lane in enumerate(lanes):
             n = accepted[b] + 1
             lane.pos += n
-            if tail_catch_up:  # the MTP K/V of [start, start + accepted) were written in the tail
-                lane.backend_frontier = max(lane.backend_frontier, starts[b] + accepted[b])
+            if tail_catch_up:  # the drafter's K/V of the committed positions were written in the tail
+                lane.backend_frontier = max(lane.backend_frontier, starts[b] + n - self.drafter.columns_behind)
             else:
                 feats = out.features[b] if out.features is not None else None
                 pre = pre_hid[b] if pre_hid is not None else None

@@ -60,7 +60,7 @@ def test_cuda_spec_warmup_covers_serving():
     from hpc_cli.model.compile_watch import watch
 
     m = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device="cuda")
-    for name in ("mtp", "dflash2"):
+    for name in ("mtp", "dflash", "dflash2"):
         e = make(m, name, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
         try:
             e.warmup()
@@ -69,8 +69,8 @@ def test_cuda_spec_warmup_covers_serving():
             assert prefill is not None and prefill.disabled is None, f"{name}: prefill passes run without graphs"
             counts = watch()
             before, captures = counts.compilations + counts.autotunes, graphs.captures
-            drafts = getattr(e.spec.drafter, "graphs", None)  # MTP's k steps: captured at the warm-up
-            assert (drafts is not None and drafts.captures > 0) == (name == "mtp"), f"{name}: draft graphs"
+            drafts = e.spec.drafter.graphs  # MTP's k steps, DFlash's block: captured at the warm-up
+            assert drafts is not None and drafts.captures > 0, f"{name}: draft graphs"
             draft_captures = drafts.captures if drafts is not None else 0
             tails = e.spec.tails  # the rounds' commit (and MTP's catch-up): captured at the warm-up
             assert tails.captures > 0 and tails.disabled is None, f"{name}: round tails {tails.disabled}"
@@ -95,10 +95,12 @@ def test_cuda_spec_warmup_covers_serving():
             settle(e)
 
 
-def test_cuda_mtp_graph_drafts_equal_eager_drafts():
-    """MTP's k draft steps replayed from a CUDA graph propose what the eager steps propose, token
-    for token, round by round (rounds near max_tokens drafting fewer; one and eleven pages of
-    context), and the output is plain greedy output either way."""
+@pytest.mark.parametrize("name", ["mtp", "dflash", "dflash2"])
+def test_cuda_graph_drafts_equal_eager_drafts(name):
+    """A drafter's proposal replayed from a CUDA graph (MTP's k draft steps, DFlash's block
+    forward) proposes what the same steps run eagerly propose, token for token, round by round
+    (rounds near max_tokens drafting fewer; one and eleven pages of context), and the output is
+    plain greedy output either way."""
     m = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device="cuda")
     prompts = [tokens(150, 31), tokens(700, 32)]
     off = make(m, reuse=False, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
@@ -106,13 +108,13 @@ def test_cuda_mtp_graph_drafts_equal_eager_drafts():
     settle(off)
     proposed: dict[str, list] = {}
     for mode in ("graphs", "eager"):
-        e = make(m, "mtp", kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
+        e = make(m, name, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
         drafter = e.spec.drafter
-        if mode == "eager":
-            drafter.graphs = None
-        else:
-            e.warmup()
-            assert drafter.graphs is not None and drafter.graphs.captures > 0, "MTP proposes without graphs"
+        e.warmup()
+        assert drafter.graphs is not None and drafter.graphs.captures > 0, f"{name} proposes without graphs"
+        if mode == "eager":  # the same packed steps, run eagerly every round: no graph kept or captured
+            drafter.graphs.graphs.clear()
+            drafter.graphs.disabled = "off for the test"
         proposed[mode] = record_proposals(drafter)
         try:
             for p, ref in zip(prompts, refs):  # one at a time: the same rounds in both engines

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from hpc_cli.memory.kv_pool import PagedKVStorage
@@ -167,17 +168,67 @@ def test_mtp_round_catch_up_writes_what_observe_writes(model):
         assert torch.equal(a, b), "the tail wrote other K/V than observe"
 
 
-def test_mtp_rounds_with_the_tail_catch_up_propose_what_lane_by_lane_rounds_propose():
-    """With the round's tail catching MTP up (every lane in one call, as the CUDA graph of the
-    tail runs it; forced on the CPU, where the tail runs eagerly) an engine proposes what one
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_dflash_round_catch_up_writes_what_observe_writes(model, kind):
+    """DFlash's and DFlash2's catch-up of a round (``catch_up_columns``: one call over every lane's
+    verify columns; DFlash's columns past a lane's count kept out by negative write slots,
+    DFlash2's writing back what the ring holds) stores the context K/V that observe's lane-by-lane
+    catch-up stores for the committed positions (each lane's accepted drafts and the column before
+    them), to a bf16 rounding (the context projection runs over every lane's columns at once),
+    and nothing past each lane's count."""
+    from hpc_cli.model.columns import ColumnIndex, ColumnsOut
+    from hpc_cli.speculative.dflash import ring_parts
+
+    cfg = default_config(kind, model, 1, window=64)
+    net = DFlashNet(cfg)
+    seed_weights(net, 7)
+    c = model.config
+    B, T = 3, 4
+    starts, accepted = [5, 70, 126], [0, 2, 3]  # the last lane's columns wrap round its 64-slot ring
+    tables = [[0, 1], [2, 3], [4, 5, 6]]
+    g = torch.Generator().manual_seed(5)
+    toks = torch.randint(1, 250, (B, T), generator=g)
+    feats = torch.randn(B, T, len(cfg.target_layers) * c.hidden_size, generator=g)
+    before = torch.randn((B, *ring_parts(1, cfg.window, cfg.num_kv_heads, cfg.head_dim)[RING_PART][0]), generator=g)
+    written = []
+    for mode in ("tail", "observe"):
+        drafter = DFlashDrafter(model, net)
+        pool = PagedKVStorage(kv_profile("bf16"), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8)
+        states = model.new_state_slots(B, ring_parts(1, cfg.window, cfg.num_kv_heads, cfg.head_dim)
+                                       if kind == "dflash2" else None)
+        if kind == "dflash2":  # rings that held something before the round
+            states.extra[RING_PART].copy_(before)
+        drafter.bind(None, pool if kind == "dflash" else None, states)
+        if mode == "tail":
+            assert drafter.catches_up_columns
+            idx = ColumnIndex.build(toks, starts, tables, list(range(B)), pool.page_tokens, model.device)
+            drafter.catch_up_columns(ColumnsOut(None, None, feats, None, None, index=idx), torch.tensor(accepted))
+        else:
+            for b, a in enumerate(accepted):
+                lane = SimpleNamespace(pages=tables[b], state_slot=b, backend_frontier=starts[b])
+                drafter.observe(lane, starts[b], a + 1, None, feats[b], None, extend=False)
+        written.append(pool.gather(0, list(range(7)), 7 * pool.page_tokens, torch.float32) if kind == "dflash"
+                       else (states.extra[RING_PART][:, 0, 0].float(), states.extra[RING_PART][:, 0, 1].float()))
+    for a, b in zip(*written):
+        if kind == "dflash":
+            assert torch.count_nonzero(b) > 0, "observe wrote nothing"
+            assert torch.equal(a != 0, b != 0), "the tail wrote other positions than observe"
+        # the same rows through one product or per lane: equal to a bf16 rounding of the pool
+        torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["mtp", "dflash", "dflash2"])
+def test_rounds_with_the_tail_catch_up_propose_what_lane_by_lane_rounds_propose(name):
+    """With the round's tail catching the drafter up (every lane in one call, as the CUDA graph of
+    the tail runs it; forced on the CPU, where the tail runs eagerly) an engine proposes what one
     catching up lane by lane proposes, round by round, two lanes at a time, and answers as plain
-    greedy decoding does."""
+    greedy decoding does (builtin:tiny, whose drafters accept drafts)."""
     from helpers import greedy, make, record_proposals, settle
 
     from hpc_cli.engine.api import GenerationRequest
     from hpc_cli.model.model import HybridModel
 
-    model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)  # its MTP head accepts drafts
+    model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)  # its drafters accept drafts
     tok = model.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                   enable_thinking=False))
@@ -187,7 +238,7 @@ def test_mtp_rounds_with_the_tail_catch_up_propose_what_lane_by_lane_rounds_prop
     settle(off)
     proposed: dict[str, list] = {}
     for mode in ("tail", "lane by lane"):
-        e = make(model, "mtp")
+        e = make(model, name)
         drafter = e.spec.drafter
         e.spec.tails.use_graphs = mode == "tail"
         calls = []
@@ -206,11 +257,13 @@ def test_mtp_rounds_with_the_tail_catch_up_propose_what_lane_by_lane_rounds_prop
     assert proposed["tail"] and proposed["tail"] == proposed["lane by lane"]
 
 
-def test_mtp_packed_steps_draft_what_the_eager_steps_draft(model, caplog):
-    """The steps a CUDA graph captures (``MTPDrafter._steps`` on one packed input, the bridge's
-    K/V kept out by a negative write slot) propose what the eager steps propose, round by round,
-    and the output is plain greedy output; off CUDA their capture fails once, with a warning, and
-    the packed steps run eagerly from then on."""
+@pytest.mark.parametrize("name", ["mtp", "dflash", "dflash2"])
+def test_packed_steps_draft_what_the_eager_steps_draft(model, caplog, name):
+    """The steps a CUDA graph captures (``_steps`` on one packed input: MTP's k steps, the bridge's
+    K/V kept out by a negative write slot; DFlash's block forward over a page table of a decode
+    graph's width or DFlash2's whole rings, masked) propose what the eager steps propose, round by
+    round, and the output is plain greedy output; off CUDA their capture fails once, with a
+    warning, and the packed steps run eagerly from then on."""
     from helpers import greedy, make, record_proposals, run, settle, tokens
 
     from hpc_cli.speculative.draft_graphs import DraftGraphs
@@ -221,7 +274,7 @@ def test_mtp_packed_steps_draft_what_the_eager_steps_draft(model, caplog):
     settle(off)
     proposed: dict[str, list] = {}
     for mode in ("packed", "eager"):
-        e = make(model, "mtp")
+        e = make(model, name)
         drafter = e.spec.drafter
         assert drafter.graphs is None  # the CPU drafts eagerly
         if mode == "packed":
@@ -238,10 +291,12 @@ def test_mtp_packed_steps_draft_what_the_eager_steps_draft(model, caplog):
     assert any("proposing without graphs" in r.getMessage() for r in caplog.records)
 
 
-def test_mtp_warm_runs_every_lanes_width_and_draft_count(model):
-    """The warm-up's MTP shapes: every lanes x table width x 1..k drafts through the packed steps
-    (forced on the CPU, where no graph is captured), on the worker thread of an engine whose pool
-    holds nothing yet; the engine then answers as plain greedy decoding does."""
+@pytest.mark.parametrize("name,widths", [("mtp", 2), ("dflash", 2), ("dflash2", 1)])
+def test_warm_runs_every_lanes_width_and_draft_count(model, name, widths):
+    """The warm-up's proposal shapes: every lanes x table width (DFlash2 reads its rings, no
+    table) x 1..k drafts through the packed steps (forced on the CPU, where no graph is captured),
+    on the worker thread of an engine whose pool holds nothing yet; the engine then answers as
+    plain greedy decoding does."""
     from helpers import make, run, settle, tokens
 
     from hpc_cli.speculative.draft_graphs import DraftGraphs
@@ -249,12 +304,12 @@ def test_mtp_warm_runs_every_lanes_width_and_draft_count(model):
     off = make(model, reuse=False)
     ref = run(off, tokens(120, 51), 9)[0]
     settle(off)
-    e = make(model, "mtp", max_model_len=1024)
+    e = make(model, name, max_model_len=1024)
     drafter = e.spec.drafter
     drafter.graphs = DraftGraphs(model.device)
     try:
         done = e.call(lambda: drafter.warm([1, 2], [8, 16], 3, e.states, e.storage.num_pages, 1024))
-        assert done == 2 * 2 * 3
+        assert done == 2 * widths * 3
         assert len(drafter.graphs.seen) == done  # one key a shape
         for s in range(2):
             e.states.reset(s)
