@@ -16,6 +16,12 @@ restores carry them); each layer mixes neighbouring block columns with a dynamic
 convolution (per-column tap weights from a softmax over a projection of the column); and the
 drafts come from a low-rank candidate selector (the ``lm_head`` top-``candidates`` rescored by
 ``(A h) . (B embed(c))``, rank ``selector_rank``).
+
+On CUDA (where the main model decodes through graphs) the block forward replays from a graph per
+lanes x page-table width x ``k`` (:mod:`hpc_cli.speculative.draft_graphs`), the context read on
+the device (DFlash: its pool through a padded page table; DFlash2: the whole rings, masked), and
+a round's catch-up runs with the state commit in the round's tail graph (:meth:`DFlashDrafter.
+catch_up_columns`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""CUDA graphs of a drafter's proposal: its ``k`` draft steps replayed as one launch.
+"""CUDA graphs of a drafter's proposal: MTP's ``k`` draft steps, or DFlash's block forward,
+replayed as one launch.
 
 A drafter step is a few dozen small kernels (the MTP head: embedding, the combining projection,
-one attention layer, its MLP, the norm, ``lm_head``, the argmax); launched one by one from
-Python a round's ``k`` steps cost more host time than the verify pass that checks them. As the
-column pass's graphs do (:mod:`hpc_cli.model.graphs`), one graph per ``(lanes, page table width,
-k)`` serves every round: the round's inputs (per lane its next token, state slot, position,
-whether the step writes the bridge's K/V, and its page table) are packed into one host tensor and
-copied into the graph's static buffer before the replay.
+one attention layer, its MLP, the norm, ``lm_head``, the argmax; a DFlash block: its layers over
+the gathered context, ``lm_head``, DFlash2's selector); launched one by one from Python a round's
+proposal costs more host time than the verify pass that checks it. As the column pass's graphs do
+(:mod:`hpc_cli.model.graphs`), one graph per ``(lanes, page table width, k)`` serves every round:
+the round's inputs (per lane its next token, state slot, position, one drafter-specific column
+(MTP: whether the step writes the bridge's K/V), and its page table) are packed into one host
+tensor and copied into the graph's static buffer before the replay.
 
 * The first proposal of a key runs the same steps eagerly on the packed inputs (it compiles the
   Triton kernels); the second captures them and replays, so a captured proposal computes what the
