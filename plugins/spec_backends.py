@@ -37,21 +37,26 @@ def _build_block_drafter(backend, kind: str, model, path, seed, **kw):
     from hpc_cli.errors import ConfigError
     from hpc_cli.speculative.dflash import DFlashDrafter, DFlashNet, default_config, load_drafter, seed_weights
 
+    source = path
     if not path and str(model.config.name) == "builtin:tiny":
         from hpc_cli.model.builtin import TINY_DIR
 
         path = str(TINY_DIR / kind)  # the embedded model's trained drafters
+        source = f"builtin:tiny/{kind}"
     if path:
         net = load_drafter(path, kind, model.device, model.dtype)
     elif str(model.config.name).startswith("builtin:"):
         net = DFlashNet(default_config(kind, model, _drafter_layers(model.shape()), **kw), device=model.device,
                         dtype=model.dtype)
-        seed_weights(net, DRAFTER_SEED if seed is None else seed)
+        seed = DRAFTER_SEED if seed is None else seed
+        seed_weights(net, seed)
         net.eval()
     else:
         raise ConfigError(f"speculative.backend {kind!r} needs a drafter checkpoint for {model.config.name}",
                           hint="set speculative.drafter to the drafter's directory")
-    return DFlashDrafter(model, net)  # its pool and rings are sized after it (DFlashDrafter.pool_spec)
+    drafter = DFlashDrafter(model, net)  # its pool and rings are sized after it (DFlashDrafter.pool_spec)
+    drafter.source = source if path else f"seeded:{seed}"
+    return drafter
 
 
 class DFlashBackend(SpecBackend):

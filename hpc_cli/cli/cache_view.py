@@ -185,6 +185,9 @@ def print_inspect(file: Path, cf: CacheFile, summ: dict[str, Any], con: Console,
     for k in ("checkpoint", "prefill_signature", "kv_profile", "speculative_backend", "product"):
         t.add_row(k, str(fp.get(k)))
     t.add_row("checkpoint files", str(len(fp.get("checkpoint_files", []))))
+    if fp.get("speculative_drafter"):
+        d = fp["speculative_drafter"]
+        t.add_row("speculative drafter", f"{d.get('source')} ({len(d.get('files', []))} files)")
     if fp.get("kv_global_scales"):
         t.add_row("kv global scales", f"{len(fp['kv_global_scales'])} layers")
     t.add_row("rope", str(fp.get("rope")))

@@ -119,12 +119,32 @@ def _checkpoint(engine: Any) -> dict[str, Any]:
     if not p.exists():
         return {"name": name, "files": []}
     p = p.resolve()
+    return {"name": str(p), "files": _files(p)}
+
+
+def _files(p: Path) -> list[list[Any]]:
+    """``[name, size, mtime]`` of a checkpoint file or of each file in a checkpoint directory."""
     files = []
     for f in sorted(p.iterdir()) if p.is_dir() else [p]:
         if f.is_file():
             st = f.stat()
             files.append([f.name, st.st_size, st.st_mtime_ns])
-    return {"name": str(p), "files": files}
+    return files
+
+
+def _drafter(engine: Any) -> dict[str, Any] | None:
+    """Where a drafter's own weights came from (DFlash, DFlash2: their K/V pages and rings live in
+    the cache): a checkpoint directory with its files, a built-in one, or a seed; None for a
+    drafter whose weights are the checkpoint's (MTP) or no speculation."""
+    drafter = getattr(getattr(engine, "spec", None), "drafter", None)
+    source = getattr(drafter, "source", None)
+    if not source:
+        return None
+    p = Path(source).expanduser()
+    if source.startswith(("builtin:", "seeded:")) or not p.exists():
+        return {"source": source, "files": []}
+    p = p.resolve()
+    return {"source": str(p), "files": _files(p)}
 
 
 def engine_fingerprint(engine: Any) -> dict[str, Any]:
@@ -135,10 +155,8 @@ def engine_fingerprint(engine: Any) -> dict[str, Any]:
     sig = hashlib.sha256(f"{cd_json}|{dtype}|{engine.model.device.type}|chunk={engine.chunk}".encode()).hexdigest()[:24]
     scales = getattr(engine.storage, "global_scales", None)
     uses = getattr(engine.kv_profile, "uses_global_scale", False)
-    spec = "none"
-    s = getattr(engine, "settings", None)
-    if s is not None and getattr(s, "settings", None) is not None:
-        spec = str(s.settings.speculative.backend)
+    runtime = getattr(engine, "spec", None)
+    spec = runtime.name if runtime is not None else "none"
     rope = {k: v for k, v in sorted(cd.items()) if "rope" in k or "rotary" in k or "position" in k}
     ck = _checkpoint(engine)
     return {
@@ -147,6 +165,7 @@ def engine_fingerprint(engine: Any) -> dict[str, Any]:
         "kv_profile": engine.kv_profile.name,
         "kv_global_scales": [[float(x) for x in row] for row in scales.tolist()] if (uses and scales is not None) else [],
         "speculative_backend": spec,
+        "speculative_drafter": _drafter(engine),
         "rope": json.loads(json.dumps(rope, default=str)),
         "product": build_id(),
     }

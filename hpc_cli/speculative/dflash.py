@@ -216,6 +216,9 @@ class DFlashDrafter:
         self.storage = None
         self.states = None
         self.graphs: DraftGraphs | None = None  # the captured proposals (CUDA, where decode runs graphs)
+        #: where the weights came from, for a persisted cache's fingerprint: a checkpoint directory,
+        #: ``builtin:tiny/KIND`` or ``seeded:SEED`` (set by the backend that builds the drafter)
+        self.source: str | None = None
 
     # ------------------------------------------------------------------ geometry
     def pool_spec(self) -> BackendPoolSpec | None:

@@ -226,3 +226,32 @@ def test_other_data_is_refused_and_left_alone(model, tmp_path):
     empty = tmp_path / "empty.bin"
     empty.write_bytes(b"")
     assert attach_cache_file(e, empty, progress=False).status == "damaged"  # nothing to keep: replaced
+
+
+def test_a_file_saved_with_one_drafter_loads_only_with_that_drafter(model, tmp_path):
+    """A DFlash2 engine's file (its rings live in the saved images) restores into an engine with the
+    same drafter; an engine whose drafter has other weights (a checkpoint directory) refuses it,
+    naming the drafter; an engine without speculation refuses it, naming the backend."""
+    from hpc_cli.speculative.dflash import DFlashNet, default_config, save_drafter, seed_weights
+
+    path = tmp_path / "prefix.bin"
+    a = Engine(model, speculative="dflash2", **KW)
+    attach_cache_file(a, path, progress=False)
+    a.start()
+    conversation(a)
+    a.stop()
+    saved = open_cache_file(path).fingerprint
+    assert saved["speculative_backend"] == "dflash2" and saved["speculative_drafter"]["source"].startswith("seeded:")
+    same = Engine(model, speculative="dflash2", **KW)
+    r = attach_cache_file(same, path, progress=False, save=False)
+    assert r.status == "restored" and r.snapshots >= 1, r
+    net = DFlashNet(default_config("dflash2", model, 1))
+    seed_weights(net, 7)
+    save_drafter(net, str(tmp_path / "other"))
+    other = Engine(model, speculative="dflash2", drafter=str(tmp_path / "other"), **KW)
+    r = attach_cache_file(other, path, progress=False, save=False)
+    assert r.status == "mismatch" and "speculative_drafter" in r.reason, r
+    assert other.cache.index.tree.size == 0
+    plain = Engine(model, **KW)
+    r = attach_cache_file(plain, path, progress=False, save=False)
+    assert r.status == "mismatch" and "speculative_backend" in r.reason, r
