@@ -82,6 +82,8 @@ class PrefillIndex:
     conv_cols: torch.Tensor | None = None
     tap_pos: torch.Tensor | None = None
     tap_last: torch.Tensor | None = None
+    #: ``[1 + slots]``: ``last`` then ``tap_last``, the rows whose hidden goes to ``image_slots``
+    kept_rows: torch.Tensor | None = None
 
     @property
     def slot(self) -> torch.Tensor:
@@ -132,10 +134,12 @@ class PrefillIndex:
         free = slots - len(at)
         # a slot not used: offset 0 (no state written), the lane's slot, its conv columns and last row
         cols = [conv] + [p + ar for p in at] + [conv] * free
+        # the last row and the taps' rows side by side, in the order of image_slots: the rows
+        # whose hidden the lane's slot and the taps' slots keep are one view
         parts = [padded, pos, write, pages,
                  np.array([start, n, state_slot, *dst, *([state_slot] * free), n - 1], dtype=np.int64),
-                 np.concatenate(cols), np.array([*at, *([0] * free)], dtype=np.int64),
-                 np.array([*(p - 1 for p in at), *([n - 1] * free)], dtype=np.int64)]
+                 np.array([*(p - 1 for p in at), *([n - 1] * free)], dtype=np.int64),
+                 np.concatenate(cols), np.array([*at, *([0] * free)], dtype=np.int64)]
         return torch.from_numpy(np.concatenate(parts))
 
     @classmethod
@@ -143,13 +147,14 @@ class PrefillIndex:
              slots: int = 0) -> "PrefillIndex":
         # the conv columns: k1 of the lane's, then k1 per tap slot
         k1 = (packed.shape[0] - (3 * L + W + 4) - 3 * slots) // (1 + slots)
-        tokens, positions, write, pages, meta, image_slots, last, conv_all, tap_pos, tap_last = torch.split(
-            packed, [L, L, L, W, 2, 1 + slots, 1, k1 * (1 + slots), slots, slots])
-        idx = cls(L, W, packed, tokens, positions, write, pages, meta, image_slots, last, conv_all[:k1], host)
+        tokens, positions, write, pages, meta, image_slots, kept_rows, conv_all, tap_pos = torch.split(
+            packed, [L, L, L, W, 2, 1 + slots, 1 + slots, k1 * (1 + slots), slots])
+        idx = cls(L, W, packed, tokens, positions, write, pages, meta, image_slots, kept_rows[:1], conv_all[:k1],
+                  host, kept_rows=kept_rows)
         if slots:
             idx.slots = slots
             idx.conv_cols = conv_all
-            idx.tap_pos, idx.tap_last = tap_pos, tap_last
+            idx.tap_pos, idx.tap_last = tap_pos, kept_rows[1:]
         return idx
 
     @classmethod
@@ -235,13 +240,16 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
         if i in captured:
             j = captured.index(i)
             features_out[:, j * width:(j + 1) * width].copy_(x)
-    if idx.slots:  # before the lane's own hidden (a slot not used points at the lane's)
-        states.hidden.index_copy_(0, idx.tap_dst, model.norm(x.index_select(0, idx.tap_last)).to(states.hidden.dtype))
-    if hidden_out is not None:  # every row's hidden; the last one's from the same norm
+    # the lane's hidden and its taps' in one gather, norm and copy (the rows are one view of the
+    # index, in the order of image_slots; a slot not used repeats the lane's slot and last row, so
+    # a repeated index writes equal values)
+    rows = idx.kept_rows if idx.slots else idx.last
+    if hidden_out is not None:  # every row's hidden; the kept ones from the same norm
         hidden_out.copy_(model.norm(x))
-        x = hidden_out.index_select(0, idx.last)
+        kept = hidden_out.index_select(0, rows)
     else:
-        x = model.norm(x.index_select(0, idx.last))
-    states.hidden.index_copy_(0, slot, x.to(states.hidden.dtype))
+        kept = model.norm(x.index_select(0, rows))
+    states.hidden.index_copy_(0, idx.image_slots if idx.slots else slot, kept.to(states.hidden.dtype))
+    x = kept[:1]
     logits = model.lm_head(x)
     return PrefillCoreOut(logits=logits[0], hidden_last=x[0], hidden=hidden_out, features=features_out)

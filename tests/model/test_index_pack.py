@@ -44,8 +44,8 @@ def _prefill_ref(tokens, start, block_table, state_slot, L, W, page, k1, taps, s
     free = slots - len(at)
     cols = [conv] + [p + torch.arange(k1, dtype=torch.long) for p in at] + [conv] * free
     return torch.cat([padded, pos, write, pages, torch.tensor([start, n, state_slot, *dst, *([state_slot] * free), n - 1]),
-                      torch.cat(cols), torch.tensor([*at, *([0] * free)], dtype=torch.long),
-                      torch.tensor([*(p - 1 for p in at), *([n - 1] * free)], dtype=torch.long)])
+                      torch.tensor([*(p - 1 for p in at), *([n - 1] * free)], dtype=torch.long),
+                      torch.cat(cols), torch.tensor([*at, *([0] * free)], dtype=torch.long)])
 
 
 def test_column_index_equals_the_torch_layout():
