@@ -6,16 +6,21 @@
 #
 #   bash benchmarks/gpu_spec.sh OUT_DIR
 #
-# DRAFTERS: extra drafter sets for spec_decode, "label=DIR ..." (DIR holding dflash/ and dflash2/).
-# About 8 minutes on an H200.
+# DRAFTERS: extra drafter sets for spec_decode, "label=DIR ..." (DIR holding dflash/ and dflash2/);
+# TESTS: 1 (default) the draft-graph tests, all the whole GPU file of speculative tests, 0 none.
+# About 5 minutes on an H200 with the default tests (TESTS=all: run it with fewer steps after).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_spec.sh OUT_DIR}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_steps.sh
-[ "${TESTS:-1}" = 0 ] || step test 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/spec/test_bf16_gpu.py \
-    -k "graph_drafts or warmup_covers_serving"
+case "${TESTS:-1}" in
+    0) ;;
+    all) step test 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/spec/test_bf16_gpu.py ;;
+    *) step test 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/spec/test_bf16_gpu.py \
+        -k "graph_drafts or warmup_covers_serving" ;;
+esac
 extra=()
 for d in ${DRAFTERS:-}; do extra+=(--drafters "$d"); done
 for k in 3 1; do
