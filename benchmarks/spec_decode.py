@@ -191,6 +191,10 @@ def main(argv=None) -> dict:
                      "accepted_histogram": st.accepted_histogram,
                      "propose_s": st.propose_s, "verify_s": st.verify_s,
                      "rollback_s": st.rollback_s, "catch_up_s": st.catch_up_s,
+                     "rounds": st.rounds,
+                     # the same phases a round (the counters and the rounds cover the same passes)
+                     "round_ms": {ph: round(1e3 * getattr(st, f"{ph}_s") / max(1, st.rounds), 4)
+                                  for ph in ("propose", "verify", "rollback", "catch_up")},
                      "recomputed_columns": st.recomputed_columns}
     doc = {"benchmark": "spec_decode", "model": name, "dtype": dtype,
            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
