@@ -63,6 +63,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="builtin:qwen3.5-27b-shape@8")
     ap.add_argument("--kv-profile", default="int8-g64")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="a seeded builtin shape with this vocabulary (the 248k-row lm_head's time blurs a tap's)")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--taps", type=int, default=8)
@@ -72,7 +74,12 @@ def main() -> None:
 
     from hpc_cli.model.model import HybridModel, TapImage
 
-    model = HybridModel.from_name_or_path(args.model, dtype=torch.bfloat16, device="cuda")
+    if args.vocab:
+        from hpc_cli.model.builtin import build_builtin
+
+        model = build_builtin(args.model, dtype=torch.bfloat16, device="cuda", vocab_size=args.vocab)
+    else:
+        model = HybridModel.from_name_or_path(args.model, dtype=torch.bfloat16, device="cuda")
     n, chunk = args.tokens, args.chunk
     kv = model.new_kv_storage(args.kv_profile, -(-n // 64) + 1)
     states = model.new_state_slots(2 + max(4, args.taps))

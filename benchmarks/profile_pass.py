@@ -22,6 +22,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="builtin:qwen3.5-27b-shape@8")
     ap.add_argument("--kv-profile", default="int8-g64")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="a seeded builtin shape with this vocabulary (the 248k-row lm_head's time blurs a tap's)")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--taps", type=int, default=2)
@@ -31,7 +33,12 @@ def main() -> None:
 
     from hpc_cli.model.model import HybridModel, TapImage
 
-    model = HybridModel.from_name_or_path(args.model, dtype=torch.bfloat16, device="cuda")
+    if args.vocab:
+        from hpc_cli.model.builtin import build_builtin
+
+        model = build_builtin(args.model, dtype=torch.bfloat16, device="cuda", vocab_size=args.vocab)
+    else:
+        model = HybridModel.from_name_or_path(args.model, dtype=torch.bfloat16, device="cuda")
     start, n = args.context, args.tokens
     pages = -(-(start + n) // 64)
     kv, states = model.new_kv_storage(args.kv_profile, pages + 1), model.new_state_slots(1 + args.taps)

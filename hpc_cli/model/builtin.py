@@ -162,15 +162,21 @@ def init_seeded(model, seed: int = SEED, advance: Callable[[int], None] | None =
             _normal(p, 0.0, std, gen)
 
 
-def build_builtin(name: str, dtype=None, device="cpu", offload_experts: bool = False, progress: bool = False):
+def build_builtin(name: str, dtype=None, device="cpu", offload_experts: bool = False, progress: bool = False,
+                  vocab_size: int | None = None):
     """``offload_experts``: the routed experts are created in host memory and seeded there (see
     :func:`_normal`), never on ``device``. Refuses (CapacityError) a model whose weights do not
-    fit the free memory before allocating anything; ``progress`` shows the seeding on stderr."""
+    fit the free memory before allocating anything; ``progress`` shows the seeding on stderr.
+    ``vocab_size``: a seeded shape with another vocabulary (a benchmark of what does not depend
+    on it, which a 248k-row ``lm_head``'s time would only blur)."""
     from hpc_cli import progress as steps
     from hpc_cli.model.footprint import check_fits
     from hpc_cli.model.model import HybridModel, resolve_dtype
 
     cfg = builtin_config(name)
+    if vocab_size is not None:
+        assert name.removeprefix("builtin:") != "tiny", "builtin:tiny is trained with its own vocabulary"
+        cfg = ModelConfig(**{**cfg.to_dict(), "vocab_size": int(vocab_size)})
     if name.removeprefix("builtin:") == "tiny":
         from hpc_cli.model.loader import load_checkpoint
 

@@ -64,6 +64,25 @@ def test_building_a_builtin_shows_progress(capsys):
     assert err[-1].startswith("hpc-cli: building builtin:random (0.02 GiB of float32 weights on cpu): done in ")
 
 
+def test_a_seeded_builtin_with_another_vocabulary():
+    """``build_builtin(vocab_size=N)``: the same seeded shape with N embedding and lm_head rows (a
+    benchmark's), everything else as the named shape; the trained builtin:tiny refuses."""
+    import pytest
+    import torch
+
+    from hpc_cli.model.builtin import build_builtin
+
+    base, small = build_builtin("builtin:random"), build_builtin("builtin:random", vocab_size=64)
+    assert small.config.vocab_size == 64 and small.lm_head.weight.shape[0] == 64
+    assert {k: v for k, v in small.config.to_dict().items() if k != "vocab_size"} == \
+        {k: v for k, v in base.config.to_dict().items() if k != "vocab_size"}
+    logits = small.prefill(list(range(1, 40)), 0, list(range(2)), 0, small.new_kv_storage("bf16", 2),
+                           small.new_state_slots(1)).logits
+    assert logits.shape[-1] == 64 and torch.isfinite(logits).all()
+    with pytest.raises(AssertionError):
+        build_builtin("builtin:tiny", vocab_size=64)
+
+
 def test_a_checkpoint_too_big_is_refused_before_loading(hf_dense, monkeypatch):
     from hpc_cli.model import footprint, loader
 
