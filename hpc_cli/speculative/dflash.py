@@ -429,7 +429,8 @@ class DFlashDrafter:
             mask = torch.cat([valid, torch.ones(B, T, dtype=torch.bool, device=dev)], dim=1)[:, None, None, :]
             # non-causal in the block; grouped queries read their K/V head in place (a repeated
             # copy of a long context would be ``num_heads / num_kv_heads`` times its size)
-            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=cfg.num_heads > cfg.num_kv_heads)
+            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask,
+                                               enable_gqa=cfg.num_heads > cfg.num_kv_heads)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B * T, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         hid = net.norm(x).view(B, T, -1)[:, 1:]  # [B, k, H]

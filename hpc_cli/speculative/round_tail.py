@@ -1,13 +1,13 @@
 """The tail of a speculative round in one CUDA graph: the commit of each lane's state after its
 last accepted column, and the drafter's catch-up on the accepted positions.
 
-After the host has read the verify pass and accepted drafts, what is left of a round is device
-work whose only new input is each lane's count of accepted drafts: copy the GDN state and conv
-window after that column into the lane's slot (:func:`~hpc_cli.speculative.ops.commit_columns`),
-and, for a drafter that keeps K/V of its own at committed positions (MTP), write them for the
-accepted positions (``catch_up_columns``). Issued op by op from Python that is about a hundred
-small kernels a round (a millisecond of host time on an H200 host for the 8-layer model, more
-than the verify pass's replay); captured, it is one launch.
+After the host has read the verify pass and accepted drafts, what is left of a round is device work
+whose only new input is each lane's count of accepted drafts: copy the GDN state and conv window
+after that column into the lane's slot (:func:`~hpc_cli.speculative.ops.commit_columns`), and, for
+a drafter that keeps K/V of its own at committed positions (MTP; DFlash's pool, DFlash2's rings),
+write them for the accepted positions (``catch_up_columns``). Issued op by op from Python that is
+about a hundred small kernels a round (a millisecond of host time on an H200 host for the 8-layer
+model, more than the verify pass's replay); captured, it is one launch.
 
 * The tail reads the verify pass's outputs and index where they are: a graph of the tail is kept
   per verify graph (the key is the verify graph's serial number, ``ColumnsOut.static``, which also

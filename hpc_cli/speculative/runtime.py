@@ -56,7 +56,7 @@ class SpeculativeStats:
     accepted_histogram: dict[str, int]
     propose_s: float
     verify_s: float
-    #: MTP leaves its drafts on the device: its propose_s and verify_s are the launches, and the
+    #: MTP and DFlash leave their drafts on the device: propose_s and verify_s are the launches, and the
     #: wait for both is in rollback_s
     rollback_s: float  # reading the logits (the wait for the verify pass), accepting, the rollback
     catch_up_s: float  # the drafter's catch-up on the committed tokens and the block commits
@@ -151,7 +151,7 @@ class SpecRuntime:
         t0 = time.monotonic()
         model, states = self.model, self.states
         keep_all = self.rollback == "per_token"
-        # drafts left on the device where the drafter can (MTP): the proposal and the verify pass
+        # drafts left on the device where the drafter can (MTP, DFlash): the proposal and the verify pass
         # queue without a wait, and the host reads drafts and verdicts at once
         on_device = k > 0 and keep_all and hasattr(self.drafter, "propose_device")
         if on_device:
