@@ -52,15 +52,16 @@ class PrefillIndex:
     padding row), ``pages`` ``[W]`` the lane's page table (padded with page 0, never read past the
     pass's last position), ``meta`` ``[2]`` (start, valid rows) for the paged prefill kernel,
     ``image_slots`` ``[1 + slots]`` the lane's state slot (``slot``), then the slot each tap's
-    image goes to (``tap_dst``), ``last`` ``[1]`` the last valid row, ``conv_index``
+    image goes to (``tap_dst``), ``kept_rows`` ``[1 + slots]`` the last valid row (``last``), then
+    the row whose hidden each tap keeps (``tap_last``), ``conv_index``
     ``[kernel-1]`` the window columns of the new conv state. ``host``: (start, valid) for the
     paths that read host values (the gather + SDPA attention).
 
     A pass with room for ``slots`` taps (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) also
     carries ``conv_cols`` ``[(1 + slots) * (kernel-1)]`` (``conv_index``, then each
     tap's conv window columns: one gather and one ``index_copy_`` per GDN layer take and write
-    every conv window), ``tap_pos`` ``[slots]`` (each tap's offset in the pass, in order) and
-    ``tap_last`` ``[slots]`` (the row before it, whose hidden the tap keeps). A slot not used holds
+    every conv window) and ``tap_pos`` ``[slots]`` (each tap's offset in the pass, in order; the
+    row before it is its ``tap_last``). A slot not used holds
     offset 0, the lane's state slot and the lane's own conv columns and last row: what the pass
     writes there for it is the lane's own image, bit for bit, so a repeated index writes equal
     values in any order.
@@ -75,15 +76,12 @@ class PrefillIndex:
     pages: torch.Tensor
     meta: torch.Tensor
     image_slots: torch.Tensor  # [1 + slots]: the lane's state slot, then each tap's
-    last: torch.Tensor
+    kept_rows: torch.Tensor  # [1 + slots]: the rows whose hidden goes to image_slots, in order
     conv_index: torch.Tensor
     host: tuple[int, int] | None = None
     slots: int = 0
     conv_cols: torch.Tensor | None = None
     tap_pos: torch.Tensor | None = None
-    tap_last: torch.Tensor | None = None
-    #: ``[1 + slots]``: ``last`` then ``tap_last``, the rows whose hidden goes to ``image_slots``
-    kept_rows: torch.Tensor | None = None
 
     @property
     def slot(self) -> torch.Tensor:
@@ -94,6 +92,16 @@ class PrefillIndex:
     def tap_dst(self) -> torch.Tensor:
         """``[slots]``: the state slot each tap's image goes to."""
         return self.image_slots[1:]
+
+    @property
+    def last(self) -> torch.Tensor:
+        """``[1]``: the last valid row."""
+        return self.kept_rows[:1]
+
+    @property
+    def tap_last(self) -> torch.Tensor:
+        """``[slots]``: the row before each tap, whose hidden the tap keeps."""
+        return self.kept_rows[1:]
 
     @staticmethod
     def pack(tokens: Sequence[int] | torch.Tensor, start: int, block_table: Sequence[int], state_slot: int,
@@ -149,12 +157,11 @@ class PrefillIndex:
         k1 = (packed.shape[0] - (3 * L + W + 4) - 3 * slots) // (1 + slots)
         tokens, positions, write, pages, meta, image_slots, kept_rows, conv_all, tap_pos = torch.split(
             packed, [L, L, L, W, 2, 1 + slots, 1 + slots, k1 * (1 + slots), slots])
-        idx = cls(L, W, packed, tokens, positions, write, pages, meta, image_slots, kept_rows[:1], conv_all[:k1],
-                  host, kept_rows=kept_rows)
+        idx = cls(L, W, packed, tokens, positions, write, pages, meta, image_slots, kept_rows, conv_all[:k1], host)
         if slots:
             idx.slots = slots
             idx.conv_cols = conv_all
-            idx.tap_pos, idx.tap_last = tap_pos, kept_rows[1:]
+            idx.tap_pos = tap_pos
         return idx
 
     @classmethod
@@ -240,16 +247,15 @@ def prefill_core(model: "HybridModel", idx: PrefillIndex, kv: "PagedKVStorage",
         if i in captured:
             j = captured.index(i)
             features_out[:, j * width:(j + 1) * width].copy_(x)
-    # the lane's hidden and its taps' in one gather, norm and copy (the rows are one view of the
-    # index, in the order of image_slots; a slot not used repeats the lane's slot and last row, so
-    # a repeated index writes equal values)
-    rows = idx.kept_rows if idx.slots else idx.last
+    # the lane's hidden and its taps' in one gather, norm and copy (the kept rows follow the image
+    # slots; a slot not used repeats the lane's slot and last row, so a repeated index writes
+    # equal values)
     if hidden_out is not None:  # every row's hidden; the kept ones from the same norm
         hidden_out.copy_(model.norm(x))
-        kept = hidden_out.index_select(0, rows)
+        kept = hidden_out.index_select(0, idx.kept_rows)
     else:
-        kept = model.norm(x.index_select(0, rows))
-    states.hidden.index_copy_(0, idx.image_slots if idx.slots else slot, kept.to(states.hidden.dtype))
+        kept = model.norm(x.index_select(0, idx.kept_rows))
+    states.hidden.index_copy_(0, idx.image_slots, kept.to(states.hidden.dtype))
     x = kept[:1]
     logits = model.lm_head(x)
     return PrefillCoreOut(logits=logits[0], hidden_last=x[0], hidden=hidden_out, features=features_out)
