@@ -36,10 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpc_cli.kv_profile import PAGE_TOKENS
-from hpc_cli.model.columns import graph_width
 from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, apply_rotary
 from hpc_cli.spec_backend import BackendPoolSpec
-from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, WarmLane
+from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, warm_proposals
+from hpc_cli.speculative.ops import column_writes, padded_table
 
 RING_PART = "dflash2_ring"
 
@@ -293,16 +293,13 @@ class DFlashDrafter:
         round's commit (:mod:`hpc_cli.speculative.round_tail`)."""
         idx = out.index
         B, T = idx.B, idx.T
-        dev = accepted.device
-        pos = idx.seqlens[:T].transpose(0, 1) - 1  # [B, T] (the lengths are positions + 1)
-        keep = torch.arange(T, device=dev)[None, :] <= accepted[:, None]
+        pos, keep, slots = column_writes(idx, T, accepted + 1)  # the accepted drafts and the column before
         ctx = self._context_vectors(out.features.reshape(B * T, -1))
         cos, sin = self.rotary.cos_sin(pos.reshape(-1), self.model.dtype)
         if self.cfg.kind == "dflash":
-            slots = torch.where(keep, idx.write[:T].transpose(0, 1), torch.full_like(pos, -1)).reshape(-1)
             for l, layer in enumerate(self.net.layers):
                 k, v = layer.self_attn.kv(ctx, cos, sin)
-                self.pool.write(l, slots, k, v)
+                self.pool.write(l, slots.reshape(-1), k, v)
             return
         rings = self.states.extra[RING_PART]  # [N, layers, K|V, W, heads, dim]
         W = self.cfg.window
@@ -355,51 +352,41 @@ class DFlashDrafter:
             self._write_ring(rings[tap.slot], ctx[:n], pos[:n], cos[:n], sin[:n])
 
     def _context(self, lanes, l: int, dtype):
-        """Context K/V ``[B, kv, S, d]`` of layer ``l`` and the mask ``[B, S]`` of valid keys."""
+        """Context K/V ``[B, kv, S, d]`` of layer ``l`` and the mask ``[B, S]`` of valid keys for
+        ``lanes`` (the eager proposal): DFlash's pool through the lanes' own pages, DFlash2's ring
+        slots up to the longest context (a context shorter than the window neither copies nor
+        attends to the empty rest)."""
         dev = self.model.device
+        pos = torch.tensor([l_.pos for l_ in lanes], dtype=torch.long, device=dev)
         if self.cfg.kind == "dflash":
-            page = self.pool.page_tokens
-            n_pages = [max(1, math.ceil(l_.pos / page)) for l_ in lanes]
-            width = max(n_pages)
-            rows = [list(l_.pages[:n]) + [l_.pages[0]] * (width - n) for l_, n in zip(lanes, n_pages)]
-            table = torch.tensor(rows, dtype=torch.long, device=dev).reshape(-1)
-            span = width * page
-            k, v = self.pool.gather(l, table, len(lanes) * span, dtype)
-            B = len(lanes)
-            k = k.view(B, span, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
-            v = v.view(B, span, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
-            valid = torch.arange(span, device=dev)[None] < torch.tensor([l_.pos for l_ in lanes], device=dev)[:, None]
-            return k, v, valid
-        W = self.cfg.window
-        # ring slot j holds position j until the ring wraps: only the first max(pos) slots are read
-        # (a context shorter than the window neither copies nor attends to the empty rest)
-        used = min(W, max(1, max(l_.pos for l_ in lanes)))
+            table, _ = padded_table([l_.pages for l_ in lanes], [max(0, l_.pos - 1) for l_ in lanes],
+                                    self.pool.page_tokens, dev)
+            return self._context_at(l, table, None, pos, dtype)
         slots = torch.tensor([l_.state_slot for l_ in lanes], dtype=torch.long, device=dev)
-        ring = self.states.extra[RING_PART][:, l, :, :used].index_select(0, slots)  # [B, 2, used, heads, dim]
-        k, v = ring[:, 0].transpose(1, 2).to(dtype), ring[:, 1].transpose(1, 2).to(dtype)
-        pos = torch.tensor([l_.pos for l_ in lanes], device=dev)[:, None]
-        j = torch.arange(used, device=dev)[None]
-        held = pos - 1 - torch.remainder(pos - 1 - j, W)  # the position ring slot j holds
-        return k, v, held >= 0
+        used = min(self.cfg.window, max(1, max(l_.pos for l_ in lanes)))
+        return self._context_at(l, None, slots, pos, dtype, used)
 
-    def _context_packed(self, packed: torch.Tensor, W: int, l: int, dtype):
-        """:meth:`_context` from the packed inputs on the device (a graph's): the DFlash pool
-        through the page table of width ``W`` (masked past each lane's position), DFlash2's whole
-        rings (masked where a ring slot holds no position yet)."""
-        dev = packed.device
-        B = packed.shape[0]
-        pos = packed[:, 2]
+    def _context_at(self, l: int, table: torch.Tensor | None, slots: torch.Tensor | None, pos: torch.Tensor,
+                    dtype, used: int | None = None):
+        """Context K/V ``[B, kv, S, d]`` of layer ``l`` and the mask ``[B, S]`` of valid keys, from
+        device indices only (what a graph captures): DFlash's pool through the padded page table
+        ``table`` ``[B, W]`` (keys at or past each lane's position ``pos`` masked), DFlash2's rings
+        of the state slots ``slots``, their first ``used`` ring slots (all by default; masked where
+        a ring slot holds no position yet)."""
+        dev = pos.device
+        B = pos.shape[0]
         if self.cfg.kind == "dflash":
-            span = W * self.pool.page_tokens
-            k, v = self.pool.gather(l, packed[:, INPUT_COLUMNS:].reshape(-1), B * span, dtype)
+            span = table.shape[1] * self.pool.page_tokens
+            k, v = self.pool.gather(l, table.reshape(-1), B * span, dtype)
             k = k.view(B, span, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
             v = v.view(B, span, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
             return k, v, torch.arange(span, device=dev)[None] < pos[:, None]
-        Wr = self.cfg.window
-        ring = self.states.extra[RING_PART][:, l].index_select(0, packed[:, 1])  # [B, 2, W, heads, dim]
+        W = self.cfg.window
+        used = W if used is None else used
+        ring = self.states.extra[RING_PART][:, l, :, :used].index_select(0, slots)  # [B, 2, used, heads, dim]
         k, v = ring[:, 0].transpose(1, 2).to(dtype), ring[:, 1].transpose(1, 2).to(dtype)
         p = pos[:, None]
-        held = p - 1 - torch.remainder(p - 1 - torch.arange(Wr, device=dev)[None], Wr)
+        held = p - 1 - torch.remainder(p - 1 - torch.arange(used, device=dev)[None], W)  # the position slot j holds
         return k, v, held >= 0
 
     # ------------------------------------------------------------------ drafting
@@ -466,7 +453,9 @@ class DFlashDrafter:
         token, state slot, position, an unused column, then DFlash's page table of width ``W``;
         :data:`~hpc_cli.speculative.draft_graphs.INPUT_COLUMNS`): the drafts ``[B, k]``, computed
         without reading anything back to the host (capturable)."""
-        return self._block(packed[:, 0], packed[:, 2], k, lambda l, dtype: self._context_packed(packed, W, l, dtype))
+        return self._block(packed[:, 0], packed[:, 2], k,
+                           lambda l, dtype: self._context_at(l, packed[:, INPUT_COLUMNS:], packed[:, 1], packed[:, 2],
+                                                             dtype))
 
     def _propose_packed(self, lanes, k: int) -> torch.Tensor:
         """:meth:`propose` through :class:`~hpc_cli.speculative.draft_graphs.DraftGraphs`: the
@@ -476,12 +465,10 @@ class DFlashDrafter:
         assert self.graphs is not None, "packed proposals need the drafter's graphs"
         head = torch.tensor([[l.next_token, l.state_slot, l.pos, 0] for l in lanes], dtype=torch.long)
         W = 0
-        if self.cfg.kind == "dflash":
-            page = self.pool.page_tokens
-            need = [max(1, math.ceil(l.pos / page)) for l in lanes]
-            W = graph_width(max(need))
-            rows = [list(l.pages[:n]) + [l.pages[0]] * (W - n) for l, n in zip(lanes, need)]
-            head = torch.cat([head, torch.tensor(rows, dtype=torch.long)], 1)
+        if self.cfg.kind == "dflash":  # the context's pages, padded to a decode graph's width
+            table, W = padded_table([l.pages for l in lanes], [max(0, l.pos - 1) for l in lanes],
+                                    self.pool.page_tokens, "cpu", graph=True)
+            head = torch.cat([head, table], 1)
         if self.model.device.type == "cuda":
             head = head.pin_memory()  # copied to the device without waiting
         key = DraftGraphs.key(len(lanes), W, k, self.pool if self.pool is not None else self.storage, self.states, 0)
@@ -495,15 +482,10 @@ class DFlashDrafter:
         without graphs)."""
         if self.graphs is None:
             return 0
-        done = 0
-        for B in batches:
-            for W in (widths if self.cfg.kind == "dflash" else [1]):
-                pos = max(1, min(W * PAGE_TOKENS, max_model_len - 1 - k))  # a context of W pages
-                need = max(1, math.ceil(pos / PAGE_TOKENS))
-                tables = [[(b * need + i) % num_pages for i in range(need)] for b in range(B)]
-                for drafts in range(1, k + 1):
-                    lanes = [WarmLane(1 + b, b, pos, tables[b]) for b in range(B)]
-                    for _ in range(2):  # eager, then the capture of its graph
-                        self._propose_packed(lanes, drafts)
-                    done += 1
-        return done
+
+        def place(W: int, drafts: int) -> tuple[int, int]:  # a context of W pages
+            pos = max(1, min(W * PAGE_TOKENS, max_model_len - 1 - k))
+            return pos, max(1, math.ceil(pos / PAGE_TOKENS))
+
+        return warm_proposals(self._propose_packed, batches, widths if self.cfg.kind == "dflash" else [1], k,
+                              num_pages, place)

@@ -22,7 +22,7 @@ tensor and copied into the graph's static buffer before the replay.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -87,3 +87,21 @@ class WarmLane:
     def __init__(self, next_token: int, state_slot: int, pos: int, pages: list[int]) -> None:
         self.next_token, self.state_slot, self.pos, self.pages = next_token, state_slot, pos, pages
         self.backend_frontier = 0
+
+
+def warm_proposals(propose: Callable[[list[WarmLane], int], object], batches: Sequence[int], widths: Sequence[int],
+                   k: int, num_pages: int, place: Callable[[int, int], tuple[int, int]]) -> int:
+    """A drafter's warm-up: ``propose(lanes, drafts)`` twice (eager, then the capture of its graph)
+    for every lanes x table width x ``1..k`` drafts (a round near ``max_tokens`` drafts fewer);
+    ``place(width, drafts)`` gives the warm lanes' position and their pages (each lane its own,
+    modulo ``num_pages``). Returns the shapes warmed."""
+    done = 0
+    for B in batches:
+        for W in widths:
+            for drafts in range(1, k + 1):
+                pos, need = place(W, drafts)
+                lanes = [WarmLane(1 + b, b, pos, [(b * need + i) % num_pages for i in range(need)]) for b in range(B)]
+                for _ in range(2):
+                    propose(lanes, drafts)
+                done += 1
+    return done

@@ -25,8 +25,8 @@ from typing import Sequence
 import torch
 
 from hpc_cli.kv_profile import PAGE_TOKENS
-from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, WarmLane
-from hpc_cli.speculative.ops import page_table, paged_attention, reads_in_place, write_kv
+from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, warm_proposals
+from hpc_cli.speculative.ops import column_writes, page_table, paged_attention, reads_in_place, write_kv
 
 
 class MTPDrafter:
@@ -147,9 +147,7 @@ class MTPDrafter:
         B, T = idx.B, idx.T
         k = T - 1
         toks = idx.tokens.view(B, T)[:, 1:]  # the token after each position: the drafts
-        pos = idx.seqlens[:k].transpose(0, 1) - 1  # [B, k] (the lengths are positions + 1)
-        keep = torch.arange(k, device=pos.device)[None, :] < accepted[:, None]
-        slots = torch.where(keep, idx.write[:k].transpose(0, 1), torch.full_like(pos, -1))
+        pos, _, slots = column_writes(idx, k, accepted)
         x, cos, sin = self._input(toks, out.hidden[:, :k], pos)
         layer = self.mtp.layers[0]
         kk, vv = layer.self_attn.kv(layer.input_layernorm(x), cos, sin)
@@ -239,17 +237,11 @@ class MTPDrafter:
         graphs)."""
         if self.graphs is None:
             return 0
-        done = 0
-        for B in batches:
-            for W in widths:
-                last = min(W * PAGE_TOKENS, max_model_len) - 1  # the last step's position
-                need = last // PAGE_TOKENS + 1
-                tables = [[(b * need + i) % num_pages for i in range(need)] for b in range(B)]
-                for drafts in range(1, k + 1):
-                    pos = max(1, last + 2 - drafts)
-                    lanes = [WarmLane(1 + b, b, pos, tables[b]) for b in range(B)]
-                    for _ in range(2):  # eager, then the capture of its graph
-                        self._propose_packed(lanes, drafts, states)
-                    done += 1
-        return done
+
+        def place(W: int, drafts: int) -> tuple[int, int]:
+            last = min(W * PAGE_TOKENS, max_model_len) - 1  # the last step's position
+            return max(1, last + 2 - drafts), last // PAGE_TOKENS + 1
+
+        return warm_proposals(lambda lanes, drafts: self._propose_packed(lanes, drafts, states), batches, widths, k,
+                              num_pages, place)
 

@@ -24,8 +24,8 @@ import torch
 from hpc_cli.model.columns import ColumnsOut, columns_pass, graph_width
 
 
-def _table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int, device,
-           graph: bool = False) -> tuple[torch.Tensor, int]:
+def padded_table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int, device,
+                 graph: bool = False) -> tuple[torch.Tensor, int]:
     """Padded page table ``[B, width]`` covering position ``last_pos[b]`` of each lane (``graph``:
     a decode graph's width, :func:`~hpc_cli.model.columns.graph_width`)."""
     need = [p // page + 1 for p in last_pos]
@@ -56,13 +56,23 @@ def _write(kv, layer: int, table: torch.Tensor, pos: torch.Tensor, k: torch.Tens
     kv.write(layer, slots.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows))
 
 
+def column_writes(idx, T: int, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first ``T`` columns of a verify pass's index ``idx`` as a drafter's catch-up writes them
+    (device values only, capturable): their positions ``[B, T]``, which are kept (column ``t <
+    counts[b]``) and the pass's KV write slots, ``-1`` past a lane's count (a built-in profile's
+    pool skips them)."""
+    pos = idx.seqlens[:T].transpose(0, 1) - 1  # the lengths are positions + 1
+    keep = torch.arange(T, device=counts.device)[None, :] < counts[:, None]
+    return pos, keep, torch.where(keep, idx.write[:T].transpose(0, 1), torch.full_like(pos, -1))
+
+
 def write_kv(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int], tables: Sequence[Sequence[int]], kv,
              layer: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """The K/V :func:`paged_attention` writes for ``h`` at ``pos`` ``[B, T]`` (``last``: each
     lane's last position, known on the host), without its queries and attention (a drafter
     catching its K/V up to committed positions)."""
     k, v = attn.kv(h, cos, sin)
-    table, _ = _table(tables, last, kv.page_tokens, h.device)
+    table, _ = padded_table(tables, last, kv.page_tokens, h.device)
     _write(kv, layer, table, pos, k, v, None)
 
 
@@ -111,7 +121,7 @@ def page_table(attn, kv, tables: Sequence[Sequence[int]], last_pos: Sequence[int
     each lane, for :func:`paged_attention` of ``T`` queries per lane. Where the paged decode
     kernel reads it, its width is a decode graph's (a power of two, >= 8), the widths the warm-up
     compiles that kernel for, so a draft step compiles nothing while serving."""
-    return _table(tables, last_pos, kv.page_tokens, device, graph=reads_in_place(attn, kv, T))
+    return padded_table(tables, last_pos, kv.page_tokens, device, graph=reads_in_place(attn, kv, T))
 
 
 #: the verify pass's result (logits, hidden, features, per-column windows and states)
