@@ -44,14 +44,5 @@ for k in ${KS-1 2 3}; do
         --max-tokens 96 -k "$k" --rollback per_token --repeat 3 --backends none,mtp,dflash,dflash2 \
         "${drafters[@]}" --out "$OUT/spec-k$k.json"
 done
-python3 - "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-for f in sorted(out.glob("spec-k*.json")):
-    doc = json.loads(f.read_text())
-    for key, r in doc["runs"].items():
-        print(f"k={doc['k']}  {key:18} {r['decode_tok_s']:7.1f} tok/s  {r['speedup']:5.2f}x none"
-              f"  {r['mean_acceptance_length']:4.2f} tokens a round  same as none: {r.get('matches_none', True)}")
-PY
+spec_table
 summary

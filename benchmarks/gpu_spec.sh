@@ -30,15 +30,6 @@ for k in 3 1; do
 done
 step serve 300 python3 benchmarks/serve_spec.py --backends mtp,dflash,dflash2 --repeat 2 \
     --serve-args '--kv-profile int8-g64 --host-cache-mib 1024 --kv-capacity 2048' --out "$OUT/serve.json"
-python3 - "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-for f in sorted(out.glob("spec-k*.json")):
-    doc = json.loads(f.read_text())
-    for key, r in doc["runs"].items():
-        print(f"k={doc['k']}  {key:14} {r['decode_tok_s']:8.1f} tok/s  {r['speedup']:5.2f}x none"
-              f"  {r['mean_acceptance_length']:5.3f} a round  same as none: {r.get('matches_none', True)}")
-PY
+spec_table
 grep -E "tok/s" "$OUT/serve.log"
 summary

@@ -1,7 +1,8 @@
 # Sourced by the GPU scripts: `step NAME SECONDS COMMAND...` runs one step with its own time
 # limit into "$OUT/NAME.log" (the script carries on after a failure) and records a summary line
 # (its exit code, seconds, and the log's last line naming passes, failures, warm-ups or errors);
-# `summary` prints them. Needs OUT set.
+# `summary` prints them; `spec_table` prints a line per backend of each OUT/spec-k*.json that
+# benchmarks/spec_decode.py wrote. Needs OUT set.
 declare -a SUMMARY
 step() {
     local name=$1 limit=$2
@@ -15,4 +16,15 @@ step() {
 }
 summary() {
     printf '%s\n' "${SUMMARY[@]}"
+}
+spec_table() {
+    python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+for f in sorted(Path(sys.argv[1]).glob("spec-k*.json")):
+    doc = json.loads(f.read_text())
+    for key, r in doc["runs"].items():
+        print(f"k={doc['k']}  {key:18} {r['decode_tok_s']:8.1f} tok/s  {r['speedup']:5.2f}x none"
+              f"  {r['mean_acceptance_length']:5.3f} tokens a round  same as none: {r.get('matches_none', True)}")
+PY
 }
