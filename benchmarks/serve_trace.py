@@ -53,6 +53,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -105,6 +106,8 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None
     timing: dict | None = None  # the server's usage.hpc_timing (seconds per phase, prefill passes)
+    #: seconds the openai client took to build the request before its first byte went out
+    client_prepare_s: float | None = None
 
     @property
     def reuse(self) -> float:
@@ -125,9 +128,20 @@ def _delta_text(delta: "ChoiceDelta") -> tuple[str, bool]:
     return content, bool(content or reasoning or delta.tool_calls)
 
 
+#: when the calling thread's request went out (httpx's request hook, :func:`mark_sent`)
+_SENT = threading.local()
+
+
+def mark_sent(_request: "httpx.Request") -> None:
+    """httpx's ``request`` event hook: the moment the client hands the built request to the
+    connection, so a turn's path splits into the client's preparation and the rest."""
+    _SENT.at = time.perf_counter()
+
+
 def one_request(client: "openai.OpenAI", opts: ReplayOptions, messages: Messages, rec: RequestRecord) -> None:
     import openai
 
+    _SENT.at = None
     t0 = time.perf_counter()
     try:
         stream = client.chat.completions.create(
@@ -151,6 +165,8 @@ def one_request(client: "openai.OpenAI", opts: ReplayOptions, messages: Messages
                         rec.arrivals.append(now)
                         if rec.ttft_s is None:
                             rec.ttft_s = now
+                            if _SENT.at is not None:
+                                rec.client_prepare_s = _SENT.at - t0
                     rec.text += text
                     if choice.finish_reason:
                         rec.finish_reason = choice.finish_reason
@@ -209,7 +225,8 @@ def replay(base: str, mode: str, model: str, trace: Trace, run_index: int, concu
 
     opts = ReplayOptions(model, max_tokens, request_timeout_s)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
-    http = httpx.Client(trust_env=False, timeout=request_timeout_s, limits=limits)
+    http = httpx.Client(trust_env=False, timeout=request_timeout_s, limits=limits,
+                        event_hooks={"request": [mark_sent]})
     client = openai.OpenAI(base_url=base + "/v1", api_key=_api_key(), http_client=http, max_retries=0)
     header = trace.headers[run_index]
     try:
@@ -427,6 +444,7 @@ class TurnRow:
     sent_s: float
     error: str | None
     engine_ttft_s: float | None = None  # usage.hpc_timing.time_to_first_token: the engine's part
+    client_prepare_s: float | None = None  # the openai client building the request, before it went out
 
 
 @dataclass(frozen=True)
@@ -474,7 +492,8 @@ def _compilations(run: RunResult) -> Compilations | None:
 def _rows(records: Sequence[RequestRecord]) -> list[TurnRow]:
     return [TurnRow(r.session, r.turn, r.edited, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
                     None if r.ttft_s is None else round(r.ttft_s, 4), round(r.total_s, 4), round(r.sent_s, 3),
-                    r.error, _engine_ttft(r)) for r in records]
+                    r.error, _engine_ttft(r),
+                    None if r.client_prepare_s is None else round(r.client_prepare_s, 5)) for r in records]
 
 
 def _engine_ttft(r: RequestRecord) -> float | None:
@@ -503,6 +522,10 @@ def _phases(records: Sequence[RequestRecord]) -> dict[str, float] | None:
     if engine:
         out["engine_ttft"] = _p50([e for _, e in engine])
         out["server_overhead"] = _p50([r.ttft_s - e for r, e in engine])
+    # of that, the openai client's own building of the request before it is sent
+    prepared = [r.client_prepare_s for r in records if r.client_prepare_s is not None]
+    if prepared:
+        out["client_prepare"] = _p50(prepared)
     return out
 
 

@@ -347,32 +347,43 @@ def mtp_forward(model: HybridModel, next_tokens: torch.Tensor, hidden: torch.Ten
 
 
 def drafter_forward(net: DFlashNet, model: HybridModel, rotary: Rotary, feats: torch.Tensor,
-                    tokens: torch.Tensor, anchors: torch.Tensor, k: int) -> torch.Tensor:
+                    tokens: torch.Tensor, anchors: torch.Tensor, k: int,
+                    hidden: torch.Tensor | None = None) -> torch.Tensor:
     """DFlash/DFlash2 training forward: ``feats`` ``[B, T, F]``, ``tokens`` ``[B, T]``, ``anchors``
     ``[B, A]`` block starts. Each block is ``[token[p], MASK x k]`` at positions ``p .. p+k`` and
     reads, as ``DFlashDrafter.propose`` does, the context K/V of positions ``< p`` and its own block
-    without a causal mask. Returns the final-norm hidden of block columns 1..k ``[B, A, k, H]``."""
+    without a causal mask. Returns the final-norm hidden of block columns 1..k ``[B, A, k, H]``.
+    With ``anchor_drafts`` the block is ``[token[p], MASK x (k - 1)]``, its first column also reads
+    ``hidden`` (the model's final-norm hidden ``[B, T, H]``) at ``p - 1``, and all ``k`` columns
+    draft."""
     cfg = net.cfg
     B, T, _ = feats.shape
     A = anchors.shape[1]
     dev = feats.device
+    C = k if cfg.anchor_drafts else k + 1  # block columns
     ctx = net.hidden_norm(net.fc(feats))  # [B, T, H]
     pos_c = torch.arange(T, device=dev).repeat(B)
     cos_c, sin_c = rotary.cos_sin(pos_c, ctx.dtype)
-    bpos = (anchors[:, :, None] + torch.arange(k + 1, device=dev)).reshape(B, A * (k + 1))
+    bpos = (anchors[:, :, None] + torch.arange(C, device=dev)).reshape(B, A * C)
     cos_b, sin_b = rotary.cos_sin(bpos.reshape(-1), ctx.dtype)
-    btok = torch.full((B, A, k + 1), cfg.mask_token_id, dtype=torch.long, device=dev)
+    btok = torch.full((B, A, C), cfg.mask_token_id, dtype=torch.long, device=dev)
     btok[:, :, 0] = tokens.gather(1, anchors)
-    x = F.embedding(btok.reshape(B, -1), model.embed_tokens.weight).to(ctx.dtype)  # [B, A*(k+1), H]
+    x = F.embedding(btok, model.embed_tokens.weight).to(ctx.dtype)  # [B, A, C, H]
+    if cfg.anchor_drafts:
+        assert hidden is not None, "an anchor-drafting block reads the model's hidden before it"
+        last = hidden.detach().gather(1, (anchors - 1).clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        first = net.anchor_fc(torch.cat([net.anchor_embed_norm(x[:, :, 0]), net.anchor_hidden_norm(last.to(ctx.dtype))], -1))
+        x = torch.cat([first[:, :, None], x[:, :, 1:]], 2)
+    x = x.reshape(B, A * C, -1)
     # mask [B, 1, Q, T + Q]: context j < p; keys of the same block
-    ctx_ok = torch.arange(T, device=dev)[None, None, :] < anchors.repeat_interleave(k + 1, dim=1)[:, :, None]
-    blk = torch.arange(A, device=dev).repeat_interleave(k + 1)
+    ctx_ok = torch.arange(T, device=dev)[None, None, :] < anchors.repeat_interleave(C, dim=1)[:, :, None]
+    blk = torch.arange(A, device=dev).repeat_interleave(C)
     blk_ok = (blk[:, None] == blk[None, :]).expand(B, -1, -1)
     mask = torch.cat([ctx_ok, blk_ok], dim=-1)[:, None]
-    Q = A * (k + 1)
+    Q = A * C
     for layer in net.layers:
         if cfg.kind == "dflash2":
-            x = x + layer.dconv(layer.conv_norm(x).view(B * A, k + 1, -1)).reshape(B, Q, -1)
+            x = x + layer.dconv(layer.conv_norm(x).view(B * A, C, -1)).reshape(B, Q, -1)
         h = layer.input_layernorm(x)
         attn = layer.self_attn
         kc, vc = attn.kv(ctx.reshape(B * T, -1), cos_c, sin_c)
@@ -384,7 +395,37 @@ def drafter_forward(net: DFlashNet, model: HybridModel, rotary: Rotary, feats: t
                                            enable_gqa=attn.n_heads != attn.n_kv)
         x = x + attn.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return net.norm(x).view(B, A, k + 1, -1)[:, :, 1:]
+    return net.norm(x).view(B, A, C, -1)[:, :, C - k:]
+
+
+@torch.no_grad()
+def init_anchor_from_mtp(net: DFlashNet, model: HybridModel) -> None:
+    """Start an anchor-drafting block from the model's MTP head: the first column's input from its
+    combining projection and norms, the final norm, and, where the shapes match, the first layer's
+    norms, MLP and attention (the query half of MTP's gated query projection; ``o_proj`` halved for
+    the gate the block does not have, about ``sigmoid(0)``). At the start the first column is then
+    MTP's step but for its attention's keys, which come from the block's context."""
+    mtp = model.mtp
+    net.anchor_fc.weight.copy_(mtp.fc.weight)
+    net.anchor_embed_norm.weight.copy_(mtp.pre_fc_norm_embedding.weight)
+    net.anchor_hidden_norm.weight.copy_(mtp.pre_fc_norm_hidden.weight)
+    net.norm.weight.copy_(mtp.norm.weight)
+    src, dst = mtp.layers[0], net.layers[0]
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        getattr(dst, name).weight.copy_(getattr(src, name).weight)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if getattr(dst.mlp, name).weight.shape == getattr(src.mlp, name).weight.shape:
+            getattr(dst.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+    a, d = src.self_attn, dst.self_attn
+    if (d.n_heads, d.n_kv, d.head_dim) == (a.n_heads, a.n_kv, a.head_dim):
+        q = a.q_proj.weight.view(a.n_heads, 2 * a.head_dim, -1)[:, :a.head_dim]
+        d.q_proj.weight.copy_(q.reshape(d.q_proj.weight.shape))
+        for name in ("k_proj", "v_proj", "q_norm", "k_norm"):
+            getattr(d, name).weight.copy_(getattr(a, name).weight)
+        d.o_proj.weight.copy_(a.o_proj.weight * 0.5)
+    if net.cfg.kind == "dflash2":
+        for layer in net.layers:
+            layer.dconv.o_proj.weight.zero_()  # the block's conv starts as nothing added
 
 
 def selector_loss(net: DFlashNet, model: HybridModel, hid: torch.Tensor, logits: torch.Tensor,
@@ -584,7 +625,7 @@ def train_drafters(model, nets, data, args, dev, report, checkpoint=None):
             if spans is not None:  # a draft of the token after the answer's last one is not a draft
                 wts = wts * (idx + 1 < spans[:, 1:].to(dev)[:, :, None]).float()
             for name, net in nets.items():
-                hid = drafter_forward(net, model, rotaries[name], feats.detach(), tokens, anchors, k)
+                hid = drafter_forward(net, model, rotaries[name], feats.detach(), tokens, anchors, k, h)
                 logits = model.lm_head(hid).float()
                 ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), reduction="none")
                 losses[name] = (ce * wts.reshape(-1)).sum() / wts.sum()
@@ -633,7 +674,7 @@ def draft_accuracy(model, nets, rotaries, rows, dev, args) -> dict:
         anchors = torch.stack([torch.randperm(T - k - 1, generator=gen)[:32] + 1 for _ in range(B)]).to(dev)
         lab = labels.gather(1, (anchors[:, :, None] + torch.arange(k, device=dev)).reshape(B, -1)).view(B, -1, k)
         for name, net in nets.items():
-            pred = model.lm_head(drafter_forward(net, model, rotaries[name], feats, tokens, anchors, k)).argmax(-1)
+            pred = model.lm_head(drafter_forward(net, model, rotaries[name], feats, tokens, anchors, k, h)).argmax(-1)
             out[name] = (pred[..., 0] == lab[..., 0]).float().mean().item()
             out[name + "_all3"] = (pred == lab).all(-1).float().mean().item()
     return out
@@ -647,7 +688,7 @@ def answer_accuracy(model, nets, answers, dev, k: int = 3) -> dict:
     rows, spans = answers
     capture = tuple(nets["dflash"].cfg.target_layers)
     rotaries = {n: Rotary(net.cfg.head_dim, net.cfg.rope_theta, device=dev) for n, net in nets.items()}
-    hits = {n: 0 for n in ("mtp", *nets, *(x + "_all3" for x in nets))}
+    hits = {n: 0 for n in ("mtp", *nets, *(x + "_all3" for x in nets), *(x + "_round" for x in nets))}
     count = 0
     for i in range(rows.shape[0]):
         s, L = (int(x) for x in spans[i])
@@ -663,9 +704,11 @@ def answer_accuracy(model, nets, answers, dev, k: int = 3) -> dict:
             mtp = model.lm_head(g1).argmax(-1)  # at position p-1: the draft of the token at p+1
             hits["mtp"] += int((mtp[0, anchors[0] - 1] == lab[0, :, 0]).sum())
             for name, net in nets.items():
-                pred = model.lm_head(drafter_forward(net, model, rotaries[name], feats, tokens, anchors, k)).argmax(-1)
+                pred = model.lm_head(drafter_forward(net, model, rotaries[name], feats, tokens, anchors, k, h)).argmax(-1)
                 hits[name] += int((pred[..., 0] == lab[..., 0]).sum())
                 hits[name + "_all3"] += int((pred == lab).all(-1).sum())
+                # a verify round's tokens: the drafts accepted (the leading ones right) and one more
+                hits[name + "_round"] += int((pred == lab).long().cumprod(-1).sum(-1).add(1).sum())
         count += anchors.shape[1]
     return {n: v / max(1, count) for n, v in hits.items()} | {"blocks": count}
 
@@ -766,6 +809,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--target-layers", default=None,
                     help="the layers whose residual stream the block drafters read, e.g. 1,3,5,6,7 "
                          "(default: hpc_cli.speculative.dflash.default_config's)")
+    ap.add_argument("--anchor-drafts", action="store_true",
+                    help="new block drafters draft from the block's first column too, which reads the model's "
+                         "hidden beside the token as MTP does (started from the MTP head; docs/speculative.md)")
     ap.add_argument("--corpus-every", type=int, default=0,
                     help="with --chat-answers: every N-th drafter step trains on corpus rows instead of answers")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -779,6 +825,8 @@ def main(argv=None) -> dict:
         ap.error("--init-drafters continues drafters with their own layers; leave out --draft-layers")
     if args.draft_layers < 1:
         ap.error("--draft-layers must be at least 1")
+    if args.anchor_drafts and args.init_drafters:
+        ap.error("--init-drafters continues drafters of their own design; leave out --anchor-drafts")
     target_layers = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
     torch.manual_seed(SEED)
     dev = torch.device(args.device)
@@ -837,6 +885,7 @@ def main(argv=None) -> dict:
     gen_seed = SEED + 3
     for kind in ("dflash", "dflash2"):
         c = default_config(kind, model, args.draft_layers)
+        c.anchor_drafts = args.anchor_drafts
         if target_layers:
             c.target_layers = target_layers
         if args.init_drafters:  # continue from trained drafters
@@ -849,6 +898,8 @@ def main(argv=None) -> dict:
         if kind == "dflash2":
             with torch.no_grad():
                 net.selector_b.weight.zero_()  # the selector starts as the plain argmax
+        if c.anchor_drafts:
+            init_anchor_from_mtp(net, model)
         nets[kind] = net
         gen_seed += 1
     d = export(model, nets, tok_file, out, tok)  # the model alone first: usable if the drafters do not finish

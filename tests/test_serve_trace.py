@@ -70,6 +70,10 @@ def test_quick_run_both_modes(tmp_path):
             assert set(r["ttft_s"]) >= {"p50", "p95", "max"}
             assert r["ttft_first_turn_s"]["n"] == 2
             assert r["prefill_tokens"] == r["prompt_tokens"] - r["cached_tokens"]
+            # the client's own preparation of each request is split off the path outside the engine
+            for turn in r["turns"]:
+                assert 0 < turn["client_prepare_s"] < turn["ttft_s"]
+            assert 0 < r["phases_p50"]["client_prepare"] < r["phases_p50"]["server_overhead"]
     for c in ("1", "2"):
         assert doc["results"]["hybrid"][c]["reuse_share"] > 0
         assert doc["results"]["off"][c]["reuse_share"] == 0

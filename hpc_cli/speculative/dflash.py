@@ -7,7 +7,11 @@ projects that vector to its context K/V, kept per position in the backend's own 
 (its pages join the block bundle: same page ids as the main pool). A round drafts a block of
 ``k + 1`` positions ``[next_token, MASK x k]`` in ONE forward: block queries attend to every
 context K/V before the block and, non-causally, to the whole block; the target's ``lm_head``
-over the final norm gives the drafts at block positions 1..k.
+over the final norm gives the drafts at block positions 1..k. A drafter with ``anchor_drafts``
+drafts from the block's first column as well: the block is ``[next_token, MASK x (k - 1)]``, its
+first column reads what MTP reads (the token's embedding and the target's final hidden at the
+position before, normed and combined by ``anchor_fc``) and drafts the token after it, the mask
+columns the ones after that.
 
 DFlash2 differs in three places: its layers attend over a sliding window of ``window`` context
 positions held in local rings (``[layers, K|V, window, 2*kv_heads, head_dim/2]`` BF16 per lane)
@@ -67,6 +71,9 @@ class DrafterConfig:
     window: int = 0  # dflash2: ring positions
     selector_rank: int = 0  # dflash2
     candidates: int = 0  # dflash2
+    #: the block's first column reads the target's last hidden beside the token (MTP's input) and
+    #: drafts the first token; the block is ``k`` columns ``[next_token, MASK x (k - 1)]``
+    anchor_drafts: bool = False
 
 
 def default_config(kind: str, model, layers: int, window: int = 2048) -> DrafterConfig:
@@ -150,6 +157,10 @@ class DFlashNet(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, **fk)
         self.layers = nn.ModuleList([DraftLayer(cfg, **fk) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps, **fk)
+        if cfg.anchor_drafts:  # the first column's input, as MTP's combine
+            self.anchor_fc = Linear(2 * h, h, **fk)
+            self.anchor_embed_norm = RMSNorm(h, cfg.rms_norm_eps, **fk)
+            self.anchor_hidden_norm = RMSNorm(h, cfg.rms_norm_eps, **fk)
         if cfg.kind == "dflash2":
             self.selector_a = Linear(h, cfg.selector_rank, **fk)
             self.selector_b = Linear(h, cfg.selector_rank, **fk)
@@ -390,17 +401,27 @@ class DFlashDrafter:
         return k, v, held >= 0
 
     # ------------------------------------------------------------------ drafting
-    def _block(self, next_tokens: torch.Tensor, pos: torch.Tensor, k: int, context) -> torch.Tensor:
+    def _block(self, next_tokens: torch.Tensor, pos: torch.Tensor, k: int, context,
+               slots: torch.Tensor | None = None) -> torch.Tensor:
         """The drafts ``[B, k]`` (on the device) of one block forward: per lane ``[next_token,
         MASK x k]`` at positions ``pos[b] ..`` (``next_tokens``, ``pos`` ``[B]`` on the device),
-        each layer reading its context K/V from ``context(layer, dtype)`` -> ``(k, v, valid)``."""
+        each layer reading its context K/V from ``context(layer, dtype)`` -> ``(k, v, valid)``.
+        With ``anchor_drafts`` the block is ``[next_token, MASK x (k - 1)]`` and its first column
+        also reads the lanes' last hidden from their state ``slots`` ``[B]``."""
         m, net, cfg = self.model, self.net, self.cfg
         dev = next_tokens.device
-        B, T = next_tokens.shape[0], k + 1
-        toks = torch.cat([next_tokens[:, None], torch.full((B, k), cfg.mask_token_id, dtype=torch.long, device=dev)], 1)
+        B, T = next_tokens.shape[0], k if cfg.anchor_drafts else k + 1
+        toks = torch.cat([next_tokens[:, None],
+                          torch.full((B, T - 1), cfg.mask_token_id, dtype=torch.long, device=dev)], 1)
         pos = pos[:, None] + torch.arange(T, device=dev)
         cos, sin = self.rotary.cos_sin(pos.reshape(-1), m.dtype)
         x = m._embed(toks.reshape(-1))  # [B*T, H]
+        if cfg.anchor_drafts:
+            assert slots is not None, "an anchor-drafting block reads the lanes' last hidden from their slots"
+            x = x.view(B, T, -1)
+            last = self.states.hidden.index_select(0, slots).to(x.dtype)
+            first = net.anchor_fc(torch.cat([net.anchor_embed_norm(x[:, 0]), net.anchor_hidden_norm(last)], -1))
+            x = torch.cat([first[:, None], x[:, 1:]], 1).reshape(B * T, -1)
         for l, layer in enumerate(net.layers):
             if cfg.kind == "dflash2":
                 x = x + layer.dconv(layer.conv_norm(x).view(B, T, -1)).reshape(B * T, -1)
@@ -420,7 +441,7 @@ class DFlashDrafter:
                                                enable_gqa=cfg.num_heads > cfg.num_kv_heads)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B * T, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hid = net.norm(x).view(B, T, -1)[:, 1:]  # [B, k, H]
+        hid = net.norm(x).view(B, T, -1)[:, T - k:]  # [B, k, H]: the drafting columns
         logits = m.lm_head(hid)
         if cfg.kind == "dflash2" and cfg.candidates > 1:
             top = logits.topk(min(cfg.candidates, logits.shape[-1]), dim=-1)  # [B, k, c]
@@ -445,7 +466,8 @@ class DFlashDrafter:
         dev = self.model.device
         nxt = torch.tensor([l.next_token for l in lanes], dtype=torch.long, device=dev)
         pos = torch.tensor([l.pos for l in lanes], dtype=torch.long, device=dev)
-        return self._block(nxt, pos, k, lambda l, dtype: self._context(lanes, l, dtype))
+        slots = torch.tensor([l.state_slot for l in lanes], dtype=torch.long, device=dev)
+        return self._block(nxt, pos, k, lambda l, dtype: self._context(lanes, l, dtype), slots)
 
     # ------------------------------------------------------------------ drafting in a graph
     def _steps(self, packed: torch.Tensor, W: int, k: int) -> torch.Tensor:
@@ -455,7 +477,7 @@ class DFlashDrafter:
         without reading anything back to the host (capturable)."""
         return self._block(packed[:, 0], packed[:, 2], k,
                            lambda l, dtype: self._context_at(l, packed[:, INPUT_COLUMNS:], packed[:, 1], packed[:, 2],
-                                                             dtype))
+                                                             dtype), packed[:, 1])
 
     def _propose_packed(self, lanes, k: int) -> torch.Tensor:
         """:meth:`propose` through :class:`~hpc_cli.speculative.draft_graphs.DraftGraphs`: the

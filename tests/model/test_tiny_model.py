@@ -103,6 +103,33 @@ def test_training_forward_matches_the_runtime(tiny):
     assert (tiny.lm_head(h)[0].float() - ref).abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("anchor", [False, True], ids=["shipped", "anchor-drafts"])
+def test_block_drafter_training_forward_matches_the_runtime(tiny, kind, anchor):
+    """The block drafters' training forward (scripts/train_tiny.py) drafts what the runtime's
+    proposal drafts, every drafting column: the shipped drafters, and an anchor-drafting one (its
+    block one column shorter, its first column reading the hidden before the block) started from
+    the MTP head as the training script starts it. The runtime keeps the context K/V in bf16."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import _check_drafters
+    import train_tiny
+
+    from hpc_cli.speculative.dflash import DFlashNet, default_config, load_drafter, seed_weights
+
+    if anchor:
+        cfg = default_config(kind, tiny, 1)
+        cfg.anchor_drafts = True
+        net = DFlashNet(cfg, dtype=torch.float32)
+        seed_weights(net, 5)
+        train_tiny.init_anchor_from_mtp(net, tiny)
+    else:
+        net = load_drafter(str(TINY_DIR / kind), kind, "cpu", torch.float32)
+    toks = torch.tensor([_prompt(tiny) + _prompt(tiny, "What is the base64 module for?")])
+    p = toks.shape[1] - 9
+    diff, scale = _check_drafters.block_against_runtime(tiny, net, toks, p, 3)
+    assert diff < 0.01 * scale, (diff, scale)
+
+
 @pytest.mark.parametrize("spec", ["mtp", "dflash", "dflash2"])
 def test_trained_drafters_accept_and_keep_greedy_output(tiny, spec):
     prompt = _prompt(tiny)
