@@ -255,3 +255,35 @@ def test_a_file_saved_with_one_drafter_loads_only_with_that_drafter(model, tmp_p
     plain = Engine(model, **KW)
     r = attach_cache_file(plain, path, progress=False, save=False)
     assert r.status == "mismatch" and "speculative_backend" in r.reason, r
+
+
+def test_the_embedded_models_files_are_fingerprinted_by_content(tmp_path, monkeypatch):
+    """``builtin:tiny`` and its trained drafters are files the package ships: a release that
+    retrains them (a module's size need not change) gives another fingerprint, so a file saved
+    with the old weights is refused rather than resumed with stale K/V, pages and rings; a copy
+    with the same bytes (another install, other mtimes) gives the same one."""
+    import shutil
+
+    from hpc_cli.cache.cachefile.format import fingerprint_diff
+    from hpc_cli.model import builtin
+    from hpc_cli.model.model import HybridModel
+
+    tiny = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32, device="cpu", progress=False)
+    e = Engine(tiny, speculative="dflash", kv_pages=16, max_concurrency=1)
+    before = engine_fingerprint(e)
+    assert [f[0] for f in before["speculative_drafter"]["files"]] == ["config.json", "model.safetensors"]
+    assert "model.safetensors" in [f[0] for f in before["checkpoint_files"]]
+    copy = tmp_path / "tiny"
+    shutil.copytree(builtin.TINY_DIR, copy)
+    monkeypatch.setattr(builtin, "TINY_DIR", copy)
+    assert fingerprint_diff(before, engine_fingerprint(e)) == []  # same bytes, new mtimes
+    blob = copy / "dflash" / "model.safetensors"
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 1  # one weight's last bit
+    blob.write_bytes(bytes(data))
+    assert fingerprint_diff(before, engine_fingerprint(e)) == ["speculative_drafter"]
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert fingerprint_diff(before, engine_fingerprint(e)) == ["checkpoint_files", "speculative_drafter"]
