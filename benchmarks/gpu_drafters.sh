@@ -10,7 +10,8 @@
 # DATA (default .tiny-data, from `python3 scripts/tiny_corpus.py --out .tiny-data`) is the corpus;
 # SECONDS_EACH (default 140) the training time of each recipe; ANCHORS (default 128) the draft
 # blocks a row; RECIPES (default "continue scratch"): `continue` starts from the shipped drafters,
-# `scratch` from seeded weights with LAYERS (default 2) drafter layers, `LABEL=DIR` from the
+# `scratch` from seeded weights with LAYERS (default 2) drafter layers, `anchor` anchor-drafting
+# ones with LAYERS layers started from the MTP head (`--anchor-drafts`), `LABEL=DIR` from the
 # drafters in DIR/dflash, DIR/dflash2 (for example a CPU run's). KS (default "1 2 3") are the k
 # measured, none skips the measurement. Each recipe's drafters and report are packed into
 # OUT/drafters-RECIPE.tar (the recipes train under WORK, default OUT/train). About 10 minutes on
@@ -30,6 +31,7 @@ for recipe in ${RECIPES:-continue scratch}; do
     label=${recipe%%=*}
     extra=(--draft-lr 2e-3 --draft-layers "${LAYERS:-2}")
     [ "$recipe" = continue ] && extra=(--init-drafters hpc_cli/model/tiny --draft-lr 1e-3)
+    [ "$recipe" = anchor ] && extra=(--draft-lr 2e-3 --draft-layers "${LAYERS:-2}" --anchor-drafts)
     [ "$label" != "$recipe" ] && extra=(--init-drafters "${recipe#*=}" --draft-lr 1e-3)
     step "train-$label" $((SECS + 240)) python3 scripts/train_tiny.py --data "$DATA" --out "$WORK/$label" \
         --init-from hpc_cli/model/tiny --no-mtp --block-sizes 3 --anchors "$ANCH" --draft-seconds "$SECS" \

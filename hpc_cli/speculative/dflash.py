@@ -466,7 +466,8 @@ class DFlashDrafter:
         dev = self.model.device
         nxt = torch.tensor([l.next_token for l in lanes], dtype=torch.long, device=dev)
         pos = torch.tensor([l.pos for l in lanes], dtype=torch.long, device=dev)
-        slots = torch.tensor([l.state_slot for l in lanes], dtype=torch.long, device=dev)
+        slots = (torch.tensor([l.state_slot for l in lanes], dtype=torch.long, device=dev)
+                 if self.cfg.anchor_drafts else None)
         return self._block(nxt, pos, k, lambda l, dtype: self._context(lanes, l, dtype), slots)
 
     # ------------------------------------------------------------------ drafting in a graph
