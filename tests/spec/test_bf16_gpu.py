@@ -95,21 +95,34 @@ def test_cuda_spec_warmup_covers_serving():
             settle(e)
 
 
-@pytest.mark.parametrize("name", ["mtp", "dflash", "dflash2"])
-def test_cuda_graph_drafts_equal_eager_drafts(name):
+@pytest.mark.parametrize("name", ["mtp", "dflash", "dflash2", "dflash+anchor", "dflash2+anchor"])
+def test_cuda_graph_drafts_equal_eager_drafts(name, tmp_path):
     """A drafter's proposal replayed from a CUDA graph (MTP's k draft steps, DFlash's block
-    forward) proposes what the same steps run eagerly propose, token for token, round by round
-    (rounds near max_tokens drafting fewer; one and eleven pages of context), and the output is
-    plain greedy output either way."""
+    forward; ``+anchor``: an anchor-drafting block, whose first column reads the lanes' last
+    hidden through their slots) proposes what the same steps run eagerly propose, token for
+    token, round by round (rounds near max_tokens drafting fewer; one and eleven pages of
+    context), and the output is plain greedy output either way."""
     m = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device="cuda")
+    name, _, anchor = name.partition("+")
+    kw = {}
+    if anchor:
+        from hpc_cli.speculative.dflash import DFlashNet, default_config, save_drafter, seed_weights
+
+        cfg = default_config(name, m, 1)
+        cfg.anchor_drafts = True
+        net = DFlashNet(cfg, dtype=torch.float32)
+        seed_weights(net, 6)
+        save_drafter(net, str(tmp_path / name))
+        kw["drafter"] = str(tmp_path / name)
     prompts = [tokens(150, 31), tokens(700, 32)]
     off = make(m, reuse=False, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
     refs = [run(off, p, 13)[0] for p in prompts]
     settle(off)
     proposed: dict[str, list] = {}
     for mode in ("graphs", "eager"):
-        e = make(m, name, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
+        e = make(m, name, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256, **kw)
         drafter = e.spec.drafter
+        assert bool(anchor) == bool(getattr(drafter, "cfg", None) and drafter.cfg.anchor_drafts)
         e.warmup()
         assert drafter.graphs is not None and drafter.graphs.captures > 0, f"{name} proposes without graphs"
         if mode == "eager":  # the same packed steps, run eagerly every round: no graph kept or captured
