@@ -114,8 +114,7 @@ def _checkpoint(engine: Any) -> dict[str, Any]:
     name = name or getattr(engine.model, "source", None) or engine.model.config.name
     name = str(name)
     if name.startswith("builtin:"):
-        packaged = _packaged_dir(name)
-        return {"name": name, "files": _digests(packaged) if packaged is not None else []}
+        return {"name": name, "files": _packaged_files(name)}
     p = Path(name).expanduser()
     if not p.exists():
         return {"name": name, "files": []}
@@ -123,27 +122,19 @@ def _checkpoint(engine: Any) -> dict[str, Any]:
     return {"name": str(p), "files": _files(p)}
 
 
-def _packaged_dir(source: str) -> Path | None:
-    """The package's own directory behind a built-in name (``builtin:tiny``, its drafters
-    ``builtin:tiny/KIND``); None for a seeded built-in, whose weights the code makes."""
+def _packaged_files(source: str) -> list[list[Any]]:
+    """``[name, size, sha256 prefix]`` of each file the package ships behind a built-in name
+    (``builtin:tiny``, its drafters ``builtin:tiny/KIND``; none for a seeded built-in, whose
+    weights the code makes): they can change between releases without a module changing size
+    (``build_id``), and an install sets its own mtimes, so the content is what tells them apart."""
     from hpc_cli.model import builtin
 
     base, _, kind = source.partition("/")
-    if base.split("@")[0] != "builtin:tiny":
-        return None
     d = builtin.TINY_DIR / kind if kind else builtin.TINY_DIR
-    return d if d.is_dir() else None
-
-
-def _digests(p: Path) -> list[list[Any]]:
-    """``[name, size, sha256 prefix]`` of each file in a directory the package ships: its weights
-    can change between releases without a module changing size (``build_id``), and an install
-    sets its own mtimes, so the content is what tells them apart."""
-    out = []
-    for f in sorted(p.iterdir()):
-        if f.is_file():
-            out.append([f.name, f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest()[:16]])
-    return out
+    if base.split("@")[0] != "builtin:tiny" or not d.is_dir():
+        return []
+    return [[f.name, f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest()[:16]]
+            for f in sorted(d.iterdir()) if f.is_file()]
 
 
 def _files(p: Path) -> list[list[Any]]:
@@ -165,8 +156,7 @@ def _drafter(engine: Any) -> dict[str, Any] | None:
     if not source:
         return None
     if source.startswith("builtin:"):
-        packaged = _packaged_dir(source)
-        return {"source": source, "files": _digests(packaged) if packaged is not None else []}
+        return {"source": source, "files": _packaged_files(source)}
     p = Path(source).expanduser()
     if source.startswith("seeded:") or not p.exists():
         return {"source": source, "files": []}

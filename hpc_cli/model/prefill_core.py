@@ -52,8 +52,8 @@ class PrefillIndex:
     padding row), ``pages`` ``[W]`` the lane's page table (padded with page 0, never read past the
     pass's last position), ``meta`` ``[2]`` (start, valid rows) for the paged prefill kernel,
     ``image_slots`` ``[1 + slots]`` the lane's state slot (``slot``), then the slot each tap's
-    image goes to (``tap_dst``), ``kept_rows`` ``[1 + slots]`` the last valid row (``last``), then
-    the row whose hidden each tap keeps (``tap_last``), ``conv_index``
+    image goes to, ``kept_rows`` ``[1 + slots]`` the last valid row, then the row whose hidden
+    each tap keeps, ``conv_index``
     ``[kernel-1]`` the window columns of the new conv state. ``host``: (start, valid) for the
     paths that read host values (the gather + SDPA attention).
 
@@ -61,7 +61,7 @@ class PrefillIndex:
     carries ``conv_cols`` ``[(1 + slots) * (kernel-1)]`` (``conv_index``, then each
     tap's conv window columns: one gather and one ``index_copy_`` per GDN layer take and write
     every conv window) and ``tap_pos`` ``[slots]`` (each tap's offset in the pass, in order; the
-    row before it is its ``tap_last``). A slot not used holds
+    row before it is the tap's entry of ``kept_rows``). A slot not used holds
     offset 0, the lane's state slot and the lane's own conv columns and last row: what the pass
     writes there for it is the lane's own image, bit for bit, so a repeated index writes equal
     values in any order.
@@ -87,21 +87,6 @@ class PrefillIndex:
     def slot(self) -> torch.Tensor:
         """``[1]``: the lane's state slot."""
         return self.image_slots[:1]
-
-    @property
-    def tap_dst(self) -> torch.Tensor:
-        """``[slots]``: the state slot each tap's image goes to."""
-        return self.image_slots[1:]
-
-    @property
-    def last(self) -> torch.Tensor:
-        """``[1]``: the last valid row."""
-        return self.kept_rows[:1]
-
-    @property
-    def tap_last(self) -> torch.Tensor:
-        """``[slots]``: the row before each tap, whose hidden the tap keeps."""
-        return self.kept_rows[1:]
 
     @staticmethod
     def pack(tokens: Sequence[int] | torch.Tensor, start: int, block_table: Sequence[int], state_slot: int,

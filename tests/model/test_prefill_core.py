@@ -68,7 +68,7 @@ def test_index_layout():
     assert idx.positions[:3].tolist() == [130, 131, 132]
     assert idx.write[:3].tolist() == [6 * 64 + 2, 6 * 64 + 3, 6 * 64 + 4]
     assert (idx.write[3:] == -1).all()
-    assert idx.meta.tolist() == [130, 3] and idx.slot.tolist() == [5] and idx.last.tolist() == [2]
+    assert idx.meta.tolist() == [130, 3] and idx.slot.tolist() == [5] and idx.kept_rows.tolist() == [2]
     assert idx.conv_index.tolist() == [3, 4, 5]
     assert idx.image_slots.tolist() == [5] and idx.slots == 0
 
@@ -78,11 +78,11 @@ def test_index_layout_with_tap_slots():
     conv columns and its last row (so what the pass writes there is the lane's own image)."""
     packed = PrefillIndex.pack([9] * 40, 130, [4, 1, 6], 5, 64, 512, 64, 3, taps=[(2, 7), (17, 8)], slots=4)
     idx = PrefillIndex.view(packed, 64, 512, slots=4)
-    assert idx.meta.tolist() == [130, 40] and idx.slot.tolist() == [5] and idx.last.tolist() == [39]
-    assert idx.image_slots.tolist() == [5, 7, 8, 5, 5] and idx.tap_dst.tolist() == [7, 8, 5, 5]
+    assert idx.meta.tolist() == [130, 40] and idx.slot.tolist() == [5]
+    assert idx.image_slots.tolist() == [5, 7, 8, 5, 5]
     assert idx.conv_index.tolist() == [40, 41, 42]
     assert idx.conv_cols.tolist() == [40, 41, 42, 2, 3, 4, 17, 18, 19, 40, 41, 42, 40, 41, 42]
-    assert idx.tap_pos.tolist() == [2, 17, 0, 0] and idx.tap_last.tolist() == [1, 16, 39, 39]
+    assert idx.tap_pos.tolist() == [2, 17, 0, 0] and idx.kept_rows.tolist() == [39, 1, 16, 39, 39]
     with pytest.raises(AssertionError, match="tap slots"):
         PrefillIndex.pack([9] * 40, 130, [4, 1, 6], 5, 64, 512, 64, 3, taps=[(2, 5)], slots=4)
     with pytest.raises(AssertionError, match="need 3"):

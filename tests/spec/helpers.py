@@ -35,6 +35,22 @@ def backend(name: str, refs: dict | None = None):
     return name
 
 
+def anchor_drafter(model, kind: str, directory, seed: int = 4) -> str:
+    """A seeded one-layer anchor-drafting DFlash or DFlash2 drafter for ``model``, saved as a
+    checkpoint directory under ``directory``; returns its path (``make(..., drafter=path)``)."""
+    import torch
+
+    from hpc_cli.speculative.dflash import DFlashNet, default_config, save_drafter, seed_weights
+
+    cfg = default_config(kind, model, 1)
+    cfg.anchor_drafts = True
+    net = DFlashNet(cfg, dtype=torch.float32)
+    seed_weights(net, seed)
+    path = str(directory / f"{kind}-anchor")
+    save_drafter(net, path)
+    return path
+
+
 def make(model, spec=None, **kw) -> Engine:
     kw.setdefault("kv_pages", 64)
     kw.setdefault("prefill_chunk", 128)

@@ -10,7 +10,7 @@ import torch
 from hpc_cli.engine.api import GenerationRequest
 from hpc_cli.model.model import HybridModel
 
-from helpers import backend, greedy, make, record_proposals, run, settle, tokens
+from helpers import anchor_drafter, backend, greedy, make, record_proposals, run, settle, tokens
 from test_bf16 import check_columns, wide_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -104,16 +104,7 @@ def test_cuda_graph_drafts_equal_eager_drafts(name, tmp_path):
     context), and the output is plain greedy output either way."""
     m = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device="cuda")
     name, _, anchor = name.partition("+")
-    kw = {}
-    if anchor:
-        from hpc_cli.speculative.dflash import DFlashNet, default_config, save_drafter, seed_weights
-
-        cfg = default_config(name, m, 1)
-        cfg.anchor_drafts = True
-        net = DFlashNet(cfg, dtype=torch.float32)
-        seed_weights(net, 6)
-        save_drafter(net, str(tmp_path / name))
-        kw["drafter"] = str(tmp_path / name)
+    kw = {"drafter": anchor_drafter(m, name, tmp_path)} if anchor else {}
     prompts = [tokens(150, 31), tokens(700, 32)]
     off = make(m, reuse=False, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
     refs = [run(off, p, 13)[0] for p in prompts]
@@ -122,7 +113,7 @@ def test_cuda_graph_drafts_equal_eager_drafts(name, tmp_path):
     for mode in ("graphs", "eager"):
         e = make(m, name, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256, **kw)
         drafter = e.spec.drafter
-        assert bool(anchor) == bool(getattr(drafter, "cfg", None) and drafter.cfg.anchor_drafts)
+        assert bool(anchor) == (name != "mtp" and drafter.cfg.anchor_drafts)
         e.warmup()
         assert drafter.graphs is not None and drafter.graphs.captures > 0, f"{name} proposes without graphs"
         if mode == "eager":  # the same packed steps, run eagerly every round: no graph kept or captured

@@ -257,37 +257,45 @@ def test_rounds_with_the_tail_catch_up_propose_what_lane_by_lane_rounds_propose(
     assert proposed["tail"] and proposed["tail"] == proposed["lane by lane"]
 
 
-@pytest.mark.parametrize("name", ["mtp", "dflash", "dflash2"])
-def test_packed_steps_draft_what_the_eager_steps_draft(model, caplog, name):
+@pytest.mark.parametrize("name", ["mtp", "dflash", "dflash2", "dflash+anchor", "dflash2+anchor"])
+def test_packed_steps_draft_what_the_eager_steps_draft(model, caplog, name, tmp_path):
     """The steps a CUDA graph captures (``_steps`` on one packed input: MTP's k steps, the bridge's
     K/V kept out by a negative write slot; DFlash's block forward over a page table of a decode
-    graph's width or DFlash2's whole rings, masked) propose what the eager steps propose, round by
-    round, and the output is plain greedy output; off CUDA their capture fails once, with a
-    warning, and the packed steps run eagerly from then on."""
-    from helpers import greedy, make, record_proposals, run, settle, tokens
+    graph's width or DFlash2's whole rings, masked; ``+anchor``: a checkpoint of an
+    anchor-drafting block, whose first column reads the lanes' last hidden through their slots)
+    propose what the eager steps propose, round by round, k drafts a round, and the output is
+    plain greedy output; off CUDA their capture fails once, with a warning, and the packed steps
+    run eagerly from then on."""
+    from helpers import anchor_drafter, greedy, make, record_proposals, run, settle, tokens
 
     from hpc_cli.speculative.draft_graphs import DraftGraphs
 
+    name, _, anchor = name.partition("+")
+    kw = {"drafter": anchor_drafter(model, name, tmp_path)} if anchor else {}
     prompts = [tokens(150, 41), tokens(90, 42)]
     off = make(model, reuse=False)
     refs = [run(off, p, 11)[0] for p in prompts]
     settle(off)
     proposed: dict[str, list] = {}
     for mode in ("packed", "eager"):
-        e = make(model, name)
+        e = make(model, name, **kw)
         drafter = e.spec.drafter
         assert drafter.graphs is None  # the CPU drafts eagerly
+        assert bool(anchor) == (name != "mtp" and drafter.cfg.anchor_drafts)  # loaded with its flag
         if mode == "packed":
             drafter.graphs = DraftGraphs(model.device)
         proposed[mode] = record_proposals(drafter)
         try:
             for p, ref in zip(prompts, refs):
-                assert run(e, p, 11, sampling=greedy(11))[0] == ref, mode
+                got, fin = run(e, p, 11, sampling=greedy(11))
+                assert got == ref, mode
+                assert fin.usage.draft_tokens > 0
             if mode == "packed":
                 assert drafter.graphs.disabled is not None and drafter.graphs.captures == 0
         finally:
             settle(e)
     assert proposed["packed"] and proposed["packed"] == proposed["eager"]
+    assert all(len(d) == k for k, drafts in proposed["eager"] for d in drafts)
     assert any("proposing without graphs" in r.getMessage() for r in caplog.records)
 
 

@@ -187,45 +187,6 @@ def test_drafter_checkpoint_round_trip(model, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
-def test_an_anchor_drafting_checkpoint_is_served(model, kind, tmp_path):
-    """A drafter checkpoint with ``anchor_drafts`` (a block of k columns whose first reads the lane's
-    last hidden from its state slot and drafts too) loads with its flag, keeps greedy output, and
-    proposes through the packed steps a CUDA graph captures what it proposes eagerly."""
-    from helpers import greedy, record_proposals
-
-    from hpc_cli.speculative.dflash import DFlashNet, default_config, load_drafter, save_drafter, seed_weights
-    from hpc_cli.speculative.draft_graphs import DraftGraphs
-
-    cfg = default_config(kind, model, 1, **({"window": 64} if kind == "dflash2" else {}))
-    cfg.anchor_drafts = True
-    net = DFlashNet(cfg, dtype=torch.float32)
-    seed_weights(net, 4)
-    save_drafter(net, str(tmp_path / kind))
-    assert load_drafter(str(tmp_path / kind), kind, "cpu", torch.float32).cfg.anchor_drafts
-    prompts = [tokens(90, 8)]
-    plain = make(model)
-    refs = [run(plain, p, 8)[0] for p in prompts]
-    settle(plain)
-    proposed = {}
-    for mode in ("packed", "eager"):
-        e = make(model, kind, drafter=str(tmp_path / kind))
-        drafter = e.spec.drafter
-        assert drafter.cfg.anchor_drafts
-        if mode == "packed":
-            drafter.graphs = DraftGraphs(model.device)  # no capture on the CPU: the packed steps run eagerly
-        proposed[mode] = record_proposals(drafter)
-        try:
-            for p, ref in zip(prompts, refs):
-                got, fin = run(e, p, 8, sampling=greedy(8))
-                assert got == ref, mode
-                assert fin.usage.draft_tokens > 0
-        finally:
-            settle(e)
-    assert proposed["packed"] and proposed["packed"] == proposed["eager"]
-    assert all(len(d) == k for k, drafts in proposed["eager"] for d in drafts)
-
-
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 def test_a_deeper_drafter_checkpoint_gets_a_pool_and_rings_of_its_depth(model, kind, tmp_path):
     """A drafter checkpoint with more layers than the backend's default for the model's shape is
     served: its own pool (DFlash) or its rings in the state image (DFlash2) are sized after it,
