@@ -96,3 +96,53 @@ def test_the_server_acknowledges_each_event_it_was_asked_past():
     assert h.acknowledges
     assert seen == [False, False]
     assert h.wait_sent(0), "the finish event was acknowledged when the stream ended"
+
+
+# ----------------------------------------------------------------------------------------------
+# The submission's hand-over (Engine.submit, [engine] submit_handover_ms)
+# ----------------------------------------------------------------------------------------------
+
+def _request(n: int, max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(list(range(3, 3 + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def _wait_idle(eng, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not eng._idle:
+        assert time.monotonic() < deadline, "the worker never went idle"
+        time.sleep(0.005)
+
+
+def test_a_submission_to_an_idle_engine_returns_once_its_first_pass_is_launched(model):
+    from hpc_cli.engine.engine import Engine
+
+    eng = Engine(model, kv_profile="bf16", prefill_chunk=64, max_model_len=1024, submit_handover_ms=20_000).start()
+    try:
+        _wait_idle(eng)
+        t0 = time.monotonic()
+        h = eng.submit(_request(200, 2))
+        waited = time.monotonic() - t0
+        assert h.launched.is_set(), "submit returned before the idle worker launched the request's first pass"
+        assert waited < 10.0, f"submit waited {waited:.1f} s: the launch never signalled"
+        assert len(h.result(timeout=60)[0]) == 2
+        # a busy worker is not waited for: while a long request decodes, a second submit returns
+        # at once (its first pass comes after the running lane's step)
+        busy = eng.submit(_request(40, 400))
+        while busy.request.request_id not in eng._by_id or eng._idle:
+            time.sleep(0.002)
+        t0 = time.monotonic()
+        second = eng.submit(_request(40, 2))
+        assert time.monotonic() - t0 < 5.0, "a submission to a busy engine waited for its launch"
+        busy.cancel()
+        second.result(timeout=60)
+    finally:
+        eng.stop()
+
+
+def test_the_hand_over_is_auto_by_device_and_off_when_zero():
+    from hpc_cli.engine.config import AUTO_HANDOVER_MS, handover_ms
+
+    assert handover_ms(None, "cuda") == AUTO_HANDOVER_MS > 0
+    assert handover_ms(None, "cpu") == 0.0
+    assert handover_ms(0, "cuda") == 0.0
+    assert handover_ms(5, "cpu") == 5.0
