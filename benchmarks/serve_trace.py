@@ -445,6 +445,9 @@ class TurnRow:
     error: str | None
     engine_ttft_s: float | None = None  # usage.hpc_timing.time_to_first_token: the engine's part
     client_prepare_s: float | None = None  # the openai client building the request, before it went out
+    #: the server's first token to its first chunk with output (a first token that is part of a
+    #: character waits there for the rest of it: about one decode step more on such a turn)
+    server_first_send_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -493,7 +496,13 @@ def _rows(records: Sequence[RequestRecord]) -> list[TurnRow]:
     return [TurnRow(r.session, r.turn, r.edited, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
                     None if r.ttft_s is None else round(r.ttft_s, 4), round(r.total_s, 4), round(r.sent_s, 3),
                     r.error, _engine_ttft(r),
-                    None if r.client_prepare_s is None else round(r.client_prepare_s, 5)) for r in records]
+                    None if r.client_prepare_s is None else round(r.client_prepare_s, 5),
+                    _timing_s(r, "server_first_send")) for r in records]
+
+
+def _timing_s(r: RequestRecord, key: str) -> float | None:
+    value = (r.timing or {}).get(key)
+    return None if value is None else round(float(value), 5)
 
 
 def _engine_ttft(r: RequestRecord) -> float | None:

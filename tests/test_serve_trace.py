@@ -73,6 +73,8 @@ def test_quick_run_both_modes(tmp_path):
             # the client's own preparation of each request is split off the path outside the engine
             for turn in r["turns"]:
                 assert 0 < turn["client_prepare_s"] < turn["ttft_s"]
+                # the server's part after the engine's first token, per turn
+                assert 0 <= turn["server_first_send_s"] < turn["ttft_s"] - turn["engine_ttft_s"]
             assert 0 < r["phases_p50"]["client_prepare"] < r["phases_p50"]["server_overhead"]
     for c in ("1", "2"):
         assert doc["results"]["hybrid"][c]["reuse_share"] > 0
