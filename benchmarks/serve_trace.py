@@ -497,17 +497,17 @@ def _rows(records: Sequence[RequestRecord]) -> list[TurnRow]:
                     None if r.ttft_s is None else round(r.ttft_s, 4), round(r.total_s, 4), round(r.sent_s, 3),
                     r.error, _engine_ttft(r),
                     None if r.client_prepare_s is None else round(r.client_prepare_s, 5),
-                    _timing_s(r, "server_first_send")) for r in records]
+                    _timing_s(r, "server_first_send", 5)) for r in records]
 
 
-def _timing_s(r: RequestRecord, key: str) -> float | None:
+def _timing_s(r: RequestRecord, key: str, digits: int) -> float | None:
+    """Seconds the server's usage timing gives for ``key`` (None where it gives none)."""
     value = (r.timing or {}).get(key)
-    return None if value is None else round(float(value), 5)
+    return round(float(value), digits) if isinstance(value, (int, float)) else None
 
 
 def _engine_ttft(r: RequestRecord) -> float | None:
-    value = (r.timing or {}).get("time_to_first_token")
-    return round(float(value), 4) if isinstance(value, (int, float)) else None
+    return _timing_s(r, "time_to_first_token", 4)
 
 
 def _p50(values: Sequence[float], digits: int = 5) -> float | None:

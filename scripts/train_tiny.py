@@ -372,7 +372,7 @@ def drafter_forward(net: DFlashNet, model: HybridModel, rotary: Rotary, feats: t
     if cfg.anchor_drafts:
         assert hidden is not None, "an anchor-drafting block reads the model's hidden before it"
         last = hidden.detach().gather(1, (anchors - 1).clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        first = net.anchor_fc(torch.cat([net.anchor_embed_norm(x[:, :, 0]), net.anchor_hidden_norm(last.to(ctx.dtype))], -1))
+        first = net.anchor_input(x[:, :, 0], last)
         x = torch.cat([first[:, :, None], x[:, :, 1:]], 2)
     x = x.reshape(B, A * C, -1)
     # mask [B, 1, Q, T + Q]: context j < p; keys of the same block

@@ -165,6 +165,12 @@ class DFlashNet(nn.Module):
             self.selector_a = Linear(h, cfg.selector_rank, **fk)
             self.selector_b = Linear(h, cfg.selector_rank, **fk)
 
+    def anchor_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """An anchor-drafting block's first column from its token's embedding and the target's
+        last hidden before it (MTP's ``combine``, with this drafter's own weights)."""
+        return self.anchor_fc(torch.cat([self.anchor_embed_norm(embeds),
+                                         self.anchor_hidden_norm(hidden.to(embeds.dtype))], -1))
+
 
 @torch.no_grad()
 def seed_weights(net: nn.Module, seed: int) -> None:
@@ -419,8 +425,7 @@ class DFlashDrafter:
         if cfg.anchor_drafts:
             assert slots is not None, "an anchor-drafting block reads the lanes' last hidden from their slots"
             x = x.view(B, T, -1)
-            last = self.states.hidden.index_select(0, slots).to(x.dtype)
-            first = net.anchor_fc(torch.cat([net.anchor_embed_norm(x[:, 0]), net.anchor_hidden_norm(last)], -1))
+            first = net.anchor_input(x[:, 0], self.states.hidden.index_select(0, slots))
             x = torch.cat([first[:, None], x[:, 1:]], 1).reshape(B * T, -1)
         for l, layer in enumerate(net.layers):
             if cfg.kind == "dflash2":
