@@ -40,10 +40,7 @@ DECODE_TILES = (
        {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "waves": 4, "dot": True, "swap": True}]
     # FP8 only (NVFP4 ignores the flag): the FP8 matrix units, rows quantized to e4m3 per 128 inputs
     + [{"BN": bn, "BK": 128, "num_warps": w, "num_stages": s, "waves": v, "e4m3": True}
-       for bn, w, s, v in ((64, 4, 3, 4), (128, 4, 3, 2), (128, 8, 3, 2), (64, 4, 4, 2), (128, 4, 2, 4))]
-    # the same, the splits' sums added by the last split's program instead of a second kernel
-    + [{"BN": bn, "BK": 128, "num_warps": 4, "num_stages": s, "waves": v, "e4m3": True, "tail_sum": True}
-       for bn, s, v in ((64, 3, 4), (64, 3, 8), (64, 4, 4), (128, 3, 2), (128, 3, 4), (32, 3, 8))])
+       for bn, w, s, v in ((64, 4, 3, 4), (128, 4, 3, 2), (128, 8, 3, 2), (64, 4, 4, 2), (128, 4, 2, 4))])
 #: FP8 only: decode-sized rows quantized to e4m3 for cuBLAS's block-scaled product
 SCALED_MM_TILE = {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "waves": 8, "dot": True, "scaled_mm": True}
 L2_MULTIPLE = 400e6  # bytes of weight copies a timing rotates over
@@ -53,8 +50,7 @@ def tile_key(t: dict) -> str:
     if t.get("scaled_mm"):
         return "scaled_mm"
     kind = "e4m3" if t.get("e4m3") else "swap" if t.get("swap") else "dot" if t.get("dot") else "reg"
-    tail = "_tail" if t.get("tail_sum") else ""
-    return f"{kind}_BN{t['BN']}_BK{t['BK']}_w{t['num_warps']}_s{t['num_stages']}_v{t['waves']}{tail}"
+    return f"{kind}_BN{t['BN']}_BK{t['BK']}_w{t['num_warps']}_s{t['num_stages']}_v{t['waves']}"
 
 
 def main() -> None:
@@ -63,8 +59,6 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated names of SHAPES")
     ap.add_argument("--out")
     ap.add_argument("--sweep", action="store_true", help="time every decode tile (default: the shipped ones)")
-    ap.add_argument("--tiles", help="a JSON list of decode tiles to time beside the shipped ones (instead of "
-                    "--sweep's list)")
     args = ap.parse_args()
     from triton.testing import do_bench as bench
 
@@ -96,7 +90,6 @@ def main() -> None:
         fp8 = [(fq.clone(), fs.clone()) for _ in range(copies)]
         nv = [(packed.clone(), scale.clone(), 1.0 / float(glob), 16) for _ in range(copies)]
         mm = [quant_gemm.scales_for_mm(s) for _, s in fp8]
-        counters = [quant_gemm.split_counters(n, dev) for _ in range(copies)]
         del w
         for m in (int(r) for r in args.rows.split(",")):
             decode = m <= quant_gemm.DECODE_ROWS
@@ -104,21 +97,15 @@ def main() -> None:
             ms: dict[str, dict[str, float]] = {"fp8": {}, "nvfp4": {}}  # format -> variant -> ms
             if decode:
                 for fmt in ("fp8", "nvfp4"):
-                    if args.tiles:
-                        tiles = [shipped[fmt]] + [t for t in json.loads(args.tiles)
-                                                  if fmt == "fp8" or not t.get("e4m3")]
-                    elif args.sweep:
-                        tiles = ([t for t in DECODE_TILES if fmt == "fp8" or not t.get("e4m3")]
-                                 + [SCALED_MM_TILE] * (fmt == "fp8"))
-                    else:
-                        tiles = [shipped[fmt]]
+                    tiles = ([t for t in DECODE_TILES if fmt == "fp8" or not t.get("e4m3")]
+                             + [SCALED_MM_TILE] * (fmt == "fp8") if args.sweep else [shipped[fmt]])
                     for tile in tiles:
                         quant_gemm.TILES[fmt] = tile
-                        if fmt == "fp8":  # each copy with its own split counters, as a held weight has
-                            fns = [lambda q=q, s=s, a=a, c=c: quant_gemm.fp8_linear(x, q, s, (128, 128), a, c)
-                                   for (q, s), a, c in zip(fp8, mm, counters)]
+                        if fmt == "fp8":
+                            fns = [lambda q=q, s=s, a=a: quant_gemm.fp8_linear(x, q, s, (128, 128), a)
+                                   for (q, s), a in zip(fp8, mm)]
                         else:
-                            fns = [lambda c=c, z=z: quant_gemm.nvfp4_linear(x, *c, z) for c, z in zip(nv, counters)]
+                            fns = [lambda c=c: quant_gemm.nvfp4_linear(x, *c) for c in nv]
                         try:
                             ms[fmt][tile_key(tile)] = do_bench(fns)
                         except Exception as exc:  # a tile that does not build here (shared memory)
@@ -145,7 +132,7 @@ def main() -> None:
                 f"{fmt} {b} {ms[fmt][b]:.4f} ms ({row['bf16_ms'] / ms[fmt][b]:.2f}x)" for fmt, b in best.items())
                 + (" | TB/s " + " ".join(f"{f} {v:.2f}" for f, v in row["TBps"].items()) if "TBps" in row else ""),
                 flush=True)
-        del bf, fp8, nv, mm, counters
+        del bf, fp8, nv, mm
         torch.cuda.empty_cache()
     doc: dict = {"device": torch.cuda.get_device_name(), "results": results, "best_decode_tiles": {}}
     decode_rows = [r for r in results if r["rows"] <= quant_gemm.DECODE_ROWS]
@@ -154,7 +141,7 @@ def main() -> None:
             keys = list(decode_rows[0]["ms"][fmt])
             best = min(keys, key=lambda t: sum(r["ms"][fmt][t] for r in decode_rows))
             doc["best_decode_tiles"][fmt] = next(t for t in DECODE_TILES + [SCALED_MM_TILE, shipped[fmt]]
-                                                 + json.loads(args.tiles or "[]") if tile_key(t) == best)
+                                                 if tile_key(t) == best)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

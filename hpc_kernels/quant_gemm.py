@@ -178,39 +178,11 @@ def _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP: tl.
                  mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-@triton.jit
-def _finish_rows(p_ptr, acc, rm, rn, M, N, pid_n, pid_k, stride_pm, stride_ps, out_ptr, cnt_ptr, SPLITS,
-                 stride_om, SWAP: tl.constexpr, TAIL_SUM: tl.constexpr):
-    """A program's sums into its split of ``p`` (or ``p`` is the output, one split). With
-    ``TAIL_SUM`` the program of the ``BN`` outputs' splits that stores last adds them all into
-    ``out`` in a fixed order (split 0 first, as :func:`_sum_splits_kernel` does, so the same
-    numbers) and resets their counter (``cnt [pid_n]``, zero between products) to zero: no second
-    launch. The order of the arrivals never enters the sums."""
-    _store_rows(p_ptr, acc, rm, rn, M, N, pid_k, stride_pm, stride_ps, SWAP)
-    if TAIL_SUM:
-        tl.debug_barrier()  # every thread's partial sums are stored before the count says so
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLITS - 1:
-            if SWAP:
-                offs = rm.to(tl.int64)[None, :] * stride_pm + rn[:, None]
-                mask = (rm < M)[None, :] & (rn < N)[:, None]
-                out_offs = rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
-            else:
-                offs = rm.to(tl.int64)[:, None] * stride_pm + rn[None, :]
-                mask = (rm < M)[:, None] & (rn < N)[None, :]
-                out_offs = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-            total = tl.zeros(acc.shape, dtype=tl.float32)
-            for s in range(0, SPLITS):
-                total += tl.load(p_ptr + s * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + out_offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(cnt_ptr + pid_n, 0)
-
-
-@triton.jit(do_not_specialize=["M", "SPLITS"])
+@triton.jit(do_not_specialize=["M"])
 def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym,
-                     stride_ys, out_ptr, cnt_ptr, SPLITS, stride_om, SB_N: tl.constexpr, SB_K: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr,
-                     IEEE: tl.constexpr, E4M3: tl.constexpr, TAIL_SUM: tl.constexpr):
+                     stride_ys, SB_N: tl.constexpr, SB_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
+                     E4M3: tl.constexpr):
     """The ``M <= BM`` rows of ``x`` against ``BN`` weight rows over this program's share of K,
     each ``BN x BK`` fp8 tile (within one scale block of inputs) loaded once for all the rows.
     ``E4M3`` (with ``DOT`` and ``SWAP``): the step's ``BK`` inputs (one 128-input group) of every
@@ -249,15 +221,13 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, st
                 x = tl.load(x_ptr + r * stride_xm + kk, mask=kmask & (tl.full((BK,), r, tl.int32) < M),
                             other=0.0).to(tl.float32)
                 acc = _add_row(acc, rm, r, tl.sum(wf * x[None, :], axis=1))
-    _finish_rows(y_ptr, acc, rm, rn, M, N, pid_n, pid_k, stride_ym, stride_ys, out_ptr, cnt_ptr, SPLITS, stride_om,
-                 SWAP, TAIL_SUM)
+    _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP)
 
 
-@triton.jit(do_not_specialize=["M", "SPLITS"])
+@triton.jit(do_not_specialize=["M"])
 def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_pn, stride_sn,
-                       stride_ym, stride_ys, out_ptr, cnt_ptr, SPLITS, stride_om, GROUP: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr,
-                       IEEE: tl.constexpr, TAIL_SUM: tl.constexpr):
+                       stride_ym, stride_ys, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr):
     """:func:`_fp8_rows_kernel` for NVFP4: a step decodes ``BN x BK`` e2m1 codes once, the low
     and the high nibbles apart (the even and the odd inputs), each times its group's e4m3 scale
     (exact in bf16 and fp16), and meets the rows' even and odd inputs with them; the global
@@ -289,8 +259,7 @@ def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, M, N, K, K_SPLIT, str
                 xe = tl.load(x_ptr + r * stride_xm + ke, mask=xmask, other=0.0).to(tl.float32)
                 xo = tl.load(x_ptr + r * stride_xm + ke + 1, mask=xmask, other=0.0).to(tl.float32)
                 acc = _add_row(acc, rm, r, tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1))
-    _finish_rows(y_ptr, acc * factor, rm, rn, M, N, pid_n, pid_k, stride_ym, stride_ys, out_ptr, cnt_ptr, SPLITS,
-                 stride_om, SWAP, TAIL_SUM)
+    _store_rows(y_ptr, acc * factor, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP)
 
 
 def sm_count(device: torch.device) -> int:
@@ -324,25 +293,14 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def split_counters(n: int, device: torch.device | str) -> torch.Tensor:
-    """The zeroed counters a weight of ``n`` outputs gives its decode-sized products (one per
-    ``BN`` outputs for any tile, ``BN >= 16``): with a tile's ``tail_sum`` the splits count their
-    arrivals there and the last resets it, so the counters are zero between products. A weight's
-    products run one at a time (one stream), so each weight keeps its own."""
-    return torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=device)
-
-
 def _rows_product(rows_kernel, tile: dict, x2: torch.Tensor, n: int, k: int, weights: tuple,
-                  weight_strides: tuple, meta: dict, bk_limit: int | None = None,
-                  counters: torch.Tensor | None = None) -> torch.Tensor:
+                  weight_strides: tuple, meta: dict, bk_limit: int | None = None) -> torch.Tensor:
     """``x2 [M, K] @ W^T`` for up to ``DECODE_ROWS`` rows: a program per (``BN`` outputs, K split)
     reads its weight tile once for all the rows, the splits' fp32 partial sums added in a fixed
-    order, so that a weight read for few rows still keeps every multiprocessor loading: by the
-    split that finishes last where the tile says ``tail_sum`` (in ``counters``, from
-    :func:`split_counters`; a product without them makes its own), else by a second kernel,
-    :func:`_sum_splits_kernel`. Both add split 0 first: the same numbers. A tile on the matrix
-    units always takes ``DECODE_ROWS`` rows (the missing ones zero), so that its operations never
-    depend on the row count. ``bk_limit`` bounds the step (FP8: one scale block)."""
+    order by :func:`_sum_splits_kernel`, so that a weight read for few rows still keeps every
+    multiprocessor loading. A tile on the matrix units always takes ``DECODE_ROWS`` rows (the
+    missing ones zero), so that its operations never depend on the row count. ``bk_limit`` bounds
+    the step (FP8: one scale block)."""
     m = x2.shape[0]
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if not m:
@@ -352,19 +310,12 @@ def _rows_product(rows_kernel, tile: dict, x2: torch.Tensor, n: int, k: int, wei
     bk = min(tile["BK"], bk_limit) if bk_limit else tile["BK"]
     splits, per = k_splits(n, k, tile["BN"], bk, tile["waves"], sm_count(x2.device))
     out = y if splits == 1 else torch.empty(splits, m, n, device=x2.device, dtype=torch.float32)
-    tail_sum = splits > 1 and bool(tile.get("tail_sum"))
-    if tail_sum:
-        if counters is None:
-            counters = split_counters(n, x2.device)
-        assert counters.numel() >= triton.cdiv(n, tile["BN"]) and counters.dtype == torch.int32, \
-            f"{counters.numel()} split counters for {triton.cdiv(n, tile['BN'])} output tiles"
     rows_kernel[(triton.cdiv(n, tile["BN"]), splits)](
         x2, *weights, out, m, n, k, per, x2.stride(0), *weight_strides, out.stride(-2),
-        out.stride(0) if splits > 1 else 0, y, counters if tail_sum else y, splits, y.stride(0),
-        BM=DECODE_ROWS if dot else triton.next_power_of_2(m), BN=tile["BN"],
+        out.stride(0) if splits > 1 else 0, BM=DECODE_ROWS if dot else triton.next_power_of_2(m), BN=tile["BN"],
         BK=bk, DOT=dot, SWAP=e4m3 or (dot and bool(tile.get("swap"))), IEEE=x2.dtype == torch.float32,
-        TAIL_SUM=tail_sum, num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
-    if splits > 1 and not tail_sum:
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
+    if splits > 1:
         _sum_splits_kernel[(m, triton.cdiv(n, 1024))](out, y, m, n, splits, out.stride(0), out.stride(1), y.stride(0),
                                                       BLOCK=1024)
     return y
@@ -470,7 +421,7 @@ def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, mm_scales: torch.Tensor
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-               mm_scales: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+               mm_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ W^T`` for a block-scaled FP8 ``weight [N, K]`` with float32 ``scale
     [ceil(N / block[0]), ceil(K / block[1])]``. Up to ``DECODE_ROWS`` rows read the weight in
     place (:func:`_fp8_rows_kernel`, on the FP8 matrix units where :func:`fp8_decode_tile` says
@@ -487,8 +438,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if x2.shape[0] <= DECODE_ROWS and not (tensor_cores and TILES["fp8"].get("scaled_mm")):
         tile = fp8_decode_tile(x2.dtype, block, x2.device)
         y = _rows_product(_fp8_rows_kernel, tile, x2, n, k, (weight, scale), (weight.stride(0), scale.stride(0)),
-                          {"SB_N": sb_n, "SB_K": sb_k, "E4M3": bool(tile.get("e4m3"))}, bk_limit=sb_k,
-                          counters=counters)
+                          {"SB_N": sb_n, "SB_K": sb_k, "E4M3": bool(tile.get("e4m3"))}, bk_limit=sb_k)
     elif tensor_cores:
         y = fp8_scaled_mm(x2, weight, mm_scales)
     else:
@@ -499,7 +449,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, factor: float,
-                 group: int, counters: torch.Tensor | None = None) -> torch.Tensor:
+                 group: int) -> torch.Tensor:
     """``x [..., K] @ W^T`` for NVFP4 ``packed [N, K / 2]`` uint8 with float8_e4m3fn group scales
     ``[N, K / group]`` and the global ``factor`` (the weight is ``e2m1 * scale * factor``). Up to
     ``DECODE_ROWS`` rows read the codes in place (:func:`_nvfp4_rows_kernel`); a prefill pass
@@ -513,8 +463,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, fac
     x2 = _rows(x, k)
     weights, strides = (packed, scale, float(factor)), (packed.stride(0), scale.stride(0))
     if x2.shape[0] <= DECODE_ROWS:
-        y = _rows_product(_nvfp4_rows_kernel, TILES["nvfp4"], x2, n, k, weights, strides, {"GROUP": group},
-                          counters=counters)
+        y = _rows_product(_nvfp4_rows_kernel, TILES["nvfp4"], x2, n, k, weights, strides, {"GROUP": group})
     else:
         y = F.linear(x2, _dequantized(_nvfp4_dequant_kernel, n, k, weights, strides, x.dtype, x.device,
                                       {"GROUP": group}))

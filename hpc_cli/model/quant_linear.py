@@ -183,7 +183,6 @@ class FP8Weight(QuantizedWeight):
 
             mm_scales = scales_for_mm(self.scale)
         self.register_buffer("mm_scales", mm_scales, persistent=False)
-        self.register_buffer("counters", _split_counters(self.out_features, self.weight), persistent=False)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.scale, self.block, dtype)
@@ -193,7 +192,7 @@ class FP8Weight(QuantizedWeight):
             return self._reference(x)
         from hpc_kernels.quant_gemm import fp8_linear
 
-        return fp8_linear(x, self.weight, self.scale, self.block, self.mm_scales, self.counters)
+        return fp8_linear(x, self.weight, self.scale, self.block, self.mm_scales)
 
 
 class NVFP4Weight(QuantizedWeight):
@@ -203,7 +202,6 @@ class NVFP4Weight(QuantizedWeight):
         self.register_buffer("packed", stored.packed.to(device).contiguous())
         self.register_buffer("scale", stored.scale.to(device).contiguous())
         self.out_features, self.in_features = self.packed.shape[0], 2 * self.packed.shape[1]
-        self.register_buffer("counters", _split_counters(self.out_features, self.packed), persistent=False)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_nvfp4(self.packed, self.scale, self.factor, self.group, dtype)
@@ -213,17 +211,7 @@ class NVFP4Weight(QuantizedWeight):
             return self._reference(x)
         from hpc_kernels.quant_gemm import nvfp4_linear
 
-        return nvfp4_linear(x, self.packed, self.scale, self.factor, self.group, self.counters)
-
-
-def _split_counters(out_features: int, stored: torch.Tensor) -> torch.Tensor | None:
-    """The counters of a held weight's decode-sized products on CUDA (``hpc_kernels.quant_gemm.
-    split_counters``); None elsewhere (the CPU multiplies the dequantised weight)."""
-    if not stored.is_cuda:
-        return None
-    from hpc_kernels.quant_gemm import split_counters
-
-    return split_counters(out_features, stored.device)
+        return nvfp4_linear(x, self.packed, self.scale, self.factor, self.group)
 
 
 def held_linears(model: nn.Module, names: frozenset[str]) -> dict[str, Linear]:
