@@ -23,8 +23,6 @@ Values shown as *derived* are computed from other settings when left unset (spec
 def _type_name(annotation: Any) -> str:
     """``int | None`` -> "int (optional)", ``Literal["a", "b"]`` -> "a / b", ``"auto" | int`` -> "auto / int"."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Annotated:  # a bounded member of a union: its type (the bounds are checked)
-        return _type_name(args[0])
     if origin is typing.Literal:
         return " / ".join(str(a) for a in args)
     if origin in (typing.Union, types.UnionType):

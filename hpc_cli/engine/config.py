@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-#: ``[engine] submit_handover_ms = "auto"`` on a CUDA device: a bound on the wait, not its usual
-#: length (the worker signals as soon as the request's first pass is queued on the device)
+#: ``[engine] submit_handover_ms = "auto"`` on a CUDA device: a cached turn's pass is launched
+#: about this long after its submission, the server's response set-up after it
 AUTO_HANDOVER_MS = 2.0
 
 

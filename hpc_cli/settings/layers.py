@@ -102,9 +102,8 @@ def validation_error(exc: ValidationError, layers: dict[str, dict], profile: Pat
     hints = []
     for err in exc.errors():
         loc = [str(p) for p in err["loc"] if not isinstance(p, int)]
-        # pydantic names the union member that failed last (kv_capacity: "auto" | int,
-        # submit_handover_ms: "auto" | a bounded float); drop it
-        loc = [p for p in loc if p not in ("literal['auto']", "int", "constrained-float")]
+        # pydantic names the union member that failed last (kv_capacity: "auto" | int); drop it
+        loc = [p for p in loc if p not in ("literal['auto']", "int")]
         key = ".".join((*prefix, *loc))
         layer = origin(key, layers)
         if err["type"] == "extra_forbidden":

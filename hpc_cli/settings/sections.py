@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -46,7 +46,7 @@ class EngineSettings(_Section):
                                                   "as fused Triton kernels on CUDA (false: torch's ops)")
     decode_ahead: bool = Field(True, description="build each decode step's index while the device runs the step "
                                                  "before (CUDA graphs; false: each step builds its own)")
-    submit_handover_ms: Literal["auto"] | Annotated[float, Field(ge=0, le=1000)] = Field(
+    submit_handover_ms: Literal["auto"] | float = Field(
         "auto", description="a request submitted to an idle engine waits up to this long, without the interpreter, "
                             "until the worker has launched its first prefill pass, so the device starts before the "
                             "server builds the response; auto = 2 on CUDA, 0 (no wait) on the CPU")
