@@ -255,16 +255,11 @@ class RequestHandle:
         self.finished: FinishEvent | None = None
         self.acknowledges = False  # set by a consumer that calls acknowledge()
         self._sent = threading.Event()  # every event put so far was taken and sent on
-        #: set once the request's first prefill pass is launched, or once it finished
-        #: (``Engine.submit``'s hand-over waits for it)
-        self.launched = threading.Event()
 
     # engine side
     def put(self, event: Event) -> None:
         self._sent.clear()
         self._events.put(event)
-        if isinstance(event, FinishEvent):
-            self.launched.set()
 
     def wait_sent(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the consumer to have sent every event put so far; False at

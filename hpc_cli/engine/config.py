@@ -8,20 +8,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-#: ``[engine] submit_handover_ms = "auto"`` on a CUDA device: a cached turn's pass is launched
-#: about this long after its submission, the server's response set-up after it
-AUTO_HANDOVER_MS = 2.0
-
-
-def handover_ms(setting: float | None, device_type: str) -> float:
-    """``[engine] submit_handover_ms`` for a model on a ``device_type`` device (None, ``auto``:
-    :data:`AUTO_HANDOVER_MS` on CUDA; on the CPU the pass computes on the worker before the
-    response could be built, so there is nothing to gain by waiting)."""
-    if setting is None:
-        return AUTO_HANDOVER_MS if device_type == "cuda" else 0.0
-    return float(setting)
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """What an :class:`~hpc_cli.engine.engine.Engine` is built with (besides its model).
@@ -64,10 +50,6 @@ class EngineConfig:
     fused_kernels: bool = True
     #: build each decode step's index while the device runs the step before (``[engine] decode_ahead``)
     decode_ahead: bool = True
-    #: ``[engine] submit_handover_ms``: how long ``Engine.submit`` to an idle engine waits for the
-    #: worker to launch the request's first pass (0: no wait; None: :func:`handover_ms` of the
-    #: model's device)
-    submit_handover_ms: float | None = None
     #: ``[cache] transfer_copy``: the transfer engine's and the taps' copy method
     transfer_copy: str | None = None
     seed: int = 0
@@ -98,5 +80,4 @@ class EngineConfig:
                    speculative=s.speculative.backend, num_draft_tokens=s.speculative.num_draft_tokens,
                    drafter=s.speculative.drafter, cuda_graphs=s.engine.cuda_graphs,
                    fused_kernels=s.engine.fused_kernels, decode_ahead=s.engine.decode_ahead,
-                   submit_handover_ms=None if s.engine.submit_handover_ms == "auto" else float(s.engine.submit_handover_ms),
                    transfer_copy=s.cache.transfer_copy, seed=s.engine.seed)

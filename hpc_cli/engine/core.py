@@ -59,8 +59,6 @@ class EngineCore:
     _pass_commits: list[Lane]  # lanes whose last pass's commits and taps wait (Lane.pass_commit)
     _prepared_decode: "PreparedDecode | None"  # the next decode step's index, built ahead
     decode_ahead: bool  # [engine] decode_ahead
-    submit_handover_s: float  # [engine] submit_handover_ms resolved, in seconds (Engine.submit)
-    _idle: bool  # the worker sleeps until something wakes it (set and cleared by the worker)
     _by_id: dict[str, Lane]
     _stopping: threading.Event
     _count: int

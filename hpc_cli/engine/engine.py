@@ -29,7 +29,7 @@ from hpc_cli.cache.keys import BLOCK_TOKENS, prepare_prompt
 from hpc_cli.engine.admission import Admission
 from hpc_cli.engine.api import FinishEvent, GenerationRequest, RequestHandle, SamplingParams
 from hpc_cli.engine.binding import BindingContext, CacheBinding, mode_options
-from hpc_cli.engine.config import EngineConfig, handover_ms
+from hpc_cli.engine.config import EngineConfig
 from hpc_cli.engine.cpu_threads import release_thread_team
 from hpc_cli.engine.decode_step import DecodeStep
 from hpc_cli.engine.finish import Finish
@@ -128,8 +128,6 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         self._pass_commits: list[Lane] = []
         self._prepared_decode = None
         self.decode_ahead = bool(c.decode_ahead)
-        self.submit_handover_s = handover_ms(c.submit_handover_ms, self.model.device.type) / 1000.0
-        self._idle = False  # the worker sleeps until a submission wakes it (worker._run)
         self._by_id: dict[str, Lane] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -258,14 +256,8 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         check_images(self.model, request, speculative=self.spec is not None)
         # block hashes off the worker (spec §5.1), salted per tenant, keyed by images (hpc_cli.cache.keys)
         prepared = prepare_prompt(request.prompt_tokens, media_items(request.media), cache_salt=request.cache_salt)
-        idle = self._idle
         self._inbox.put(("submit", (handle, prepared)))
         self._wake.set()
-        if idle and self.submit_handover_s > 0:
-            # the hand-over: an idle worker admits the request and launches its first pass while
-            # this thread (the server's event loop) waits without the interpreter; the response's
-            # set-up then runs while the device computes, instead of before the launch
-            handle.launched.wait(self.submit_handover_s)
         return handle
 
     def cancel(self, request_id: str) -> None:

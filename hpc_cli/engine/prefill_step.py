@@ -39,7 +39,6 @@ class PrefillStep(EngineCore):
                                  layer_ready=timing.timed_wait(ready) if ready is not None else None,
                                  all_logits=want_all, **spec_kw, **prefill_media(self.model, lane, start, end),
                                  **({"taps": in_pass} if in_pass else {}))
-        lane.handle.launched.set()  # the pass is queued on the device: a waiting submit goes on
         if self.spec is not None:
             self.spec.after_prefill(lane, start, end, out, pre_hidden)
         lane.pos = end

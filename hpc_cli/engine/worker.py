@@ -70,9 +70,7 @@ class Worker(EngineCore):
                 # other backend, then finds the cores free
                 if self.model.device.type == "cpu":
                     release_thread_team()
-                self._idle = True
                 self._wake.wait()
-                self._idle = False
                 self._wake.clear()
             self._shutdown(FinishReason.UNAVAILABLE, "the server is stopping")
             self.cache.drain()

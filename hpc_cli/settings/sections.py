@@ -46,10 +46,6 @@ class EngineSettings(_Section):
                                                   "as fused Triton kernels on CUDA (false: torch's ops)")
     decode_ahead: bool = Field(True, description="build each decode step's index while the device runs the step "
                                                  "before (CUDA graphs; false: each step builds its own)")
-    submit_handover_ms: Literal["auto"] | float = Field(
-        "auto", description="a request submitted to an idle engine waits up to this long, without the interpreter, "
-                            "until the worker has launched its first prefill pass, so the device starts before the "
-                            "server builds the response; auto = 2 on CUDA, 0 (no wait) on the CPU")
     seed: int = Field(0, ge=-(1 << 63), lt=1 << 64,
                       description="base seed of sampling for requests that name no seed: the k-th request of a "
                                   "run draws from (seed, k); a request's own seed wins")

@@ -14,14 +14,13 @@ from hpc_cli.settings import load_settings
 def test_from_settings_maps_the_profile_keys():
     keys = {"engine.kv_capacity": 32, "engine.max_concurrency": 2, "engine.prefill_chunk": 128,
             "model.name": "builtin:random", "cache.host_cache_mib": 16, "cache.transfer_copy": "dma",
-            "engine.seed": 7, "engine.cuda_graphs": False, "engine.submit_handover_ms": 3}
+            "engine.seed": 7, "engine.cuda_graphs": False}
     c = EngineConfig.from_settings(load_settings(None, keys, environ={}))
     assert (c.kv_pages, c.max_concurrency, c.prefill_chunk, c.host_cache_mib) == (32, 2, 128, 16)
     assert (c.transfer_copy, c.seed, c.cuda_graphs, c.reuse) == ("dma", 7, False, True)
     assert c.model_name == "builtin:random" and c.cache_mode.name == "hybrid"
     auto = EngineConfig.from_settings(load_settings(None, {"model.name": "builtin:random"}, environ={}))
     assert auto.kv_pages is None
-    assert (c.submit_handover_ms, auto.submit_handover_ms) == (3.0, None)  # None: by the model's device
 
 
 def test_no_reuse_has_no_host_tier_and_no_options():
