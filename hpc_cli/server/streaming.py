@@ -116,9 +116,12 @@ async def stream_events(state: "ServerState", request: Request, handle: RequestH
                 if asm.stopped is not None:
                     handle.cancel()  # the engine stops at the same token; this only makes sure
                 for s in writer.token(ev, piece):
-                    yield s
                     if writer.marks is not None:
-                        writer.marks.sent()  # resumed: the chunk is written (the first one counts)
+                        # the chunk goes to the connection now (the first one counts); marked after
+                        # the yield it would also count whatever other requests' work the event
+                        # loop ran before resuming this stream
+                        writer.marks.sent()
+                    yield s
             elif isinstance(ev, FinishEvent):
                 if ev.reason in FAILURES:
                     outcome = ev.reason

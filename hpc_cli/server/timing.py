@@ -10,7 +10,7 @@ no more than the request's wall time) plus the prefill passes, the number of tap
 own part of the wait (:class:`ServerMarks`): ``server_prepare`` from the route taking the request
 (its body read) to the submit (the template, the tokenizer, the images), and, streamed,
 ``server_first_send`` from the engine's first token to the first chunk carrying generated output
-written to the connection (a token whose text is held back, a partial UTF-8 character or a
+handed to the connection (a token whose text is held back, a partial UTF-8 character or a
 possible stop string, waits for the next). The rest of what a client measures is the HTTP
 exchange and the client itself. The same two go to ``/metrics`` as
 ``hpc_server_phase_seconds{phase="prepare"|"first_send"}``.
