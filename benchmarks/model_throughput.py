@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--quantized-weights", default="auto", choices=["auto", "held", "dequantized"],
                     help="a quantized checkpoint's Linear weights on CUDA (serve --quantized-weights)")
+    ap.add_argument("--no-merge", action="store_true",
+                    help="multiply each projection alone (the projections that read one input are merged by default)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -112,7 +114,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     model = HybridModel.from_name_or_path(args.model, dtype=args.dtype, device=device,
-                                          quantized_weights=args.quantized_weights)
+                                          quantized_weights=args.quantized_weights, merge=not args.no_merge)
     build_s = time.perf_counter() - t0
     from hpc_cli.model.gdn import fla_available
 
@@ -122,7 +124,7 @@ def main() -> None:
                     "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor(),
                     "fla": fla_available()},
         "model": model.config.name, "dtype": str(model.dtype), "kv_profile": args.kv_profile,
-        "quantized_weights": args.quantized_weights,
+        "quantized_weights": args.quantized_weights, "merged": not args.no_merge,
         "layers": model.config.num_hidden_layers, "build_s": round(build_s, 2),
         "prefill_tokens": args.prefill, "decode_context": args.context, "decode_steps": args.steps,
     }

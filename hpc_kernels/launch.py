@@ -24,6 +24,14 @@ def launchable(x: torch.Tensor) -> bool:
     return TRITON and (x.is_cuda or INTERPRETING)
 
 
+def as_heads(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., D]`` as ``[tokens, heads, D]`` (``[rows, 1, D]`` for two dims or fewer) with
+    unit stride along ``D``: a view where the leading dims merge, as a projection's heads inside
+    a wider product, else a copy."""
+    x3 = x.reshape(-1, x.shape[-2], x.shape[-1]) if x.dim() >= 3 else x.reshape(-1, 1, x.shape[-1])
+    return x3 if x3.stride(-1) == 1 else x3.contiguous()
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[..., D]`` as ``[rows, D]`` at a uniform row stride and unit stride along ``D`` (a
     view where the layout allows, as a head's rows inside a wider projection, else a copy)."""

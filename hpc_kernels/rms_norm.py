@@ -14,7 +14,8 @@ count: a program reads its row once, sums its squares in fp32 and writes the row
 
 A row's result depends on that row alone (one program, one reduction order, whatever the number
 of rows), which the column pass's verify-equals-decode identity needs. The rows may sit at any
-uniform stride (a head's rows inside a wider projection, as q's inside ``[query | gate]``).
+token and head strides (a head's rows inside a wider projection, as q's inside ``[query | gate]``
+or k's inside a merged q/k/v product), read in place.
 :func:`rms_norm_ref` and :func:`gated_rms_norm_ref` are the torch twins (the model's CPU path);
 the kernels run under Triton's interpreter too.
 """
@@ -24,17 +25,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpc_kernels.launch import as_rows, launchable, tl, triton
+from hpc_kernels.launch import as_heads, launchable, tl, triton
 
 
 if triton is not None:
     @triton.jit
-    def _norm_kernel(x, w, z, y, cos, sin, heads, D, eps, sx, sz, sy, BLOCK: tl.constexpr, GATED: tl.constexpr,
-                     RD: tl.constexpr):
+    def _norm_kernel(x, w, z, y, cos, sin, heads, D, eps, sx, sxh, sz, szh, sy, BLOCK: tl.constexpr,
+                     GATED: tl.constexpr, RD: tl.constexpr):
+        # row r is head r % heads of token r // heads; x and z at strides (token, head, 1), y dense
         row = tl.program_id(0).to(tl.int64)
+        tok = row // heads
+        hd = row % heads
+        xrow = x + tok * sx + hd * sxh
         o = tl.arange(0, BLOCK)
         m = o < D
-        xf = tl.load(x + row * sx + o, mask=m, other=0.0).to(tl.float32)
+        xf = tl.load(xrow + o, mask=m, other=0.0).to(tl.float32)
         r = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
         wv = tl.load(w + o, mask=m, other=0.0)
         if RD > 0:
@@ -45,11 +50,10 @@ if triton is not None:
             half: tl.constexpr = RD // 2
             m_r = o < RD
             p = tl.where(o < half, o + half, o - half)
-            xp = tl.load(x + row * sx + p, mask=m_r, other=0.0).to(tl.float32)
+            xp = tl.load(xrow + p, mask=m_r, other=0.0).to(tl.float32)
             wp = tl.load(w + p, mask=m_r, other=0.0).to(tl.float32)
             partner = (xp * r * (1.0 + wp)).to(dt).to(tl.float32)
             partner = tl.where(o < half, -partner, partner)
-            tok = row // heads
             c = tl.load(cos + tok * RD + o, mask=m_r, other=0.0).to(tl.float32)
             s = tl.load(sin + tok * RD + o, mask=m_r, other=0.0).to(tl.float32)
             rot = ((yn.to(tl.float32) * c).to(dt).to(tl.float32) + (partner * s).to(dt).to(tl.float32)).to(dt)
@@ -57,7 +61,7 @@ if triton is not None:
         elif GATED:
             # w * norm(x) in x's dtype (the normed row rounded first), then * silu(z) in fp32
             yw = ((xf * r).to(y.dtype.element_ty).to(tl.float32) * wv.to(tl.float32)).to(y.dtype.element_ty)
-            zf = tl.load(z + row * sz + o, mask=m, other=0.0).to(tl.float32)
+            zf = tl.load(z + tok * sz + hd * szh + o, mask=m, other=0.0).to(tl.float32)
             out = yw.to(tl.float32) * (zf / (1.0 + tl.exp(-zf)))
         else:
             out = xf * r * (1.0 + wv.to(tl.float32))
@@ -68,24 +72,24 @@ def _launch(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float
             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     D = x.shape[-1]
     assert w.shape == (D,), f"weight {tuple(w.shape)} for rows of {D}"
-    x2 = as_rows(x)
-    z2 = as_rows(z) if z is not None else x2
-    assert z2.shape == x2.shape, f"gate {tuple(z.shape)} for rows {tuple(x.shape)}"
+    x3 = as_heads(x)
+    z3 = as_heads(z) if z is not None else x3
+    assert z3.shape == x3.shape, f"gate {tuple(z.shape)} for rows {tuple(x.shape)}"
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y2 = y.view(-1, D)
-    n = x2.shape[0]
+    n = y2.shape[0]
     if n:
         block = triton.next_power_of_2(D)
         warps = 1 if block <= 256 else 4 if block <= 2048 else 8
-        cos, sin = rope if rope is not None else (x2, x2)
+        cos, sin = rope if rope is not None else (x3, x3)
         rd = cos.shape[-1] if rope is not None else 0
         if rope is not None:
             assert x.dim() == 3 and cos.shape == sin.shape == (x.shape[0], rd) and cos.is_contiguous() \
                 and sin.is_contiguous() and rd % 2 == 0 and rd <= D, \
                 f"rotary cos/sin {tuple(cos.shape)} for rows {tuple(x.shape)}"
-        heads = x.shape[1] if rope is not None else 1
-        _norm_kernel[(n,)](x2, w, z2, y2, cos, sin, heads, D, eps, x2.stride(0), z2.stride(0), y2.stride(0),
-                           BLOCK=block, GATED=z is not None, RD=rd, num_warps=warps)
+        heads = x3.shape[1]
+        _norm_kernel[(n,)](x3, w, z3, y2, cos, sin, heads, D, eps, x3.stride(0), x3.stride(1), z3.stride(0),
+                           z3.stride(1), y2.stride(0), BLOCK=block, GATED=z is not None, RD=rd, num_warps=warps)
     return y
 
 

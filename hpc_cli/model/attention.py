@@ -10,12 +10,17 @@ decode all see the same stored values.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hpc_cli.model.layers import Linear, RMSNorm, apply_rotary, fused
 from hpc_kernels import rms_norm as norm_kernels
+
+if TYPE_CHECKING:
+    from hpc_cli.model.merged import MergedProjection
 
 
 def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -39,13 +44,21 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps, **fk)
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps, **fk)
         self.scale = self.head_dim ** -0.5
+        #: q, k and v as one product (:mod:`hpc_cli.model.merged`), set once the weights are loaded
+        self.merged: "MergedProjection | None" = None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``x`` ``[N, hidden]`` -> q ``[N, H, d]``, gate ``[N, H*d]``, k, v ``[N, H_kv, d]`` (k, q rotated)."""
         n = x.shape[0]
-        q, gate = torch.chunk(self.q_proj(x).view(n, self.n_heads, 2 * self.head_dim), 2, dim=-1)
+        if self.merged is not None:
+            qg, k, v = self.merged(x)
+            k = _norm_rope(self.k_norm, k.view(n, self.n_kv, self.head_dim), cos, sin)
+            v = v.view(n, self.n_kv, self.head_dim)
+        else:
+            qg = self.q_proj(x)
+            k, v = self.kv(x, cos, sin)
+        q, gate = torch.chunk(qg.view(n, self.n_heads, 2 * self.head_dim), 2, dim=-1)
         gate = gate.reshape(n, -1)
-        k, v = self.kv(x, cos, sin)
         return _norm_rope(self.q_norm, q, cos, sin), gate, k, v
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ dtype and the final state in fp32. ``q``/``k`` heads serve ``H_v / H_k`` consecu
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -249,6 +249,9 @@ from torch import nn  # noqa: E402
 from hpc_cli.model.layers import GatedRMSNorm, Linear, fused, param  # noqa: E402
 from hpc_kernels import causal_conv  # noqa: E402
 
+if TYPE_CHECKING:
+    from hpc_cli.model.merged import MergedProjection
+
 
 class ConvWindow:
     """A run's conv window ``[C, k-1+T]``: the previous conv state's ``k-1`` columns, then the
@@ -313,8 +316,12 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.d_v, eps=cfg.rms_norm_eps, **fk)
         self.out_proj = Linear(self.value_dim, h, **fk)
         self.use_fla: bool | None = None  # None: fla on CUDA when importable
+        #: the four input projections as one or two products (:mod:`hpc_cli.model.merged`)
+        self.merged: "MergedProjection | None" = None
 
     def _project(self, x: torch.Tensor):
+        if self.merged is not None:
+            return self.merged(x)
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def _heads(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, lead: tuple[int, ...]):
@@ -328,7 +335,7 @@ class GatedDeltaNet(nn.Module):
 
     def _finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         lead = core.shape[:-2]
-        y = self.norm(core.reshape(-1, self.d_v), z.reshape(-1, self.d_v))
+        y = self.norm(core, z.unflatten(-1, (self.n_v, self.d_v)))
         return self.out_proj(y.reshape(*lead, self.value_dim))
 
     def _mix(self, x: torch.Tensor, conv_state: torch.Tensor):

@@ -22,6 +22,7 @@ from hpc_kernels import swiglu
 from hpc_kernels.launch import launchable
 
 if TYPE_CHECKING:
+    from hpc_cli.model.merged import MergedProjection
     from hpc_cli.model.quant_linear import QuantizedWeight
 
 
@@ -126,9 +127,14 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, **fk)
         self.up_proj = Linear(hidden, intermediate, **fk)
         self.down_proj = Linear(intermediate, hidden, **fk)
+        #: gate and up as one product (:mod:`hpc_cli.model.merged`), set once the weights are loaded
+        self.merged: "MergedProjection | None" = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.merged is not None:
+            gate, up = self.merged(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(swiglu.swiglu(gate, up) if fused(gate) else swiglu.swiglu_ref(gate, up))
 
 

@@ -159,23 +159,31 @@ class HybridModel(nn.Module):
     @classmethod
     def from_name_or_path(cls, name_or_path: str, dtype: torch.dtype | str | None = None,
                           device: torch.device | str = "cpu", progress: bool = True,
-                          offload_experts: bool = False, quantized_weights: str = "auto") -> "HybridModel":
+                          offload_experts: bool = False, quantized_weights: str = "auto",
+                          merge: bool = True) -> "HybridModel":
         """``builtin:tiny`` (trained, shipped in the package: loaded as a HF checkpoint directory),
         ``builtin:random[@layers]`` / ``builtin:qwen3.5-27b-shape[@layers]`` /
         ``builtin:qwen3.5-35b-a3b-shape[@layers]`` (seeded weights) or a HF checkpoint directory. ``offload_experts``: routed experts are
         created and loaded straight into host memory (see the class), for the expert tier.
         ``quantized_weights``: ``auto``, ``held`` or ``dequantized`` (a quantized checkpoint's
-        Linear weights on CUDA, :class:`hpc_cli.model.quant_linear.WeightsChoice`)."""
+        Linear weights on CUDA, :class:`hpc_cli.model.quant_linear.WeightsChoice`). ``merge``: the
+        projections that read one input multiplied as one weight (:mod:`hpc_cli.model.merged`)."""
         if str(name_or_path).startswith("builtin:"):
             from hpc_cli.model.builtin import build_builtin
 
-            return build_builtin(str(name_or_path), dtype=dtype, device=device, offload_experts=offload_experts,
-                                 progress=progress)
-        from hpc_cli.model.loader import load_checkpoint
-        from hpc_cli.model.quant_linear import WeightsChoice
+            model = build_builtin(str(name_or_path), dtype=dtype, device=device, offload_experts=offload_experts,
+                                  progress=progress)
+        else:
+            from hpc_cli.model.loader import load_checkpoint
+            from hpc_cli.model.quant_linear import WeightsChoice
 
-        return load_checkpoint(name_or_path, dtype=dtype, device=device, progress=progress,
-                               offload_experts=offload_experts, weights=WeightsChoice(quantized_weights))
+            model = load_checkpoint(name_or_path, dtype=dtype, device=device, progress=progress,
+                                    offload_experts=offload_experts, weights=WeightsChoice(quantized_weights))
+        if merge:
+            from hpc_cli.model.merged import merge_projections
+
+            merge_projections(model)
+        return model
 
     def shape(self) -> "HybridShape":
         return self.config.shape(state_dtype_bytes=torch.finfo(self.dtype).bits // 8)

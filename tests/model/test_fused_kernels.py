@@ -110,8 +110,21 @@ def _kernel_cases(device: str) -> dict:
         w320 = torch.randn(320, generator=g).to(dtype).to(device)
         cos = torch.randn(5, 16, generator=g).to(dtype).to(device)
         sin = torch.randn(5, 16, generator=g).to(dtype).to(device)
+        # heads inside a merged product (k inside q|k|v, z inside qkv|z|b|a): a token stride wider
+        # than the heads' own, read in place
+        merged = torch.randn(5, 3 * 64 + 2 * 64 + 64, generator=g).to(dtype).to(device)
+        k = merged[:, 3 * 64:5 * 64].view(5, 2, 64)
+        zh = torch.randn(5, 2 * 3 * 64, generator=g).to(dtype).to(device)[:, 64:4 * 64].unflatten(-1, (3, 64))
+        core = torch.randn(5, 3, 64, generator=g).to(dtype).to(device)
         out["norm"].append({
             "dtype": str(dtype),
+            "merged_rope": _rel(rms_norm.rms_norm_rope(k, w, 1e-6, cos, sin),
+                                apply_rotary(rms_norm.rms_norm_ref(k, w, 1e-6), cos, sin)),
+            "merged_gated": _rel(rms_norm.gated_rms_norm(core, w, zh, 1e-6), rms_norm.gated_rms_norm_ref(core, w, zh, 1e-6)),
+            "merged_in_place": bool(torch.equal(rms_norm.rms_norm_rope(k, w, 1e-6, cos, sin),
+                                                rms_norm.rms_norm_rope(k.contiguous(), w, 1e-6, cos, sin))
+                                    and torch.equal(rms_norm.gated_rms_norm(core, w, zh, 1e-6),
+                                                    rms_norm.gated_rms_norm(core, w, zh.contiguous(), 1e-6))),
             "rope": _rel(rms_norm.rms_norm_rope(q, w, 1e-6, cos, sin), apply_rotary(rms_norm.rms_norm_ref(q, w, 1e-6), cos, sin)),
             "strided": _rel(rms_norm.rms_norm(q, w, 1e-6), rms_norm.rms_norm_ref(q, w, 1e-6)),
             "wide": _rel(rms_norm.rms_norm(wide, w320, 1e-6), rms_norm.rms_norm_ref(wide, w320, 1e-6)),
@@ -164,8 +177,8 @@ def _kernel_cases(device: str) -> dict:
 def _check_kernel_cases(cases: dict) -> None:
     for c in cases["norm"]:
         tol = 1e-6 if "float32" in c["dtype"] else 2e-2
-        assert max(c["strided"], c["wide"], c["gated"], c["rope"]) < tol, c
-        assert c["rows_alone"], c
+        assert max(c["strided"], c["wide"], c["gated"], c["rope"], c["merged_rope"], c["merged_gated"]) < tol, c
+        assert c["rows_alone"] and c["merged_in_place"], c
     for c in cases["conv"] + cases["swiglu"]:
         assert c["rel"] < (1e-6 if "float32" in c["dtype"] else 2e-2), c
     for c in cases["step"]:

@@ -1,0 +1,214 @@
+"""Merged projections: the Linear layers that read one input, multiplied as one weight.
+
+A layer's input feeds several products: the attention's q, k and v, the Gated DeltaNet's four
+input projections (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), an MLP's gate
+and up. Each is a kernel that reads the input and streams its own weight; at decode sizes the
+small ones (attention's k and v, 1,024 outputs at the 27B widths; the GDN gates, 48) cost a
+launch and a wave of programs each for little work. Merged, the parts' weights are rows of one
+``[sum(out), in]`` tensor read by one product whose output is split back into the parts'.
+
+Each part keeps its name and its weight: after :func:`merge` a part's ``weight`` (or its held
+quantized weight's codes and scales) is a view of its rows in the merged tensor, so the model's
+parameters, ``state_dict`` and footprint are what they were and no byte is held twice. A
+:class:`MergedProjection` is not a submodule (it is not in ``state_dict``); it multiplies apart
+while autograd records a part's gradient (training) and where a part's storage no longer is the
+merged tensor's (``module.to(...)`` gives the parts new tensors), so it is never stale.
+
+Parts merge in runs of the same kind: plain weights of one dtype and device (with biases all or
+none); FP8 weights held as stored with the same scale block and every part but the last a whole
+number of scale rows; NVFP4 weights with the same group and global factor. With an FP8
+checkpoint the GDN's ``in_proj_qkv`` and ``in_proj_z`` (held FP8) merge into one product and its
+``in_proj_b`` and ``in_proj_a`` (kept in the model dtype) into another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hpc_cli.model.layers import Linear
+from hpc_cli.model.quant_linear import FP8Weight, NVFP4Weight, QuantizedWeight
+from hpc_cli.model.quant_weights import StoredFP8, StoredNVFP4
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """Consecutive parts multiplied as one product (``product``), or one part alone (``None``)."""
+
+    parts: tuple[Linear, ...]
+    product: Linear | None
+    sizes: tuple[int, ...]
+    pointers: tuple[int, ...]  # each part's weight storage as merged, to tell when it moved
+
+
+def _storage(part: Linear) -> torch.Tensor:
+    """The tensor whose rows are ``part``'s weight: its codes when held quantized."""
+    q = part.quant
+    if q is None:
+        return part.weight
+    return q.weight if isinstance(q, FP8Weight) else q.packed
+
+
+def _kind(part: Linear) -> tuple:
+    """Parts of equal kind merge: the same storage, dtype, device, input width and bias use."""
+    q = part.quant
+    bias = part.bias is not None
+    if q is None:
+        w = part.weight
+        return ("plain", w.dtype, w.device, part.in_features, bias)
+    if isinstance(q, FP8Weight):
+        return ("fp8", q.block, q.weight.device, part.in_features, bias)
+    if isinstance(q, NVFP4Weight):
+        return ("nvfp4", q.group, float(q.factor), q.packed.device, part.in_features, bias)
+    return ("other", id(part))  # an unknown held format: never merged
+
+
+def _aligned(parts: Sequence[Linear]) -> bool:
+    """Whether the parts' rows can be stacked: FP8 block scales need every part but the last to
+    end on a scale row."""
+    q = parts[0].quant
+    if isinstance(q, FP8Weight):
+        return all(p.out_features % q.block[0] == 0 for p in parts[:-1])
+    return True
+
+
+def _runs(parts: Sequence[Linear]) -> list[list[Linear]]:
+    runs: list[list[Linear]] = []
+    for p in parts:
+        if runs and _kind(runs[-1][-1]) == _kind(p) and _aligned(runs[-1] + [p]) and _kind(p)[0] != "other":
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+def _merged_quant(parts: Sequence[Linear]) -> QuantizedWeight:
+    """One held weight over the parts' rows; each part's codes and scales become views of it."""
+    qs = [p.quant for p in parts]
+    first = qs[0]
+    if isinstance(first, FP8Weight):
+        stored = StoredFP8(torch.cat([q.weight for q in qs]), torch.cat([q.scale for q in qs]), first.block)
+        merged: QuantizedWeight = FP8Weight(stored, first.weight.device)
+        row, srow = 0, 0
+        for q in qs:
+            n, s = q.weight.shape[0], q.scale.shape[0]
+            q.weight = merged.weight[row:row + n]
+            q.scale = merged.scale[srow:srow + s]
+            row, srow = row + n, srow + s
+        return merged
+    assert isinstance(first, NVFP4Weight), f"no merged form of {type(first).__name__}"
+    stored4 = StoredNVFP4(torch.cat([q.packed for q in qs]), torch.cat([q.scale for q in qs]), first.factor,
+                          first.group)
+    merged = NVFP4Weight(stored4, first.packed.device)
+    row = 0
+    for q in qs:
+        n = q.packed.shape[0]
+        q.packed = merged.packed[row:row + n]
+        q.scale = merged.scale[row:row + n]
+        row += n
+    return merged
+
+
+def _merge_run(parts: Sequence[Linear]) -> Linear:
+    """A Linear (not a submodule of anything) whose weight stacks the parts' rows; each part's
+    weight and bias become views of it."""
+    total = sum(p.out_features for p in parts)
+    first = parts[0]
+    product = Linear(first.in_features, total, device="meta")
+    if first.quant is not None:
+        product.weight = None
+        product.quant = _merged_quant(parts)
+    else:
+        w = torch.cat([p.weight.detach() for p in parts])
+        product.weight = nn.Parameter(w, requires_grad=False)
+        row = 0
+        for p in parts:
+            n = p.out_features
+            p.weight = nn.Parameter(w[row:row + n], requires_grad=p.weight.requires_grad)
+            row += n
+    if first.bias is not None:
+        b = torch.cat([p.bias.detach() for p in parts])
+        product.bias = nn.Parameter(b, requires_grad=False)
+        row = 0
+        for p in parts:
+            n = p.out_features
+            p.bias = nn.Parameter(b[row:row + n], requires_grad=p.bias.requires_grad)
+            row += n
+    return product
+
+
+class MergedProjection:
+    """The parts (Linear layers that read one input) multiplied in as few products as their kinds
+    allow; calling it returns each part's output, in the parts' order, as ``part(x)`` would."""
+
+    def __init__(self, parts: Sequence[Linear]) -> None:
+        assert len({p.in_features for p in parts}) == 1, "merged parts read one input"
+        self.parts = tuple(parts)
+        runs = []
+        for run in _runs(parts):
+            product = _merge_run(run) if len(run) > 1 else None
+            runs.append(_Run(tuple(run), product, tuple(p.out_features for p in run),
+                             tuple(_storage(p).data_ptr() for p in run)))
+        self.runs = tuple(runs)
+
+    @property
+    def products(self) -> int:
+        """How many products a call runs."""
+        return len(self.runs)
+
+    def intact(self) -> bool:
+        """Whether every part's weight still is its rows of the merged tensor."""
+        return all(_storage(p).data_ptr() == ptr for r in self.runs for p, ptr in zip(r.parts, r.pointers))
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self.intact() or (torch.is_grad_enabled() and any(
+                p.weight is not None and p.weight.requires_grad for p in self.parts)):
+            return tuple(p(x) for p in self.parts)
+        out: list[torch.Tensor] = []
+        for r in self.runs:
+            if r.product is None:
+                out.append(r.parts[0](x))
+            else:
+                out.extend(r.product(x).split(r.sizes, dim=-1))
+        return tuple(out)
+
+
+def merge(parts: Sequence[Linear]) -> MergedProjection | None:
+    """A :class:`MergedProjection` of ``parts`` where at least two of them merge, else None (the
+    parts stay as they are)."""
+    if any(p.weight is None and p.quant is None for p in parts):
+        return None
+    if any(p.weight is not None and p.weight.device.type == "meta" for p in parts):
+        return None
+    if all(len(run) == 1 for run in _runs(parts)):
+        return None
+    return MergedProjection(parts)
+
+
+def merge_projections(model: nn.Module) -> int:
+    """Merge the projections of every attention, Gated DeltaNet and MLP layer in ``model`` (set as
+    their ``merged``); returns the number of products saved per pass."""
+    from hpc_cli.model.attention import GatedAttention
+    from hpc_cli.model.gdn import GatedDeltaNet
+    from hpc_cli.model.layers import MLP
+
+    saved = 0
+    for m in model.modules():
+        if getattr(m, "merged", None) is not None:
+            continue
+        if isinstance(m, GatedAttention):
+            parts = (m.q_proj, m.k_proj, m.v_proj)
+        elif isinstance(m, GatedDeltaNet):
+            parts = (m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a)
+        elif isinstance(m, MLP):
+            parts = (m.gate_proj, m.up_proj)
+        else:
+            continue
+        merged = merge(parts)
+        if merged is not None:
+            m.merged = merged
+            saved += len(parts) - merged.products
+    return saved
