@@ -134,9 +134,10 @@ def main() -> None:
     max_b = max(batches)
     ctx = torch.randint(0, vocab, (max_b, args.context + args.steps + 1), generator=gen).to(device)
     pages_per_lane = (max(args.prefill, args.context + args.steps + 1) + 63) // 64
-    kv = model.new_kv_storage(args.kv_profile, pages_per_lane * max_b)
-    states = model.new_state_slots(max_b)
-    tables = [list(range(b * pages_per_lane, (b + 1) * pages_per_lane)) for b in range(max_b)]
+    lanes = max(max_b, 2)  # lane 1 also holds the decode-vs-forward check's prompt
+    kv = model.new_kv_storage(args.kv_profile, pages_per_lane * lanes)
+    states = model.new_state_slots(lanes)
+    tables = [list(range(b * pages_per_lane, (b + 1) * pages_per_lane)) for b in range(lanes)]
 
     def ours_prefill():
         states.reset(0)
