@@ -196,6 +196,7 @@ def merge_projections(model: nn.Module) -> int:
     from hpc_cli.model.layers import MLP
 
     saved = 0
+    on_cuda = False
     for m in model.modules():
         if getattr(m, "merged", None) is not None:
             continue
@@ -211,4 +212,9 @@ def merge_projections(model: nn.Module) -> int:
         if merged is not None:
             m.merged = merged
             saved += len(parts) - merged.products
+            on_cuda = on_cuda or _storage(parts[0]).is_cuda
+    if on_cuda:
+        # the parts' former tensors sit in the caching allocator's cache, where they would count
+        # as used when the engine sizes its KV pool by the free memory: hand them back
+        torch.cuda.empty_cache()
     return saved

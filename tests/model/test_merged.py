@@ -6,6 +6,7 @@ weights merge in runs of their kind."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hpc_cli.model.layers import Linear
@@ -121,3 +122,20 @@ def test_fp8_parts_merge_only_on_the_scale_grid():
     assert merge([_fp8(256, 64, 0), _fp8(256, 64, 1)]) is None
     m = merge([_fp8(256, 256, 0), _fp8(256, 200, 1)])
     assert m is not None and m.products == 1, "the last part may end off the grid"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_merging_on_cuda_leaves_the_free_memory_as_it_was():
+    """The engine sizes its KV pool by the free device memory: the parts' former tensors must not
+    stay cached after the merge."""
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    reserved = {}
+    for merge_on in (False, True):
+        model = HybridModel.from_name_or_path("builtin:qwen3.5-27b-shape@2", dtype=torch.bfloat16, device="cuda",
+                                              merge=merge_on)
+        reserved[merge_on] = torch.cuda.memory_reserved() - base
+        del model
+        torch.cuda.empty_cache()
+    assert reserved[True] <= reserved[False] + (64 << 20), reserved
