@@ -129,13 +129,12 @@ def test_fp8_parts_merge_only_on_the_scale_grid():
 def test_merging_on_cuda_leaves_the_free_memory_as_it_was():
     """The engine sizes its KV pool by the free device memory: the parts' former tensors must not
     stay cached after the merge."""
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved()
     reserved = {}
     for merge_on in (False, True):
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
         model = HybridModel.from_name_or_path("builtin:qwen3.5-27b-shape@2", dtype=torch.bfloat16, device="cuda",
                                               merge=merge_on)
-        reserved[merge_on] = torch.cuda.memory_reserved() - base
+        reserved[merge_on] = torch.cuda.memory_reserved() - before
         del model
-        torch.cuda.empty_cache()
     assert reserved[True] <= reserved[False] + (64 << 20), reserved
