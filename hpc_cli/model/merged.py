@@ -112,31 +112,30 @@ def _merged_quant(parts: Sequence[Linear]) -> QuantizedWeight:
     return merged
 
 
+def _stack(parts: Sequence[Linear], name: str) -> nn.Parameter:
+    """The parts' parameter ``name`` (``weight`` or ``bias``) stacked by rows; each part's becomes
+    a view of its rows (keeping whether it records a gradient)."""
+    stacked = torch.cat([getattr(p, name).detach() for p in parts])
+    row = 0
+    for p in parts:
+        n = p.out_features
+        setattr(p, name, nn.Parameter(stacked[row:row + n], requires_grad=getattr(p, name).requires_grad))
+        row += n
+    return nn.Parameter(stacked, requires_grad=False)
+
+
 def _merge_run(parts: Sequence[Linear]) -> Linear:
     """A Linear (not a submodule of anything) whose weight stacks the parts' rows; each part's
     weight and bias become views of it."""
-    total = sum(p.out_features for p in parts)
     first = parts[0]
-    product = Linear(first.in_features, total, device="meta")
+    product = Linear(first.in_features, sum(p.out_features for p in parts), device="meta")
     if first.quant is not None:
         product.weight = None
         product.quant = _merged_quant(parts)
     else:
-        w = torch.cat([p.weight.detach() for p in parts])
-        product.weight = nn.Parameter(w, requires_grad=False)
-        row = 0
-        for p in parts:
-            n = p.out_features
-            p.weight = nn.Parameter(w[row:row + n], requires_grad=p.weight.requires_grad)
-            row += n
+        product.weight = _stack(parts, "weight")
     if first.bias is not None:
-        b = torch.cat([p.bias.detach() for p in parts])
-        product.bias = nn.Parameter(b, requires_grad=False)
-        row = 0
-        for p in parts:
-            n = p.out_features
-            p.bias = nn.Parameter(b[row:row + n], requires_grad=p.bias.requires_grad)
-            row += n
+        product.bias = _stack(parts, "bias")
     return product
 
 
