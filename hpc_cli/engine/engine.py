@@ -175,7 +175,8 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         # attached below adopts them, so they are never on the device (a model too big for it loads)
         model = HybridModel.from_name_or_path(s.model.name, dtype=getattr(torch, dtype), device=device,
                                               progress=progress, offload_experts=s.experts.offload,
-                                              quantized_weights=s.model.quantized_weights)
+                                              quantized_weights=s.model.quantized_weights,
+                                              merge=s.model.merged_projections)
         engine = cls(model, EngineConfig.from_settings(resolved), **overrides)
         if s.experts.offload or s.experts.trace_file is not None:  # after the KV pools: they set what is free
             from hpc_cli.experts.placement import attach_expert_tier

@@ -29,6 +29,9 @@ class ModelSettings(_Section):
         "auto", description="a FP8/NVFP4 checkpoint's Linear weights on CUDA: held as stored (less memory), "
                             "dequantized on load, or auto = FP8 held, NVFP4 held only when the dequantized "
                             "weights do not fit (its held kernels are slower)")
+    merged_projections: bool = Field(True, description="multiply the projections that read one input (attention "
+                                                       "q/k/v, the GDN input projections, an MLP's gate/up) as one "
+                                                       "weight each (false: apart, for A/B runs)")
 
 
 class EngineSettings(_Section):

@@ -47,3 +47,15 @@ def test_engine_takes_a_config_keywords_or_both(model):
     assert both.C == 1 and both.config.prefill_chunk == 128
     with pytest.raises(TypeError):
         Engine(model, kv_page=32)
+
+
+@pytest.mark.parametrize("env, merged", [({}, True), ({"HPC_MODEL__MERGED_PROJECTIONS": "false"}, False)])
+def test_model_merged_projections_picks_how_the_served_model_multiplies(env, merged):
+    r = load_settings(None, {"model.name": "builtin:random", "engine.kv_capacity": 16, "engine.max_concurrency": 1},
+                      environ=env)
+    e = Engine.from_settings(r)
+    try:
+        mlps = [layer.mlp for layer in e.model.layers]
+        assert all((m.merged is not None) == merged for m in mlps), merged
+    finally:
+        e.stop()
