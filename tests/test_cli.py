@@ -38,6 +38,20 @@ def test_kv_table_reproduces_spec_3_1(model, expected):
         assert f"{kib} KiB" in res.output and f"{mib} MiB" in res.output and f"{b} B" in res.output
 
 
+def test_kv_table_takes_the_builtin_models_serve_takes():
+    """`hpc-cli serve` serves builtin:tiny by default; kv table reads the same names (the embedded
+    model with its weights, a seeded one by its shape) and names them when one is unknown."""
+    tiny = json.loads(run("kv", "table", "--model", "builtin:tiny", "--json", "--device", "cpu").output)
+    assert tiny["attention_layers"] == 2 and tiny["weights"]["format"] == "unquantized"
+    assert tiny["weights"]["stored_bytes"] > 0
+    shape = json.loads(run("kv", "table", "--model", "builtin:qwen3.5-27b-shape@8", "--json").output)
+    full = json.loads(run("kv", "table", "--model", "qwen3.5-27b", "--json").output)
+    assert shape["rows"][0]["bytes_per_token_head"] == full["rows"][0]["bytes_per_token_head"]
+    assert shape["attention_layers"] == 2 and "weights" not in shape
+    res = run("kv", "table", "--model", "builtin:nosuch")
+    assert res.exit_code != 0 and "builtin:tiny" in res.output and "Traceback" not in res.output
+
+
 def test_kv_table_mtp_adds_one_layer_of_pages():
     rows = {r["profile"]: r for r in json.loads(run("kv", "table", "--json").output)["rows"]}
     assert rows["bf16"]["mib_per_page_with_mtp"] == "4.25"  # 17/16 of 4.00 MiB

@@ -76,8 +76,8 @@ def kv_table_rows(shape: HybridShape) -> list[dict]:
 
 @kv_group.command("table")
 @click.option("--model", "model", default="qwen3.5-27b", show_default=True,
-              help=f"a model shape ({', '.join(sorted(PRESETS))}) or a checkpoint directory (its config.json; "
-                   "its weights' format and bytes are shown too)")
+              help=f"a model shape ({', '.join(sorted(PRESETS))}), builtin:NAME or a checkpoint directory (its "
+                   "config.json; its weights' format and bytes are shown too, as for builtin:tiny)")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True, help="with a checkpoint directory: the dtype its weights are held in once loaded")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
@@ -91,21 +91,31 @@ def table_command(model: str, dtype: str, device: str, as_json: bool) -> None:
     bytes they hold once loaded: on CUDA a quantized checkpoint's (FP8, NVFP4) Linear weights stay as
     stored, elsewhere they are dequantised to the model dtype on load."""
     weights = None
-    if Path(model).is_dir():
+    directory = model
+    if model == "builtin:tiny":  # the embedded default: a checkpoint directory in the package
+        from hpc_cli.model.builtin import TINY_DIR
+
+        directory = str(TINY_DIR)
+    if Path(directory).is_dir():
         import torch
 
         from hpc_cli.model.config import ModelConfig
         from hpc_cli.model.footprint import checkpoint_weights
 
-        shape = ModelConfig.from_dir(model).shape()
+        shape = ModelConfig.from_dir(directory).shape()
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        weights = checkpoint_weights(model, getattr(torch, dtype), device=device)
+        weights = checkpoint_weights(directory, getattr(torch, dtype), device=device)
     elif model in PRESETS:
         shape = preset(model)
+    elif model.startswith("builtin:"):  # a seeded built-in: its shape (no weights on disk)
+        from hpc_cli.model.builtin import builtin_config
+
+        shape = builtin_config(model).shape()
     else:
         raise ConfigError(f"--model {model!r} is neither a model shape nor a checkpoint directory",
-                          hint=f"choose one of: {', '.join(sorted(PRESETS))}, or a directory with config.json")
+                          hint=f"choose one of: {', '.join(sorted(PRESETS))}, builtin:NAME (as `hpc-cli serve "
+                               "--model` takes), or a directory with config.json")
     rows = kv_table_rows(shape)
     if as_json:
         data = {"model": model, "attention_layers": shape.num_attention_layers,
