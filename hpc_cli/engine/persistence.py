@@ -169,7 +169,11 @@ def engine_fingerprint(engine: Any) -> dict[str, Any]:
     cd = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
     cd_json = json.dumps(cd, sort_keys=True, default=str)
     dtype = str(engine.model.dtype).replace("torch.", "")
-    sig = hashlib.sha256(f"{cd_json}|{dtype}|{engine.model.device.type}|chunk={engine.chunk}".encode()).hexdigest()[:24]
+    # the projections merged or apart round differently (hpc_cli.model.merged): K/V and states
+    # written one way are not what a cold pass the other way computes
+    merged = any(getattr(m, "merged", None) is not None for m in engine.model.modules())
+    sig = hashlib.sha256(f"{cd_json}|{dtype}|{engine.model.device.type}|chunk={engine.chunk}|merged={merged}"
+                         .encode()).hexdigest()[:24]
     scales = getattr(engine.storage, "global_scales", None)
     uses = getattr(engine.kv_profile, "uses_global_scale", False)
     runtime = getattr(engine, "spec", None)

@@ -76,6 +76,19 @@ def test_restart_reuses_host_tier(model, saved):
     assert got == want
 
 
+def test_a_file_written_with_merged_projections_is_refused_with_them_apart(saved):
+    """Merged and apart products round differently: K/V written one way is not what a cold pass
+    the other way computes (hpc_cli.model.merged)."""
+    from hpc_cli.model.model import HybridModel
+
+    path, _, _ = saved
+    apart = HybridModel.from_name_or_path("builtin:random", dtype=torch.float32, merge=False)
+    b = Engine(apart, **KW)
+    r = attach_cache_file(b, path, progress=False, save=False)
+    assert r.status == "mismatch" and "prefill_signature" in r.reason, r
+    assert b.cache.index.tree.size == 0
+
+
 def test_fingerprint_or_geometry_mismatch_loads_nothing(model, saved, tmp_path):
     path, p3, _ = saved
     b = Engine(model, **{**KW, "prefill_chunk": 64})  # another prefill signature
