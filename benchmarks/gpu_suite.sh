@@ -18,7 +18,7 @@ for f in tests/kv/test_gpu.py tests/model/test_paged_attention.py tests/model/te
          tests/model/test_prefill_graphs_gpu.py tests/model/test_gdn_taps_gpu.py \
          tests/memory/test_transfer_engine_gpu.py \
          tests/engine/test_engine_gpu.py tests/engine/test_cache_modes_gpu.py tests/spec/test_bf16_gpu.py tests/experts/test_gpu.py \
-         tests/experts/test_placement.py; do
+         tests/experts/test_placement.py tests/model/test_merged.py tests/model/test_quant_linear.py; do
     step "test-$(basename "$f" .py)" 400 python3 -m pytest -q -p no:cacheprovider -m gpu "$f"
 done
 step bench-kv_profiles 120 bash -c "python3 benchmarks/kv_profiles.py > '$OUT/kv_profiles.json'"
