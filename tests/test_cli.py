@@ -44,6 +44,9 @@ def test_kv_table_takes_the_builtin_models_serve_takes():
     tiny = json.loads(run("kv", "table", "--model", "builtin:tiny", "--json", "--device", "cpu").output)
     assert tiny["attention_layers"] == 2 and tiny["weights"]["format"] == "unquantized"
     assert tiny["weights"]["stored_bytes"] > 0
+    # held as serve holds it on the CPU (model.dtype = auto: float32), twice its bf16 bytes on disk
+    assert tiny["weights"]["resident_dtype"] == "float32"
+    assert tiny["weights"]["resident_bytes"] == 2 * tiny["weights"]["stored_bytes"]
     shape = json.loads(run("kv", "table", "--model", "builtin:qwen3.5-27b-shape@8", "--json").output)
     full = json.loads(run("kv", "table", "--model", "qwen3.5-27b", "--json").output)
     assert shape["rows"][0]["bytes_per_token_head"] == full["rows"][0]["bytes_per_token_head"]

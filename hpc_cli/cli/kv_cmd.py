@@ -78,8 +78,9 @@ def kv_table_rows(shape: HybridShape) -> list[dict]:
 @click.option("--model", "model", default="qwen3.5-27b", show_default=True,
               help=f"a model shape ({', '.join(sorted(PRESETS))}), builtin:NAME or a checkpoint directory (its "
                    "config.json; its weights' format and bytes are shown too, as for builtin:tiny)")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
-              show_default=True, help="with a checkpoint directory: the dtype its weights are held in once loaded")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+              show_default=True, help="with a checkpoint directory: the dtype its weights are held in once loaded "
+                                      "(auto: as `serve` holds them, bfloat16 on cuda, float32 on cpu)")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
               help="with a checkpoint directory: where its weights are held (auto: cuda when there is one); on "
                    "cuda a quantized checkpoint's Linear weights stay as stored")
@@ -105,6 +106,8 @@ def table_command(model: str, dtype: str, device: str, as_json: bool) -> None:
         shape = ModelConfig.from_dir(directory).shape()
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype == "auto":  # serve's model.dtype = auto
+            dtype = "bfloat16" if device == "cuda" else "float32"
         weights = checkpoint_weights(directory, getattr(torch, dtype), device=device)
     elif model in PRESETS:
         shape = preset(model)
