@@ -170,13 +170,20 @@ def causal_conv_time_major(rows: torch.Tensor, weight: torch.Tensor) -> torch.Te
 
 
 def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   initial_state: torch.Tensor | None, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule token by token. ``in_place``: ``initial_state`` (fp32, contiguous) is stepped where
+    it lies and returned, no copy made (the same arithmetic, so the same bits)."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, h, t, dk = k.shape
     dv = v.shape[-1]
-    state = (torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
-             else initial_state.float().clone(memory_format=torch.contiguous_format))
+    if in_place:
+        assert initial_state is not None and initial_state.dtype == torch.float32 and initial_state.is_contiguous(), \
+            "a state stepped in place is fp32 and contiguous"
+        state = initial_state
+    else:
+        state = (torch.zeros(b, h, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
+                 else initial_state.float().clone(memory_format=torch.contiguous_format))
     out = torch.empty_like(v)
     # the state updated in place, its products as batched matrix products over the b * h heads:
     # each step reads and writes the state about 3 times where elementwise products and sums
@@ -236,10 +243,11 @@ def gated_delta_prefill(q, k, v, g, beta, initial_state, use_fla: bool | None = 
     return _fla_rule(0, q, k, v, g, beta, initial_state)
 
 
-def gated_delta_decode(q, k, v, g, beta, initial_state, use_fla: bool | None = None):
-    """One token per lane (``T == 1``): fla's fused recurrent kernel on CUDA when present, else torch."""
+def gated_delta_decode(q, k, v, g, beta, initial_state, use_fla: bool | None = None, in_place: bool = False):
+    """One token per lane (``T == 1``): fla's fused recurrent kernel on CUDA when present, else torch
+    (``in_place``: the torch rule steps ``initial_state`` where it lies, :func:`recurrent_rule`)."""
     if use_fla is False or not q.is_cuda or _fla() is None:
-        return recurrent_rule(q, k, v, g, beta, initial_state)
+        return recurrent_rule(q, k, v, g, beta, initial_state, in_place=in_place)
     return _fla_rule(1, q, k, v, g, beta, initial_state)
 
 
