@@ -171,7 +171,9 @@ def engine_fingerprint(engine: Any) -> dict[str, Any]:
     dtype = str(engine.model.dtype).replace("torch.", "")
     # the projections merged or apart round differently (hpc_cli.model.merged): K/V and states
     # written one way are not what a cold pass the other way computes
-    merged = any(getattr(m, "merged", None) is not None for m in engine.model.modules())
+    from hpc_cli.model.merged import is_merged
+
+    merged = is_merged(engine.model)
     sig = hashlib.sha256(f"{cd_json}|{dtype}|{engine.model.device.type}|chunk={engine.chunk}|merged={merged}"
                          .encode()).hexdigest()[:24]
     scales = getattr(engine.storage, "global_scales", None)

@@ -173,10 +173,11 @@ class ColumnsOut:
 
 
 def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: torch.Tensor,
-         slot_t: torch.Tensor, keep_all: bool, R: int):
+         slot_t: torch.Tensor, keep_all: bool, R: int, run: int | None = None):
     """The GDN layer's columns. ``rec`` is the layer's state slots, the lanes' in ``slot_t``: with
     ``keep_all`` they are read only (every column's state comes back ``[B, T, H, dk, dv]``), else
-    the last column's state is written back there (and ``None`` comes back)."""
+    the last column's state is written back there (and ``None`` comes back). ``run``: the first of
+    the lanes' slots where they are consecutive (:func:`_slot_run`; decode on the CPU only)."""
     mixed, z, b, a = blocks(la._project, R, h)
     C = mixed.shape[-1]
     m = mixed[:n].view(B, T, C)
@@ -187,10 +188,11 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: 
     w = la.conv1d.weight[:, 0, :]  # [C, K]
     K = w.shape[-1]
     b3, a3 = b[:n].view(B, T, -1), a[:n].view(B, T, -1)
-    # decode on the CPU, the lanes' slots one run (one lane always): their states are stepped where
-    # they lie in ``rec``, not gathered, copied by the rule and scattered back (three copies of
-    # the state a layer, 3 MiB each at the 27B mixer widths); the same arithmetic, the same bits
-    run = _slot_run(slot_t) if not keep_all and rec.device.type == "cpu" and rec.dtype == torch.float32 else None
+    # ``run`` (decode on the CPU, the lanes' slots one run starting there): the states are stepped
+    # where they lie in ``rec``, not gathered, copied by the rule and scattered back (three copies
+    # of the state a layer, 3 MiB each at the 27B mixer widths); the same arithmetic, the same bits
+    if run is not None and rec.dtype != torch.float32:
+        run = None
     state = rec.narrow(0, run, B) if run is not None else rec.index_select(0, slot_t)
     outs, states = [], []
     for t in range(T):
@@ -216,7 +218,10 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: 
 
 
 def _slot_run(slot_t: torch.Tensor) -> int | None:
-    """The first slot where ``slot_t`` (on the CPU) is consecutive slots in order, else None."""
+    """The first slot where ``slot_t`` (on the CPU: a host read) is consecutive slots in order, else
+    None; None on other devices."""
+    if slot_t.device.type != "cpu":
+        return None
     slots = slot_t.tolist()
     return slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None
 
@@ -330,6 +335,7 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
     x = blocks(model._embed, R, flat_tok)
     capture = set(capture)
     paged = kv.paged_attention_supported(model.config.num_attention_heads)
+    run = None if keep_all else _slot_run(slot_t)  # once a pass: every GDN layer's slots are the same
     feats, windows, kept = [], [], []
     for i, layer in enumerate(model.layers):
         h = blocks(layer.input_layernorm, R, x)
@@ -337,7 +343,7 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
             g = model.state_index[i]
             conv, rec = states.conv[g], states.recurrent[g]
             out, window, st = _gdn(layer.linear_attn, h, n, B, T, conv.index_select(0, slot_t), rec, slot_t,
-                                   keep_all, R)
+                                   keep_all, R, run)
             if keep_all:
                 windows.append(window)
                 kept.append(st)

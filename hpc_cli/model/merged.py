@@ -44,12 +44,14 @@ class _Run:
     pointers: tuple[int, ...]  # each part's weight storage as merged, to tell when it moved
 
 
+def _codes(q: QuantizedWeight) -> str:
+    """The name of a held weight's codes (its rows, one per output)."""
+    return "weight" if isinstance(q, FP8Weight) else "packed"
+
+
 def _storage(part: Linear) -> torch.Tensor:
     """The tensor whose rows are ``part``'s weight: its codes when held quantized."""
-    q = part.quant
-    if q is None:
-        return part.weight
-    return q.weight if isinstance(q, FP8Weight) else q.packed
+    return part.weight if part.quant is None else getattr(part.quant, _codes(part.quant))
 
 
 def _kind(part: Linear) -> tuple:
@@ -76,12 +78,16 @@ def _aligned(parts: Sequence[Linear]) -> bool:
 
 
 def _runs(parts: Sequence[Linear]) -> list[list[Linear]]:
+    """The parts in runs of consecutive parts that merge."""
     runs: list[list[Linear]] = []
+    last = None
     for p in parts:
-        if runs and _kind(runs[-1][-1]) == _kind(p) and _aligned(runs[-1] + [p]) and _kind(p)[0] != "other":
+        kind = _kind(p)
+        if kind == last and kind[0] != "other" and _aligned(runs[-1] + [p]):
             runs[-1].append(p)
         else:
             runs.append([p])
+        last = kind
     return runs
 
 
@@ -89,26 +95,21 @@ def _merged_quant(parts: Sequence[Linear]) -> QuantizedWeight:
     """One held weight over the parts' rows; each part's codes and scales become views of it."""
     qs = [p.quant for p in parts]
     first = qs[0]
+    codes = _codes(first)
     if isinstance(first, FP8Weight):
-        stored = StoredFP8(torch.cat([q.weight for q in qs]), torch.cat([q.scale for q in qs]), first.block)
-        merged: QuantizedWeight = FP8Weight(stored, first.weight.device)
-        row, srow = 0, 0
-        for q in qs:
-            n, s = q.weight.shape[0], q.scale.shape[0]
-            q.weight = merged.weight[row:row + n]
-            q.scale = merged.scale[srow:srow + s]
-            row, srow = row + n, srow + s
-        return merged
-    assert isinstance(first, NVFP4Weight), f"no merged form of {type(first).__name__}"
-    stored4 = StoredNVFP4(torch.cat([q.packed for q in qs]), torch.cat([q.scale for q in qs]), first.factor,
-                          first.group)
-    merged = NVFP4Weight(stored4, first.packed.device)
-    row = 0
+        merged: QuantizedWeight = FP8Weight(StoredFP8(torch.cat([q.weight for q in qs]),
+                                                      torch.cat([q.scale for q in qs]), first.block),
+                                            first.weight.device)
+    else:
+        assert isinstance(first, NVFP4Weight), f"no merged form of {type(first).__name__}"
+        merged = NVFP4Weight(StoredNVFP4(torch.cat([q.packed for q in qs]), torch.cat([q.scale for q in qs]),
+                                         first.factor, first.group), first.packed.device)
+    row, srow = 0, 0
     for q in qs:
-        n = q.packed.shape[0]
-        q.packed = merged.packed[row:row + n]
-        q.scale = merged.scale[row:row + n]
-        row += n
+        n, ns = getattr(q, codes).shape[0], q.scale.shape[0]
+        setattr(q, codes, getattr(merged, codes)[row:row + n])
+        q.scale = merged.scale[srow:srow + ns]
+        row, srow = row + n, srow + ns
     return merged
 
 
@@ -143,15 +144,13 @@ class MergedProjection:
     """The parts (Linear layers that read one input) multiplied in as few products as their kinds
     allow; calling it returns each part's output, in the parts' order, as ``part(x)`` would."""
 
-    def __init__(self, parts: Sequence[Linear]) -> None:
-        assert len({p.in_features for p in parts}) == 1, "merged parts read one input"
-        self.parts = tuple(parts)
-        runs = []
-        for run in _runs(parts):
-            product = _merge_run(run) if len(run) > 1 else None
-            runs.append(_Run(tuple(run), product, tuple(p.out_features for p in run),
-                             tuple(_storage(p).data_ptr() for p in run)))
-        self.runs = tuple(runs)
+    def __init__(self, runs: Sequence[Sequence[Linear]]) -> None:
+        """``runs``: the parts, in order, in runs of parts that merge (:func:`merge` finds them)."""
+        self.parts = tuple(p for run in runs for p in run)
+        assert len({p.in_features for p in self.parts}) == 1, "merged parts read one input"
+        self.runs = tuple(_Run(tuple(run), _merge_run(run) if len(run) > 1 else None,
+                               tuple(p.out_features for p in run), tuple(_storage(p).data_ptr() for p in run))
+                          for run in runs)
 
     @property
     def products(self) -> int:
@@ -182,9 +181,15 @@ def merge(parts: Sequence[Linear]) -> MergedProjection | None:
         return None
     if any(p.weight is not None and p.weight.device.type == "meta" for p in parts):
         return None
-    if all(len(run) == 1 for run in _runs(parts)):
+    runs = _runs(parts)
+    if all(len(run) == 1 for run in runs):
         return None
-    return MergedProjection(parts)
+    return MergedProjection(runs)
+
+
+def is_merged(model: nn.Module) -> bool:
+    """Whether any of ``model``'s layers multiplies merged projections."""
+    return any(getattr(m, "merged", None) is not None for m in model.modules())
 
 
 def merge_projections(model: nn.Module) -> int:
