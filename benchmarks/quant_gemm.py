@@ -29,7 +29,11 @@ import torch.nn.functional as F
 #: key and 48 value heads of 128)
 SHAPES = [("attn.q", 12288, 5120), ("attn.kv", 1024, 5120), ("attn.o", 5120, 6144),
           ("gdn.qkv", 10240, 5120), ("gdn.z", 6144, 5120), ("gdn.out", 5120, 6144),
-          ("mlp.gate", 17408, 5120), ("mlp.up", 17408, 5120), ("mlp.down", 5120, 17408)]
+          ("mlp.gate", 17408, 5120), ("mlp.up", 17408, 5120), ("mlp.down", 5120, 17408),
+          # the merged products the model runs (hpc_cli/model/merged.py): q/k/v, the GDN's qkv + z, gate + up
+          ("attn.qkv", 14336, 5120), ("gdn.qkvz", 16384, 5120), ("mlp.gate_up", 34816, 5120)]
+#: the products of a merged model's attention and GDN layer with their MLPs (the default)
+MERGED = ("attn.qkv", "attn.o", "gdn.qkvz", "gdn.out", "mlp.gate_up", "mlp.down")
 #: the decode tiles a sweep times: sums in registers, and the two tensor-core forms
 DECODE_TILES = (
     [{"BN": bn, "BK": 128, "num_warps": 4, "num_stages": 3, "waves": 8} for bn in (16, 32)]
@@ -41,6 +45,9 @@ DECODE_TILES = (
     # FP8 only (NVFP4 ignores the flag): the FP8 matrix units, rows quantized to e4m3 per 128 inputs
     + [{"BN": bn, "BK": 128, "num_warps": w, "num_stages": s, "waves": v, "e4m3": True}
        for bn, w, s, v in ((64, 4, 3, 4), (128, 4, 3, 2), (128, 8, 3, 2), (64, 4, 4, 2), (128, 4, 2, 4))])
+#: ``--sweep e4m3``: the FP8 matrix units' tile alone, over its widths, stages and waves
+E4M3_TILES = [{"BN": bn, "BK": 128, "num_warps": 4, "num_stages": s, "waves": v, "e4m3": True}
+              for bn, s, v in itertools.product((32, 64, 128), (3, 4), (2, 4, 8))]
 #: FP8 only: decode-sized rows quantized to e4m3 for cuBLAS's block-scaled product
 SCALED_MM_TILE = {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "waves": 8, "dot": True, "scaled_mm": True}
 L2_MULTIPLE = 400e6  # bytes of weight copies a timing rotates over
@@ -56,10 +63,14 @@ def tile_key(t: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="16,2048", help="rows a pass (the engine runs decode in blocks of 16)")
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated names of SHAPES")
+    ap.add_argument("--shapes", default=",".join(MERGED),
+                    help="comma-separated names of SHAPES (default: a merged model's products)")
     ap.add_argument("--out")
-    ap.add_argument("--sweep", action="store_true", help="time every decode tile (default: the shipped ones)")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=("all", "e4m3"),
+                    help="time every decode tile (default: the shipped ones); e4m3: FP8's matrix-unit tiles only")
+    ap.add_argument("--formats", default="fp8,nvfp4", help="comma list of the weight formats to time")
     args = ap.parse_args()
+    formats = [f for f in ("fp8", "nvfp4") if f in args.formats.split(",")]
     from triton.testing import do_bench as bench
 
     def do_bench(fns) -> float:
@@ -94,11 +105,16 @@ def main() -> None:
         for m in (int(r) for r in args.rows.split(",")):
             decode = m <= quant_gemm.DECODE_ROWS
             x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
-            ms: dict[str, dict[str, float]] = {"fp8": {}, "nvfp4": {}}  # format -> variant -> ms
+            ms: dict[str, dict[str, float]] = {f: {} for f in formats}  # format -> variant -> ms
             if decode:
-                for fmt in ("fp8", "nvfp4"):
-                    tiles = ([t for t in DECODE_TILES if fmt == "fp8" or not t.get("e4m3")]
-                             + [SCALED_MM_TILE] * (fmt == "fp8") if args.sweep else [shipped[fmt]])
+                for fmt in formats:
+                    if args.sweep == "e4m3":
+                        tiles = E4M3_TILES if fmt == "fp8" else [shipped[fmt]]
+                    elif args.sweep:
+                        tiles = ([t for t in DECODE_TILES if fmt == "fp8" or not t.get("e4m3")]
+                                 + [SCALED_MM_TILE] * (fmt == "fp8"))
+                    else:
+                        tiles = [shipped[fmt]]
                     for tile in tiles:
                         quant_gemm.TILES[fmt] = tile
                         if fmt == "fp8":
@@ -113,10 +129,12 @@ def main() -> None:
                             ms[fmt][tile_key(tile)] = float("inf")
                     quant_gemm.TILES[fmt] = shipped[fmt]
             else:
-                ms["fp8"]["dequantized"] = do_bench(
-                    [lambda q=q, s=s: quant_gemm.fp8_linear(x, q, s, (128, 128)) for q, s in fp8])
-                ms["nvfp4"]["dequantized"] = do_bench([lambda c=c: quant_gemm.nvfp4_linear(x, *c) for c in nv])
-                if quant_gemm.scaled_mm_ready(dev):  # the FP8 tensor cores (cuBLAS)
+                if "fp8" in formats:
+                    ms["fp8"]["dequantized"] = do_bench(
+                        [lambda q=q, s=s: quant_gemm.fp8_linear(x, q, s, (128, 128)) for q, s in fp8])
+                if "nvfp4" in formats:
+                    ms["nvfp4"]["dequantized"] = do_bench([lambda c=c: quant_gemm.nvfp4_linear(x, *c) for c in nv])
+                if "fp8" in formats and quant_gemm.scaled_mm_ready(dev):  # the FP8 tensor cores (cuBLAS)
                     ms["fp8"]["scaled_mm"] = do_bench(
                         [lambda q=q, s=s, a=a: quant_gemm.fp8_linear(x, q, s, (128, 128), a)
                          for (q, s), a in zip(fp8, mm)])
@@ -124,9 +142,9 @@ def main() -> None:
                    "bf16_ms": do_bench([lambda b=b: F.linear(x, b) for b in bf]), "ms": ms}
             best = {fmt: min(v, key=v.get) for fmt, v in ms.items()}
             if decode:  # the weight bytes each reads, over its time: the bandwidth it reaches
-                row["TBps"] = {"bf16": 2 * n * k / row["bf16_ms"] / 1e9,
-                               "fp8": n * k / ms["fp8"][best["fp8"]] / 1e9,
-                               "nvfp4": n * k / 2 / ms["nvfp4"][best["nvfp4"]] / 1e9}
+                per_byte = {"fp8": 1.0, "nvfp4": 0.5}
+                row["TBps"] = {"bf16": 2 * n * k / row["bf16_ms"] / 1e9}
+                row["TBps"].update({f: per_byte[f] * n * k / ms[f][best[f]] / 1e9 for f in formats})
             results.append(row)
             print(f"rows {m} {name}: bf16 {row['bf16_ms']:.4f} ms; " + "; ".join(
                 f"{fmt} {b} {ms[fmt][b]:.4f} ms ({row['bf16_ms'] / ms[fmt][b]:.2f}x)" for fmt, b in best.items())
@@ -136,11 +154,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     doc: dict = {"device": torch.cuda.get_device_name(), "results": results, "best_decode_tiles": {}}
     decode_rows = [r for r in results if r["rows"] <= quant_gemm.DECODE_ROWS]
-    for fmt in ("fp8", "nvfp4"):  # the tile fastest over all decode-sized rows and shapes
+    for fmt in formats:  # the tile fastest over all decode-sized rows and shapes
         if decode_rows:
             keys = list(decode_rows[0]["ms"][fmt])
             best = min(keys, key=lambda t: sum(r["ms"][fmt][t] for r in decode_rows))
-            doc["best_decode_tiles"][fmt] = next(t for t in DECODE_TILES + [SCALED_MM_TILE, shipped[fmt]]
+            doc["best_decode_tiles"][fmt] = next(t for t in DECODE_TILES + E4M3_TILES + [SCALED_MM_TILE, shipped[fmt]]
                                                  if tile_key(t) == best)
     if args.out:
         with open(args.out, "w") as f:
@@ -148,7 +166,7 @@ def main() -> None:
     for m in sorted({r["rows"] for r in results}):
         rows = [r for r in results if r["rows"] == m]
         bf = sum(r["bf16_ms"] for r in rows)
-        for fmt in ("fp8", "nvfp4"):
+        for fmt in formats:
             best = min(rows[0]["ms"][fmt], key=lambda v: sum(r["ms"][fmt][v] for r in rows))
             total = sum(r["ms"][fmt][best] for r in rows)
             per_shape = "  ".join(f"{r['shape']} {r['bf16_ms'] / r['ms'][fmt][best]:.2f}" for r in rows)
