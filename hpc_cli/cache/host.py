@@ -50,8 +50,8 @@ def round_slab(record_bytes: int) -> int:
 class HostSlabPool:
     """Slab ids ``0 .. num_slabs-1``; ``alloc`` and ``free`` are O(1) per slab."""
 
-    __slots__ = ("slab_bytes", "image_bytes", "num_slabs", "slabs_per_chunk", "ready_slabs", "_free", "_use",
-                 "_owner", "_by_use", "_gen")
+    __slots__ = ("slab_bytes", "image_bytes", "num_slabs", "slabs_per_chunk", "ready_slabs", "high_water", "_free",
+                 "_use", "_owner", "_by_use", "_gen")
 
     def __init__(self, host_bytes: int, slab_bytes: int, image_bytes: int, *,
                  chunk_bytes: int = CHUNK_BYTES, ready_slabs: int | None = None) -> None:
@@ -75,6 +75,9 @@ class HostSlabPool:
         #: slabs ``0 .. ready_slabs-1`` are backed by memory and may be handed out (all of them
         #: unless the memory layer pins the chunks in the background)
         self.ready_slabs = 0
+        #: one more than the highest slab ever handed out (the memory layer faults pages in
+        #: ahead of it on the CPU)
+        self.high_water = 0
         self._free: list[int] = []
         self._use = bytearray(self.num_slabs)  # SlabUse per slab (FREE for slabs not ready yet)
         self._owner: list[Any] = [None] * self.num_slabs
@@ -162,6 +165,8 @@ class HostSlabPool:
         for s in out:
             u[s] = use
             o[s] = owner
+        if out and out[-1] >= self.high_water:  # new slabs come lowest first, after freed ones
+            self.high_water = max(out) + 1
         self._by_use[SlabUse.FREE] -= k
         self._by_use[use] += k
         return out

@@ -16,6 +16,9 @@ registration held a concurrent matmul loop for 1.3 s), so between chunks the thr
 ``may_pin`` (set while the engine is idle, at most ``defer_s`` seconds). A copy may not span two
 registrations (the driver refuses it), so one chunk is one registration. A failed chunk ends
 the growth: the tier keeps the chunks it has, ``error`` says why and a warning is logged.
+On the CPU (unpinned, in the background) a thread faults pages in ahead of the slabs in use
+(:mod:`~hpc_cli.memory.prefault`, driven by :meth:`HostSlabStorage.fault_ahead`), so a
+write-through does not zero fresh pages in the request's time.
 
 A slab holds one *block bundle* (:class:`~hpc_cli.memory.bundle.BundleLayout`); a state image
 takes ``ceil(image_bytes / slab_bytes)`` slabs wherever they are free, and the image's packed
@@ -41,6 +44,7 @@ import torch
 from hpc_cli.errors import CapacityError
 from hpc_cli.memory.bundle import SLAB_ALIGN, image_slab_count
 from hpc_cli.memory.cudart import mapped_device_pointer
+from hpc_cli.memory.prefault import Prefaulter
 
 log = logging.getLogger("hpc_cli.memory")
 
@@ -143,6 +147,10 @@ class HostSlabStorage:
         self._t0 = time.monotonic()
         self._t_end: float | None = None
         self._thread: threading.Thread | None = None
+        #: on the CPU, in the background: faults pages in ahead of the slabs in use
+        self._prefault: Prefaulter | None = None
+        if background and num_slabs and not self.pinned:
+            self._prefault = Prefaulter(self._slab_ranges, slab_bytes)
         if background and num_slabs:
             self._thread = threading.Thread(target=self._allocate_all, name="hpc-host-tier", daemon=True)
             self._thread.start()
@@ -277,6 +285,23 @@ class HostSlabStorage:
             self.device_ptrs.append(None)
         return t
 
+    def fault_ahead(self, high_water: int) -> None:
+        """Slabs below ``high_water`` have been handed out: keep the pages of those and of the
+        next :data:`~hpc_cli.memory.prefault.AHEAD_BYTES` faulted in (CPU; a no-op when pinned).
+        O(1): the engine calls it as it polls."""
+        if self._prefault is not None:
+            self._prefault.want(high_water, self.ready_slabs)
+
+    def _slab_ranges(self, first: int, last: int) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of slabs ``first .. last - 1``, one run per chunk."""
+        out = []
+        while first < last:
+            c, off = self.location(first)
+            end = min(last, (c + 1) * self.slabs_per_chunk)
+            out.append((self.chunks[c].data_ptr() + off, (end - first) * self.slab_bytes))
+            first = end
+        return out
+
     def stop_growth(self) -> None:
         """Allocate no further chunk (the engine stopped); the ready chunks stay."""
         self._stop_growth = True
@@ -286,6 +311,9 @@ class HostSlabStorage:
         """Stop the background allocation, unpin every chunk and drop the memory (idempotent)."""
         self.stop_growth()
         self._closed = True
+        if self._prefault is not None:  # before the chunks go
+            self._prefault.stop()
+            self._prefault = None
         th = self._thread
         if th is not None and th is not threading.current_thread():
             th.join()
@@ -299,7 +327,8 @@ class HostSlabStorage:
         self.device_ptrs = []
 
     def __del__(self) -> None:
-        if getattr(self, "_registered", None) or getattr(self, "_thread", None) is not None:
+        if (getattr(self, "_registered", None) or getattr(self, "_thread", None) is not None
+                or getattr(self, "_prefault", None) is not None):
             self.close()
 
     # -- geometry -------------------------------------------------------------------------

@@ -22,6 +22,7 @@ class Transfers(BindingParts):
     def grow_host(self) -> int:
         """Hand the index the host slabs whose chunks finished pinning since the last call
         (O(1) when none did). Returns how many were added."""
+        self.host.fault_ahead(self.index.host.high_water)  # CPU: pages faulted in before use
         ready = self.host.ready_slabs
         if ready == self.index.host.ready_slabs:
             return 0
