@@ -28,7 +28,7 @@ log = logging.getLogger("hpc_cli.memory")
 
 MiB = 1 << 20
 #: how far the faulted pages run ahead of the highest slab handed out
-AHEAD_BYTES = 512 * MiB
+AHEAD_BYTES = 256 * MiB
 #: bytes one ``madvise`` call faults in (the thread checks for a stop between pieces)
 PIECE_BYTES = 16 * MiB
 MADV_POPULATE_WRITE = 23  # linux/mman.h
