@@ -4,6 +4,8 @@ a prefix cache file, and a mode registered by a plugin runs the engine."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import hpc_cli
@@ -108,6 +110,8 @@ def test_legacy_demotes_to_the_host_and_restores_exactly(model):
     for p in (a, b):
         e.submit(GenerationRequest(p, sp)).result(60)
     assert e.cache.stats().catalog.checkpoints.by_residency == {"device": 1, "host": 1}
+    in_use = set(range(e.cache._host_ready)) - set(e.cache.free_slabs)
+    assert in_use and e.cache.host_high == max(in_use) + 1  # the mark the CPU tier faults pages in ahead of
     ext = a + [7] * 30
     toks, fin = e.submit(GenerationRequest(ext, SamplingParams(max_tokens=6, temperature=0,
                                                                ignore_eos=True))).result(60)
@@ -119,6 +123,28 @@ def test_legacy_demotes_to_the_host_and_restores_exactly(model):
     want, _ = ref.generate(GenerationRequest(ext, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)))
     ref.stop()
     assert [t.token_id for t in toks] == want
+
+
+def test_the_cpu_host_tier_faults_pages_in_ahead_of_the_slabs_in_use(model):
+    """The hybrid binding hands the index's high-water mark to the host storage as it polls:
+    the storage's prefault thread (CPU) is asked for every slab below it, and more."""
+    if model.device.type != "cpu":
+        pytest.skip("a pinned host tier has every page in memory")
+    e = Engine(model, **KW).start()
+    try:
+        sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        for p in (list(range(1, 200)), list(range(3, 230))):
+            e.submit(GenerationRequest(p, sp)).result(60)
+        high = e.cache.index.host.high_water
+        assert high > 0, "the requests wrote through to the host tier"
+        prefault = e.cache.host._prefault
+        end = time.monotonic() + 10
+        while prefault._target <= high and time.monotonic() < end:  # the worker's next poll
+            time.sleep(0.01)
+        assert prefault._target > high
+    finally:
+        e.stop()
+    e.check_invariants()
 
 
 def test_legacy_shared_prefix_is_published_where_two_sessions_meet(model):

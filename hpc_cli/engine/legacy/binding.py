@@ -78,6 +78,7 @@ class LegacyBinding(LegacyAdmission, Owners):
         self.host.wait_ready(self.host.slabs_per_chunk, timeout=self.FIRST_CHUNK_WAIT_S)
         self._host_ready = 0
         self.free_slabs: list[int] = []
+        self.host_high = 0
         self.kv_slabs_used = 0
         self.images_used = 0
         self.transfer = context.make_transfer(self.host)
@@ -187,6 +188,7 @@ class LegacyBinding(LegacyAdmission, Owners):
         return self.transfer.pending
 
     def _grow_host(self) -> None:
+        self.host.fault_ahead(self.host_high)  # CPU: pages faulted in before use
         ready = self.host.ready_slabs
         if ready > self._host_ready:
             self.free_slabs += range(ready - 1, self._host_ready - 1, -1)

@@ -106,6 +106,7 @@ class Owners(LegacyParts):
             return
         slabs = [self.free_slabs.pop() for _ in range(owner.blocks)]
         images = [(c, tuple(self.free_slabs.pop() for _ in range(self.image_slabs))) for c in owner.checkpoints]
+        self.host_high = max(self.host_high, max([*slabs, *(x for _, s in images for x in s)], default=-1) + 1)
         job = self.transfer.write_through(blocks=list(zip(owner.pages, slabs)),
                                           images=[(c.slot, list(s)) for c, s in images])
         self.jobs[job.job_id] = ("demote", owner)

@@ -50,6 +50,7 @@ class LegacyParts:
     host_images: int
     host: HostSlabStorage
     free_slabs: list[int]
+    host_high: int  # one more than the highest host slab handed out (CPU: pages faulted in ahead of it)
     kv_slabs_used: int
     images_used: int
     transfer: TransferEngine
