@@ -128,13 +128,15 @@ def test_fp8_parts_merge_only_on_the_scale_grid():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_merging_on_cuda_leaves_the_free_memory_as_it_was():
     """The engine sizes its KV pool by the free device memory: the parts' former tensors must not
-    stay cached after the merge."""
+    stay cached after the merge. What remains is the allocator's rounding of the new merged
+    tensors' segments: 86 MB over 8.36 GiB of weights on an H200 (2026-12-06), so 2% is allowed;
+    keeping the parts' tensors cached held 1.95 GB more there (22%)."""
     reserved = {}
     for merge_on in (False, True):
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
-        model = HybridModel.from_name_or_path("builtin:qwen3.5-27b-shape@2", dtype=torch.bfloat16, device="cuda",
+        model = HybridModel.from_name_or_path("builtin:qwen3.5-27b-shape@4", dtype=torch.bfloat16, device="cuda",
                                               merge=merge_on)
         reserved[merge_on] = torch.cuda.memory_reserved() - before
         del model
-    assert reserved[True] <= reserved[False] + (64 << 20), reserved
+    assert reserved[True] <= reserved[False] * 1.02, reserved
