@@ -303,17 +303,18 @@ class HostSlabStorage:
         return out
 
     def stop_growth(self) -> None:
-        """Allocate no further chunk (the engine stopped); the ready chunks stay."""
+        """Allocate no further chunk and fault no more pages in (the engine stopped); the ready
+        chunks stay."""
+        if self._prefault is not None:
+            self._prefault.stop()
+            self._prefault = None
         self._stop_growth = True
         self.may_pin.set()
 
     def close(self) -> None:
         """Stop the background allocation, unpin every chunk and drop the memory (idempotent)."""
-        self.stop_growth()
+        self.stop_growth()  # the prefault thread first: before the chunks go
         self._closed = True
-        if self._prefault is not None:  # before the chunks go
-            self._prefault.stop()
-            self._prefault = None
         th = self._thread
         if th is not None and th is not threading.current_thread():
             th.join()

@@ -22,6 +22,7 @@ import ctypes.util
 import logging
 import os
 import threading
+import weakref
 from typing import Callable, Sequence
 
 log = logging.getLogger("hpc_cli.memory")
@@ -70,13 +71,15 @@ class Prefaulter:
     """A thread that keeps slabs ``0 .. target - 1`` of a storage faulted in.
 
     ``ranges(first, last)`` gives the ``(address, nbytes)`` runs of slabs ``first .. last - 1``
-    (within chunks that exist: the caller clamps to them); :meth:`want` raises the target (never
-    lowers it), :meth:`stop` ends the thread. ``faulted`` is how many slabs from slab 0 are done.
+    (within chunks that exist: the caller clamps to them); a bound method is held weakly, so the
+    thread does not keep its storage alive (it ends when the storage goes). :meth:`want` raises the
+    target (never lowers it), :meth:`stop` ends the thread. ``faulted`` is how many slabs from
+    slab 0 are done.
     """
 
     def __init__(self, ranges: Callable[[int, int], Sequence[tuple[int, int]]], slab_bytes: int,
                  ahead_bytes: int = AHEAD_BYTES) -> None:
-        self._ranges = ranges
+        self._ranges = weakref.WeakMethod(ranges) if hasattr(ranges, "__self__") else (lambda: ranges)
         self.slab_bytes = slab_bytes
         self.ahead_slabs = max(1, ahead_bytes // slab_bytes)
         self.faulted = 0
@@ -116,9 +119,13 @@ class Prefaulter:
                 if self._stopped:
                     return
                 last = min(self._target, self.faulted + piece)
-            for address, nbytes in self._ranges(self.faulted, last):
+            ranges = self._ranges()
+            if ranges is None:  # the storage is gone
+                return
+            for address, nbytes in ranges(self.faulted, last):
                 if not populate_write(address, nbytes):
                     self.failed = True
                     log.debug("host tier pages cannot be faulted in ahead of use on this system")
                     return
+            del ranges
             self.faulted = last

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import time
+import weakref
 
 import pytest
 
@@ -102,3 +104,27 @@ def test_the_pool_tracks_the_highest_slab_handed_out():
     e = pool.alloc(2, SlabUse.NODE, "e")
     assert sorted(e) == [7, 8] and pool.high_water == 9
     pool.check()
+
+
+def test_the_prefault_thread_ends_with_the_growth_and_never_keeps_its_storage():
+    h = HostSlabStorage(64 << 10, 64, pin=False, background=True)
+    th = h._prefault._thread
+    h.fault_ahead(8)
+    h.stop_growth()  # the engine stopped
+    assert h._prefault is None
+    th.join(5)
+    assert not th.is_alive()
+    h.close()
+
+    h = HostSlabStorage(64 << 10, 64, pin=False, background=True)  # dropped without close()
+    assert h.wait_ready(64, timeout=10) == 64
+    pf = h._prefault  # holds the storage weakly
+    h.fault_ahead(8)
+    wait_for(lambda: pf.faulted >= 8)
+    th = pf._thread
+    gone = weakref.ref(h)
+    del h
+    gc.collect()
+    assert gone() is None, "the thread kept the storage (and its memory) alive"
+    th.join(5)
+    assert not th.is_alive()
