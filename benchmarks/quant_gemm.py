@@ -94,12 +94,15 @@ def main() -> None:
     results = []
     for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
         w = torch.randn(n, k, device=dev, generator=gen, dtype=torch.float32) * 0.02
-        packed, scale, glob = quantize_nvfp4(w)
-        fq, fs = quantize_fp8(w, (128, 128))
         copies = max(1, min(32, int(L2_MULTIPLE // (n * k) + 1)))
         bf = [w.bfloat16() for _ in range(copies)]
-        fp8 = [(fq.clone(), fs.clone()) for _ in range(copies)]
-        nv = [(packed.clone(), scale.clone(), 1.0 / float(glob), 16) for _ in range(copies)]
+        fp8, nv = [], []  # the formats timed only
+        if "fp8" in formats:
+            fq, fs = quantize_fp8(w, (128, 128))
+            fp8 = [(fq.clone(), fs.clone()) for _ in range(copies)]
+        if "nvfp4" in formats:
+            packed, scale, glob = quantize_nvfp4(w)
+            nv = [(packed.clone(), scale.clone(), 1.0 / float(glob), 16) for _ in range(copies)]
         mm = [quant_gemm.scales_for_mm(s) for _, s in fp8]
         del w
         for m in (int(r) for r in args.rows.split(",")):

@@ -189,10 +189,9 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: 
     K = w.shape[-1]
     b3, a3 = b[:n].view(B, T, -1), a[:n].view(B, T, -1)
     # ``run`` (decode on the CPU, the lanes' slots one run starting there): the states are stepped
-    # where they lie in ``rec``, not gathered, copied by the rule and scattered back (three copies
-    # of the state a layer, 3 MiB each at the 27B mixer widths); the same arithmetic, the same bits
-    if run is not None and rec.dtype != torch.float32:
-        run = None
+    # where they lie in ``rec`` (fp32 slots), not gathered, copied by the rule and scattered back
+    # (three copies of the state a layer, 3 MiB each at the 27B mixer widths); the same arithmetic,
+    # the same bits
     state = rec.narrow(0, run, B) if run is not None else rec.index_select(0, slot_t)
     outs, states = [], []
     for t in range(T):

@@ -21,8 +21,9 @@ class Transfers(BindingParts):
 
     def grow_host(self) -> int:
         """Hand the index the host slabs whose chunks finished pinning since the last call
-        (O(1) when none did). Returns how many were added."""
-        self.host.fault_ahead(self.index.host.high_water)  # CPU: pages faulted in before use
+        (O(1) when none did), and the storage the index's high-water mark (on the CPU its pages
+        are faulted in ahead of it). Returns how many slabs were added."""
+        self.host.fault_ahead(self.index.host.high_water)
         ready = self.host.ready_slabs
         if ready == self.index.host.ready_slabs:
             return 0
