@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Decode at 27B widths, bf16 against FP8, on one CUDA machine: the GPU tests of the quantized
+# products, then benchmarks/profile_decode.py (a step's host and device time, kernels by kind)
+# with the shipped tiles and with each FP8 tile setting given in TILE_AB (e.g.
+# "fp8.fused_sum=true"), then benchmarks/model_throughput.py for both formats, bf16 and FP8
+# taking turns ROUNDS times. Logs under $LOGS (default /tmp/decode-logs); JSON documents under
+# OUT_DIR; a table prints last.
+#
+#   TILE_AB="fp8.fused_sum=true" ROUNDS=2 bash benchmarks/gpu_decode_profile.sh OUT_DIR
+set -u
+cd "$(dirname "$0")/.."
+OUTDIR=${1:?usage: gpu_decode_profile.sh OUT_DIR}
+mkdir -p "$OUTDIR"
+export OUT=${LOGS:-/tmp/decode-logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+source benchmarks/gpu_steps.sh
+CK=${CK:-/tmp/ck}
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    step tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/model/test_quant_linear.py
+fi
+[ -f "$CK/bf16/config.json" ] || step checkpoint 300 python3 benchmarks/serve_trace.py --write-checkpoint "$CK/bf16" --shape 27b
+[ -f "$CK/fp8/config.json" ] || step quantize-fp8 300 hpc-cli quantize "$CK/bf16" "$CK/fp8" --format fp8
+step profile 300 python3 benchmarks/profile_decode.py --model "$CK/bf16" --model "$CK/fp8" --out "$OUTDIR/profile.json"
+i=0
+for t in ${TILE_AB:-}; do
+    i=$((i + 1))
+    step "profile-ab$i" 300 python3 benchmarks/profile_decode.py --model "$CK/fp8" --tile "$t" --out "$OUTDIR/profile-ab$i.json"
+done
+for round in $(seq 1 "${ROUNDS:-0}"); do
+    for fmt in bf16 fp8; do
+        step "throughput-$fmt-$round" 300 python3 benchmarks/model_throughput.py --model "$CK/$fmt" --no-hf \
+            --batches 1,8 --prefill 2048 --quantized-weights held --repeat 3 --out "$OUTDIR/throughput-$fmt-$round.json"
+    done
+done
+summary
+python3 - "$OUTDIR" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+for f in sorted(out.glob("profile*.json")):
+    doc = json.loads(f.read_text())
+    for r in doc["runs"]:
+        print(f"{f.stem:12} {Path(r['model']).name:5} tiles={doc['tiles']} loop {r['loop_ms']:.3f} engine {r['engine_ms']:.3f}"
+              f" graph {r['graph_ms']:.3f} kernels {r['kernel_ms']:.3f} gaps {r['gaps_ms']:.3f} ms")
+        print("   ", "  ".join(f"{k} {v:.3f}/{doc and r['kinds_calls'][k]:.0f}" for k, v in r["kinds_ms"].items()))
+rounds = {}
+for f in sorted(out.glob("throughput-*.json")):
+    _, fmt, rnd = f.stem.split("-")
+    rounds.setdefault(rnd, {})[fmt] = json.loads(f.read_text())["ours"]
+for rnd, r in sorted(rounds.items()):
+    if "bf16" in r and "fp8" in r:
+        print(f"round {rnd}: " + "  ".join(f"{k} {r['bf16'][k]:.1f}/{r['fp8'][k]:.1f} = {r['fp8'][k] / r['bf16'][k]:.3f}x"
+                                        for k in r["bf16"]))
+PY
