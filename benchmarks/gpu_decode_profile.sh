@@ -3,8 +3,10 @@
 # products, then benchmarks/profile_decode.py (a step's host and device time, kernels by kind)
 # with the shipped tiles and with each FP8 tile setting given in TILE_AB (e.g.
 # "fp8.fused_sum=true"), then benchmarks/model_throughput.py for both formats, bf16 and FP8
-# taking turns ROUNDS times. Logs under $LOGS (default /tmp/decode-logs); JSON documents under
-# OUT_DIR; a table prints last.
+# taking turns ROUNDS times. With HTTP=1, decode as a user meets it: benchmarks/serve_trace.py's
+# quick trace (cache off, HTTP_TOKENS tokens an answer, default 128) through `hpc-cli serve` for
+# each format, with `[engine] send_after_launch` on (the default) and off. Logs under $LOGS
+# (default /tmp/decode-logs); JSON documents under OUT_DIR; a table prints last.
 #
 #   TILE_AB="fp8.fused_sum=true" ROUNDS=2 bash benchmarks/gpu_decode_profile.sh OUT_DIR
 set -u
@@ -33,8 +35,17 @@ for round in $(seq 1 "${ROUNDS:-0}"); do
             --batches 1,8 --prefill 2048 --quantized-weights held --repeat 3 --out "$OUTDIR/throughput-$fmt-$round.json"
     done
 done
+if [ "${HTTP:-0}" = 1 ]; then
+    for fmt in bf16 fp8; do
+        for send in true false; do
+            step "http-$fmt-send-$send" 400 env HPC_ENGINE__SEND_AFTER_LAUNCH=$send python3 benchmarks/serve_trace.py \
+                --model "$CK/$fmt" --quick --concurrency 1 --modes off --max-tokens "${HTTP_TOKENS:-128}" \
+                --serve-args "--kv-profile int8-g64 --prefill-chunk 2048" --out "$OUT/http-$fmt-send-$send.json"
+        done
+    done
+fi
 summary
-python3 - "$OUTDIR" <<'PY'
+python3 - "$OUTDIR" "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
@@ -52,4 +63,12 @@ for rnd, r in sorted(rounds.items()):
     if "bf16" in r and "fp8" in r:
         print(f"round {rnd}: " + "  ".join(f"{k} {r['bf16'][k]:.1f}/{r['fp8'][k]:.1f} = {r['fp8'][k] / r['bf16'][k]:.3f}x"
                                         for k in r["bf16"]))
+http = {}
+for f in sorted(Path(sys.argv[2]).glob("http-*.json")):
+    doc = json.loads(f.read_text())
+    http[f.stem] = doc
+    r = doc["results"]["off"]["1"]
+    print(f"{f.stem:24} tpot p50 {r['tpot_p50_s'] * 1e3:.3f} ms  decode {r['decode_tok_s_p50']} tok/s  itl p50 {r['itl_p50_s'] * 1e3:.3f} ms")
+if http:
+    (out / "http.json").write_text(json.dumps(http, indent=1) + "\n")
 PY

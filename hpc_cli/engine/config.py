@@ -50,6 +50,9 @@ class EngineConfig:
     fused_kernels: bool = True
     #: build each decode step's index while the device runs the step before (``[engine] decode_ahead``)
     decode_ahead: bool = True
+    #: hand a decode step's tokens to the server once the next step is launched (``[engine]
+    #: send_after_launch``); None: where launches are asynchronous (CUDA), True/False: always/never
+    send_after_launch: bool | None = None
     #: ``[cache] transfer_copy``: the transfer engine's and the taps' copy method
     transfer_copy: str | None = None
     seed: int = 0
@@ -80,4 +83,5 @@ class EngineConfig:
                    speculative=s.speculative.backend, num_draft_tokens=s.speculative.num_draft_tokens,
                    drafter=s.speculative.drafter, cuda_graphs=s.engine.cuda_graphs,
                    fused_kernels=s.engine.fused_kernels, decode_ahead=s.engine.decode_ahead,
+                   send_after_launch=None if s.engine.send_after_launch else False,
                    transfer_copy=s.cache.transfer_copy, seed=s.engine.seed)

@@ -16,6 +16,7 @@ from hpc_cli.engine.lane import Lane
 
 if TYPE_CHECKING:
     from hpc_cli.cache_mode import CacheMode
+    from hpc_cli.engine.api import TokenEvent
     from hpc_cli.kv_profile import KVProfile
     from hpc_cli.memory.kv_pool import PagedKVStorage
     from hpc_cli.model.compile_watch import CompileCounts
@@ -59,6 +60,8 @@ class EngineCore:
     _pass_commits: list[Lane]  # lanes whose last pass's commits and taps wait (Lane.pass_commit)
     _prepared_decode: "PreparedDecode | None"  # the next decode step's index, built ahead
     decode_ahead: bool  # [engine] decode_ahead
+    hold_tokens: bool  # [engine] send_after_launch, where launches are asynchronous
+    _held: list[tuple[Lane, TokenEvent]]  # chosen tokens not handed to the server yet
     _by_id: dict[str, Lane]
     _stopping: threading.Event
     _count: int

@@ -23,9 +23,11 @@ class DecodeStep(EngineCore):
     def _decode(self, lanes: list[Lane], finishing: list[Lane] = ()) -> None:
         """One round over the decoding ``lanes``; the lanes in ``finishing`` end during it."""
         if self.spec is not None:  # propose + verify per lane (docs/speculative.md)
+            self._send_held()
             self.commit_passes()
             self._finish_lanes(list(finishing))
             self.spec.round(self._round_host, lanes)
+            self._send_held()  # a round's tokens go at once (its passes wait for the device)
             self.counters["decode_rounds"] += 1
             return
         t0 = time.monotonic()
@@ -38,9 +40,12 @@ class DecodeStep(EngineCore):
         logits = self.model.decode(tokens, positions, tables, slots, self.storage, self.states, prepared=prepared,
                                    **offsets)
         # while the device computes the step (CUDA runs it asynchronously; sampling waits for
-        # it): the server sends the tokens just emitted (first tokens, last tokens), the host
+        # it): the server gets the tokens the step before chose (held until now, so that
+        # nothing stood between reading them back and launching this step) and sends the
+        # tokens just emitted (first tokens, last tokens), the host
         # runs the last prefill passes' commits and taps and ends the finished lanes, and builds
         # the next step's index for these lanes should they all go on (used only if they do)
+        self._send_held()
         if self._pass_commits or finishing:
             self._deliver([*self._pass_commits, *finishing])
         self.commit_passes()
@@ -99,7 +104,10 @@ class DecodeStep(EngineCore):
             lane.finish_reason = FinishReason.STOP
             return
         lane.tokens.append(tok)
-        lane.handle.put(ev)
+        if self.hold_tokens:  # handed over once the next step is launched (Finish._send_held)
+            self._held.append((lane, ev))
+        else:
+            lane.handle.put(ev)
         if lane.decoder is not None:
             lane.text += lane.decoder.push(tok)
             for s in sp.stop:

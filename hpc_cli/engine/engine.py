@@ -128,6 +128,8 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         self._pass_commits: list[Lane] = []
         self._prepared_decode = None
         self.decode_ahead = bool(c.decode_ahead)
+        self.hold_tokens = (model.device.type == "cuda") if c.send_after_launch is None else bool(c.send_after_launch)
+        self._held = []
         self._by_id: dict[str, Lane] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()

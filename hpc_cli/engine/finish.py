@@ -32,9 +32,19 @@ class Finish(EngineCore):
     #: that gives it up to the kernel would otherwise wait out the worker's Python work
     DELIVER_MAX_S = 0.003
 
+    def _send_held(self) -> None:
+        """Hand the tokens held since they were chosen (``hold_tokens``) to the server, in order.
+        The worker calls it once the next decode step is launched (the device computes while the
+        server's event loop, which needs the interpreter, sends them), and before anything that
+        would keep them longer: a prefill pass, a lane's end, a wait."""
+        held, self._held = self._held, []
+        for lane, ev in held:
+            lane.handle.put(ev)
+
     def _deliver(self, lanes: Iterable[Lane]) -> None:
         """Let the server send the tokens just emitted to ``lanes`` before the host work that
         follows (no wait for a consumer that does not acknowledge, such as ``result()``)."""
+        self._send_held()
         deadline = time.monotonic() + self.DELIVER_MAX_S
         for lane in lanes:
             left = deadline - time.monotonic()
@@ -62,6 +72,7 @@ class Finish(EngineCore):
         self._emit_finish(lane)
 
     def _emit_finish(self, lane: Lane) -> None:
+        self._send_held()  # the lane's last tokens go before its end
         self._by_id.pop(lane.request.request_id, None)
         reason = lane.finish_reason or FinishReason.STOP
         self.counters[f"finished_{reason}"] += 1

@@ -58,12 +58,14 @@ class Worker(EngineCore):
                         self._take_stats()
                         last_stats = now
                     if not worked:  # poll transfers only while some are pending
+                        self._send_held()
                         self._wake.wait(self.TRANSFER_POLL_S if self.cache.transfers_pending else self.RECHECK_S)
                         self._wake.clear()
                     continue
                 # idle: publish the stats as they are, then sleep until submit, cancel, stop, a
                 # stats request or a host chunk wakes the worker (no polling: an idle server
                 # uses no CPU)
+                self._send_held()
                 self._take_stats()
                 last_stats = now
                 # and its OpenMP team (cpu_threads): another engine in the process, a benchmark's
@@ -161,6 +163,7 @@ class Worker(EngineCore):
         worked = bool(finishing)
         prefilling = [l for l in self._lanes if l.prefilling and not l.finish_reason]
         if prefilling:
+            self._send_held()  # a pass would keep the decoding lanes' tokens
             try:
                 self._prefill(prefilling[0])
             except Exception as exc:  # this request's pass failed: it alone ends (a broken device

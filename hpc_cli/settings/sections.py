@@ -49,6 +49,9 @@ class EngineSettings(_Section):
                                                   "as fused Triton kernels on CUDA (false: torch's ops)")
     decode_ahead: bool = Field(True, description="build each decode step's index while the device runs the step "
                                                  "before (CUDA graphs; false: each step builds its own)")
+    send_after_launch: bool = Field(True, description="on CUDA, hand a decode step's tokens to the server once the "
+                                                      "next step is launched, so that sending them overlaps the "
+                                                      "device's work (false: as soon as they are chosen)")
     seed: int = Field(0, ge=-(1 << 63), lt=1 << 64,
                       description="base seed of sampling for requests that name no seed: the k-th request of a "
                                   "run draws from (seed, k); a request's own seed wins")

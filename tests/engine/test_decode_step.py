@@ -83,3 +83,67 @@ def test_decode_ahead_off_builds_every_step_in_turn(model, monkeypatch):
         eng.stop()
     assert eng.fatal is None and len(toks) == 20
     assert counts["steps"] == 19 and counts["handed"] == 0, counts
+
+
+def _puts(model, monkeypatch, **config) -> tuple[list[str], list[list[int]]]:
+    """What reached the server and when: each event's kind as the worker handed it over, "step"
+    as each decode step returned (launched, on CUDA), for a lone request and then two together;
+    and the tokens of each request."""
+    from hpc_cli.engine.api import RequestHandle
+
+    log: list[str] = []
+    decode, put = model.decode, RequestHandle.put
+
+    def watched(*args, **kwargs):
+        out = decode(*args, **kwargs)
+        log.append("step")
+        return out
+
+    monkeypatch.setattr(model, "decode", watched)
+    monkeypatch.setattr(RequestHandle, "put", lambda self, ev: (log.append(type(ev).__name__), put(self, ev))[1])
+    eng = Engine(model, kv_profile="bf16", prefill_chunk=256, max_model_len=1024, **config).start()
+    try:
+        lone = eng.generate(GenerationRequest(list(range(1, 71)),
+                                              SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)))[0]
+        handles = [eng.submit(GenerationRequest([(7 * i + n) % 200 + 1 for i in range(40 + 30 * n)],
+                                                SamplingParams(max_tokens=12 + 9 * n, temperature=0, ignore_eos=True)))
+                   for n in range(2)]
+        both = [[ev.token_id for ev in h.result(timeout=120)[0]] for h in handles]
+    finally:
+        eng.stop()
+    assert eng.fatal is None
+    return log, [lone, *both]
+
+
+def test_held_tokens_go_to_the_server_once_the_next_step_is_launched(model, monkeypatch):
+    """``send_after_launch`` (on by default where launches are asynchronous, CUDA; forced here):
+    a step's tokens are handed over after the next step's launch, not between reading them back
+    and that launch; every token still arrives, in order, before its request's end, the same
+    tokens as handed over at once."""
+    held, held_tokens = _puts(model, monkeypatch, send_after_launch=True)
+    monkeypatch.undo()
+    plain, plain_tokens = _puts(model, monkeypatch, send_after_launch=False)
+    assert held_tokens == plain_tokens and [len(t) for t in held_tokens] == [6, 12, 21]
+    assert held.count("TokenEvent") == plain.count("TokenEvent") == 39
+    # the lone request: admitted, its first token (chosen by the prefill pass) out after the
+    # first step's launch, each next one after the next launch, the last one before the end
+    lone = held[:held.index("FinishEvent") + 1]
+    assert lone == ["AdmittedEvent"] + ["step", "TokenEvent"] * 5 + ["TokenEvent", "FinishEvent"], lone
+    plain_lone = plain[:plain.index("FinishEvent") + 1]
+    assert plain_lone == ["AdmittedEvent", "TokenEvent"] + ["step", "TokenEvent"] * 5 + ["FinishEvent"], plain_lone
+
+
+def test_tokens_are_handed_over_at_once_on_the_cpu_by_default(model):
+    """A CPU step runs in the call itself, so holding its tokens would only delay them: the
+    default holds them where launches are asynchronous; ``[engine] send_after_launch = false``
+    never does."""
+    from hpc_cli.engine.config import EngineConfig
+    from hpc_cli.settings import load_settings
+
+    def config(**keys) -> EngineConfig:
+        return EngineConfig.from_settings(load_settings(None, {"model.name": "builtin:random", **keys}, environ={}))
+
+    assert config().send_after_launch is None
+    assert config(**{"engine.send_after_launch": False}).send_after_launch is False
+    eng = Engine(model, kv_profile="bf16", prefill_chunk=256, max_model_len=1024)
+    assert eng.model.device.type == "cpu" and not eng.hold_tokens
