@@ -21,7 +21,7 @@ def _handle() -> RequestHandle:
 
 
 def _worker(max_s: float) -> SimpleNamespace:
-    return SimpleNamespace(DELIVER_MAX_S=max_s)
+    return SimpleNamespace(DELIVER_MAX_S=max_s, _send_held=lambda: None)
 
 
 def _token(t: int) -> TokenEvent:
