@@ -61,11 +61,10 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _chunk_tap(b_k, m_take, b_vt, b_h, scale, F32: tl.constexpr):
+    def _chunk_tap(k_rows, m_k, m_take, b_vt, b_h, scale, F32: tl.constexpr):
         """One state block after a chunk's first rows: ``b_h * scale + k^T @ b_vt`` over the
-        taken rows (``m_take``; ``b_k``, the chunk's keys ``[K block, BT]``, zeroed past them as a
-        load masked there would be; ``b_vt`` is zero past them)."""
-        b_k = tl.where(m_take[None, :], b_k, tl.zeros_like(b_k))
+        taken rows (``m_take``; ``b_vt`` is zero past them)."""
+        b_k = tl.load(k_rows, mask=m_k[:, None] & m_take[None, :], other=0.0)
         return _dot(b_k, b_vt, b_h * scale, F32)
 
     @triton.jit(do_not_specialize=["T"])
@@ -125,36 +124,35 @@ if triton is not None:
             b_v = tl.load(u + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0) - b_v
             tl.store(v_new + o_t[:, None] * (HV * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_tv)
             b_g = tl.load(g + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-            # the chunk's keys (one load, for its taps and for leaving it)
-            b_k1 = tl.load(k + o_k1[:, None] + o_t[None, :] * (H * K), mask=m_k1[:, None] & m_t[None, :], other=0.0)
-            if K > 64:
-                b_k2 = tl.load(k + o_k2[:, None] + o_t[None, :] * (H * K), mask=m_k2[:, None] & m_t[None, :],
-                               other=0.0)
-            # taps inside this chunk: the state after its first r rows (offsets, slots and the
-            # gate at the tap from registers: no memory read on the chunk loop's path for a tap)
+            k_rows1 = k + o_k1[:, None] + o_t[None, :] * (H * K)
+            k_rows2 = k + o_k2[:, None] + o_t[None, :] * (H * K)
+            # taps inside this chunk: the state after its first r rows (offsets and slots from
+            # registers: no memory read on the chunk loop's path unless a tap falls here)
             if SLOTS > 0:
                 for j in tl.static_range(SLOTS):
                     p = tl.sum(tl.where(o_s == j, b_taps, 0), 0)
                     if (p > row0) & (p <= row0 + BT):
-                        g_tap = tl.sum(tl.where(o_t == p - 1, b_g, 0.0), 0)
+                        g_tap = tl.load(g + (p - 1) * HV).to(tl.float32)
                         m_take = o_t < p
                         b_vt = (b_v * tl.where(m_take, tl.exp2(g_tap - b_g), 0)[:, None]).to(k.dtype.element_ty)
                         scale = tl.exp2(g_tap)
                         out = tap_out + tl.sum(tl.where(o_s == j, b_dst, 0), 0) * HV * KV + i_h * KV
-                        tl.store(out + state1, _chunk_tap(b_k1, m_take, b_vt, b_h1, scale, F32),
+                        tl.store(out + state1, _chunk_tap(k_rows1, m_k1, m_take, b_vt, b_h1, scale, F32),
                                  mask=m_s1, cache_modifier=".cs")
                         if K > 64:
-                            tl.store(out + state2, _chunk_tap(b_k2, m_take, b_vt, b_h2, scale, F32),
+                            tl.store(out + state2, _chunk_tap(k_rows2, m_k2, m_take, b_vt, b_h2, scale, F32),
                                      mask=m_s2, cache_modifier=".cs")
             # leave the chunk
             g_last = tl.load(g + (tl.minimum(row0 + BT, T) - 1) * HV).to(tl.float32)
             b_v = (b_v * tl.where(m_t, tl.exp2(g_last - b_g), 0)[:, None]).to(k.dtype.element_ty)
             decay = tl.exp2(g_last)
             b_h1 *= decay
-            b_h1 = _dot(b_k1, b_v, b_h1, F32)
+            b_k = tl.load(k_rows1, mask=m_k1[:, None] & m_t[None, :], other=0.0)
+            b_h1 = _dot(b_k, b_v, b_h1, F32)
             if K > 64:
                 b_h2 *= decay
-                b_h2 = _dot(b_k2, b_v, b_h2, F32)
+                b_k = tl.load(k_rows2, mask=m_k2[:, None] & m_t[None, :], other=0.0)
+                b_h2 = _dot(b_k, b_v, b_h2, F32)
         ht += tl.load(ht_slot) * HV * KV + i_h * KV  # this program's part of the slot: read it only above
         tl.store(ht + state1, b_h1, mask=m_s1)
         if K > 64:
