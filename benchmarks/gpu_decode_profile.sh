@@ -2,13 +2,13 @@
 # Decode at 27B widths, bf16 against FP8, on one CUDA machine: the GPU tests of the quantized
 # products, then benchmarks/profile_decode.py (a step's host and device time, kernels by kind)
 # with the shipped tiles and with each FP8 tile setting given in TILE_AB (e.g.
-# "fp8.fused_sum=true"), then benchmarks/model_throughput.py for both formats, bf16 and FP8
+# "fp8.waves=8"), then benchmarks/model_throughput.py for both formats, bf16 and FP8
 # taking turns ROUNDS times. With HTTP=1, decode as a user meets it: benchmarks/serve_trace.py's
 # quick trace (cache off, HTTP_TOKENS tokens an answer, default 128) through `hpc-cli serve` for
 # each format, with `[engine] send_after_launch` on (the default) and off. Logs under $LOGS
 # (default /tmp/decode-logs); JSON documents under OUT_DIR; a table prints last.
 #
-#   TILE_AB="fp8.fused_sum=true" ROUNDS=2 bash benchmarks/gpu_decode_profile.sh OUT_DIR
+#   TILE_AB="fp8.waves=8" ROUNDS=2 bash benchmarks/gpu_decode_profile.sh OUT_DIR
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?usage: gpu_decode_profile.sh OUT_DIR}

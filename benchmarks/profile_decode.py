@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--no-merge", action="store_true")
     ap.add_argument("--tile", action="append", default=[],
-                    help="FORMAT.KEY=VALUE: a decode tile's setting for this run (JSON value), e.g. fp8.fused_sum=true")
+                    help="FORMAT.KEY=VALUE: a decode tile's setting for this run (JSON value), e.g. fp8.waves=8")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hpc_kernels.quant_gemm import TILES

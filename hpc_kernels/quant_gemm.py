@@ -17,9 +17,7 @@ Two kinds of pass, as their limits differ:
   product's left operand, the fp32 result scaled by the weight's and the row's scales. Otherwise
   the tile, exact in the rows' dtype, meets them on the matrix units (or, a sweep's option, in
   registers). K splits over programs until the device has ``waves`` programs per
-  multiprocessor; the splits' partial sums are added in a fixed order (split 0 first), by a
-  second kernel or, with a tile's ``fused_sum``, by the last program of each output tile to
-  finish (a counter per tile says which), the product then one launch. The splits depend on the
+  multiprocessor; the splits' partial sums are added in a fixed order. The splits depend on the
   weight's shape and the device only, and each row runs the same operations whatever the row
   count, so a row's numbers never depend on the other rows (the engine's decode/verify bit
   identity).
@@ -53,9 +51,7 @@ DECODE_ROWS = 16
 #: (``dot``, the weight tile as the left operand when ``swap``) or summed in registers;
 #: ``fp8_exact`` is FP8's tile where the rows stay as they are (fp32 rows, a device without FP8
 #: matrix units, scale blocks narrower than 128 inputs); a prefill pass's dequantisation writes
-#: BN x BK tiles; ``fused_sum``: the splits summed by each tile's last program, not a second
-#: kernel (the same bits). Chosen by measurement (``benchmarks/quant_gemm.py --sweep``,
-#: ``benchmarks/profile_decode.py --tile``)
+#: BN x BK tiles. Chosen by measurement (``benchmarks/quant_gemm.py --sweep``)
 TILES = {"fp8": {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3, "waves": 4, "e4m3": True},
          "fp8_exact": {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "waves": 8, "dot": True},
          "nvfp4": {"BN": 64, "BK": 128, "num_warps": 8, "num_stages": 4, "waves": 8, "dot": True},
@@ -182,36 +178,11 @@ def _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP: tl.
                  mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-@triton.jit
-def _sum_tile_splits(part_ptr, y_ptr, count_ptr, rm, rn, M, N, pid_n, SPLITS, stride_ym, stride_ys,
-                     BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
-    """After this program stored its split of tile ``pid_n`` in ``part``: the tile's last program
-    to arrive (the tile's counter says which) adds the splits' partial sums in a fixed order,
-    split 0 first, as :func:`_sum_splits_kernel` does, writes ``y`` and sets the counter back to
-    0 for the next product. The other programs' stores are seen through the counter (release
-    after the program's barrier, acquire by the last) and loads that skip the L1 cache."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLITS - 1:
-        if SWAP:
-            offs = rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
-            mask = (rm < M)[None, :] & (rn < N)[:, None]
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-        else:
-            offs = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-            mask = (rm < M)[:, None] & (rn < N)[None, :]
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for s in range(0, SPLITS):
-            acc += tl.load(part_ptr + s * stride_ys + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-
-
 @triton.jit(do_not_specialize=["M"])
-def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, sum_ptr, count_ptr, M, N, K, K_SPLIT, SPLITS, stride_xm,
-                     stride_wn, stride_sn, stride_ym, stride_ys, SB_N: tl.constexpr, SB_K: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr,
-                     IEEE: tl.constexpr, E4M3: tl.constexpr, FUSED: tl.constexpr):
+def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym,
+                     stride_ys, SB_N: tl.constexpr, SB_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
+                     E4M3: tl.constexpr):
     """The ``M <= BM`` rows of ``x`` against ``BN`` weight rows over this program's share of K,
     each ``BN x BK`` fp8 tile (within one scale block of inputs) loaded once for all the rows.
     ``E4M3`` (with ``DOT`` and ``SWAP``): the step's ``BK`` inputs (one 128-input group) of every
@@ -219,9 +190,7 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, sum_ptr, count_ptr, M, N, K, K_
     FP8 matrix units, the product scaled by the weight block's and the rows' scales. ``DOT``: the
     tile, exact in ``x``'s dtype, meets the rows on the matrix units and the step's product is
     scaled per weight row; otherwise the tile is scaled in fp32 registers and each row sums its
-    products there. Each row runs the same operations whatever ``M``. ``FUSED``: ``y`` holds the
-    splits' partial sums and the tile's last program writes their sum into ``sum``
-    (:func:`_sum_tile_splits`)."""
+    products there. Each row runs the same operations whatever ``M``."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BM)
@@ -253,15 +222,12 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, sum_ptr, count_ptr, M, N, K, K_
                             other=0.0).to(tl.float32)
                 acc = _add_row(acc, rm, r, tl.sum(wf * x[None, :], axis=1))
     _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP)
-    if FUSED:
-        _sum_tile_splits(y_ptr, sum_ptr, count_ptr, rm, rn, M, N, pid_n, SPLITS, stride_ym, stride_ys, BM, BN, SWAP)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, sum_ptr, count_ptr, M, N, K, K_SPLIT, SPLITS, stride_xm,
-                       stride_pn, stride_sn, stride_ym, stride_ys, GROUP: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr,
-                       IEEE: tl.constexpr, FUSED: tl.constexpr):
+def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_pn, stride_sn,
+                       stride_ym, stride_ys, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr):
     """:func:`_fp8_rows_kernel` for NVFP4: a step decodes ``BN x BK`` e2m1 codes once, the low
     and the high nibbles apart (the even and the odd inputs), each times its group's e4m3 scale
     (exact in bf16 and fp16), and meets the rows' even and odd inputs with them; the global
@@ -294,8 +260,6 @@ def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, sum_ptr, count_ptr, M
                 xo = tl.load(x_ptr + r * stride_xm + ke + 1, mask=xmask, other=0.0).to(tl.float32)
                 acc = _add_row(acc, rm, r, tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1))
     _store_rows(y_ptr, acc * factor, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP)
-    if FUSED:
-        _sum_tile_splits(y_ptr, sum_ptr, count_ptr, rm, rn, M, N, pid_n, SPLITS, stride_ym, stride_ys, BM, BN, SWAP)
 
 
 def sm_count(device: torch.device) -> int:
@@ -346,40 +310,15 @@ def _rows_product(rows_kernel, tile: dict, x2: torch.Tensor, n: int, k: int, wei
     bk = min(tile["BK"], bk_limit) if bk_limit else tile["BK"]
     splits, per = k_splits(n, k, tile["BN"], bk, tile["waves"], sm_count(x2.device))
     out = y if splits == 1 else torch.empty(splits, m, n, device=x2.device, dtype=torch.float32)
-    tiles = triton.cdiv(n, tile["BN"])
-    fused = splits > 1 and bool(tile.get("fused_sum"))
-    counts = tile_counters(x2.device, tiles) if fused else out
-    rows_kernel[(tiles, splits)](
-        x2, *weights, out, y, counts, m, n, k, per, splits, x2.stride(0), *weight_strides, out.stride(-2),
+    rows_kernel[(triton.cdiv(n, tile["BN"]), splits)](
+        x2, *weights, out, m, n, k, per, x2.stride(0), *weight_strides, out.stride(-2),
         out.stride(0) if splits > 1 else 0, BM=DECODE_ROWS if dot else triton.next_power_of_2(m), BN=tile["BN"],
         BK=bk, DOT=dot, SWAP=e4m3 or (dot and bool(tile.get("swap"))), IEEE=x2.dtype == torch.float32,
-        FUSED=fused, num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
-    if splits > 1 and not fused:
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
+    if splits > 1:
         _sum_splits_kernel[(m, triton.cdiv(n, 1024))](out, y, m, n, splits, out.stride(0), out.stride(1), y.stride(0),
                                                       BLOCK=1024)
     return y
-
-
-#: output tiles a decode-sized product may have (a counter each; 256 KiB a device)
-MAX_TILES = 1 << 16
-
-
-def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The int32 counters by which a product's programs find the last of each output tile's splits
-    (:func:`_sum_tile_splits`): zeros between products, one set a device, allocated at its first
-    product. Products on a device run one after another (the model's stream), so they share it."""
-    assert tiles <= MAX_TILES, f"a product of {tiles} output tiles; the counters cover {MAX_TILES}"
-    key = device.index if device.type == "cuda" and device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" else -1)
-    counts = _COUNTERS.get(key)
-    if counts is None:
-        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
-            "the split counters are allocated at a device's first eager product, never in a graph's capture"
-        counts = _COUNTERS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return counts
-
-
-_COUNTERS: dict[int, torch.Tensor] = {}
 
 
 def _dequantized(kernel, n: int, k: int, weights: tuple, weight_strides: tuple, dtype: torch.dtype,
