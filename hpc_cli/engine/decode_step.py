@@ -23,11 +23,9 @@ class DecodeStep(EngineCore):
     def _decode(self, lanes: list[Lane], finishing: list[Lane] = ()) -> None:
         """One round over the decoding ``lanes``; the lanes in ``finishing`` end during it."""
         if self.spec is not None:  # propose + verify per lane (docs/speculative.md)
-            self._send_held()
-            self.commit_passes()
+            self.commit_passes()  # a round's tokens go at once (its passes wait for the device)
             self._finish_lanes(list(finishing))
             self.spec.round(self._round_host, lanes)
-            self._send_held()  # a round's tokens go at once (its passes wait for the device)
             self.counters["decode_rounds"] += 1
             return
         t0 = time.monotonic()
@@ -61,7 +59,8 @@ class DecodeStep(EngineCore):
             lane.next_token = None
             self.cache.commit_blocks(lane)
             if not lane.finish_reason:
-                self._sample(lane, logits[i], chosen[i] if chosen is not None and greedy[i] else None)
+                self._sample(lane, logits[i], chosen[i] if chosen is not None and greedy[i] else None,
+                             hold=self.hold_tokens)
             self.itl.append(dt)
         self.counters["decode_rounds"] += 1
 
@@ -78,17 +77,21 @@ class DecodeStep(EngineCore):
         self._prepared_decode = self.model.prepare_decode(positions, tables, slots, self.storage, self.states,
                                                           **offsets)
 
-    def _sample(self, lane: Lane, logits: torch.Tensor, greedy: int | None = None) -> None:
-        """``greedy``: the token a greedy lane's ``logits`` choose, when taken already."""
+    def _sample(self, lane: Lane, logits: torch.Tensor, greedy: int | None = None, hold: bool = False) -> None:
+        """``greedy``: the token a greedy lane's ``logits`` choose, when taken already; ``hold``:
+        the token waits for the next step's launch (a decode step's, not a prompt's first token,
+        which goes at once: the next step's index is built in turn then, and the user waits for
+        the first token)."""
         try:
             event = sample(logits, lane.request.sampling, lane.generator, token=greedy)
         except Exception as exc:  # this request's sampling failed: it alone ends
             self._fail_lane(lane, exc)
             return
-        self._emit(lane, event)
+        self._emit(lane, event, hold)
 
-    def _emit(self, lane: Lane, ev: TokenEvent) -> None:
-        """Hand one chosen token to the lane: usage, stop conditions, the event, ``next_token``."""
+    def _emit(self, lane: Lane, ev: TokenEvent, hold: bool = False) -> None:
+        """Hand one chosen token to the lane: usage, stop conditions, the event (``hold``: kept
+        for :meth:`Finish._send_held`), ``next_token``."""
         sp = lane.request.sampling
         now = time.monotonic()
         lane.usage.timing.last_token_at = time.perf_counter()
@@ -104,7 +107,7 @@ class DecodeStep(EngineCore):
             lane.finish_reason = FinishReason.STOP
             return
         lane.tokens.append(tok)
-        if self.hold_tokens:  # handed over once the next step is launched (Finish._send_held)
+        if hold:  # handed over once the next step is launched (Finish._send_held)
             self._held.append((lane, ev))
         else:
             lane.handle.put(ev)

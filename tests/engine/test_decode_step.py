@@ -117,18 +117,18 @@ def _puts(model, monkeypatch, **config) -> tuple[list[str], list[list[int]]]:
 
 def test_held_tokens_go_to_the_server_once_the_next_step_is_launched(model, monkeypatch):
     """``send_after_launch`` (on by default where launches are asynchronous, CUDA; forced here):
-    a step's tokens are handed over after the next step's launch, not between reading them back
-    and that launch; every token still arrives, in order, before its request's end, the same
-    tokens as handed over at once."""
+    a decode step's tokens are handed over after the next step's launch, not between reading them
+    back and that launch (a prompt's first token goes at once); every token still arrives, in
+    order, before its request's end, the same tokens as handed over at once."""
     held, held_tokens = _puts(model, monkeypatch, send_after_launch=True)
     monkeypatch.undo()
     plain, plain_tokens = _puts(model, monkeypatch, send_after_launch=False)
     assert held_tokens == plain_tokens and [len(t) for t in held_tokens] == [6, 12, 21]
     assert held.count("TokenEvent") == plain.count("TokenEvent") == 39
-    # the lone request: admitted, its first token (chosen by the prefill pass) out after the
-    # first step's launch, each next one after the next launch, the last one before the end
+    # the lone request: admitted, its first token (chosen by the prefill pass) out at once, each
+    # decode step's token after the next step's launch, the last one before the end
     lone = held[:held.index("FinishEvent") + 1]
-    assert lone == ["AdmittedEvent"] + ["step", "TokenEvent"] * 5 + ["TokenEvent", "FinishEvent"], lone
+    assert lone == ["AdmittedEvent", "TokenEvent", "step"] + ["step", "TokenEvent"] * 4 + ["TokenEvent", "FinishEvent"], lone
     plain_lone = plain[:plain.index("FinishEvent") + 1]
     assert plain_lone == ["AdmittedEvent", "TokenEvent"] + ["step", "TokenEvent"] * 5 + ["FinishEvent"], plain_lone
 
