@@ -22,8 +22,8 @@ class DecodeStep(EngineCore):
 
     def _decode(self, lanes: list[Lane], finishing: list[Lane] = ()) -> None:
         """One round over the decoding ``lanes``; the lanes in ``finishing`` end during it."""
-        if self.spec is not None:  # propose + verify per lane (docs/speculative.md)
-            self.commit_passes()  # a round's tokens go at once (its passes wait for the device)
+        if self.spec is not None:  # propose + verify per lane (docs/speculative.md); a round's
+            self.commit_passes()  # tokens go at once (it reads the device back before it ends)
             self._finish_lanes(list(finishing))
             self.spec.round(self._round_host, lanes)
             self.counters["decode_rounds"] += 1
