@@ -144,6 +144,8 @@ def main() -> None:
                     help="FORMAT.KEY=VALUE: a decode tile's setting for this run (JSON value), e.g. fp8.waves=8")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_decode.py times CUDA graphs: it needs a CUDA device")
     from hpc_kernels.quant_gemm import TILES
 
     for item in args.tile:
