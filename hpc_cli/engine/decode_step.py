@@ -22,8 +22,8 @@ class DecodeStep(EngineCore):
 
     def _decode(self, lanes: list[Lane], finishing: list[Lane] = ()) -> None:
         """One round over the decoding ``lanes``; the lanes in ``finishing`` end during it."""
-        if self.spec is not None:  # propose + verify per lane (docs/speculative.md); a round's
-            self.commit_passes()  # tokens go at once (it reads the device back before it ends)
+        if self.spec is not None:  # propose + verify per lane (docs/speculative.md)
+            self.commit_passes()
             self._finish_lanes(list(finishing))
             self.spec.round(self._round_host, lanes)
             self.counters["decode_rounds"] += 1
@@ -88,6 +88,11 @@ class DecodeStep(EngineCore):
             self._fail_lane(lane, exc)
             return
         self._emit(lane, event, hold)
+
+    def _emit_from_round(self, lane: Lane, ev: TokenEvent) -> None:
+        """A speculative round's token: held where decode steps' are (``hold_tokens``), until the
+        next round's verify pass is launched (:class:`~hpc_cli.speculative.runtime.RoundHost`)."""
+        self._emit(lane, ev, self.hold_tokens)
 
     def _emit(self, lane: Lane, ev: TokenEvent, hold: bool = False) -> None:
         """Hand one chosen token to the lane: usage, stop conditions, the event (``hold``: kept

@@ -150,7 +150,8 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         if self.spec is not None:  # what a speculative round may touch of the engine
             from hpc_cli.speculative.runtime import RoundHost
 
-            self._round_host = RoundHost(self.storage, self.cache.commit_blocks, self._emit, self.itl.append)
+            self._round_host = RoundHost(self.storage, self.cache.commit_blocks, self._emit_from_round,
+                                         self.itl.append, self._send_held)
         self.started_at = time.time()
         from hpc_cli.model.compile_watch import watch
 

@@ -66,13 +66,16 @@ class SpeculativeStats:
 @dataclass(frozen=True)
 class RoundHost:
     """What a speculative round needs of the engine, and no more: its page pool, the cache
-    binding's block commit, the token hand-off (usage, stop conditions, the lane's event) and the
-    inter-token latency record."""
+    binding's block commit, the token hand-off (usage, stop conditions, the lane's event; the
+    engine may hold the events), the inter-token latency record, and the hand-over of held events,
+    which a round calls once its verify pass is launched (the last round's tokens then go to the
+    server while the device computes)."""
 
     storage: "PagedKVStorage"
     commit_blocks: Callable[[Any], None]  # (lane)
     emit: Callable[[Any, "TokenEvent"], None]  # (lane, event)
     record_itl: Callable[[float], None]
+    send_held: Callable[[], None]
 
 
 class SpecRuntime:
@@ -178,6 +181,7 @@ class SpecRuntime:
                    if self.drafter.needs_hidden and not tail_catch_up else None)
         out = verify_pass(model, tokens, starts, tables, slots, engine.storage, states, keep_all=keep_all,
                           capture=self.drafter.capture, drafts=dev_drafts if on_device else None)
+        engine.send_held()  # the last round's tokens, while the device verifies
         t2 = time.monotonic()
         logits = out.logits.float()
         any_greedy = any(l.request.sampling.temperature == 0.0 for l in lanes)

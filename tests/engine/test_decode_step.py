@@ -147,3 +147,59 @@ def test_tokens_are_handed_over_at_once_on_the_cpu_by_default(model):
     assert config(**{"engine.send_after_launch": False}).send_after_launch is False
     eng = Engine(model, kv_profile="bf16", prefill_chunk=256, max_model_len=1024)
     assert eng.model.device.type == "cpu" and not eng.hold_tokens
+
+
+def _round_puts(model, monkeypatch, **config) -> tuple[list[int], list[int], list[int]]:
+    """A speculative engine's lone request: for each of its tokens, how many verify passes had
+    been launched when the round chose it and when the server got it; and the tokens."""
+    import hpc_cli.speculative.runtime as runtime
+    from hpc_cli.engine.api import RequestHandle, TokenEvent
+
+    verifies = [0]
+    chosen: list[int] = []
+    got: list[int] = []
+    verify, put, emit = runtime.verify_pass, RequestHandle.put, Engine._emit
+
+    def counted(*args, **kwargs):
+        out = verify(*args, **kwargs)
+        verifies[0] += 1
+        return out
+
+    def emitted(self, lane, ev, hold=False):
+        if ev.token_id not in self.eos:
+            chosen.append(verifies[0])
+        return emit(self, lane, ev, hold)
+
+    def taken(self, ev):
+        if isinstance(ev, TokenEvent):
+            got.append(verifies[0])
+        return put(self, ev)
+
+    monkeypatch.setattr(runtime, "verify_pass", counted)
+    monkeypatch.setattr(Engine, "_emit", emitted)
+    monkeypatch.setattr(RequestHandle, "put", taken)
+    eng = Engine(model, kv_profile="bf16", prefill_chunk=256, max_model_len=1024, speculative="mtp", **config).start()
+    try:
+        toks, _ = eng.generate(GenerationRequest(list(range(1, 71)),
+                                                 SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)))
+    finally:
+        eng.stop()
+    assert eng.fatal is None
+    return chosen, got, toks
+
+
+def test_a_rounds_tokens_go_to_the_server_once_the_next_verify_is_launched(model, monkeypatch):
+    """Held, a speculative round's tokens reach the server after the next round's verify pass is
+    launched (one verify later than they were chosen), the first token (the prompt's) and the last
+    round's at once; the same tokens as sent at once."""
+    chosen, got, held_tokens = _round_puts(model, monkeypatch, send_after_launch=True)
+    monkeypatch.undo()
+    chosen_at_once, got_at_once, tokens = _round_puts(model, monkeypatch, send_after_launch=False)
+    assert held_tokens == tokens and len(tokens) == 24
+    assert got_at_once == chosen_at_once  # each token out in the round that chose it
+    assert len(got) == len(chosen) == 24
+    last_round = chosen[-1]
+    lag = [g - c for c, g in zip(chosen, got)]
+    assert lag[0] == 0, "the prompt's first token is not held"
+    assert all(d == 1 for c, d in zip(chosen[1:], lag[1:]) if c < last_round), lag
+    assert all(d == 0 for c, d in zip(chosen, lag) if c == last_round), lag  # sent before the end
