@@ -181,8 +181,8 @@ class SpecRuntime:
                    if self.drafter.needs_hidden and not tail_catch_up else None)
         out = verify_pass(model, tokens, starts, tables, slots, engine.storage, states, keep_all=keep_all,
                           capture=self.drafter.capture, drafts=dev_drafts if on_device else None)
-        engine.send_held()  # the last round's tokens, while the device verifies
         t2 = time.monotonic()
+        engine.send_held()  # the last round's tokens, while the device verifies (in rollback_s's wait)
         logits = out.logits.float()
         any_greedy = any(l.request.sampling.temperature == 0.0 for l in lanes)
         # every column's greedy token in one read of the device (not one per column), with the
