@@ -54,7 +54,7 @@ for f in sorted(out.glob("profile*.json")):
     for r in doc["runs"]:
         print(f"{f.stem:12} {Path(r['model']).name:5} tiles={doc['tiles']} loop {r['loop_ms']:.3f} engine {r['engine_ms']:.3f}"
               f" graph {r['graph_ms']:.3f} kernels {r['kernel_ms']:.3f} gaps {r['gaps_ms']:.3f} ms")
-        print("   ", "  ".join(f"{k} {v:.3f}/{doc and r['kinds_calls'][k]:.0f}" for k, v in r["kinds_ms"].items()))
+        print("   ", "  ".join(f"{k} {v:.3f}/{r['kinds_calls'][k]:.0f}" for k, v in r["kinds_ms"].items()))
 rounds = {}
 for f in sorted(out.glob("throughput-*.json")):
     _, fmt, rnd = f.stem.split("-")

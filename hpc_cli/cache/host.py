@@ -165,8 +165,8 @@ class HostSlabPool:
         for s in out:
             u[s] = use
             o[s] = owner
-        if out and out[-1] >= self.high_water:  # new slabs come lowest first, after freed ones
-            self.high_water = max(out) + 1
+        if out:
+            self.high_water = max(self.high_water, max(out) + 1)
         self._by_use[SlabUse.FREE] -= k
         self._by_use[use] += k
         return out

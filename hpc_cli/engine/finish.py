@@ -34,9 +34,10 @@ class Finish(EngineCore):
 
     def _send_held(self) -> None:
         """Hand the tokens held since they were chosen (``hold_tokens``) to the server, in order.
-        The worker calls it once the next decode step is launched (the device computes while the
-        server's event loop, which needs the interpreter, sends them), and before anything that
-        would keep them longer: a prefill pass, a lane's end, a wait."""
+        The worker calls it once the next decode step (or verify pass) is launched (the device
+        computes while the server's event loop, which needs the interpreter, sends them), and
+        before a prefill pass and a lane's end: a held token's lane either decodes on or ends at
+        the worker's next step, so none waits longer than that."""
         held, self._held = self._held, []
         for lane, ev in held:
             lane.handle.put(ev)

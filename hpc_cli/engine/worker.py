@@ -58,14 +58,12 @@ class Worker(EngineCore):
                         self._take_stats()
                         last_stats = now
                     if not worked:  # poll transfers only while some are pending
-                        self._send_held()
                         self._wake.wait(self.TRANSFER_POLL_S if self.cache.transfers_pending else self.RECHECK_S)
                         self._wake.clear()
                     continue
                 # idle: publish the stats as they are, then sleep until submit, cancel, stop, a
                 # stats request or a host chunk wakes the worker (no polling: an idle server
                 # uses no CPU)
-                self._send_held()
                 self._take_stats()
                 last_stats = now
                 # and its OpenMP team (cpu_threads): another engine in the process, a benchmark's
