@@ -112,6 +112,7 @@ def profile_model(path: str, args) -> dict:
         torch.cuda.synchronize()
     per = {e.key: (e.device_time_total / 1000 / n_prof, e.count / n_prof) for e in prof.key_averages()
            if e.device_time_total > 0}
+    sequence = _last_replay(prof, n_prof) if args.sequence else None
     kernel_ms = sum(ms for ms, _ in per.values())
     kinds: dict[str, float] = {}
     calls: dict[str, float] = {}
@@ -126,7 +127,33 @@ def profile_model(path: str, args) -> dict:
             "kinds_ms": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda e: -e[1])},
             "kinds_calls": {k: round(v, 1) for k, v in calls.items()},
             "top": [{"kernel": k[:80], "ms": round(ms, 4), "calls": round(c, 1)}
-                    for k, (ms, c) in sorted(per.items(), key=lambda e: -e[1][0])[:args.top]]}
+                    for k, (ms, c) in sorted(per.items(), key=lambda e: -e[1][0])[:args.top]],
+            **({"sequence": sequence} if sequence is not None else {})}
+
+
+def _last_replay(prof, replays: int) -> list[dict]:
+    """The kernels of the last profiled replay in launch order: each one's start after the
+    previous one's end (``gap_us``) and its duration, from the profiler's trace."""
+    import os
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    per = len(kernels) // replays
+    last = kernels[-per:] if per else []
+    out, end = [], None
+    for e in last:
+        out.append({"kernel": e["name"][:60], "us": round(e["dur"], 2),
+                    "gap_us": None if end is None else round(e["ts"] - end, 2)})
+        end = e["ts"] + e["dur"]
+    return out
 
 
 def main() -> None:
@@ -140,6 +167,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--no-merge", action="store_true")
+    ap.add_argument("--sequence", action="store_true", help="also list the last replay's kernels in order, with gaps")
     ap.add_argument("--tile", action="append", default=[],
                     help="FORMAT.KEY=VALUE: a decode tile's setting for this run (JSON value), e.g. fp8.waves=8")
     ap.add_argument("--out", default=None)

@@ -4,6 +4,8 @@
   to ``x``'s dtype (the layers' and attention heads' norm);
 * ``rms_norm_rope``: that norm of the attention heads' q or k, then their rotary, in the same
   launch (its twin is the model's norm and rotary);
+* ``add_rms_norm``: the residual stream's sum ``x + r`` (rounded to ``x``'s dtype) and that
+  norm of it, in one launch (a decode step's residual adds and the norms after them);
 * ``gated_rms_norm``: the GDN output norm, ``w * norm(x)`` (the normed row cast to ``x``'s dtype
   first, then multiplied by the weight in that dtype) times ``silu(z)`` in fp32, cast back.
 
@@ -25,21 +27,31 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpc_kernels.launch import as_heads, launchable, tl, triton
+from hpc_kernels.launch import as_heads, gdc_launch_dependents, gdc_wait, launchable, pdl_args, tl, triton
 
 
 if triton is not None:
     @triton.jit
     def _norm_kernel(x, w, z, y, cos, sin, heads, D, eps, sx, sxh, sz, szh, sy, BLOCK: tl.constexpr,
-                     GATED: tl.constexpr, RD: tl.constexpr):
-        # row r is head r % heads of token r // heads; x and z at strides (token, head, 1), y dense
+                     GATED: tl.constexpr, RD: tl.constexpr, ADD: tl.constexpr = False, PDL: tl.constexpr = False):
+        # row r is head r % heads of token r // heads; x and z at strides (token, head, 1), y dense.
+        # ADD (one head a row): the row is x + z rounded to x's dtype, written to cos (dense rows)
+        if PDL:  # the next kernel may launch; this one reads the one before's output: wait for it
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         tok = row // heads
         hd = row % heads
         xrow = x + tok * sx + hd * sxh
         o = tl.arange(0, BLOCK)
         m = o < D
-        xf = tl.load(xrow + o, mask=m, other=0.0).to(tl.float32)
+        if ADD:
+            xs = (tl.load(xrow + o, mask=m, other=0.0).to(tl.float32)
+                  + tl.load(z + tok * sz + o, mask=m, other=0.0).to(tl.float32)).to(y.dtype.element_ty)
+            tl.store(cos + row * sy + o, xs, mask=m)
+            xf = xs.to(tl.float32)
+        else:
+            xf = tl.load(xrow + o, mask=m, other=0.0).to(tl.float32)
         r = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
         wv = tl.load(w + o, mask=m, other=0.0)
         if RD > 0:
@@ -69,7 +81,7 @@ if triton is not None:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float,
-            rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            rope: tuple[torch.Tensor, torch.Tensor] | None = None, added: torch.Tensor | None = None) -> torch.Tensor:
     D = x.shape[-1]
     assert w.shape == (D,), f"weight {tuple(w.shape)} for rows of {D}"
     x3 = as_heads(x)
@@ -83,13 +95,18 @@ def _launch(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float
         warps = 1 if block <= 256 else 4 if block <= 2048 else 8
         cos, sin = rope if rope is not None else (x3, x3)
         rd = cos.shape[-1] if rope is not None else 0
+        if added is not None:  # x + z into added, then its norm
+            assert rope is None and x3.shape[1] == 1 and added.shape == x.shape and added.is_contiguous(), \
+                "an added residual takes rows of one head and a dense output"
+            cos = added
         if rope is not None:
             assert x.dim() == 3 and cos.shape == sin.shape == (x.shape[0], rd) and cos.is_contiguous() \
                 and sin.is_contiguous() and rd % 2 == 0 and rd <= D, \
                 f"rotary cos/sin {tuple(cos.shape)} for rows {tuple(x.shape)}"
         heads = x3.shape[1]
         _norm_kernel[(n,)](x3, w, z3, y2, cos, sin, heads, D, eps, x3.stride(0), x3.stride(1), z3.stride(0),
-                           z3.stride(1), y2.stride(0), BLOCK=block, GATED=z is not None, RD=rd, num_warps=warps)
+                           z3.stride(1), y2.stride(0), BLOCK=block, GATED=z is not None and added is None, RD=rd,
+                           ADD=added is not None, num_warps=warps, **pdl_args(x))
     return y
 
 
@@ -98,6 +115,16 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if not launchable(x):
         return rms_norm_ref(x, w, eps)
     return _launch(x, w, None, eps)
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + r`` (rounded to ``x``'s dtype, as torch's sum) and :func:`rms_norm` of ``s``, in
+    one launch: the residual stream's sum and the next norm (``[..., D]`` operands)."""
+    if not launchable(x):
+        return add_rms_norm_ref(x, r, w, eps)
+    assert r.shape == x.shape and r.dtype == x.dtype, f"residual {tuple(r.shape)} {r.dtype} for {tuple(x.shape)}"
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return s, _launch(x, w, r, eps, added=s)
 
 
 def rms_norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -120,6 +147,11 @@ def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (1.0 + w.float())).type_as(x)
+
+
+def add_rms_norm_ref(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x + r
+    return s, rms_norm_ref(s, w, eps)
 
 
 def gated_rms_norm_ref(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:

@@ -336,8 +336,13 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
     paged = kv.paged_attention_supported(model.config.num_attention_heads)
     run = None if keep_all else _slot_run(slot_t)  # once a pass: every GDN layer's slots are the same
     feats, windows, kept = [], [], []
+    pending = None  # the last MLP's output, added to x by the next norm (one launch for both)
     for i, layer in enumerate(model.layers):
-        h = blocks(layer.input_layernorm, R, x)
+        if pending is None:
+            h = blocks(layer.input_layernorm, R, x)
+        else:
+            x, h = blocks(layer.input_layernorm.add, R, x, pending)
+            pending = None
         if layer.kind == "linear_attention":
             g = model.state_index[i]
             conv, rec = states.conv[g], states.recurrent[g]
@@ -356,18 +361,23 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
             # Routing depends on which tokens share a call, so the MoE is not row-blocked (MoE has
             # no bit-identity claim) and padded rows never reach the router: routing traces, hit
             # rates and host bytes per token count real tokens only.
-            x = blocks(lambda xb, ob: xb + ob, R, x, out)
-            normed = blocks(layer.post_attention_layernorm, R, x)
+            x, normed = blocks(layer.post_attention_layernorm.add, R, x, out)
             x = torch.cat([x[:n] + layer.mlp(normed[:n]), x[n:]])
         else:
             def tail(xb, ob, layer=layer):
-                xb = xb + ob
-                return xb + layer.mlp(layer.post_attention_layernorm(xb))
+                xb, normed = layer.post_attention_layernorm.add(xb, ob)
+                return xb, layer.mlp(normed)
 
-            x = blocks(tail, R, x, out)
+            x, pending = blocks(tail, R, x, out)
+            if i in capture:
+                x = blocks(torch.add, R, x, pending)
+                pending = None
         if i in capture:
             feats.append(x[:n])
-    xn = blocks(model.norm, R, x)
+    if pending is None:
+        xn = blocks(model.norm, R, x)
+    else:
+        x, xn = blocks(model.norm.add, R, x, pending)
     hidden = xn[:n].view(B, T, -1)
     if not keep_all:
         states.hidden.index_copy_(0, slot_t, hidden[:, -1].to(states.hidden.dtype))

@@ -105,6 +105,13 @@ class RMSNorm(nn.Module):
             return norm_kernels.rms_norm(x, self.weight, self.eps)
         return norm_kernels.rms_norm_ref(x, self.weight, self.eps)
 
+    def add(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + r, self(x + r))``: the residual stream's sum and its norm (one launch where the
+        fused kernels run; the same numbers as the sum then the norm)."""
+        if fused(x):
+            return norm_kernels.add_rms_norm(x, r, self.weight, self.eps)
+        return norm_kernels.add_rms_norm_ref(x, r, self.weight, self.eps)
+
 
 class GatedRMSNorm(nn.Module):
     """The GDN output norm: ``w * norm(x)`` (plain weight, cast to x's dtype first) times ``silu(z)``."""

@@ -89,6 +89,8 @@ def test_kernels_fall_back_to_the_twins_off_cuda():
     assert torch.equal(rms_norm.rms_norm(x, w, 1e-6), rms_norm.rms_norm_ref(x, w, 1e-6))
     z = torch.randn(3, 5, 32)
     assert torch.equal(rms_norm.gated_rms_norm(x, w, z, 1e-6), rms_norm.gated_rms_norm_ref(x, w, z, 1e-6))
+    s, y = rms_norm.add_rms_norm(x, z, w, 1e-6)
+    assert torch.equal(s, x + z) and torch.equal(y, rms_norm.rms_norm_ref(x + z, w, 1e-6))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -117,7 +119,7 @@ def _kernel_cases(device: str) -> dict:
         zh = torch.randn(5, 2 * 3 * 64, generator=g).to(dtype).to(device)[:, 64:4 * 64].unflatten(-1, (3, 64))
         core = torch.randn(5, 3, 64, generator=g).to(dtype).to(device)
         out["norm"].append({
-            "dtype": str(dtype),
+            "dtype": str(dtype), "compiled": device == "cuda",
             "merged_rope": _rel(rms_norm.rms_norm_rope(k, w, 1e-6, cos, sin),
                                 apply_rotary(rms_norm.rms_norm_ref(k, w, 1e-6), cos, sin)),
             "merged_gated": _rel(rms_norm.gated_rms_norm(core, w, zh, 1e-6), rms_norm.gated_rms_norm_ref(core, w, zh, 1e-6)),
@@ -130,6 +132,13 @@ def _kernel_cases(device: str) -> dict:
             "wide": _rel(rms_norm.rms_norm(wide, w320, 1e-6), rms_norm.rms_norm_ref(wide, w320, 1e-6)),
             "gated": _rel(rms_norm.gated_rms_norm(x, w, z, 1e-6), rms_norm.gated_rms_norm_ref(x, w, z, 1e-6)),
             "rows_alone": bool(torch.equal(rms_norm.rms_norm(q[1:2], w, 1e-6), rms_norm.rms_norm(q, w, 1e-6)[1:2])),
+            # the residual sum and its norm in one launch: the sum as torch rounds it, the norm of it
+            "add_sum_exact": bool(torch.equal(rms_norm.add_rms_norm(x, z, w, 1e-6)[0], x + z)),
+            "add": _rel(rms_norm.add_rms_norm(wide, wide.flip(0), w320, 1e-6)[1],
+                        rms_norm.rms_norm_ref(wide + wide.flip(0), w320, 1e-6)),
+            "add_equals_norm_of_sum": bool(torch.equal(rms_norm.add_rms_norm(x, z, w, 1e-6)[1],
+                                                       rms_norm.rms_norm(rms_norm.add_rms_norm(x, z, w, 1e-6)[0],
+                                                                         w, 1e-6))),
         })
         for T in (1, 2, 37):  # fewer rows than the conv's width; rows past one tile
             st = torch.randn(200, 3, generator=g).to(dtype).to(device)
@@ -177,8 +186,10 @@ def _kernel_cases(device: str) -> dict:
 def _check_kernel_cases(cases: dict) -> None:
     for c in cases["norm"]:
         tol = 1e-6 if "float32" in c["dtype"] else 2e-2
-        assert max(c["strided"], c["wide"], c["gated"], c["rope"], c["merged_rope"], c["merged_gated"]) < tol, c
-        assert c["rows_alone"] and c["merged_in_place"], c
+        assert max(c["strided"], c["wide"], c["gated"], c["rope"], c["merged_rope"], c["merged_gated"], c["add"]) < tol, c
+        assert c["rows_alone"] and c["merged_in_place"] and c["add_equals_norm_of_sum"], c
+        # Triton's interpreter casts fp32 to bf16 by truncation, the GPU rounds to nearest as torch
+        assert c["add_sum_exact"] or not (c["compiled"] or "float32" in c["dtype"]), c
     for c in cases["conv"] + cases["swiglu"]:
         assert c["rel"] < (1e-6 if "float32" in c["dtype"] else 2e-2), c
     for c in cases["step"]:

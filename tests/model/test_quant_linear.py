@@ -407,3 +407,55 @@ if __name__ == "__main__":
 
         TILES["fp8"] = TILES["nvfp4"] = tile
     print(json.dumps(_child()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prefetch", [0, 1, 4])
+def test_products_launched_as_programmatic_dependents_equal_the_plain_ones(prefetch, monkeypatch):
+    """With ``HPC_PDL`` a decode product launches while the kernel before it runs and waits for it
+    before reading its rows: a chain of products and norms, each reading the one before's output
+    (split sums between them), gives the plain launches' bits, eagerly and replayed from a CUDA
+    graph whose input changes between replays (a product that read its rows early would read
+    the last replay's)."""
+    from hpc_cli.model.quant_weights import quantize_fp8
+    from hpc_kernels import launch
+    from hpc_kernels import quant_gemm as qg
+    from hpc_kernels.rms_norm import rms_norm
+    from hpc_kernels.swiglu import swiglu
+
+    if not (launch.PDL_TRITON and torch.cuda.get_device_capability() >= (9, 0)):
+        pytest.skip("no programmatic dependent launch here (Hopper and a Triton that launches it)")
+    torch.manual_seed(0)
+    widths = [5120, 6144, 5120, 2 * 17408, 5120]
+    weights = [quantize_fp8(torch.randn(n, k, device="cuda") * k ** -0.5, (128, 128))
+               for k, n in zip([5120, 6144, 5120, 17408], widths[1:])]
+    assert max(qg.k_splits(q.shape[0], q.shape[1], 64, 128, qg.TILES["fp8"]["waves"], qg.sm_count(q.device))[0]
+               for q, _ in weights) > 1
+    norm_w = torch.randn(5120, device="cuda", dtype=torch.bfloat16) * 0.1
+
+    def chain(x):
+        for i, (q, s) in enumerate(weights):
+            if i == 3:
+                x = swiglu(*x.chunk(2, dim=-1))
+            x = qg.fp8_linear(x, q, s, (128, 128))
+            if x.shape[-1] == 5120:
+                x = rms_norm(x, norm_w, 1e-6)
+        return x
+
+    inputs = [torch.randn(1, widths[0], device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    plain = [chain(x) for x in inputs]
+    monkeypatch.setattr(launch, "PDL", True)
+    monkeypatch.setitem(qg.TILES, "fp8", dict(qg.TILES["fp8"], prefetch=prefetch))
+    assert launch.pdl_args(inputs[0])
+    for x, ref in zip(inputs, plain):
+        assert torch.equal(chain(x), ref)
+    src = inputs[0].clone()
+    chain(src)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(src)
+    for x, ref in list(zip(inputs, plain)) * 2:
+        src.copy_(x)
+        graph.replay()
+        assert torch.equal(out, ref)
