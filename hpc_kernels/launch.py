@@ -18,47 +18,6 @@ except Exception:  # no Triton, or one that cannot load here: the torch twins on
 TRITON = triton is not None
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
-try:  # programmatic dependent launch (Hopper and later): a Triton that launches it (3.3+)
-    from triton.backends.nvidia.compiler import CUDAOptions
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    PDL_TRITON = "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
-except Exception:  # no Triton, an older one, or no NVIDIA backend
-    PDL_TRITON = False
-    if triton is not None:
-        @triton.jit
-        def gdc_launch_dependents():
-            pass
-
-        @triton.jit
-        def gdc_wait():
-            pass
-
-#: launch the kernels that take it as programmatic dependents (``HPC_PDL=1``): a kernel may then
-#: start while the one before it runs, doing what does not depend on it (a product reads its
-#: weight) before it waits for it (``gdc_wait``) and lets the next one start
-#: (``gdc_launch_dependents``)
-PDL = os.environ.get("HPC_PDL", "0") == "1"
-
-
-def pdl_args(x: torch.Tensor) -> dict:
-    """The launch arguments of a kernel taking ``PDL`` for a pass on ``x``'s device: ``PDL`` and
-    ``launch_pdl`` where :data:`PDL` is on and the device launches programmatic dependents, else
-    none."""
-    if not (PDL and x.is_cuda):
-        return {}
-    return {"PDL": True, "launch_pdl": True} if _pdl_device(x.device.index or 0) else {}
-
-
-_PDL_DEVICES: dict[int, bool] = {}
-
-
-def _pdl_device(index: int) -> bool:
-    ok = _PDL_DEVICES.get(index)
-    if ok is None:
-        ok = _PDL_DEVICES[index] = PDL_TRITON and not INTERPRETING and torch.cuda.get_device_capability(index) >= (9, 0)
-    return ok
-
 
 def launchable(x: torch.Tensor) -> bool:
     """Whether a fused kernel can take ``x``."""

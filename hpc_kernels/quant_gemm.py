@@ -42,8 +42,6 @@ import triton
 import triton.language as tl
 
 from .kv_quant_triton import e2m1_value
-from .launch import gdc_launch_dependents, gdc_wait, pdl_args
-
 
 #: the most rows a pass reads the weight in place for (decode, speculative verify)
 DECODE_ROWS = 16
@@ -62,15 +60,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit(do_not_specialize=["M", "SPLITS"])
-def _sum_splits_kernel(p_ptr, y_ptr, M, N, SPLITS, stride_ps, stride_pm, stride_ym, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr = False):
+def _sum_splits_kernel(p_ptr, y_ptr, M, N, SPLITS, stride_ps, stride_pm, stride_ym, BLOCK: tl.constexpr):
     """``y[m, n] = sum_s p[s, m, n]`` in a fixed order (split 0 first): a row's sum never depends
-    on the other rows or on how many there are. ``PDL``: launched as a programmatic dependent of
-    the product (:func:`_fp8_rows_kernel`), it lets the next kernel launch at once and waits for
-    the product before reading or writing anything."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    on the other rows or on how many there are."""
     m = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     nmask = rn < N
@@ -186,42 +178,11 @@ def _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP: tl.
                  mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-@triton.jit
-def _prefetch_l2(p):
-    """A ``prefetch.global.L2`` of each address in ``p`` (its result, zeros, is not used)."""
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _fp8_step(acc, w, s, x_ptr, rm, kk, kmask, M, stride_xm, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr,
-              IEEE: tl.constexpr, DOT: tl.constexpr, E4M3: tl.constexpr):
-    """One ``BK`` step of :func:`_fp8_rows_kernel`: ``acc`` plus the rows' inputs ``kk`` against
-    the weight tile ``w`` and its block scales ``s``."""
-    if E4M3:
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        xs = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-        xq = tl.clamp(x / xs[:, None], -448.0, 448.0).to(w.dtype)
-        acc += tl.dot(w, tl.trans(xq)) * (s[:, None] * xs[None, :])
-    elif DOT:
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kmask[None, :],
-                    other=0.0)
-        acc += _row_dot(x, w.to(x.dtype), _zero_acc(BM, BN, SWAP), SWAP, IEEE) * _per_output(s, SWAP)
-    else:
-        wf = w.to(tl.float32) * s[:, None]
-        for r in tl.static_range(BM):
-            x = tl.load(x_ptr + r * stride_xm + kk, mask=kmask & (tl.full(kk.shape, r, tl.int32) < M),
-                        other=0.0).to(tl.float32)
-            acc = _add_row(acc, rm, r, tl.sum(wf * x[None, :], axis=1))
-    return acc
-
-
 @triton.jit(do_not_specialize=["M"])
 def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym,
                      stride_ys, SB_N: tl.constexpr, SB_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
-                     E4M3: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                     E4M3: tl.constexpr):
     """The ``M <= BM`` rows of ``x`` against ``BN`` weight rows over this program's share of K,
     each ``BN x BK`` fp8 tile (within one scale block of inputs) loaded once for all the rows.
     ``E4M3`` (with ``DOT`` and ``SWAP``): the step's ``BK`` inputs (one 128-input group) of every
@@ -229,46 +190,37 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, st
     FP8 matrix units, the product scaled by the weight block's and the rows' scales. ``DOT``: the
     tile, exact in ``x``'s dtype, meets the rows on the matrix units and the step's product is
     scaled per weight row; otherwise the tile is scaled in fp32 registers and each row sums its
-    products there. Each row runs the same operations whatever ``M``.
-
-    ``PDL`` (launched as a programmatic dependent launch): the program lets the next kernel
-    launch at once, reads what does not depend on the kernel before it (the weight: its first
-    tile into registers with ``PREFETCH == 1``, its first ``PREFETCH`` tiles into L2 with
-    ``PREFETCH > 1``), then waits for that kernel before reading the rows. The same operations in
-    the same order either way."""
+    products there. Each row runs the same operations whatever ``M``."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PDL:
-        gdc_launch_dependents()
     rm = tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     nmask = rn < N
     acc = _zero_acc(BM, BN, SWAP)
-    k_start = pid_k * K_SPLIT
-    k_end = tl.minimum(K, k_start + K_SPLIT)
-    k_loop = k_start
-    if PREFETCH > 1:
-        for i in tl.static_range(PREFETCH):
-            _prefetch_l2(w_ptr + rn.to(tl.int64) * stride_wn + tl.minimum(k_start + i * BK, K - 1))
-    if PREFETCH == 1:  # the first step's tile before the wait (a split holds at least one step)
-        kk0 = k_start + rk
-        kmask0 = kk0 < k_end
-        w0 = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk0[None, :],
-                     mask=nmask[:, None] & kmask0[None, :], other=0.0)
-        s0 = tl.load(s_ptr + (rn // SB_N) * stride_sn + k_start // SB_K, mask=nmask, other=0.0)
-    if PDL:
-        gdc_wait()
-    if PREFETCH == 1:
-        acc = _fp8_step(acc, w0, s0, x_ptr, rm, kk0, kmask0, M, stride_xm, BM, BN, SWAP, IEEE, DOT, E4M3)
-        k_loop = k_start + BK
-    for k0 in range(k_loop, k_end, BK):
+    k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
+    for k0 in range(pid_k * K_SPLIT, k_end, BK):
         kk = k0 + rk
         kmask = kk < k_end
         w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk[None, :],
                     mask=nmask[:, None] & kmask[None, :], other=0.0)
         s = tl.load(s_ptr + (rn // SB_N) * stride_sn + k0 // SB_K, mask=nmask, other=0.0)
-        acc = _fp8_step(acc, w, s, x_ptr, rm, kk, kmask, M, stride_xm, BM, BN, SWAP, IEEE, DOT, E4M3)
+        if E4M3:
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            xs = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+            xq = tl.clamp(x / xs[:, None], -448.0, 448.0).to(w.dtype)
+            acc += tl.dot(w, tl.trans(xq)) * (s[:, None] * xs[None, :])
+        elif DOT:
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kmask[None, :],
+                        other=0.0)
+            acc += _row_dot(x, w.to(x.dtype), _zero_acc(BM, BN, SWAP), SWAP, IEEE) * _per_output(s, SWAP)
+        else:
+            wf = w.to(tl.float32) * s[:, None]
+            for r in tl.static_range(BM):
+                x = tl.load(x_ptr + r * stride_xm + kk, mask=kmask & (tl.full((BK,), r, tl.int32) < M),
+                            other=0.0).to(tl.float32)
+                acc = _add_row(acc, rm, r, tl.sum(wf * x[None, :], axis=1))
     _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP)
 
 
@@ -342,15 +294,13 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _rows_product(rows_kernel, tile: dict, x2: torch.Tensor, n: int, k: int, weights: tuple,
-                  weight_strides: tuple, meta: dict, bk_limit: int | None = None, pdl: dict | None = None
-                  ) -> torch.Tensor:
+                  weight_strides: tuple, meta: dict, bk_limit: int | None = None) -> torch.Tensor:
     """``x2 [M, K] @ W^T`` for up to ``DECODE_ROWS`` rows: a program per (``BN`` outputs, K split)
     reads its weight tile once for all the rows, the splits' fp32 partial sums added in a fixed
     order by :func:`_sum_splits_kernel`, so that a weight read for few rows still keeps every
     multiprocessor loading. A tile on the matrix units always takes ``DECODE_ROWS`` rows (the
     missing ones zero), so that its operations never depend on the row count. ``bk_limit`` bounds
-    the step (FP8: one scale block); ``pdl`` (:func:`hpc_kernels.launch.pdl_args`) launches both
-    kernels as programmatic dependents."""
+    the step (FP8: one scale block)."""
     m = x2.shape[0]
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if not m:
@@ -364,12 +314,11 @@ def _rows_product(rows_kernel, tile: dict, x2: torch.Tensor, n: int, k: int, wei
         x2, *weights, out, m, n, k, per, x2.stride(0), *weight_strides, out.stride(-2),
         out.stride(0) if splits > 1 else 0, BM=DECODE_ROWS if dot else triton.next_power_of_2(m), BN=tile["BN"],
         BK=bk, DOT=dot, SWAP=e4m3 or (dot and bool(tile.get("swap"))), IEEE=x2.dtype == torch.float32,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta, **(pdl or {}))
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
     if splits > 1:
         _sum_splits_kernel[(m, triton.cdiv(n, 1024))](out, y, m, n, splits, out.stride(0), out.stride(1), y.stride(0),
-                                                      BLOCK=1024, **(pdl or {}))
+                                                      BLOCK=1024)
     return y
-
 
 
 def _dequantized(kernel, n: int, k: int, weights: tuple, weight_strides: tuple, dtype: torch.dtype,
@@ -488,12 +437,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
                     and k % 128 == 0 and scaled_mm_ready(x.device))
     if x2.shape[0] <= DECODE_ROWS and not (tensor_cores and TILES["fp8"].get("scaled_mm")):
         tile = fp8_decode_tile(x2.dtype, block, x2.device)
-        meta = {"SB_N": sb_n, "SB_K": sb_k, "E4M3": bool(tile.get("e4m3"))}
-        pdl = pdl_args(x2)
-        if pdl:
-            meta["PREFETCH"] = int(tile.get("prefetch", 0))
         y = _rows_product(_fp8_rows_kernel, tile, x2, n, k, (weight, scale), (weight.stride(0), scale.stride(0)),
-                          meta, bk_limit=sb_k, pdl=pdl)
+                          {"SB_N": sb_n, "SB_K": sb_k, "E4M3": bool(tile.get("e4m3"))}, bk_limit=sb_k)
     elif tensor_cores:
         y = fp8_scaled_mm(x2, weight, mm_scales)
     else:

@@ -27,18 +27,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpc_kernels.launch import as_heads, gdc_launch_dependents, gdc_wait, launchable, pdl_args, tl, triton
+from hpc_kernels.launch import as_heads, launchable, tl, triton
 
 
 if triton is not None:
     @triton.jit
     def _norm_kernel(x, w, z, y, cos, sin, heads, D, eps, sx, sxh, sz, szh, sy, BLOCK: tl.constexpr,
-                     GATED: tl.constexpr, RD: tl.constexpr, ADD: tl.constexpr = False, PDL: tl.constexpr = False):
+                     GATED: tl.constexpr, RD: tl.constexpr, ADD: tl.constexpr = False):
         # row r is head r % heads of token r // heads; x and z at strides (token, head, 1), y dense.
         # ADD (one head a row): the row is x + z rounded to x's dtype, written to cos (dense rows)
-        if PDL:  # the next kernel may launch; this one reads the one before's output: wait for it
-            gdc_launch_dependents()
-            gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         tok = row // heads
         hd = row % heads
@@ -106,7 +103,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float
         heads = x3.shape[1]
         _norm_kernel[(n,)](x3, w, z3, y2, cos, sin, heads, D, eps, x3.stride(0), x3.stride(1), z3.stride(0),
                            z3.stride(1), y2.stride(0), BLOCK=block, GATED=z is not None and added is None, RD=rd,
-                           ADD=added is not None, num_warps=warps, **pdl_args(x))
+                           ADD=added is not None, num_warps=warps)
     return y
 
 

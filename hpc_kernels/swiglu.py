@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpc_kernels.launch import as_rows, gdc_launch_dependents, gdc_wait, pdl_args, tl, triton
+from hpc_kernels.launch import as_rows, tl, triton
 
 BLOCK = 2048
 NUM_WARPS = 4
@@ -16,10 +16,7 @@ NUM_WARPS = 4
 
 if triton is not None:
     @triton.jit
-    def _swiglu_kernel(g, sg, u, su, y, D, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        if PDL:  # the next kernel may launch; this one reads the one before's output: wait for it
-            gdc_launch_dependents()
-            gdc_wait()
+    def _swiglu_kernel(g, sg, u, su, y, D, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = o < D
@@ -37,7 +34,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if n:
         _swiglu_kernel[(n, triton.cdiv(D, BLOCK))](g2, g2.stride(0), u2, u2.stride(0), y, D, BLOCK=BLOCK,
-                                                   num_warps=NUM_WARPS, **pdl_args(gate))
+                                                   num_warps=NUM_WARPS)
     return y
 
 
