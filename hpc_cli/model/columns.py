@@ -377,7 +377,7 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
     if pending is None:
         xn = blocks(model.norm, R, x)
     else:
-        x, xn = blocks(model.norm.add, R, x, pending)
+        _, xn = blocks(model.norm.add, R, x, pending)
     hidden = xn[:n].view(B, T, -1)
     if not keep_all:
         states.hidden.index_copy_(0, slot_t, hidden[:, -1].to(states.hidden.dtype))
