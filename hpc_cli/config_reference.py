@@ -71,5 +71,13 @@ def reference_markdown() -> str:
                     lines.append(f"Options of cache mode `{entry.name}` ({entry.plugin}):")
                     lines.append("")
                     lines += _rows(f"cache.{entry.name}", opts)
+    from hpc_cli.settings.sections import PROCESS_ENV
+
+    lines += ["## Process switches", "",
+              "Environment variables that are not settings keys: read by one part of the process (a model or",
+              "transfer engine used without settings, a kernel, another command). `hpc-cli serve` accepts them",
+              "beside the keys' variables; any other `HPC_*` name is refused as a likely typo.", "",
+              "| variable | meaning |", "|---|---|"]
+    lines += [f"| `{name}` | {text.replace('|', '/')} |" for name, text in PROCESS_ENV.items()]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -190,3 +190,37 @@ def test_debug_timing_from_env_and_serve_flag(monkeypatch):
         assert res.exit_code == 0, res.output
         assert seen[-1].settings.server.debug_timing is want
     assert seen[0].source("server.debug_timing") == "cli"
+
+
+def test_process_switches_pass_the_environment_check_and_typos_do_not():
+    """The variables the project itself reads outside the settings (documented switches, another
+    command's key) never stop `hpc-cli serve`; an HPC_* name that is neither refuses, naming the
+    closest known one."""
+    from hpc_cli.settings.sections import PROCESS_ENV
+
+    resolved = load_settings(environ={**{name: "0" for name in PROCESS_ENV}, "HPC_ENGINE__SEED": "5"})
+    assert resolved.settings.engine.seed == 5
+    with pytest.raises(ConfigError, match=r"HPC_FUSED_KERNEL\b.*did you mean HPC_FUSED_KERNELS"):
+        load_settings(environ={"HPC_FUSED_KERNEL": "0"})
+    with pytest.raises(ConfigError, match=r"HPC_ENGNE__SEED \(did you mean HPC_ENGINE__SEED\?\)"):
+        load_settings(environ={"HPC_ENGNE__SEED": "1"})
+    with pytest.raises(ConfigError, match="unknown environment variable HPC_NOSUCH"):
+        load_settings(environ={"HPC_NOSUCH": "1"})
+
+
+def test_every_variable_the_source_reads_is_a_key_or_a_process_switch():
+    """Scans the packages (hpc_cli, hpc_kernels, the built-in plugins) for HPC_* names in string literals: each is a settings key's variable
+    (HPC_<SECTION>__<KEY>) or listed in PROCESS_ENV (which docs/configuration.md shows), so no
+    switch the code reads makes the server refuse to start."""
+    import re
+
+    from hpc_cli.settings.sections import PROCESS_ENV, SECTIONS
+
+    root = Path(__file__).resolve().parents[1]
+    found = set()
+    for pkg in ("hpc_cli", "hpc_kernels", "plugins"):
+        for path in (root / pkg).rglob("*.py"):
+            found |= set(re.findall(r"[\"'](HPC_[A-Z0-9_]+)[\"']", path.read_text()))
+    assert {"HPC_FUSED_KERNELS", "HPC_TRANSFER_COPY", "HPC_BENCH_API_KEY"} <= found  # the scan sees them
+    keys = {n for n in found if "__" in n and n[4:].split("__")[0].lower() in SECTIONS}
+    assert found - keys <= set(PROCESS_ENV), sorted(found - keys - set(PROCESS_ENV))

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 
 from hpc_cli.errors import ConfigError
-from hpc_cli.settings.sections import ENV_PREFIX, SECTIONS, HpcSettings, env_var
+from hpc_cli.settings.sections import ENV_PREFIX, PROCESS_ENV, SECTIONS, HpcSettings, env_var
 
 
 def env_layer(environ: Mapping[str, str] | None) -> dict[str, Any]:
@@ -24,15 +24,31 @@ def env_layer(environ: Mapping[str, str] | None) -> dict[str, Any]:
         raise ConfigError(f"environment: {exc}", hint="check the HPC_* variables") from None
     prefix = ENV_PREFIX.lower()
     known = {s for s in SECTIONS}
+    process = {n.lower() for n in PROCESS_ENV}
     vars_ = source.env_vars
     for name in vars_:
-        if name.startswith(prefix) and name not in ("hpc_load_plugins",):
+        if name.startswith(prefix) and name not in process:
             section = name[len(prefix):].split("__", 1)[0]
             if section not in known:
-                raise ConfigError(f"unknown environment variable {name.upper()}",
+                close = _closest_variable(name.upper())
+                raise ConfigError(f"unknown environment variable {name.upper()}"
+                                  + (f" (did you mean {close}?)" if close else ""),
                                   hint=f"HPC_* variables name a section: {', '.join(SECTIONS)} "
-                                       "(HPC_<SECTION>__<KEY>); HPC_LOAD_PLUGINS selects plugins")
+                                       "(HPC_<SECTION>__<KEY>), or are one of the process switches in "
+                                       "docs/configuration.md (HPC_LOAD_PLUGINS selects plugins)")
     return data
+
+
+def _closest_variable(name: str) -> str | None:
+    """The known variable ``name`` most likely misspells: the same key under the closest
+    section's name (``HPC_ENGNE__SEED`` -> ``HPC_ENGINE__SEED``), or the closest process switch."""
+    body = name[len(ENV_PREFIX):]
+    if "__" in body:
+        section, rest = body.split("__", 1)
+        close = difflib.get_close_matches(section.lower(), SECTIONS, n=1)
+        return env_var(close[0]) + "__" + rest if close else None
+    close = difflib.get_close_matches(name, list(PROCESS_ENV), n=1)
+    return close[0] if close else None
 
 
 def drop_none(d: Mapping[str, Any]) -> dict[str, Any]:

@@ -166,6 +166,24 @@ class HpcSettings(BaseSettings):
 SECTIONS = tuple(HpcSettings.model_fields)
 
 
+#: environment variables that are not settings keys: switches read by a part of the process (a
+#: bare model or transfer engine, a kernel, another command), each with what it does. The
+#: settings' environment layer passes them by; any other ``HPC_*`` name must name a key.
+PROCESS_ENV = {
+    "HPC_LOAD_PLUGINS": "comma list of the plugins to load (default: all installed); `hpc-cli plugins` lists them",
+    "HPC_FUSED_KERNELS": "0 keeps torch's ops instead of the fused Triton kernels for a model used without an "
+                         "engine (an engine follows `engine.fused_kernels`)",
+    "HPC_CUDA_GRAPHS": "0 runs decode and verify passes eagerly for a model used without an engine (an engine "
+                       "follows `engine.cuda_graphs`)",
+    "HPC_TRANSFER_COPY": "auto / dma / kernel: the transfer engine's copy method where `cache.transfer_copy` is "
+                         "unset; dma also makes a state tap a torch copy instead of the segment-copy kernel on CUDA",
+    "HPC_SEG_TABLE_HOST": "0 uploads a transfer job's segment table to the device instead of reading it from "
+                          "mapped host memory",
+    "HPC_KV_KERNELS": "torch runs the KV formats' torch reference instead of their Triton kernels (debugging)",
+    "HPC_BENCH_API_KEY": "`hpc-cli bench --base`: the server's API key",
+}
+
+
 def env_var(key: str) -> str:
     """The environment variable that sets a dotted key: cache.host_cache_mib -> HPC_CACHE__HOST_CACHE_MIB."""
     return ENV_PREFIX + key.replace(".", "__").upper()
