@@ -170,7 +170,8 @@ SECTIONS = tuple(HpcSettings.model_fields)
 #: bare model or transfer engine, a kernel, another command), each with what it does. The
 #: settings' environment layer passes them by; any other ``HPC_*`` name must name a key.
 PROCESS_ENV = {
-    "HPC_LOAD_PLUGINS": "comma list of the plugins to load (default: all installed); `hpc-cli plugins` lists them",
+    "HPC_LOAD_PLUGINS": "comma list of the third-party plugins to load (unset: all installed; empty: none; "
+                        "built-ins always load); `hpc-cli plugins` lists them",
     "HPC_FUSED_KERNELS": "0 keeps torch's ops instead of the fused Triton kernels for a model used without an "
                          "engine (an engine follows `engine.fused_kernels`)",
     "HPC_CUDA_GRAPHS": "0 runs decode and verify passes eagerly for a model used without an engine (an engine "
