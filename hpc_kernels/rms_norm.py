@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hpc_kernels.launch import as_heads, launchable, tl, triton
+from hpc_kernels.launch import as_heads, as_rows, launchable, tl, triton
 
 
 if triton is not None:
@@ -120,8 +120,10 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) 
     if not launchable(x):
         return add_rms_norm_ref(x, r, w, eps)
     assert r.shape == x.shape and r.dtype == x.dtype, f"residual {tuple(r.shape)} {r.dtype} for {tuple(x.shape)}"
-    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return s, _launch(x, w, r, eps, added=s)
+    x2, r2 = as_rows(x), as_rows(r)  # one head a row: the kernel's rows are the tokens
+    s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    y = _launch(x2, w, r2, eps, added=s)
+    return s.view(x.shape), y.view(x.shape)
 
 
 def rms_norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -134,6 +134,10 @@ def _kernel_cases(device: str) -> dict:
             "rows_alone": bool(torch.equal(rms_norm.rms_norm(q[1:2], w, 1e-6), rms_norm.rms_norm(q, w, 1e-6)[1:2])),
             # the residual sum and its norm in one launch: the sum as torch rounds it, the norm of it
             "add_sum_exact": bool(torch.equal(rms_norm.add_rms_norm(x, z, w, 1e-6)[0], x + z)),
+            # rows of any leading shape (here [5, 3, 64]) are the tokens
+            "add_any_shape": bool(all(torch.equal(a, b.view(5, 3, 64)) for a, b in zip(
+                rms_norm.add_rms_norm(core, core.flip(0), w, 1e-6),
+                rms_norm.add_rms_norm(core.reshape(15, 64), core.flip(0).reshape(15, 64), w, 1e-6)))),
             "add": _rel(rms_norm.add_rms_norm(wide, wide.flip(0), w320, 1e-6)[1],
                         rms_norm.rms_norm_ref(wide + wide.flip(0), w320, 1e-6)),
             "add_equals_norm_of_sum": bool(torch.equal(rms_norm.add_rms_norm(x, z, w, 1e-6)[1],
@@ -187,7 +191,7 @@ def _check_kernel_cases(cases: dict) -> None:
     for c in cases["norm"]:
         tol = 1e-6 if "float32" in c["dtype"] else 2e-2
         assert max(c["strided"], c["wide"], c["gated"], c["rope"], c["merged_rope"], c["merged_gated"], c["add"]) < tol, c
-        assert c["rows_alone"] and c["merged_in_place"] and c["add_equals_norm_of_sum"], c
+        assert c["rows_alone"] and c["merged_in_place"] and c["add_equals_norm_of_sum"] and c["add_any_shape"], c
         # Triton's interpreter casts fp32 to bf16 by truncation, the GPU rounds to nearest as torch
         assert c["add_sum_exact"] or not (c["compiled"] or "float32" in c["dtype"]), c
     for c in cases["conv"] + cases["swiglu"]:
