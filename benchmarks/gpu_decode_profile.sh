@@ -21,8 +21,7 @@ CK=${CK:-/tmp/ck}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     step tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/model/test_quant_linear.py
 fi
-[ -f "$CK/bf16/config.json" ] || step checkpoint 300 python3 benchmarks/serve_trace.py --write-checkpoint "$CK/bf16" --shape 27b
-[ -f "$CK/fp8/config.json" ] || step quantize-fp8 300 hpc-cli quantize "$CK/bf16" "$CK/fp8" --format fp8
+checkpoints "$CK"
 step profile 300 python3 benchmarks/profile_decode.py --model "$CK/bf16" --model "$CK/fp8" --out "$OUTDIR/profile.json"
 i=0
 for t in ${TILE_AB:-}; do

@@ -28,8 +28,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 source benchmarks/gpu_steps.sh
 CK=${CK:-/tmp/ck}
-[ -f "$CK/bf16/config.json" ] || step checkpoint 200 python3 benchmarks/serve_trace.py --write-checkpoint "$CK/bf16" --shape 27b
-[ -f "$CK/fp8/config.json" ] || step quantize 100 hpc-cli quantize "$CK/bf16" "$CK/fp8" --format fp8
+checkpoints "$CK"
 step decode 150 python3 benchmarks/profile_decode.py --model "$CK/bf16" --model "$CK/fp8" --repeat 5 \
     --out "$OUTDIR/decode.json"
 step taps 150 bash -c "python3 benchmarks/gdn_taps.py --repeat 10 > '$OUTDIR/taps.json'"

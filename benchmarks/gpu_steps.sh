@@ -2,7 +2,8 @@
 # limit into "$OUT/NAME.log" (the script carries on after a failure) and records a summary line
 # (its exit code, seconds, and the log's last line naming passes, failures, warm-ups or errors);
 # `summary` prints them; `spec_table` prints a line per backend of each OUT/spec-k*.json that
-# benchmarks/spec_decode.py wrote. Needs OUT set.
+# benchmarks/spec_decode.py wrote; `checkpoints DIR` writes the 27B-width checkpoint to DIR/bf16
+# and its FP8 copy to DIR/fp8 unless they are there. Needs OUT set.
 declare -a SUMMARY
 step() {
     local name=$1 limit=$2
@@ -13,6 +14,10 @@ step() {
     SUMMARY+=("$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) \
         "$(grep -E 'passed|failed|warm-up|configurations|rror' "$OUT/$name.log" | tail -n 1)")")
     tail -n 3 "$OUT/$name.log"
+}
+checkpoints() {
+    [ -f "$1/bf16/config.json" ] || step checkpoint 300 python3 benchmarks/serve_trace.py --write-checkpoint "$1/bf16" --shape 27b
+    [ -f "$1/fp8/config.json" ] || step quantize-fp8 300 hpc-cli quantize "$1/bf16" "$1/fp8" --format fp8
 }
 summary() {
     printf '%s\n' "${SUMMARY[@]}"
