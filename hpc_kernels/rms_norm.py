@@ -32,10 +32,10 @@ from hpc_kernels.launch import as_heads, as_rows, launchable, tl, triton
 
 if triton is not None:
     @triton.jit
-    def _norm_kernel(x, w, z, y, cos, sin, heads, D, eps, sx, sxh, sz, szh, sy, BLOCK: tl.constexpr,
-                     GATED: tl.constexpr, RD: tl.constexpr, ADD: tl.constexpr = False):
+    def _norm_kernel(x, w, z, y, s, cos, sin, heads, D, eps, sx, sxh, sz, szh, sy, BLOCK: tl.constexpr,
+                     GATED: tl.constexpr, RD: tl.constexpr, ADD: tl.constexpr):
         # row r is head r % heads of token r // heads; x and z at strides (token, head, 1), y dense.
-        # ADD (one head a row): the row is x + z rounded to x's dtype, written to cos (dense rows)
+        # ADD (one head a row): the row is x + z rounded to x's dtype, also written to s (as y)
         row = tl.program_id(0).to(tl.int64)
         tok = row // heads
         hd = row % heads
@@ -45,7 +45,7 @@ if triton is not None:
         if ADD:
             xs = (tl.load(xrow + o, mask=m, other=0.0).to(tl.float32)
                   + tl.load(z + tok * sz + o, mask=m, other=0.0).to(tl.float32)).to(y.dtype.element_ty)
-            tl.store(cos + row * sy + o, xs, mask=m)
+            tl.store(s + row * sy + o, xs, mask=m)
             xf = xs.to(tl.float32)
         else:
             xf = tl.load(xrow + o, mask=m, other=0.0).to(tl.float32)
@@ -95,15 +95,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float
         if added is not None:  # x + z into added, then its norm
             assert rope is None and x3.shape[1] == 1 and added.shape == x.shape and added.is_contiguous(), \
                 "an added residual takes rows of one head and a dense output"
-            cos = added
         if rope is not None:
             assert x.dim() == 3 and cos.shape == sin.shape == (x.shape[0], rd) and cos.is_contiguous() \
                 and sin.is_contiguous() and rd % 2 == 0 and rd <= D, \
                 f"rotary cos/sin {tuple(cos.shape)} for rows {tuple(x.shape)}"
         heads = x3.shape[1]
-        _norm_kernel[(n,)](x3, w, z3, y2, cos, sin, heads, D, eps, x3.stride(0), x3.stride(1), z3.stride(0),
-                           z3.stride(1), y2.stride(0), BLOCK=block, GATED=z is not None and added is None, RD=rd,
-                           ADD=added is not None, num_warps=warps)
+        _norm_kernel[(n,)](x3, w, z3, y2, y2 if added is None else added, cos, sin, heads, D, eps, x3.stride(0),
+                           x3.stride(1), z3.stride(0), z3.stride(1), y2.stride(0), BLOCK=block,
+                           GATED=z is not None and added is None, RD=rd, ADD=added is not None, num_warps=warps)
     return y
 
 

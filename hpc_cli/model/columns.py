@@ -369,10 +369,9 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
                 return xb, layer.mlp(normed)
 
             x, pending = blocks(tail, R, x, out)
-            if i in capture:
-                x = blocks(torch.add, R, x, pending)
-                pending = None
-        if i in capture:
+        if i in capture:  # the layer's output itself
+            if pending is not None:
+                x, pending = blocks(torch.add, R, x, pending), None
             feats.append(x[:n])
     if pending is None:
         xn = blocks(model.norm, R, x)
