@@ -8,7 +8,7 @@ copy, say): a lane per batch row with a ``--context``-token prefix, then
 * ``graph_ms``: the step's CUDA graph replayed back to back, timed with CUDA events: the device's
   own time, what the host adds being the difference;
 * the graph's kernels under the torch profiler (it sees a replay's kernels): device ms a step per
-  kernel, the top ``--top``, and sums by kind (quantized products, split sums, cuBLAS products,
+  kernel, the top ``--top``, and sums by kind (quantized products, narrow products, cuBLAS products,
   the rest), ``gaps_ms`` being the step's device time not inside any kernel.
 
 A component benchmark: it explains decode figures, it does not prove them.
@@ -26,7 +26,7 @@ import time
 import torch
 
 KINDS = (("fp8/nvfp4 products", ("_fp8_rows_kernel", "_nvfp4_rows_kernel")),
-         ("split sums", ("_sum_splits_kernel",)),
+         ("narrow products", ("_narrow_rows_kernel",)),
          ("cuBLAS products", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitKreduce")),
          ("gdn", ("gdn", "delta", "conv")),
          ("attention", ("attention", "paged")),

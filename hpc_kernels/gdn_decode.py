@@ -19,6 +19,14 @@ launch costs more than its work. Here one program takes one lane, one value head
   written to row ``out`` of ``s_out`` (the same slot for decode: in place, each program owns its
   block), ``o`` in the model dtype.
 
+Decode itself (:func:`gdn_decode_step`, one column a lane) runs it in two launches that read
+and write both states where they lie: a conv kernel takes each lane's conv state from its slot
+and the new projection row, writes ``silu(conv)`` and shifts the state in place; the step reads
+those values (``ACT``) instead of a window, and zeros the rows past the lanes (the pass's
+padding to a row block). The gather of the conv states, the window's concatenation, the
+padding's concatenation and the scatter of the new states (five launches, about 10 us a layer
+at batch 1) are gone. The conv's sums run in the window's order with the same rounding points.
+
 A lane's column depends on its own window, projections and state alone, so the verify pass's
 columns (the same kernel, column by column) equal decode's bit for bit. The state rows are a
 lane's slot (``IN_SLOT``/``OUT_SLOT``: read from ``in_idx``/``out_idx`` on the device) or row
@@ -39,6 +47,8 @@ from hpc_kernels.launch import tl, triton
 #: value columns per program (one lane and value head has ``V / BV`` programs)
 BV = 32
 NUM_WARPS = 2
+#: channels per program of decode's conv (:func:`gdn_decode_step`)
+CONV_BC = 256
 
 
 def supported(key_dim: int, value_dim: int) -> bool:
@@ -48,36 +58,67 @@ def supported(key_dim: int, value_dim: int) -> bool:
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["t", "T"])
+    @triton.jit
+    def _silu_of_conv(acc, dt: tl.constexpr):
+        """A conv's fp32 sums rounded to the model dtype (the conv's output), then silu in fp32,
+        rounded again: the values the torch path hands fla, in fp32."""
+        x = acc.to(dt).to(tl.float32)
+        return (x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32)
+
+    @triton.jit
+    def _conv_step_kernel(x, sx, conv, sc_n, sc_c, idx, conv_w, act, C, KW: tl.constexpr, BC: tl.constexpr):
+        """Decode's conv for lane ``program_id(0)`` and ``BC`` channels: the window is the lane's
+        conv state (``KW - 1`` columns of its slot, in the model dtype) then its new projection
+        ``x``; the sums in the window's order (as :func:`_step_kernel` sums them), silu, into
+        ``act``; the state shifted by one column in place (each program owns its channels)."""
+        i_b = tl.program_id(0).to(tl.int64)
+        o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+        m_c = o_c < C
+        dt = act.dtype.element_ty
+        lane = conv + tl.load(idx + i_b) * sc_n + o_c * sc_c
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for j in tl.static_range(KW - 1):
+            col = tl.load(lane + j, mask=m_c, other=0.0).to(dt)
+            acc += col.to(tl.float32) * tl.load(conv_w + o_c * KW + j, mask=m_c, other=0.0).to(tl.float32)
+            if j > 0:
+                tl.store(lane + j - 1, col.to(conv.dtype.element_ty), mask=m_c)
+        new = tl.load(x + i_b * sx + o_c, mask=m_c, other=0.0).to(dt)
+        acc += new.to(tl.float32) * tl.load(conv_w + o_c * KW + KW - 1, mask=m_c, other=0.0).to(tl.float32)
+        tl.store(lane + KW - 2, new.to(conv.dtype.element_ty), mask=m_c)
+        tl.store(act + i_b * C + o_c, _silu_of_conv(acc, dt).to(dt), mask=m_c)
+
+    @triton.jit(do_not_specialize=["t", "T", "B", "ROWS"])
     def _step_kernel(win, sw_b, sw_c, conv_w, a, sa, b, sb, A_log, dt_bias,
-                     s_in, in_idx, s_out, out_idx, o, t, T, scale,
+                     s_in, in_idx, s_out, out_idx, o, t, T, B, ROWS, scale,
                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KW: tl.constexpr,
-                     BV: tl.constexpr, IN_SLOT: tl.constexpr, OUT_SLOT: tl.constexpr):
+                     BV: tl.constexpr, IN_SLOT: tl.constexpr, OUT_SLOT: tl.constexpr, ACT: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         i_v = tl.program_id(1)
         i_b, i_h = pid // HV, pid % HV
-        i_k = i_h // (HV // HK)
         dt = o.dtype.element_ty
-        o_k = tl.arange(0, K)
         o_v = i_v * BV + tl.arange(0, BV)
+        i_k = i_h // (HV // HK)
+        o_k = tl.arange(0, K)
         # the channels of this program's q, k and v in the conv's [q | k | v] layout
         c_q = i_k * K + o_k
         c_k = HK * K + i_k * K + o_k
         c_v = 2 * HK * K + i_h * V + o_v
         lane = win + i_b * sw_b + t
-        q = tl.zeros([K], dtype=tl.float32)
-        k = tl.zeros([K], dtype=tl.float32)
-        v = tl.zeros([BV], dtype=tl.float32)
-        for j in tl.static_range(KW):
-            q += tl.load(lane + c_q * sw_c + j).to(tl.float32) * tl.load(conv_w + c_q * KW + j).to(tl.float32)
-            k += tl.load(lane + c_k * sw_c + j).to(tl.float32) * tl.load(conv_w + c_k * KW + j).to(tl.float32)
-            v += tl.load(lane + c_v * sw_c + j).to(tl.float32) * tl.load(conv_w + c_v * KW + j).to(tl.float32)
-        q = q.to(dt).to(tl.float32)
-        k = k.to(dt).to(tl.float32)
-        v = v.to(dt).to(tl.float32)
-        q = (q / (1.0 + tl.exp(-q))).to(dt).to(tl.float32)
-        k = (k / (1.0 + tl.exp(-k))).to(dt).to(tl.float32)
-        v = (v / (1.0 + tl.exp(-v))).to(dt).to(tl.float32)
+        if ACT:  # silu(conv) of the column, from _conv_step_kernel ([lanes, C])
+            q = tl.load(lane + c_q).to(tl.float32)
+            k = tl.load(lane + c_k).to(tl.float32)
+            v = tl.load(lane + c_v).to(tl.float32)
+        else:
+            q = tl.zeros([K], dtype=tl.float32)
+            k = tl.zeros([K], dtype=tl.float32)
+            v = tl.zeros([BV], dtype=tl.float32)
+            for j in tl.static_range(KW):
+                q += tl.load(lane + c_q * sw_c + j).to(tl.float32) * tl.load(conv_w + c_q * KW + j).to(tl.float32)
+                k += tl.load(lane + c_k * sw_c + j).to(tl.float32) * tl.load(conv_w + c_k * KW + j).to(tl.float32)
+                v += tl.load(lane + c_v * sw_c + j).to(tl.float32) * tl.load(conv_w + c_v * KW + j).to(tl.float32)
+            q = _silu_of_conv(q, dt)
+            k = _silu_of_conv(k, dt)
+            v = _silu_of_conv(v, dt)
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
         # the gates of this lane's column t and value head
@@ -104,6 +145,10 @@ if triton is not None:
         out = tl.sum(S * q[:, None], 0)
         tl.store(s_out + r_out * HV * K * V + blk, S)
         tl.store(o + (r_ab * HV + i_h) * V + o_v, out.to(dt))
+        # the rows of o past the lanes' (decode's padding to a row block): zeros, written by the
+        # lanes' programs in turn
+        for r in range(B + i_b, ROWS, B):
+            tl.store(o + (r * HV + i_h) * V + o_v, tl.zeros([BV], dtype=dt))
 
 
 def gdn_step(win: torch.Tensor, t: int, conv_w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -127,8 +172,40 @@ def gdn_step(win: torch.Tensor, t: int, conv_w: torch.Tensor, a: torch.Tensor, b
     _step_kernel[(B * HV, V // bv)](
         win, win.stride(0), win.stride(1), conv_w, a, a.stride(0), b, b.stride(0), A_log, dt_bias,
         s_in, in_idx if in_idx is not None else s_in, s_out, out_idx if out_idx is not None else s_out, o,
-        t, T, K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv, IN_SLOT=in_idx is not None,
-        OUT_SLOT=out_idx is not None, num_warps=NUM_WARPS)
+        t, T, B, B, K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv, IN_SLOT=in_idx is not None,
+        OUT_SLOT=out_idx is not None, ACT=False, num_warps=NUM_WARPS)
+
+
+def gdn_decode_step(x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor, conv_w: torch.Tensor, a: torch.Tensor,
+                    b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, n_k: int,
+                    o: torch.Tensor) -> None:
+    """Decode's GDN column for ``L`` lanes in two launches, the conv and recurrent states stepped
+    where they lie: ``x`` ``[>= L, C]`` the lanes' pre-conv projections (rows at any stride);
+    ``conv`` ``[N, C, KW - 1]`` the conv state slots (the model dtype) and ``state`` ``[N, HV, K,
+    V]`` fp32 the recurrent ones, the lanes' in ``slots`` ``[L]`` (int64, on the device); ``a``,
+    ``b`` ``[>= L, HV]``. Writes rows ``0..L-1`` of ``o`` ``[R, HV, V]`` (the model dtype) and zeros
+    its rows past them (the pass's padding to a row block). The numbers of :func:`gdn_step` on
+    the window ``[conv state | x]`` (the verify pass's), bit for bit: the conv's sums run in the
+    window's order with the same rounding points."""
+    L = slots.shape[0]
+    C = x.shape[1]
+    HV, K, V = state.shape[1:]
+    KW = conv_w.shape[1]
+    assert conv.shape[1:] == (C, KW - 1) and conv.stride(2) == 1 and x.stride(1) == 1, \
+        "conv state slots [N, C, KW - 1] with contiguous columns, projection rows contiguous"
+    assert state.is_contiguous() and state.dtype == torch.float32 and conv_w.is_contiguous(), \
+        "fp32 recurrent state slots and the conv weight contiguous"
+    assert C == 2 * n_k * K + HV * V and o.is_contiguous() and o.shape[1:] == (HV, V) and o.shape[0] >= L, \
+        f"{C} conv channels for {n_k} key and {HV} value heads, o [>= {L}, {HV}, {V}]"
+    assert a.stride(1) == 1 and b.stride(1) == 1, "rows of a and b contiguous"
+    act = torch.empty(L, C, device=x.device, dtype=o.dtype)
+    _conv_step_kernel[(L, triton.cdiv(C, CONV_BC))](x, x.stride(0), conv, conv.stride(0), conv.stride(1), slots,
+                                                    conv_w, act, C, KW=KW, BC=CONV_BC, num_warps=NUM_WARPS)
+    bv = min(BV, V)
+    _step_kernel[(L * HV, V // bv)](
+        act, act.stride(0), 1, conv_w, a, a.stride(0), b, b.stride(0), A_log, dt_bias, state, slots, state, slots, o,
+        0, 1, L, o.shape[0], K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv, IN_SLOT=True, OUT_SLOT=True, ACT=True,
+        num_warps=NUM_WARPS)
 
 
 def gdn_step_ref(win: torch.Tensor, t: int, conv_w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -17,7 +17,8 @@ Two kinds of pass, as their limits differ:
   product's left operand, the fp32 result scaled by the weight's and the row's scales. Otherwise
   the tile, exact in the rows' dtype, meets them on the matrix units (or, a sweep's option, in
   registers). K splits over programs until the device has ``waves`` programs per
-  multiprocessor; the splits' partial sums are added in a fixed order. The splits depend on the
+  multiprocessor; the last split of an output tile to finish adds the splits' partial sums in a
+  fixed order, in the same launch. The splits depend on the
   weight's shape and the device only, and each row runs the same operations whatever the row
   count, so a row's numbers never depend on the other rows (the engine's decode/verify bit
   identity).
@@ -42,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .kv_quant_triton import e2m1_value
+from .split_sums import SplitSums
 
 #: the most rows a pass reads the weight in place for (decode, speculative verify)
 DECODE_ROWS = 16
@@ -51,25 +53,14 @@ DECODE_ROWS = 16
 #: (``dot``, the weight tile as the left operand when ``swap``) or summed in registers;
 #: ``fp8_exact`` is FP8's tile where the rows stay as they are (fp32 rows, a device without FP8
 #: matrix units, scale blocks narrower than 128 inputs); a prefill pass's dequantisation writes
-#: BN x BK tiles. Chosen by measurement (``benchmarks/quant_gemm.py --sweep``)
+#: BN x BK tiles; ``narrow`` is a plain weight of few outputs (:func:`narrow_linear`). Chosen by
+#: measurement (``benchmarks/quant_gemm.py --sweep``)
 TILES = {"fp8": {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3, "waves": 4, "e4m3": True},
          "fp8_exact": {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "waves": 8, "dot": True},
          "nvfp4": {"BN": 64, "BK": 128, "num_warps": 8, "num_stages": 4, "waves": 8, "dot": True},
+         "narrow": {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 3, "waves": 4, "dot": True},
          "prefill": {"BN": 32, "BK": 256, "num_warps": 4}}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@triton.jit(do_not_specialize=["M", "SPLITS"])
-def _sum_splits_kernel(p_ptr, y_ptr, M, N, SPLITS, stride_ps, stride_pm, stride_ym, BLOCK: tl.constexpr):
-    """``y[m, n] = sum_s p[s, m, n]`` in a fixed order (split 0 first): a row's sum never depends
-    on the other rows or on how many there are."""
-    m = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    nmask = rn < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, SPLITS):
-        acc += tl.load(p_ptr + s * stride_ps + m * stride_pm + rn, mask=nmask, other=0.0)
-    tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -167,22 +158,56 @@ def _add_row(acc, rm, r, row):
 
 
 @triton.jit
-def _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP: tl.constexpr):
-    """Rows ``rm < M``, outputs ``rn < N`` of ``acc`` into split ``pid_k`` of ``y``."""
-    base = y_ptr + pid_k.to(tl.int64) * stride_ys
-    if SWAP:
-        tl.store(base + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rm < M)[None, :] & (rn < N)[:, None])
+def _finish_rows(y_ptr, p_ptr, lock_ptr, acc, rm, rn, M, N, stride_ym, stride_pm, stride_ps, SPLITS: tl.constexpr,
+                 SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, REDUCE: tl.constexpr):
+    """Rows ``rm < M``, outputs ``rn < N`` of ``acc`` into ``y``. With K split over programs
+    (``SPLITS > 1``) each program stores its fp32 partial sums in ``p`` (split ``pid_k``) and
+    counts itself in at its outputs' lock; the last program of the ``BN`` outputs to arrive adds
+    the splits' partial sums in a fixed order (split 0 first, whoever arrives last), stores the
+    sum and resets the lock for the next product (the splits' loads unrolled, so that they are in
+    flight together). A row's sum never depends on the other rows, on how many there are or on
+    the order the programs ran. Without ``REDUCE`` the partial sums are the output
+    (:class:`~hpc_kernels.split_sums.SplitSums`: the kernel that reads it adds them)."""
+    pid_n = tl.program_id(0)
+    if SPLITS == 1:
+        if SWAP:
+            tl.store(y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                     mask=(rm < M)[None, :] & (rn < N)[:, None])
+        else:
+            tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=(rm < M)[:, None] & (rn < N)[None, :])
     else:
-        tl.store(base + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rm < M)[:, None] & (rn < N)[None, :])
+        base = p_ptr + tl.program_id(1).to(tl.int64) * stride_ps
+        if SWAP:
+            tl.store(base + rm[None, :] * stride_pm + rn[:, None], acc, mask=(rm < M)[None, :] & (rn < N)[:, None])
+        else:
+            tl.store(base + rm[:, None] * stride_pm + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
+        if REDUCE:
+            _add_splits(y_ptr, p_ptr, lock_ptr + pid_n, rm, rn, M, N, stride_ym, stride_pm, stride_ps, SPLITS, BM, BN)
+
+
+@triton.jit
+def _add_splits(y_ptr, p_ptr, lock_ptr, rm, rn, M, N, stride_ym, stride_pm, stride_ps, SPLITS: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr):
+    """The program counts itself in at its outputs' lock; the last to arrive adds the splits."""
+    tl.debug_barrier()  # every thread's partial sums stored before the program counts itself in
+    arrived = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        mask = (rm < M)[:, None] & (rn < N)[None, :]
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            total += tl.load(p_ptr + s * stride_ps + rm[:, None] * stride_pm + rn[None, :], mask=mask, other=0.0,
+                             cache_modifier=".cg")
+        tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.atomic_xchg(lock_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym,
-                     stride_ys, SB_N: tl.constexpr, SB_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
-                     E4M3: tl.constexpr):
+def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
+                     stride_sn, stride_ym, stride_partm, stride_parts, SPLITS: tl.constexpr, REDUCE: tl.constexpr,
+                     SB_N: tl.constexpr, SB_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr, E4M3: tl.constexpr):
     """The ``M <= BM`` rows of ``x`` against ``BN`` weight rows over this program's share of K,
     each ``BN x BK`` fp8 tile (within one scale block of inputs) loaded once for all the rows.
     ``E4M3`` (with ``DOT`` and ``SWAP``): the step's ``BK`` inputs (one 128-input group) of every
@@ -221,12 +246,14 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, st
                 x = tl.load(x_ptr + r * stride_xm + kk, mask=kmask & (tl.full((BK,), r, tl.int32) < M),
                             other=0.0).to(tl.float32)
                 acc = _add_row(acc, rm, r, tl.sum(wf * x[None, :], axis=1))
-    _store_rows(y_ptr, acc, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP)
+    _finish_rows(y_ptr, part_ptr, lock_ptr, acc, rm, rn, M, N, stride_ym, stride_partm, stride_parts, SPLITS, SWAP, BM,
+                 BN, REDUCE)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_pn, stride_sn,
-                       stride_ym, stride_ys, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, part_ptr, lock_ptr, M, N, K, K_SPLIT, stride_xm,
+                       stride_pn, stride_sn, stride_ym, stride_partm, stride_parts, SPLITS: tl.constexpr,
+                       REDUCE: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr):
     """:func:`_fp8_rows_kernel` for NVFP4: a step decodes ``BN x BK`` e2m1 codes once, the low
     and the high nibbles apart (the even and the odd inputs), each times its group's e4m3 scale
@@ -259,7 +286,33 @@ def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, M, N, K, K_SPLIT, str
                 xe = tl.load(x_ptr + r * stride_xm + ke, mask=xmask, other=0.0).to(tl.float32)
                 xo = tl.load(x_ptr + r * stride_xm + ke + 1, mask=xmask, other=0.0).to(tl.float32)
                 acc = _add_row(acc, rm, r, tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1))
-    _store_rows(y_ptr, acc * factor, rm, rn, M, N, pid_k, stride_ym, stride_ys, SWAP)
+    _finish_rows(y_ptr, part_ptr, lock_ptr, acc * factor, rm, rn, M, N, stride_ym, stride_partm, stride_parts, SPLITS,
+                 SWAP, BM, BN, REDUCE)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _narrow_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
+                        stride_partm, stride_parts, SPLITS: tl.constexpr, REDUCE: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """:func:`_fp8_rows_kernel` for a weight in the rows' own dtype: each ``BN x BK`` tile meets
+    the rows on the matrix units."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    nmask = rn < N
+    acc = _zero_acc(BM, BN, SWAP)
+    k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
+    for k0 in range(pid_k * K_SPLIT, k_end, BK):
+        kk = k0 + rk
+        kmask = kk < k_end
+        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk[None, :], mask=nmask[:, None] & kmask[None, :],
+                    other=0.0)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
+        acc = _row_dot(x, w.to(x.dtype), acc, SWAP, IEEE)
+    _finish_rows(y_ptr, part_ptr, lock_ptr, acc, rm, rn, M, N, stride_ym, stride_partm, stride_parts, SPLITS, SWAP, BM,
+                 BN, REDUCE)
 
 
 def sm_count(device: torch.device) -> int:
@@ -293,14 +346,37 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+#: a product's output tiles each take one lock (a counter of the K splits that have arrived)
+LOCKS = 1 << 16
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def split_locks(device: torch.device) -> torch.Tensor:
+    """The int32 counters, all zero between products, that the K splits of a decode-sized
+    product on ``device`` count themselves in at (each product's last program resets its own).
+    One set a device: a device's products run one at a time, in one stream (the model's thread,
+    eagerly or from its CUDA graphs). Made, and zeroed, at the device's first product, which must
+    not be inside a graph capture (the zeroing would run only when the graph does): the loader's
+    kernel check and the engine's warm-up run products eagerly first."""
+    locks = _locks.get(device)
+    if locks is None:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+            "run a decode-sized quantized product once before capturing a graph (its split counters are made then)"
+        locks = _locks[device] = torch.zeros(LOCKS, device=device, dtype=torch.int32)
+    return locks
+
+
 def _rows_product(rows_kernel, tile: dict, x2: torch.Tensor, n: int, k: int, weights: tuple,
-                  weight_strides: tuple, meta: dict, bk_limit: int | None = None) -> torch.Tensor:
+                  weight_strides: tuple, meta: dict, bk_limit: int | None = None,
+                  unsummed: bool = False) -> "torch.Tensor | SplitSums":
     """``x2 [M, K] @ W^T`` for up to ``DECODE_ROWS`` rows: a program per (``BN`` outputs, K split)
-    reads its weight tile once for all the rows, the splits' fp32 partial sums added in a fixed
-    order by :func:`_sum_splits_kernel`, so that a weight read for few rows still keeps every
-    multiprocessor loading. A tile on the matrix units always takes ``DECODE_ROWS`` rows (the
-    missing ones zero), so that its operations never depend on the row count. ``bk_limit`` bounds
-    the step (FP8: one scale block)."""
+    reads its weight tile once for all the rows, so that a weight read for few rows still keeps
+    every multiprocessor loading; the last split of each ``BN`` outputs to finish adds the
+    splits' fp32 partial sums in a fixed order (:func:`_finish_rows`), in the same launch. A tile
+    on the matrix units always takes ``DECODE_ROWS`` rows (the missing ones zero), so that its
+    operations never depend on the row count. ``bk_limit`` bounds the step (FP8: one scale
+    block). ``unsummed``: where K splits, the partial sums themselves (:class:`SplitSums`, for a
+    kernel that adds them as it reads them)."""
     m = x2.shape[0]
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if not m:
@@ -309,16 +385,17 @@ def _rows_product(rows_kernel, tile: dict, x2: torch.Tensor, n: int, k: int, wei
     dot = e4m3 or bool(tile.get("dot"))
     bk = min(tile["BK"], bk_limit) if bk_limit else tile["BK"]
     splits, per = k_splits(n, k, tile["BN"], bk, tile["waves"], sm_count(x2.device))
-    out = y if splits == 1 else torch.empty(splits, m, n, device=x2.device, dtype=torch.float32)
-    rows_kernel[(triton.cdiv(n, tile["BN"]), splits)](
-        x2, *weights, out, m, n, k, per, x2.stride(0), *weight_strides, out.stride(-2),
-        out.stride(0) if splits > 1 else 0, BM=DECODE_ROWS if dot else triton.next_power_of_2(m), BN=tile["BN"],
-        BK=bk, DOT=dot, SWAP=e4m3 or (dot and bool(tile.get("swap"))), IEEE=x2.dtype == torch.float32,
-        num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
-    if splits > 1:
-        _sum_splits_kernel[(m, triton.cdiv(n, 1024))](out, y, m, n, splits, out.stride(0), out.stride(1), y.stride(0),
-                                                      BLOCK=1024)
-    return y
+    tiles = triton.cdiv(n, tile["BN"])
+    assert tiles <= LOCKS, f"{n} outputs in tiles of {tile['BN']} exceed the {LOCKS} split locks"
+    part = y if splits == 1 else torch.empty(splits, m, n, device=x2.device, dtype=torch.float32)
+    reduce = splits > 1 and not unsummed
+    rows_kernel[(tiles, splits)](
+        x2, *weights, y, part, split_locks(x2.device), m, n, k, per, x2.stride(0), *weight_strides, y.stride(0),
+        part.stride(-2), part.stride(0) if splits > 1 else 0, SPLITS=splits, REDUCE=reduce,
+        BM=DECODE_ROWS if dot else triton.next_power_of_2(m), BN=tile["BN"], BK=bk, DOT=dot,
+        SWAP=e4m3 or (dot and bool(tile.get("swap"))), IEEE=x2.dtype == torch.float32, num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"], **meta)
+    return SplitSums(part, x2.dtype) if splits > 1 and unsummed else y
 
 
 def _dequantized(kernel, n: int, k: int, weights: tuple, weight_strides: tuple, dtype: torch.dtype,
@@ -421,13 +498,14 @@ def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, mm_scales: torch.Tensor
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-               mm_scales: torch.Tensor | None = None) -> torch.Tensor:
+               mm_scales: torch.Tensor | None = None, unsummed: bool = False) -> "torch.Tensor | SplitSums":
     """``x [..., K] @ W^T`` for a block-scaled FP8 ``weight [N, K]`` with float32 ``scale
     [ceil(N / block[0]), ceil(K / block[1])]``. Up to ``DECODE_ROWS`` rows read the weight in
     place (:func:`_fp8_rows_kernel`, on the FP8 matrix units where :func:`fp8_decode_tile` says
     so); a prefill pass of a 128 x 128-block
     weight with ``mm_scales`` (:func:`scales_for_mm`) on a device that takes it runs
-    :func:`fp8_scaled_mm`; other prefill passes dequantise the weight and run cuBLAS's product."""
+    :func:`fp8_scaled_mm`; other prefill passes dequantise the weight and run cuBLAS's product.
+    ``unsummed`` (``x`` ``[M, K]``): a decode-sized pass that splits K gives its :class:`SplitSums`."""
     n, k = weight.shape
     sb_n, sb_k = block
     assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32, "fp8 weight, float32 scales"
@@ -438,7 +516,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if x2.shape[0] <= DECODE_ROWS and not (tensor_cores and TILES["fp8"].get("scaled_mm")):
         tile = fp8_decode_tile(x2.dtype, block, x2.device)
         y = _rows_product(_fp8_rows_kernel, tile, x2, n, k, (weight, scale), (weight.stride(0), scale.stride(0)),
-                          {"SB_N": sb_n, "SB_K": sb_k, "E4M3": bool(tile.get("e4m3"))}, bk_limit=sb_k)
+                          {"SB_N": sb_n, "SB_K": sb_k, "E4M3": bool(tile.get("e4m3"))}, bk_limit=sb_k,
+                          unsummed=unsummed and x.dim() == 2)
+        if isinstance(y, SplitSums):
+            return y
     elif tensor_cores:
         y = fp8_scaled_mm(x2, weight, mm_scales)
     else:
@@ -449,11 +530,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, factor: float,
-                 group: int) -> torch.Tensor:
+                 group: int, unsummed: bool = False) -> "torch.Tensor | SplitSums":
     """``x [..., K] @ W^T`` for NVFP4 ``packed [N, K / 2]`` uint8 with float8_e4m3fn group scales
     ``[N, K / group]`` and the global ``factor`` (the weight is ``e2m1 * scale * factor``). Up to
     ``DECODE_ROWS`` rows read the codes in place (:func:`_nvfp4_rows_kernel`); a prefill pass
-    dequantises the weight and runs cuBLAS's product."""
+    dequantises the weight and runs cuBLAS's product. ``unsummed``: as :func:`fp8_linear`'s."""
     n, half = packed.shape
     k = 2 * half
     assert packed.dtype == torch.uint8 and scale.dtype == torch.float8_e4m3fn, "uint8 codes, e4m3 scales"
@@ -463,8 +544,30 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, fac
     x2 = _rows(x, k)
     weights, strides = (packed, scale, float(factor)), (packed.stride(0), scale.stride(0))
     if x2.shape[0] <= DECODE_ROWS:
-        y = _rows_product(_nvfp4_rows_kernel, TILES["nvfp4"], x2, n, k, weights, strides, {"GROUP": group})
+        y = _rows_product(_nvfp4_rows_kernel, TILES["nvfp4"], x2, n, k, weights, strides, {"GROUP": group},
+                          unsummed=unsummed and x.dim() == 2)
+        if isinstance(y, SplitSums):
+            return y
     else:
         y = F.linear(x2, _dequantized(_nvfp4_dequant_kernel, n, k, weights, strides, x.dtype, x.device,
                                       {"GROUP": group}))
+    return y.reshape(*x.shape[:-1], n)
+
+
+#: the most outputs :func:`narrow_linear` takes (wider plain weights run cuBLAS's product)
+NARROW_OUTPUTS = 256
+
+
+def narrow_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ W^T`` for up to ``DECODE_ROWS`` rows and a plain ``weight [N, K]`` of at most
+    ``NARROW_OUTPUTS`` rows in ``x``'s dtype (a Gated DeltaNet's ``in_proj_b`` and ``in_proj_a``
+    beside FP8 projections, 96 rows at the 27B widths): one launch that splits K over the device
+    and adds the splits in place, where cuBLAS runs a split-K product and a reduction kernel
+    for so narrow a weight; each row's numbers never depend on the other rows."""
+    n, k = weight.shape
+    assert n <= NARROW_OUTPUTS and weight.dtype == x.dtype and weight.stride(-1) == 1, \
+        f"a narrow product takes at most {NARROW_OUTPUTS} contiguous rows in the input's dtype"
+    x2 = _rows(x, k)
+    assert x2.shape[0] <= DECODE_ROWS, f"a narrow product takes at most {DECODE_ROWS} rows"
+    y = _rows_product(_narrow_rows_kernel, TILES["narrow"], x2, n, k, (weight,), (weight.stride(0),), {})
     return y.reshape(*x.shape[:-1], n)

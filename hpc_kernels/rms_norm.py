@@ -5,7 +5,8 @@
 * ``rms_norm_rope``: that norm of the attention heads' q or k, then their rotary, in the same
   launch (its twin is the model's norm and rotary);
 * ``add_rms_norm``: the residual stream's sum ``x + r`` (rounded to ``x``'s dtype) and that
-  norm of it, in one launch (a decode step's residual adds and the norms after them);
+  norm of it, in one launch (a decode step's residual adds and the norms after them); ``r`` may
+  be a product's split sums (``hpc_kernels.split_sums``), added in the launch;
 * ``gated_rms_norm``: the GDN output norm, ``w * norm(x)`` (the normed row cast to ``x``'s dtype
   first, then multiplied by the weight in that dtype) times ``silu(z)`` in fp32, cast back.
 
@@ -28,14 +29,17 @@ import torch
 import torch.nn.functional as F
 
 from hpc_kernels.launch import as_heads, as_rows, launchable, tl, triton
+from hpc_kernels.split_sums import SplitSums, summed
 
 
 if triton is not None:
     @triton.jit
-    def _norm_kernel(x, w, z, y, s, cos, sin, heads, D, eps, sx, sxh, sz, szh, sy, BLOCK: tl.constexpr,
-                     GATED: tl.constexpr, RD: tl.constexpr, ADD: tl.constexpr):
+    def _norm_kernel(x, w, z, y, s, cos, sin, heads, D, eps, sx, sxh, sz, szh, sy, szs, BLOCK: tl.constexpr,
+                     GATED: tl.constexpr, RD: tl.constexpr, ADD: tl.constexpr, SPLITS: tl.constexpr):
         # row r is head r % heads of token r // heads; x and z at strides (token, head, 1), y dense.
-        # ADD (one head a row): the row is x + z rounded to x's dtype, also written to s (as y)
+        # ADD (one head a row): the row is x + z rounded to x's dtype, also written to s (as y);
+        # with SPLITS, z is a product's fp32 split sums (split i at z + i * szs), added in order
+        # and rounded to x's dtype first, as the product would have
         row = tl.program_id(0).to(tl.int64)
         tok = row // heads
         hd = row % heads
@@ -43,8 +47,14 @@ if triton is not None:
         o = tl.arange(0, BLOCK)
         m = o < D
         if ADD:
-            xs = (tl.load(xrow + o, mask=m, other=0.0).to(tl.float32)
-                  + tl.load(z + tok * sz + o, mask=m, other=0.0).to(tl.float32)).to(y.dtype.element_ty)
+            if SPLITS > 0:
+                zf = tl.zeros([BLOCK], dtype=tl.float32)
+                for i in tl.static_range(SPLITS):
+                    zf += tl.load(z + i * szs + tok * sz + o, mask=m, other=0.0)
+                zf = zf.to(y.dtype.element_ty).to(tl.float32)
+            else:
+                zf = tl.load(z + tok * sz + o, mask=m, other=0.0).to(tl.float32)
+            xs = (tl.load(xrow + o, mask=m, other=0.0).to(tl.float32) + zf).to(y.dtype.element_ty)
             tl.store(s + row * sy + o, xs, mask=m)
             xf = xs.to(tl.float32)
         else:
@@ -78,7 +88,8 @@ if triton is not None:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float,
-            rope: tuple[torch.Tensor, torch.Tensor] | None = None, added: torch.Tensor | None = None) -> torch.Tensor:
+            rope: tuple[torch.Tensor, torch.Tensor] | None = None, added: torch.Tensor | None = None,
+            splits: tuple[int, int] = (0, 0)) -> torch.Tensor:
     D = x.shape[-1]
     assert w.shape == (D,), f"weight {tuple(w.shape)} for rows of {D}"
     x3 = as_heads(x)
@@ -101,8 +112,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float
                 f"rotary cos/sin {tuple(cos.shape)} for rows {tuple(x.shape)}"
         heads = x3.shape[1]
         _norm_kernel[(n,)](x3, w, z3, y2, y2 if added is None else added, cos, sin, heads, D, eps, x3.stride(0),
-                           x3.stride(1), z3.stride(0), z3.stride(1), y2.stride(0), BLOCK=block,
-                           GATED=z is not None and added is None, RD=rd, ADD=added is not None, num_warps=warps)
+                           x3.stride(1), z3.stride(0), z3.stride(1), y2.stride(0), splits[1], BLOCK=block,
+                           GATED=z is not None and added is None, RD=rd, ADD=added is not None, SPLITS=splits[0],
+                           num_warps=warps)
     return y
 
 
@@ -113,15 +125,23 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, w, None, eps)
 
 
-def add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, r: "torch.Tensor | SplitSums", w: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + r`` (rounded to ``x``'s dtype, as torch's sum) and :func:`rms_norm` of ``s``, in
-    one launch: the residual stream's sum and the next norm (``[..., D]`` operands)."""
+    one launch: the residual stream's sum and the next norm (``[..., D]`` operands). ``r`` may be
+    a product's :class:`SplitSums` (``x`` ``[M, D]``): they are added, in order, in the launch."""
     if not launchable(x):
         return add_rms_norm_ref(x, r, w, eps)
-    assert r.shape == x.shape and r.dtype == x.dtype, f"residual {tuple(r.shape)} {r.dtype} for {tuple(x.shape)}"
+    splits = (0, 0)
+    if isinstance(r, SplitSums):
+        assert x.dim() == 2 and r.shape == x.shape and r.dtype == x.dtype, \
+            f"split sums {tuple(r.shape)} {r.dtype} for rows {tuple(x.shape)} {x.dtype}"
+        splits, r = (r.splits, r.parts.stride(0)), r.parts[0]
+    assert r.shape == x.shape and (r.dtype == x.dtype or splits[0]), \
+        f"residual {tuple(r.shape)} {r.dtype} for {tuple(x.shape)}"
     x2, r2 = as_rows(x), as_rows(r)  # one head a row: the kernel's rows are the tokens
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    y = _launch(x2, w, r2, eps, added=s)
+    y = _launch(x2, w, r2, eps, added=s, splits=splits)
     return s.view(x.shape), y.view(x.shape)
 
 
@@ -147,8 +167,9 @@ def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * (1.0 + w.float())).type_as(x)
 
 
-def add_rms_norm_ref(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    s = x + r
+def add_rms_norm_ref(x: torch.Tensor, r: "torch.Tensor | SplitSums", w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x + summed(r)
     return s, rms_norm_ref(s, w, eps)
 
 

@@ -67,9 +67,11 @@ class GatedAttention(nn.Module):
         k = _norm_rope(self.k_norm, self.k_proj(x).view(n, self.n_kv, self.head_dim), cos, sin)
         return k, self.v_proj(x).view(n, self.n_kv, self.head_dim)
 
-    def finish(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """``attn`` ``[N, H, d]`` -> ``o_proj(attn * sigmoid(gate))``."""
-        return self.o_proj(attn.reshape(attn.shape[0], -1) * torch.sigmoid(gate))
+    def finish(self, attn: torch.Tensor, gate: torch.Tensor, unsummed: bool = False) -> torch.Tensor:
+        """``attn`` ``[N, H, d]`` -> ``o_proj(attn * sigmoid(gate))``; ``unsummed``: its split sums
+        where it has them (:meth:`~hpc_cli.model.layers.Linear.unsummed`)."""
+        gated = attn.reshape(attn.shape[0], -1) * torch.sigmoid(gate)
+        return self.o_proj.unsummed(gated) if unsummed else self.o_proj(gated)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                causal: bool = False) -> torch.Tensor:

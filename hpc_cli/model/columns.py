@@ -19,12 +19,18 @@ construction, also in bf16 and on CUDA (docs/speculative.md, "Bit-identical veri
   makes, in decode's order. A lane's attention reads exactly its own pages up to its position
   (lanes with equal spans share a call), so its key span never depends on the other lanes. With
   the fused kernels (CUDA) a GDN column is one launch of :func:`hpc_kernels.gdn_decode.gdn_step`
-  over all lanes, one program per lane, value head and block of value columns, in decode and in
+  over all lanes, one program per lane, value head and block of value columns, in verify; decode
+  runs the same step after a conv launch that steps the conv states in their slots
+  (:func:`hpc_kernels.gdn_decode.gdn_decode_step`), the same sums in the same order.
+* **One row block, split sums.** Where the pass is one row block (decode, a short verify), the
+  attention, GDN and MLP output products leave their K splits' partial sums
+  (:mod:`hpc_kernels.split_sums`) and the norm that adds the residual adds them, in decode and
   verify alike.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -37,6 +43,7 @@ from hpc_cli.model.moe import SparseMoE
 from hpc_cli.model.gdn import gated_delta_decode
 from hpc_cli.model.layers import fused
 from hpc_kernels import gdn_decode
+from hpc_kernels.split_sums import SplitSums, summed
 
 #: rows per block of the row-wise ops by device type (``HybridModel.row_block`` overrides it): on
 #: a GPU a GEMM of 16 rows costs what one of 1 row costs (memory-bound) and covers 4 lanes x k+1
@@ -173,18 +180,20 @@ class ColumnsOut:
 
 
 def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: torch.Tensor,
-         slot_t: torch.Tensor, keep_all: bool, R: int, run: int | None = None):
+         slot_t: torch.Tensor, keep_all: bool, R: int, run: int | None = None, unsummed: bool = False):
     """The GDN layer's columns. ``rec`` is the layer's state slots, the lanes' in ``slot_t``: with
     ``keep_all`` they are read only (every column's state comes back ``[B, T, H, dk, dv]``), else
     the last column's state is written back there (and ``None`` comes back). ``run``: the first of
-    the lanes' slots where they are consecutive (:func:`_slot_run`; decode on the CPU only)."""
+    the lanes' slots where they are consecutive (:func:`_slot_run`; decode on the CPU only).
+    ``unsummed``: the output projection's split sums where it has them (one row block)."""
+    finish = functools.partial(la._finish, unsummed=unsummed)
     mixed, z, b, a = blocks(la._project, R, h)
     C = mixed.shape[-1]
     m = mixed[:n].view(B, T, C)
     window = torch.cat([conv0.to(m.dtype), m.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
     if fused(h) and la.use_fla is not False and gdn_decode.supported(la.d_k, la.d_v):
         core, state = _gdn_fused(la, window, a, b, B, T, rec, slot_t, keep_all)
-        return blocks(la._finish, R, _pad_rows(core, h.shape[0]), z), window, state
+        return blocks(finish, R, _pad_rows(core, h.shape[0]), z), window, state
     w = la.conv1d.weight[:, 0, :]  # [C, K]
     K = w.shape[-1]
     b3, a3 = b[:n].view(B, T, -1), a[:n].view(B, T, -1)
@@ -208,12 +217,25 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: 
             states.append(state)
     core = torch.cat(outs, dim=1).reshape(n, *outs[0].shape[2:])  # rows b*T + t
     core = _pad_rows(core, h.shape[0])
-    out = blocks(la._finish, R, core, z)
+    out = blocks(finish, R, core, z)
     if keep_all:
         return out, window, torch.stack(states, dim=1)
     if run is None:
         rec.index_copy_(0, slot_t, state)
     return out, window, None
+
+
+def _gdn_decode(la, h: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor, slot_t: torch.Tensor, R: int,
+                unsummed: bool) -> "torch.Tensor | SplitSums":
+    """Decode's GDN layer (one column a lane) with the fused kernels: the lanes' conv and
+    recurrent states stepped in their slots by :func:`hpc_kernels.gdn_decode.gdn_decode_step`
+    (no window gathered, concatenated and scattered back), the rows past the lanes zero. The
+    numbers of :func:`_gdn_fused` on the window, bit for bit (the verify pass's)."""
+    mixed, z, b, a = blocks(la._project, R, h)
+    o = mixed.new_empty(h.shape[0], la.n_v, la.d_v)
+    gdn_decode.gdn_decode_step(mixed, conv, slot_t, la.conv1d.weight[:, 0, :], a, b, la.A_log, la.dt_bias, rec,
+                               la.n_k, o)
+    return blocks(functools.partial(la._finish, unsummed=unsummed), R, o, z)
 
 
 def _slot_run(slot_t: torch.Tensor) -> int | None:
@@ -268,8 +290,10 @@ class _GroupKV:
         return self.held[key]
 
 
-def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, paged: bool):
-    """``paged``: read the pages with the paged decode kernel (else gather + SDPA per span group)."""
+def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, paged: bool, unsummed: bool):
+    """``paged``: read the pages with the paged decode kernel (else gather + SDPA per span group);
+    ``unsummed``: the output projection's split sums where it has them (one row block)."""
+    finish = functools.partial(attn.finish, unsummed=unsummed)
     q, gate, k, v = blocks(attn.qkv, R, h, cos, sin)
     o_rows = q.new_zeros(q.shape)
     if paged:
@@ -278,7 +302,7 @@ def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, page
             kv.write(layer, idx.write[t], k.index_select(0, rows), v.index_select(0, rows))
             o = kv.decode_attention(layer, q.index_select(0, rows), idx.tables, idx.seqlens[t], attn.scale)
             o_rows.index_copy_(0, rows, o)
-        return blocks(attn.finish, R, o_rows, gate)
+        return blocks(finish, R, o_rows, gate)
     # every column's K/V written at once: column t reads keys up to its own position only, so the
     # later columns' K/V sit in masked slots exactly where decode has stale ones (a masked key
     # adds exp(-inf) * v = 0 either way)
@@ -297,7 +321,7 @@ def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, page
             mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None]
             sel_rows = idx.rows[t].index_select(0, sel)
             o_rows.index_copy_(0, sel_rows, attn.attend_one(q.index_select(0, sel_rows), keys, values, mask))
-    return blocks(attn.finish, R, o_rows, gate)
+    return blocks(finish, R, o_rows, gate)
 
 
 def columns_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
@@ -337,6 +361,9 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
     run = None if keep_all else _slot_run(slot_t)  # once a pass: every GDN layer's slots are the same
     feats, windows, kept = [], [], []
     pending = None  # the last MLP's output, added to x by the next norm (one launch for both)
+    # one row block (decode, a short verify): the attention, GDN and MLP outputs that the next
+    # norm adds may stay their products' split sums, which that norm's launch adds
+    one = n_pad == R
     for i, layer in enumerate(model.layers):
         if pending is None:
             h = blocks(layer.input_layernorm, R, x)
@@ -346,16 +373,21 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
         if layer.kind == "linear_attention":
             g = model.state_index[i]
             conv, rec = states.conv[g], states.recurrent[g]
-            out, window, st = _gdn(layer.linear_attn, h, n, B, T, conv.index_select(0, slot_t), rec, slot_t,
-                                   keep_all, R, run)
-            if keep_all:
-                windows.append(window)
-                kept.append(st)
+            la = layer.linear_attn
+            if not keep_all and T == 1 and fused(h) and la.use_fla is not False and gdn_decode.supported(la.d_k,
+                                                                                                          la.d_v):
+                out = _gdn_decode(la, h, conv, rec, slot_t, R, one)  # both states stepped in their slots
             else:
-                K1 = conv.shape[-1]
-                conv.index_copy_(0, slot_t, window[:, :, -K1:].to(conv.dtype))
+                out, window, st = _gdn(la, h, n, B, T, conv.index_select(0, slot_t), rec, slot_t, keep_all, R, run,
+                                       one)
+                if keep_all:
+                    windows.append(window)
+                    kept.append(st)
+                else:
+                    K1 = conv.shape[-1]
+                    conv.index_copy_(0, slot_t, window[:, :, -K1:].to(conv.dtype))
         else:
-            out = _attention(layer.self_attn, h, idx, kv, model.kv_index[i], cos, sin, R, paged)
+            out = _attention(layer.self_attn, h, idx, kv, model.kv_index[i], cos, sin, R, paged, one)
 
         if isinstance(layer.mlp, SparseMoE):
             # Routing depends on which tokens share a call, so the MoE is not row-blocked (MoE has
@@ -366,12 +398,12 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
         else:
             def tail(xb, ob, layer=layer):
                 xb, normed = layer.post_attention_layernorm.add(xb, ob)
-                return xb, layer.mlp(normed)
+                return xb, layer.mlp(normed, unsummed=one)
 
             x, pending = blocks(tail, R, x, out)
         if i in capture:  # the layer's output itself
             if pending is not None:
-                x, pending = blocks(torch.add, R, x, pending), None
+                x, pending = blocks(torch.add, R, x, summed(pending)), None
             feats.append(x[:n])
     if pending is None:
         xn = blocks(model.norm, R, x)

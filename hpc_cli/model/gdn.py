@@ -341,10 +341,12 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return q, k, v, g, beta
 
-    def _finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def _finish(self, core: torch.Tensor, z: torch.Tensor, unsummed: bool = False) -> torch.Tensor:
+        """The gated norm and ``out_proj``; ``unsummed``: its split sums where it has them
+        (:meth:`~hpc_cli.model.layers.Linear.unsummed`)."""
         lead = core.shape[:-2]
-        y = self.norm(core, z.unflatten(-1, (self.n_v, self.d_v)))
-        return self.out_proj(y.reshape(*lead, self.value_dim))
+        y = self.norm(core, z.unflatten(-1, (self.n_v, self.d_v))).reshape(*lead, self.value_dim)
+        return self.out_proj.unsummed(y) if unsummed else self.out_proj(y)
 
     def _mix(self, x: torch.Tensor, conv_state: torch.Tensor):
         """The projections, the conv window (:class:`ConvWindow`: the previous conv state, then

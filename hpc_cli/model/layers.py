@@ -20,6 +20,7 @@ from torch import nn
 from hpc_kernels import rms_norm as norm_kernels
 from hpc_kernels import swiglu
 from hpc_kernels.launch import launchable
+from hpc_kernels.split_sums import SplitSums
 
 if TYPE_CHECKING:
     from hpc_cli.model.merged import MergedProjection
@@ -91,6 +92,14 @@ class Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
+    def unsummed(self, x: torch.Tensor) -> "torch.Tensor | SplitSums":
+        """``self(x)``, or where a held weight's decode-sized pass splits K, its partial sums
+        (:class:`~hpc_kernels.split_sums.SplitSums`) for a kernel that adds them as it reads them
+        (:meth:`RMSNorm.add`)."""
+        if self.quant is not None and self.bias is None and x.dim() == 2:
+            return self.quant.matmul(x, unsummed=True)
+        return self(x)
+
 
 class RMSNorm(nn.Module):
     """Qwen3.5's zero-centred RMSNorm: ``norm(x) * (1 + w)`` in fp32, cast back to x's dtype."""
@@ -105,9 +114,10 @@ class RMSNorm(nn.Module):
             return norm_kernels.rms_norm(x, self.weight, self.eps)
         return norm_kernels.rms_norm_ref(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(self, x: torch.Tensor, r: "torch.Tensor | SplitSums") -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + r, self(x + r))``: the residual stream's sum and its norm (one launch where the
-        fused kernels run; the same numbers as the sum then the norm)."""
+        fused kernels run; the same numbers as the sum then the norm). ``r`` may be a product's
+        split sums (:meth:`Linear.unsummed`), added in the same launch."""
         if fused(x):
             return norm_kernels.add_rms_norm(x, r, self.weight, self.eps)
         return norm_kernels.add_rms_norm_ref(x, r, self.weight, self.eps)
@@ -137,12 +147,14 @@ class MLP(nn.Module):
         #: gate and up as one product (:mod:`hpc_cli.model.merged`), set once the weights are loaded
         self.merged: "MergedProjection | None" = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, unsummed: bool = False) -> "torch.Tensor | SplitSums":
+        """``unsummed``: the down projection's split sums where it has them (:meth:`Linear.unsummed`)."""
         if self.merged is not None:
             gate, up = self.merged(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(swiglu.swiglu(gate, up) if fused(gate) else swiglu.swiglu_ref(gate, up))
+        act = swiglu.swiglu(gate, up) if fused(gate) else swiglu.swiglu_ref(gate, up)
+        return self.down_proj.unsummed(act) if unsummed else self.down_proj(act)
 
 
 class Rotary:

@@ -23,7 +23,8 @@ checkpoint the GDN's ``in_proj_qkv`` and ``in_proj_z`` (held FP8) merge into one
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib.util
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,8 @@ class _Run:
     product: Linear | None
     sizes: tuple[int, ...]
     pointers: tuple[int, ...]  # each part's weight storage as merged, to tell when it moved
+    #: a plain product of few outputs on CUDA: ``narrow_linear``, and the most rows it takes
+    narrow: tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], int] | None = None
 
 
 def _codes(q: QuantizedWeight) -> str:
@@ -125,6 +128,20 @@ def _stack(parts: Sequence[Linear], name: str) -> nn.Parameter:
     return nn.Parameter(stacked, requires_grad=False)
 
 
+def _narrow(product: Linear | None) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], int] | None:
+    """``(narrow_linear, the most rows it takes)`` where decode-sized rows multiply ``product``
+    through it: a plain bf16/fp16 weight of at most ``NARROW_OUTPUTS`` rows on CUDA with no bias
+    (a Gated DeltaNet's ``in_proj_b`` and ``in_proj_a`` beside projections held FP8, which cuBLAS
+    runs as two kernels, a split-K product and its reduction); None otherwise."""
+    if product is None or product.quant is not None or product.bias is not None or not product.weight.is_cuda:
+        return None
+    if importlib.util.find_spec("triton") is None or product.weight.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    from hpc_kernels.quant_gemm import DECODE_ROWS, NARROW_OUTPUTS, narrow_linear
+
+    return (narrow_linear, DECODE_ROWS) if product.out_features <= NARROW_OUTPUTS else None
+
+
 def _merge_run(parts: Sequence[Linear]) -> Linear:
     """A Linear (not a submodule of anything) whose weight stacks the parts' rows; each part's
     weight and bias become views of it."""
@@ -148,9 +165,9 @@ class MergedProjection:
         """``runs``: the parts, in order, in runs of parts that merge (:func:`merge` finds them)."""
         self.parts = tuple(p for run in runs for p in run)
         assert len({p.in_features for p in self.parts}) == 1, "merged parts read one input"
-        self.runs = tuple(_Run(tuple(run), _merge_run(run) if len(run) > 1 else None,
-                               tuple(p.out_features for p in run), tuple(_storage(p).data_ptr() for p in run))
-                          for run in runs)
+        self.runs = tuple(_Run(tuple(run), product, tuple(p.out_features for p in run),
+                               tuple(_storage(p).data_ptr() for p in run), _narrow(product))
+                          for run in runs for product in (_merge_run(run) if len(run) > 1 else None,))
 
     @property
     def products(self) -> int:
@@ -169,6 +186,8 @@ class MergedProjection:
         for r in self.runs:
             if r.product is None:
                 out.append(r.parts[0](x))
+            elif r.narrow is not None and x.dtype == r.product.weight.dtype and x.numel() <= r.narrow[1] * x.shape[-1]:
+                out.extend(r.narrow[0](x, r.product.weight).split(r.sizes, dim=-1))
             else:
                 out.extend(r.product(x).split(r.sizes, dim=-1))
         return tuple(out)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from hpc_cli.model.layers import Linear
+from hpc_kernels.split_sums import SplitSums
 from hpc_cli.model.quant_weights import (NVFP4_GROUP, QuantScheme, StoredFP8, StoredNVFP4, StoredQuantized,
                                          WeightFormat, dequantize_fp8, dequantize_nvfp4)
 
@@ -154,7 +155,9 @@ class QuantizedWeight(nn.Module):
     out_features: int
     in_features: int
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, unsummed: bool = False) -> "torch.Tensor | SplitSums":
+        """``x @ W^T``; ``unsummed``: where a decode-sized pass splits K, its :class:`SplitSums`
+        (for a kernel that adds them as it reads them)."""
         raise NotImplementedError
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -187,12 +190,12 @@ class FP8Weight(QuantizedWeight):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8(self.weight, self.scale, self.block, dtype)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, unsummed: bool = False) -> "torch.Tensor | SplitSums":
         if x.device.type != "cuda":
             return self._reference(x)
         from hpc_kernels.quant_gemm import fp8_linear
 
-        return fp8_linear(x, self.weight, self.scale, self.block, self.mm_scales)
+        return fp8_linear(x, self.weight, self.scale, self.block, self.mm_scales, unsummed)
 
 
 class NVFP4Weight(QuantizedWeight):
@@ -206,12 +209,12 @@ class NVFP4Weight(QuantizedWeight):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_nvfp4(self.packed, self.scale, self.factor, self.group, dtype)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, unsummed: bool = False) -> "torch.Tensor | SplitSums":
         if x.device.type != "cuda":
             return self._reference(x)
         from hpc_kernels.quant_gemm import nvfp4_linear
 
-        return nvfp4_linear(x, self.packed, self.scale, self.factor, self.group)
+        return nvfp4_linear(x, self.packed, self.scale, self.factor, self.group, unsummed)
 
 
 def held_linears(model: nn.Module, names: frozenset[str]) -> dict[str, Linear]:

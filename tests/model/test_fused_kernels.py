@@ -16,6 +16,7 @@ import torch
 
 from hpc_cli.model.layers import apply_rotary
 from hpc_kernels import causal_conv, gdn_decode, rms_norm, swiglu
+from hpc_kernels.split_sums import SplitSums
 
 from .helpers import run_interpreted
 
@@ -118,6 +119,7 @@ def _kernel_cases(device: str) -> dict:
         k = merged[:, 3 * 64:5 * 64].view(5, 2, 64)
         zh = torch.randn(5, 2 * 3 * 64, generator=g).to(dtype).to(device)[:, 64:4 * 64].unflatten(-1, (3, 64))
         core = torch.randn(5, 3, 64, generator=g).to(dtype).to(device)
+        parts = torch.randn(3, *x.shape, generator=g).to(device)
         out["norm"].append({
             "dtype": str(dtype), "compiled": device == "cuda",
             "merged_rope": _rel(rms_norm.rms_norm_rope(k, w, 1e-6, cos, sin),
@@ -134,6 +136,15 @@ def _kernel_cases(device: str) -> dict:
             "rows_alone": bool(torch.equal(rms_norm.rms_norm(q[1:2], w, 1e-6), rms_norm.rms_norm(q, w, 1e-6)[1:2])),
             # the residual sum and its norm in one launch: the sum as torch rounds it, the norm of it
             "add_sum_exact": bool(torch.equal(rms_norm.add_rms_norm(x, z, w, 1e-6)[0], x + z)),
+            # a product's split sums as the residual: added in order in the launch, rounded to the
+            # rows' dtype as the product rounds its sum (exact where no rounding is involved: fp32,
+            # or compiled; the interpreter truncates fp32 to bf16 where torch rounds)
+            "add_split_sums": bool(all(torch.equal(a, b) for a, b in zip(
+                rms_norm.add_rms_norm(x, SplitSums(parts, x.dtype), w, 1e-6),
+                rms_norm.add_rms_norm(x, SplitSums(parts, x.dtype).total(), w, 1e-6)))),
+            "add_split_sums_ref": bool(all(torch.equal(a, b) for a, b in zip(
+                rms_norm.add_rms_norm_ref(x, SplitSums(parts, x.dtype), w, 1e-6),
+                rms_norm.add_rms_norm_ref(x, SplitSums(parts, x.dtype).total(), w, 1e-6)))),
             # rows of any leading shape (here [5, 3, 64]) are the tokens
             "add_any_shape": bool(all(torch.equal(a, b.view(5, 3, 64)) for a, b in zip(
                 rms_norm.add_rms_norm(core, core.flip(0), w, 1e-6),
@@ -181,8 +192,25 @@ def _kernel_cases(device: str) -> dict:
                                 A_log, dt_bias, slots, lanes, slots, lanes, n_k, 1, dec_o)
             same &= bool(torch.equal(dec_o, o.view(B, T, HV, V)[:, t]))
             same &= bool(torch.equal(slots[lanes], kept.view(B, T, HV, K, V)[:, t]))
+        # decode's two launches, both states stepped in their slots: column 0 of the same window
+        # (the conv state, then the projections at a wider row stride), equal to the window's
+        # kernel bit for bit, the conv state shifted by the new column, 3 padding rows zero
+        C = win.shape[1]
+        conv_slots = torch.zeros(5, C, 3, dtype=dtype, device=device)
+        conv_slots[lanes] = win[:, :, :3]
+        x_rows = torch.zeros(B + 3, 2 * C, dtype=dtype, device=device)
+        x_rows[:B, :C] = win[:, :, 3]
+        rec = torch.zeros(5, HV, K, V, device=device)
+        rec[lanes] = state
+        o2 = torch.full((B + 3, HV, V), 7.0, dtype=dtype, device=device)
+        gdn_decode.gdn_decode_step(x_rows[:, :C], conv_slots, lanes, conv_w, a.view(B, T, HV)[:, 0],
+                                   b.view(B, T, HV)[:, 0], A_log, dt_bias, rec, n_k, o2)
+        in_place = (bool(torch.equal(o2[:B], o.view(B, T, HV, V)[:, 0]))
+                    and bool(torch.equal(rec[lanes], kept.view(B, T, HV, K, V)[:, 0]))
+                    and bool(torch.equal(conv_slots[lanes], win[:, :, 1:4])) and bool((o2[B:] == 0).all())
+                    and bool((rec[[0, 2, 4]] == 0).all()) and bool((conv_slots[[0, 2, 4]] == 0).all()))
         out["step"].append({"dtype": str(dtype), "o": _rel(o, ref_o), "states": _rel(kept, ref_kept),
-                            "decode_equals_verify": same,
+                            "decode_equals_verify": same, "in_slots_equals_window": in_place,
                             "others_untouched": bool((slots[[0, 2, 4]] == 0).all())})
     return out
 
@@ -194,12 +222,15 @@ def _check_kernel_cases(cases: dict) -> None:
         assert c["rows_alone"] and c["merged_in_place"] and c["add_equals_norm_of_sum"] and c["add_any_shape"], c
         # Triton's interpreter casts fp32 to bf16 by truncation, the GPU rounds to nearest as torch
         assert c["add_sum_exact"] or not (c["compiled"] or "float32" in c["dtype"]), c
+        assert c["add_split_sums"] or not (c["compiled"] or "float32" in c["dtype"]), c
+        assert c["add_split_sums_ref"], c
     for c in cases["conv"] + cases["swiglu"]:
         assert c["rel"] < (1e-6 if "float32" in c["dtype"] else 2e-2), c
     for c in cases["step"]:
         tol = 1e-5 if "float32" in c["dtype"] else 2e-2
         assert max(c["o"], c["states"]) < tol, c
         assert c["decode_equals_verify"] and c["others_untouched"], c
+        assert c["in_slots_equals_window"], c
 
 
 def _model_case(device: str) -> dict:

@@ -25,10 +25,10 @@ def _linear(inp: int, out: int, seed: int, dtype=torch.float32, bias: bool = Fal
     return lin
 
 
-def _fp8(inp: int, out: int, seed: int) -> Linear:
+def _fp8(inp: int, out: int, seed: int, device: str = "cpu") -> Linear:
     lin = _linear(inp, out, seed)
     w, s = quantize_fp8(lin.weight.detach(), (128, 128))
-    lin.hold_quantized(FP8Weight(StoredFP8(w, s, (128, 128)), "cpu"))
+    lin.hold_quantized(FP8Weight(StoredFP8(w, s, (128, 128)), device))
     return lin
 
 
@@ -140,3 +140,25 @@ def test_merging_on_cuda_leaves_the_free_memory_as_it_was():
         reserved[merge_on] = torch.cuda.memory_reserved() - before
         del model
     assert reserved[True] <= reserved[False] * 1.02, reserved
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_narrow_plain_runs_multiply_decode_rows_in_one_launch():
+    """An FP8 GDN's ``in_proj_b`` and ``in_proj_a`` (plain, 96 rows at the 27B widths) multiply
+    decode-sized rows through ``narrow_linear``: close to cuBLAS's product, a row's numbers
+    independent of the other rows (decode equals verify), prefill rows through cuBLAS."""
+    torch.manual_seed(0)
+    parts = [_fp8(5120, 384, 0, "cuda"), _fp8(5120, 256, 1, "cuda"), _linear(5120, 48, 2, torch.bfloat16).cuda(),
+             _linear(5120, 48, 3, torch.bfloat16).cuda()]
+    m = merge(parts)
+    assert m is not None and m.products == 2 and m.runs[1].narrow is not None and m.runs[0].narrow is None
+    x = torch.randn(16, 5120, device="cuda", dtype=torch.bfloat16)
+    b, a = m(x)[2:]
+    want = torch.nn.functional.linear(x.float(), torch.cat([parts[2].weight, parts[3].weight]).float())
+    assert (torch.cat([b, a], -1).float() - want).abs().max() <= 1e-2 * want.abs().max()
+    for rows in (1, 3):
+        b1, a1 = m(x[:rows])[2:]
+        assert torch.equal(b1, b[:rows]) and torch.equal(a1, a[:rows])
+    xs = torch.randn(40, 5120, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(m(xs)[2], parts[2](xs))  # prefill rows: cuBLAS's product, as before

@@ -206,7 +206,8 @@ E4M3_SHAPES = [(1, 200, 384), (3, 130, 256), (16, 64, 1024), (5, 96, 640)]
 
 def _child() -> dict:
     from hpc_cli.model.quant_weights import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
-    from hpc_kernels.quant_gemm import fp8_decode_tile, fp8_linear, nvfp4_linear, quantize_rows
+    from hpc_kernels.quant_gemm import fp8_decode_tile, fp8_linear, narrow_linear, nvfp4_linear, quantize_rows
+    from hpc_kernels.split_sums import SplitSums, summed
 
     torch.manual_seed(0)
     out = []
@@ -218,8 +219,12 @@ def _child() -> dict:
             ref = x @ dequantize_fp8(q, s, block, torch.float32).T
             y = fp8_linear(x, q, s, block)
             alone = _rows_alone(lambda r: fp8_linear(r, q, s, block), x, y)
+            # left as split sums (a decode-sized pass that splits K), they add up to the output
+            unsummed = fp8_linear(x, q, s, block, unsummed=True)
             out.append({"fmt": f"fp8 {block}", "shape": [m, n, k], "err": float((y - ref).abs().max()),
-                        "scale": float(ref.abs().max()), "rows_alone": alone})
+                        "scale": float(ref.abs().max()), "rows_alone": alone,
+                        "split_sums": isinstance(unsummed, SplitSums),
+                        "split_sums_total": bool(torch.equal(summed(unsummed), y))})
         p, sc, g = quantize_nvfp4(w)
         ref = x @ dequantize_nvfp4(p, sc, float(1.0 / g), 16, torch.float32).T
         y = nvfp4_linear(x, p, sc, float(1.0 / g), 16)
@@ -250,7 +255,20 @@ def _child() -> dict:
     quant = {"scale_err": float((s[:5] * 448 / x.view(5, 3, 128).abs().amax(-1) - 1).abs().max()),
              "padding_zero": bool(q[5:].float().abs().sum() == 0 and s[5:].abs().sum() == 0),
              "column_major": s.stride() == (1, 8)}
-    return {"cases": out, "e4m3_cases": e4m3, "quantize_rows": quant}
+    # a plain weight of few outputs (narrow_linear): fp32 rows and weight, so only the summation
+    # order differs from torch's product
+    narrow = []
+    for m, n, k in [(1, 96, 5120), (5, 96, 640), (16, 40, 1104), (2, 256, 320)]:
+        w, x = torch.randn(n, k), torch.randn(m, k)
+        y, ref = narrow_linear(x, w), x @ w.T
+        narrow.append({"shape": [m, n, k], "err": float((y - ref).abs().max()), "scale": float(ref.abs().max()),
+                       "rows_alone": _rows_alone(lambda r: narrow_linear(r, w), x, y)})
+    from hpc_kernels.quant_gemm import split_locks
+
+    # each product's last split reset the counters the splits counted themselves in at
+    locks_zero = bool((split_locks(torch.device("cpu")) == 0).all())
+    return {"cases": out, "e4m3_cases": e4m3, "quantize_rows": quant, "locks_zero": locks_zero,
+            "narrow": narrow}
 
 
 def _e4m3_exact_rows(m: int, k: int) -> torch.Tensor:
@@ -305,8 +323,14 @@ def test_interpreted_kernels_equal_the_dequantised_product(variant):
     # reference product, and a row of up to 16 runs the same operations whatever the other rows
     # hold, so its numbers never depend on them
     bad = [c for c in cases if c["err"] > 1e-5 * max(1.0, c["scale"]) or not c["rows_alone"]]
+    fp8 = [c for c in cases if c["fmt"].startswith("fp8")]
+    bad += [c for c in fp8 if not c["split_sums_total"]]
+    # the decode-sized passes that split K leave their split sums when asked
+    assert any(c["split_sums"] for c in fp8) and not any(c["split_sums"] for c in fp8 if c["shape"][0] > 16)
     bad += [c for c in e4m3 if c["err"] > 1e-2 * c["scale"] or not c["rows_alone"]]
     assert not bad, bad
+    assert doc["locks_zero"]
+    assert not [c for c in doc["narrow"] if c["err"] > 1e-5 * max(1.0, c["scale"]) or not c["rows_alone"]], doc["narrow"]
     quant = doc["quantize_rows"]
     assert quant["scale_err"] <= 1e-6, quant  # one scale per row and 128 inputs: amax / 448
     assert quant["padding_zero"] and quant["column_major"], quant
@@ -341,6 +365,38 @@ def test_compiled_kernels_on_cuda(dtype):
         y = nvfp4_linear(x, p, sc, float(1.0 / g), 16)
         assert (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max(), ("nvfp4", m, n, k)
         assert torch.equal(nvfp4_linear(x[-1:], p, sc, float(1.0 / g), 16), y[-1:]) or m > 16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_sums_finish_in_the_products_launch():
+    """A decode-sized product whose K is split over many programs adds the partial sums in its
+    own launch: the same bits on every run, eager or replayed from a CUDA graph whose input
+    changed, whatever order the programs finished in, and the split counters zero after it."""
+    from hpc_cli.model.quant_weights import quantize_fp8, quantize_nvfp4
+    from hpc_kernels.quant_gemm import fp8_linear, nvfp4_linear, split_locks
+
+    torch.manual_seed(0)
+    w = torch.randn(5120, 17408, device="cuda")
+    q, s = quantize_fp8(w, (128, 128))
+    p, sc, g = quantize_nvfp4(w)
+    factor = float(1.0 / g)  # a host number before any capture
+    assert _splits_taken(5120, 17408) > 1
+    for f in (lambda x: fp8_linear(x, q, s, (128, 128)), lambda x: nvfp4_linear(x, p, sc, factor, 16)):
+        x = torch.randn(3, 17408, device="cuda", dtype=torch.bfloat16)
+        first = f(x)
+        assert all(torch.equal(f(x), first) for _ in range(100))
+        static = torch.zeros_like(x)
+        f(static)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = f(static)
+        static.copy_(x)
+        for _ in range(20):
+            graph.replay()
+            assert torch.equal(out, first)
+        torch.cuda.synchronize()
+        assert bool((split_locks(torch.device("cuda", torch.cuda.current_device())) == 0).all())
 
 
 @pytest.mark.gpu
@@ -384,6 +440,34 @@ def test_a_held_model_on_cuda_agrees_with_the_dequantised_one(hf_dense, tmp_path
     auto = load_checkpoint(out, dtype=torch.bfloat16, device="cuda", progress=False)
     held = any(isinstance(m, Linear) and m.quant is not None for m in auto.modules())
     assert held == (fmt == "fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_held_model_decodes_as_it_verifies(hf_dense, tmp_path):
+    """Held FP8 weights through the column pass: decode (graphs, the output projections' split
+    sums added by the next norm's launch) equals a verify pass over the same tokens bit for bit."""
+    from hpc_cli.model.columns import columns_pass
+    from hpc_cli.model.loader import load_checkpoint
+    from hpc_kernels.quant_gemm import fp8_decode_tile, k_splits, sm_count
+
+    _, path = hf_dense
+    model = load_checkpoint(_quantized(path, tmp_path / "fp8", "fp8"), dtype=torch.bfloat16, device="cuda",
+                            progress=False, weights=WeightsChoice.HELD)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    held = [m for m in model.modules() if isinstance(m, Linear) and m.quant is not None]
+    tiles = [fp8_decode_tile(torch.bfloat16, m.quant.block, dev) for m in held]
+    assert any(k_splits(m.out_features, m.in_features, t["BN"], min(t["BK"], m.quant.block[1]), t["waves"],
+                        sm_count(dev))[0] > 1 for m, t in zip(held, tiles)), "no held product splits K"
+    prompt, nxt = TOKENS[:60].tolist(), TOKENS[60:63].tolist()
+    kv = model.new_kv_storage("bf16", 8)
+    states = model.new_state_slots(3)
+    model.prefill(prompt, 0, [0, 1], 0, kv, states)
+    states.copy_slot(0, 1)
+    dec = [model.decode([tok], [len(prompt) + j], [[0, 1]], [1], kv, states)[0].float() for j, tok in enumerate(nxt)]
+    states.copy_slot(0, 2)
+    ver = columns_pass(model, torch.tensor([nxt]), [len(prompt)], [[0, 1]], [2], kv, states, keep_all=True)
+    assert torch.equal(torch.stack(dec), ver.logits[0].float())
 
 
 def assert_held_agrees_on_cuda(path) -> None:
