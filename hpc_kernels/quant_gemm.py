@@ -158,6 +158,17 @@ def _add_row(acc, rm, r, row):
 
 
 @triton.jit
+def _program_share(N, K, K_SPLIT, BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
+    """A rows kernel's program: its row indices, its ``BN`` outputs (and which are real), its
+    zeroed sums, and its share of K (``k_begin`` to ``k_end``)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    return (tl.arange(0, BM), rn, rn < N, _zero_acc(BM, BN, SWAP), pid_k * K_SPLIT,
+            tl.minimum(K, (pid_k + 1) * K_SPLIT))
+
+
+@triton.jit
 def _finish_rows(y_ptr, p_ptr, lock_ptr, acc, rm, rn, M, N, stride_ym, stride_pm, stride_ps, SPLITS: tl.constexpr,
                  SWAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, REDUCE: tl.constexpr):
     """Rows ``rm < M``, outputs ``rn < N`` of ``acc`` into ``y``. With K split over programs
@@ -216,15 +227,9 @@ def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_
     tile, exact in ``x``'s dtype, meets the rows on the matrix units and the step's product is
     scaled per weight row; otherwise the tile is scaled in fp32 registers and each row sums its
     products there. Each row runs the same operations whatever ``M``."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    rm, rn, nmask, acc, k_begin, k_end = _program_share(N, K, K_SPLIT, BM, BN, SWAP)
     rk = tl.arange(0, BK)
-    nmask = rn < N
-    acc = _zero_acc(BM, BN, SWAP)
-    k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
-    for k0 in range(pid_k * K_SPLIT, k_end, BK):
+    for k0 in range(k_begin, k_end, BK):
         kk = k0 + rk
         kmask = kk < k_end
         w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk[None, :],
@@ -259,15 +264,9 @@ def _nvfp4_rows_kernel(x_ptr, p_ptr, s_ptr, factor, y_ptr, part_ptr, lock_ptr, M
     and the high nibbles apart (the even and the odd inputs), each times its group's e4m3 scale
     (exact in bf16 and fp16), and meets the rows' even and odd inputs with them; the global
     factor multiplies the sums at the end."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    rm, rn, nmask, acc, k_begin, k_end = _program_share(N, K, K_SPLIT, BM, BN, SWAP)
     rh = tl.arange(0, BK // 2)
-    nmask = rn < N
-    acc = _zero_acc(BM, BN, SWAP)
-    k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
-    for k0 in range(pid_k * K_SPLIT, k_end, BK):
+    for k0 in range(k_begin, k_end, BK):
         ke = k0 + 2 * rh  # the even inputs (low nibbles); the odd ones are ke + 1
         hmask = nmask[:, None] & (ke < k_end)[None, :]
         packed = tl.load(p_ptr + rn.to(tl.int64)[:, None] * stride_pn + (k0 // 2 + rh)[None, :], mask=hmask, other=0)
@@ -296,15 +295,9 @@ def _narrow_rows_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_SPLI
                         BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr):
     """:func:`_fp8_rows_kernel` for a weight in the rows' own dtype: each ``BN x BK`` tile meets
     the rows on the matrix units."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    rm, rn, nmask, acc, k_begin, k_end = _program_share(N, K, K_SPLIT, BM, BN, SWAP)
     rk = tl.arange(0, BK)
-    nmask = rn < N
-    acc = _zero_acc(BM, BN, SWAP)
-    k_end = tl.minimum(K, (pid_k + 1) * K_SPLIT)
-    for k0 in range(pid_k * K_SPLIT, k_end, BK):
+    for k0 in range(k_begin, k_end, BK):
         kk = k0 + rk
         kmask = kk < k_end
         w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + kk[None, :], mask=nmask[:, None] & kmask[None, :],
