@@ -21,6 +21,7 @@ from hpc_kernels import rms_norm as norm_kernels
 
 if TYPE_CHECKING:
     from hpc_cli.model.merged import MergedProjection
+    from hpc_kernels.split_sums import SplitSums
 
 
 def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,7 +68,7 @@ class GatedAttention(nn.Module):
         k = _norm_rope(self.k_norm, self.k_proj(x).view(n, self.n_kv, self.head_dim), cos, sin)
         return k, self.v_proj(x).view(n, self.n_kv, self.head_dim)
 
-    def finish(self, attn: torch.Tensor, gate: torch.Tensor, unsummed: bool = False) -> torch.Tensor:
+    def finish(self, attn: torch.Tensor, gate: torch.Tensor, unsummed: bool = False) -> "torch.Tensor | SplitSums":
         """``attn`` ``[N, H, d]`` -> ``o_proj(attn * sigmoid(gate))``; ``unsummed``: its split sums
         where it has them (:meth:`~hpc_cli.model.layers.Linear.unsummed`)."""
         gated = attn.reshape(attn.shape[0], -1) * torch.sigmoid(gate)

@@ -259,6 +259,7 @@ from hpc_kernels import causal_conv  # noqa: E402
 
 if TYPE_CHECKING:
     from hpc_cli.model.merged import MergedProjection
+    from hpc_kernels.split_sums import SplitSums
 
 
 class ConvWindow:
@@ -341,7 +342,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return q, k, v, g, beta
 
-    def _finish(self, core: torch.Tensor, z: torch.Tensor, unsummed: bool = False) -> torch.Tensor:
+    def _finish(self, core: torch.Tensor, z: torch.Tensor, unsummed: bool = False) -> "torch.Tensor | SplitSums":
         """The gated norm and ``out_proj``; ``unsummed``: its split sums where it has them
         (:meth:`~hpc_cli.model.layers.Linear.unsummed`)."""
         lead = core.shape[:-2]

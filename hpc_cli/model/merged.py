@@ -142,6 +142,13 @@ def _narrow(product: Linear | None) -> tuple[Callable[[torch.Tensor, torch.Tenso
     return (narrow_linear, DECODE_ROWS) if product.out_features <= NARROW_OUTPUTS else None
 
 
+def _run(parts: Sequence[Linear]) -> _Run:
+    """The run of ``parts``: merged into one product where there are several."""
+    product = _merge_run(parts) if len(parts) > 1 else None
+    return _Run(tuple(parts), product, tuple(p.out_features for p in parts),
+                tuple(_storage(p).data_ptr() for p in parts), _narrow(product))
+
+
 def _merge_run(parts: Sequence[Linear]) -> Linear:
     """A Linear (not a submodule of anything) whose weight stacks the parts' rows; each part's
     weight and bias become views of it."""
@@ -165,9 +172,7 @@ class MergedProjection:
         """``runs``: the parts, in order, in runs of parts that merge (:func:`merge` finds them)."""
         self.parts = tuple(p for run in runs for p in run)
         assert len({p.in_features for p in self.parts}) == 1, "merged parts read one input"
-        self.runs = tuple(_Run(tuple(run), product, tuple(p.out_features for p in run),
-                               tuple(_storage(p).data_ptr() for p in run), _narrow(product))
-                          for run in runs for product in (_merge_run(run) if len(run) > 1 else None,))
+        self.runs = tuple(_run(run) for run in runs)
 
     @property
     def products(self) -> int:

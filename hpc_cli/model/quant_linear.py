@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from hpc_cli.model.layers import Linear
-from hpc_kernels.split_sums import SplitSums
 from hpc_cli.model.quant_weights import (NVFP4_GROUP, QuantScheme, StoredFP8, StoredNVFP4, StoredQuantized,
                                          WeightFormat, dequantize_fp8, dequantize_nvfp4)
+from hpc_kernels.split_sums import SplitSums
 
 
 log = logging.getLogger(__name__)
