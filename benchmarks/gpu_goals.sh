@@ -4,7 +4,8 @@
 #
 # * FP8 against bf16 decode at batch 1 (goal >= 1.5x on an H200): benchmarks/profile_decode.py on
 #   the 27B-width checkpoint (8 layers) and its `hpc-cli quantize --format fp8` copy: the step's
-#   graph (the device's own time) and the step as the engine runs it;
+#   graph (the device's own time) and the step as the engine runs it; and the FP8 graph with the
+#   decode tile's waves at 8 (twice the K splits), to see whether the tile should change;
 # * a tap's cost over a snapshot copy's device time (goal <= 1.1x): benchmarks/gdn_taps.py, a
 #   tap in a 512-token pass and in a 2,048-token pass, and the prefill throughput with 8 taps in
 #   8k tokens (goal >= 0.97);
@@ -31,6 +32,9 @@ CK=${CK:-/tmp/ck}
 checkpoints "$CK"
 step decode 150 python3 benchmarks/profile_decode.py --model "$CK/bf16" --model "$CK/fp8" --repeat 5 \
     --out "$OUTDIR/decode.json"
+# the FP8 products with twice the K splits (the output products' split sums now cost no launch)
+step decode-waves8 120 python3 benchmarks/profile_decode.py --model "$CK/fp8" --repeat 5 --tile fp8.waves=8 \
+    --out "$OUTDIR/decode-waves8.json"
 step taps 150 bash -c "python3 benchmarks/gdn_taps.py --repeat 10 > '$OUTDIR/taps.json'"
 step serve 420 python3 benchmarks/serve_trace.py --model "$CK/bf16" --concurrency "${CONCURRENCY:-1}" \
     --serve-args "--kv-profile int8-g64 --prefill-chunk 2048" --log-dir "$OUT" --out "$OUTDIR/serve.json"
@@ -61,6 +65,10 @@ if dec:
                  f"{bf16['graph_ms']:.3f} / {fp8['graph_ms']:.3f} ms, {dec['device']}"))
     rows.append(("FP8 / bf16 decode, engine step", bf16["engine_ms"] / fp8["engine_ms"],
                  f"{bf16['engine_ms']:.3f} / {fp8['engine_ms']:.3f} ms"))
+    w8 = load("decode-waves8.json")
+    if w8:
+        rows.append(("FP8 / bf16 decode, graph, FP8 waves 8", bf16["graph_ms"] / w8["runs"][0]["graph_ms"],
+                     f"{w8['runs'][0]['graph_ms']:.3f} ms (the shipped tile's waves: 4)"))
 taps = load("taps.json")
 if taps:
     for key, what in (("short_tap", "512-token pass"), ("pass_tap", "2,048-token pass")):
