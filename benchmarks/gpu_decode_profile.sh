@@ -11,13 +11,8 @@
 #   TILE_AB="fp8.waves=8" ROUNDS=2 bash benchmarks/gpu_decode_profile.sh OUT_DIR
 set -u
 cd "$(dirname "$0")/.."
-OUTDIR=${1:?usage: gpu_decode_profile.sh OUT_DIR}
-mkdir -p "$OUTDIR"
-export OUT=${LOGS:-/tmp/decode-logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 source benchmarks/gpu_steps.sh
-CK=${CK:-/tmp/ck}
+out_dirs gpu_decode_profile.sh /tmp/decode-logs "${1:-}"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     step tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/model/test_quant_linear.py
 fi

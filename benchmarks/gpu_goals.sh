@@ -22,13 +22,8 @@
 # machine (see benchmarks/gpu_serve.sh).
 set -u
 cd "$(dirname "$0")/.."
-OUTDIR=${1:?usage: gpu_goals.sh OUT_DIR}
-mkdir -p "$OUTDIR"
-export OUT=${LOGS:-/tmp/goals-logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 source benchmarks/gpu_steps.sh
-CK=${CK:-/tmp/ck}
+out_dirs gpu_goals.sh /tmp/goals-logs "${1:-}"
 checkpoints "$CK"
 step decode 150 python3 benchmarks/profile_decode.py --model "$CK/bf16" --model "$CK/fp8" --repeat 5 \
     --out "$OUTDIR/decode.json"

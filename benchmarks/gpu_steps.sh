@@ -3,8 +3,17 @@
 # (its exit code, seconds, and the log's last line naming passes, failures, warm-ups or errors);
 # `summary` prints them; `spec_table` prints a line per backend of each OUT/spec-k*.json that
 # benchmarks/spec_decode.py wrote; `checkpoints DIR` writes the 27B-width checkpoint to DIR/bf16
-# and its FP8 copy to DIR/fp8 unless they are there. Needs OUT set.
+# and its FP8 copy to DIR/fp8 unless they are there; `out_dirs SCRIPT DEFAULT_LOGS OUT_DIR` sets
+# and makes OUTDIR (the script's argument, required), OUT (the logs: $LOGS, else DEFAULT_LOGS) and
+# CK (the checkpoints: $CK, else /tmp/ck). Needs OUT set.
 declare -a SUMMARY
+out_dirs() {
+    OUTDIR=${3:?usage: $1 OUT_DIR}
+    export OUT=${LOGS:-$2}
+    CK=${CK:-/tmp/ck}
+    export PYTHONUNBUFFERED=1
+    mkdir -p "$OUTDIR" "$OUT"
+}
 step() {
     local name=$1 limit=$2
     shift 2

@@ -179,22 +179,25 @@ def _finish_rows(y_ptr, p_ptr, lock_ptr, acc, rm, rn, M, N, stride_ym, stride_pm
     flight together). A row's sum never depends on the other rows, on how many there are or on
     the order the programs ran. Without ``REDUCE`` the partial sums are the output
     (:class:`~hpc_kernels.split_sums.SplitSums`: the kernel that reads it adds them)."""
-    pid_n = tl.program_id(0)
     if SPLITS == 1:
-        if SWAP:
-            tl.store(y_ptr + rm.to(tl.int64)[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
-                     mask=(rm < M)[None, :] & (rn < N)[:, None])
-        else:
-            tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=(rm < M)[:, None] & (rn < N)[None, :])
+        _store_tile(y_ptr, acc.to(y_ptr.dtype.element_ty), rm, rn, M, N, stride_ym, SWAP)
     else:
-        base = p_ptr + tl.program_id(1).to(tl.int64) * stride_ps
-        if SWAP:
-            tl.store(base + rm[None, :] * stride_pm + rn[:, None], acc, mask=(rm < M)[None, :] & (rn < N)[:, None])
-        else:
-            tl.store(base + rm[:, None] * stride_pm + rn[None, :], acc, mask=(rm < M)[:, None] & (rn < N)[None, :])
+        _store_tile(p_ptr + tl.program_id(1).to(tl.int64) * stride_ps, acc, rm, rn, M, N, stride_pm, SWAP)
         if REDUCE:
-            _add_splits(y_ptr, p_ptr, lock_ptr + pid_n, rm, rn, M, N, stride_ym, stride_pm, stride_ps, SPLITS, BM, BN)
+            _add_splits(y_ptr, p_ptr, lock_ptr + tl.program_id(0), rm, rn, M, N, stride_ym, stride_pm, stride_ps,
+                        SPLITS, BM, BN)
+
+
+@triton.jit
+def _store_tile(base, vals, rm, rn, M, N, stride_m, SWAP: tl.constexpr):
+    """Rows ``rm < M``, outputs ``rn < N`` of ``vals`` (``[BM rows, BN outputs]``, or ``[BN, BM]``
+    when ``SWAP``) at ``base + row * stride_m + output``."""
+    if SWAP:
+        tl.store(base + rm.to(tl.int64)[None, :] * stride_m + rn[:, None], vals,
+                 mask=(rm < M)[None, :] & (rn < N)[:, None])
+    else:
+        tl.store(base + rm.to(tl.int64)[:, None] * stride_m + rn[None, :], vals,
+                 mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
 @triton.jit
@@ -209,8 +212,7 @@ def _add_splits(y_ptr, p_ptr, lock_ptr, rm, rn, M, N, stride_ym, stride_pm, stri
         for s in tl.static_range(SPLITS):
             total += tl.load(p_ptr + s * stride_ps + rm[:, None] * stride_pm + rn[None, :], mask=mask, other=0.0,
                              cache_modifier=".cg")
-        tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty),
-                 mask=mask)
+        _store_tile(y_ptr, total.to(y_ptr.dtype.element_ty), rm, rn, M, N, stride_ym, False)
         tl.atomic_xchg(lock_ptr, 0, sem="relaxed", scope="gpu")
 
 

@@ -191,7 +191,7 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: 
     C = mixed.shape[-1]
     m = mixed[:n].view(B, T, C)
     window = torch.cat([conv0.to(m.dtype), m.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
-    if fused(h) and la.use_fla is not False and gdn_decode.supported(la.d_k, la.d_v):
+    if _fused_gdn(la, h):
         core, state = _gdn_fused(la, window, a, b, B, T, rec, slot_t, keep_all)
         return blocks(finish, R, _pad_rows(core, h.shape[0]), z), window, state
     w = la.conv1d.weight[:, 0, :]  # [C, K]
@@ -223,6 +223,12 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: 
     if run is None:
         rec.index_copy_(0, slot_t, state)
     return out, window, None
+
+
+def _fused_gdn(la, h: torch.Tensor) -> bool:
+    """Whether the GDN layer ``la``'s columns run :mod:`hpc_kernels.gdn_decode` (CUDA, or Triton's
+    interpreter), not torch's ops."""
+    return fused(h) and la.use_fla is not False and gdn_decode.supported(la.d_k, la.d_v)
 
 
 def _gdn_decode(la, h: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor, slot_t: torch.Tensor, R: int,
@@ -374,8 +380,7 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
             g = model.state_index[i]
             conv, rec = states.conv[g], states.recurrent[g]
             la = layer.linear_attn
-            if not keep_all and T == 1 and fused(h) and la.use_fla is not False and gdn_decode.supported(la.d_k,
-                                                                                                          la.d_v):
+            if not keep_all and T == 1 and _fused_gdn(la, h):
                 out = _gdn_decode(la, h, conv, rec, slot_t, R, one)  # both states stepped in their slots
             else:
                 out, window, st = _gdn(la, h, n, B, T, conv.index_select(0, slot_t), rec, slot_t, keep_all, R, run,
