@@ -14,7 +14,6 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -127,19 +126,34 @@ class _ChatTemplateMixin:
         return {}
 
 
-@dataclass(frozen=True, slots=True)
 class PieceSpans:
     """One piece's tokenization: ids, each token's ``(start, end)`` character span in the piece,
-    the starts, and the running maximum of the ends (spans may overlap)."""
+    and, made at the first lookup inside the piece (most lookups fall on a piece's start, which
+    needs neither), the starts and the running maximum of the ends (spans may overlap)."""
 
-    ids: list[int]
-    spans: list[tuple[int, int]]
-    starts: list[int]
-    ends: list[int]
+    __slots__ = ("ids", "spans", "_starts", "_ends")
+
+    def __init__(self, ids: list[int], spans: list[tuple[int, int]]) -> None:
+        self.ids = ids
+        self.spans = spans
+        self._starts: list[int] | None = None
+        self._ends: list[int] | None = None
 
     @classmethod
     def of(cls, ids: list[int], spans: list[tuple[int, int]]) -> "PieceSpans":
-        return cls(ids, spans, [a for a, _ in spans], list(itertools.accumulate((b for _, b in spans), max)))
+        return cls(ids, spans)
+
+    @property
+    def starts(self) -> list[int]:
+        if self._starts is None:
+            self._starts = [a for a, _ in self.spans]
+        return self._starts
+
+    @property
+    def ends(self) -> list[int]:
+        if self._ends is None:
+            self._ends = list(itertools.accumulate((b for _, b in self.spans), max))
+        return self._ends
 
 
 class TokenSpans:
@@ -165,6 +179,8 @@ class TokenSpans:
         """The index of the token that starts at character ``c`` when every earlier token has
         ended by ``c``; None when ``c`` falls inside a token or past the last start."""
         cut, first, piece = self._at(c)
+        if c == cut and piece.ids and piece.spans[0][0] == 0:
+            return first  # a piece's first token: the earlier pieces end by its cut
         j = bisect.bisect_left(piece.starts, c - cut)
         if j < len(piece.starts) and piece.starts[j] == c - cut and (j == 0 or piece.ends[j - 1] <= c - cut):
             return first + j  # a piece's first token: the earlier pieces end by its cut

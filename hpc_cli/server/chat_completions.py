@@ -12,7 +12,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
 from hpc_cli.engine.api import GenerationRequest, TokenEvent, Usage
 from hpc_cli.errors import RequestError
@@ -49,8 +48,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         kwargs = template_kwargs(body.chat_template_kwargs)
         if body.reasoning_effort in ("none", "minimal") and "enable_thinking" not in kwargs:
             kwargs["enable_thinking"] = False
-        # linear in the messages, but a long chat still takes a while: off the event loop
-        prepared = await run_in_threadpool(prepare_chat, tok, messages, tools=body.tools, markers=markers,
+        # linear in the messages: on the thread pool while other requests stream (ServerState.prepare)
+        prepared = await state.prepare(prepare_chat, tok, messages, tools=body.tools, markers=markers,
                                            template_kwargs=kwargs)
         prepared, media = await prepare_images(state, prepared, images)  # docs/vision.md
         n = len(prepared.prompt_tokens)

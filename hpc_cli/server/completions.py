@@ -12,7 +12,6 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
 from hpc_cli.engine.api import FinishEvent, GenerationRequest, TokenEvent, Usage
 from hpc_cli.errors import RequestError
@@ -39,7 +38,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                                param="max_tokens")
         if body.best_of not in (None, body.n):
             raise RequestError("best_of must equal n (or be unset)", param="best_of")
-        prompts = await run_in_threadpool(completion_prompts, state, body.prompt)
+        prompts = await state.prepare(completion_prompts, state, body.prompt)
         if body.stream and (len(prompts) > 1 or body.n > 1):
             raise RequestError("stream supports a single prompt with n = 1", param="stream")
         want_prompt_lp = body.echo and body.logprobs is not None

@@ -14,7 +14,6 @@ from typing import Any, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
 from hpc_cli.engine.api import FinishEvent, FinishReason, GenerationRequest, SamplingParams, Usage
 from hpc_cli.errors import RequestError
@@ -49,7 +48,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         require_vision(state.engine, len(images), media_limits(state))
         thinking = body.thinking is not None and body.thinking.type != "disabled"
         continue_final = msgs[-1]["role"] == "assistant"
-        prepared = await run_in_threadpool(prepare_chat, tok, msgs, tools=tools, markers=markers,  # off the loop
+        prepared = await state.prepare(prepare_chat, tok, msgs, tools=tools, markers=markers,
                                            template_kwargs={"enable_thinking": thinking},
                                            continue_final=continue_final)
         prepared, media = await prepare_images(state, prepared, images)  # docs/vision.md

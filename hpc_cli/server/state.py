@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import Any, TypeVar
+from typing import Any, Callable, ParamSpec, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 from hpc_cli.engine.api import Engine, GenerationRequest, RequestHandle
 from hpc_cli.errors import RequestError, UnavailableError
@@ -22,6 +23,8 @@ from hpc_cli.server.validate import echo, read_model
 from hpc_cli.settings.sections import HpcSettings, ResolvedSettings
 
 Body = TypeVar("Body", bound=BaseModel)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class ServerState:
@@ -49,6 +52,15 @@ class ServerState:
         self.gate = AdmissionGate(lanes, hs.server.max_fanout, hs.server.max_queued_requests,
                                   lambda: int(getattr(engine, "in_flight", 0)))
         self.fatal_gauge = add_engine_fatal_gauge(self.metrics, self.engine_fatal)
+
+    async def prepare(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """A request's preparation (the chat template and the tokenizer, linear in its messages):
+        on the event loop while the engine has nothing in flight, where no stream waits on the
+        loop and the thread pool's two hops (about 0.5 ms of a cached turn's first token) are
+        saved; on the thread pool otherwise, so running requests' streams keep flowing."""
+        if not self.gate.in_flight():
+            return fn(*args, **kwargs)
+        return await run_in_threadpool(fn, *args, **kwargs)
 
     # --- checks --------------------------------------------------------------------------------
     def is_authorized(self, request: Request) -> bool:

@@ -241,3 +241,31 @@ def test_chatml_scan_equals_the_prefix_renders(monkeypatch):
                     scanned += 1
                     assert sorted(calls) == [1, len(chat_msgs)], name
     assert scanned >= 8  # the plain chats of both templates took the scan
+
+
+def test_preparation_runs_on_the_loop_only_while_the_engine_is_idle():
+    """ServerState.prepare: inline on the event loop's thread with nothing in flight (no stream
+    waits on the loop; the thread pool's hops are saved), on a pool thread while requests run."""
+    import asyncio
+    import threading
+
+    from hpc_cli.server.state import ServerState
+    from tests.server.fake_engine import FakeEngine
+    from tests.server.hostile import settings
+
+    engine = FakeEngine()
+    state = ServerState(engine, settings())
+    busy = {"n": 0}
+    state.gate.in_flight = lambda: busy["n"]
+
+    async def where() -> tuple[int, int]:
+        loop_thread = threading.get_ident()
+        ran = await state.prepare(lambda x, y=0: (threading.get_ident(), x + y), 2, y=3)
+        assert ran[1] == 5, "arguments passed through"
+        return loop_thread, ran[0]
+
+    loop_thread, ran_on = asyncio.run(where())
+    assert ran_on == loop_thread
+    busy["n"] = 1
+    loop_thread, ran_on = asyncio.run(where())
+    assert ran_on != loop_thread
