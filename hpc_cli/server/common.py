@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from pydantic import BaseModel, ValidationError
 
-from hpc_cli.engine.api import Event, FinishEvent, RequestHandle, TokenEvent
+from hpc_cli.engine.api import AdmittedEvent, Event, FinishEvent, RequestHandle, TokenEvent
 from hpc_cli.errors import RequestError
 from hpc_cli.model.tokenizer import IncrementalDecoder
 
@@ -134,18 +134,25 @@ class DisconnectWatch:
 
 async def iterate_events(handle: RequestHandle,
                          disconnected: "Callable[[], Awaitable[bool]] | DisconnectWatch | None" = None,
-                         poll: float = 0.05, disconnect_every: float = 0.25) -> AsyncIterator[Event]:
+                         poll: float = 0.05, disconnect_every: float = 0.25,
+                         wake_on_admission: bool = True) -> AsyncIterator[Event]:
     """Yield the handle's events without a thread per request: the engine's ``put`` also wakes
     the loop (with a short poll as a fallback). Stops after the FinishEvent. On a client
     disconnect (checked every ``disconnect_every`` s, between events too, on one timer per HTTP
     request: :class:`DisconnectWatch`) the request is cancelled and :class:`ClientDisconnected`
-    raised; if the consumer stops early the request is cancelled."""
+    raised; if the consumer stops early the request is cancelled.
+
+    ``wake_on_admission=False``: the admission event does not wake the loop (a consumer that
+    sends nothing for it reads it with the next event or poll), so the loop does not take the
+    interpreter while the worker goes on from admission to launching the first prefill pass."""
     loop = asyncio.get_running_loop()
     ready = asyncio.Event()
     original_put = handle.put
 
     def put(event: Event) -> None:
         original_put(event)
+        if not wake_on_admission and isinstance(event, AdmittedEvent):
+            return
         try:
             loop.call_soon_threadsafe(ready.set)
         except RuntimeError:  # the loop is closed

@@ -149,6 +149,8 @@ class MessagesStreamWriter(StreamWriter):
     ``message_delta`` with the stop reason and usage; ``message_stop``. A failure is an ``error``
     event."""
 
+    sends_at_admission = True  # message_start, with the cached tokens, and a ping
+
     def __init__(self, reply: Reply, asm: TextAssembler) -> None:
         self.reply, self.asm = reply, asm
         self.splitter = ReasoningSplitter(reply.thinking)

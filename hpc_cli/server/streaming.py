@@ -74,6 +74,8 @@ class StreamWriter:
     first chunk with output written in it), or None."""
 
     marks: "ServerMarks | None" = None
+    #: whether :meth:`admitted` may send something (else the admission does not wake the loop)
+    sends_at_admission = False
 
     def opening(self) -> Iterable[str]:
         """Before any engine event."""
@@ -104,7 +106,7 @@ async def stream_events(state: "ServerState", request: Request, handle: RequestH
     try:
         for s in writer.opening():
             yield s
-        async for ev in iterate_events(handle, request.is_disconnected):
+        async for ev in iterate_events(handle, request.is_disconnected, wake_on_admission=writer.sends_at_admission):
             if isinstance(ev, AdmittedEvent):
                 for s in writer.admitted(ev):
                     yield s

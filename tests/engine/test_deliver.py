@@ -96,3 +96,32 @@ def test_the_server_acknowledges_each_event_it_was_asked_past():
     assert h.acknowledges
     assert seen == [False, False]
     assert h.wait_sent(0), "the finish event was acknowledged when the stream ended"
+
+
+def test_the_admission_wakes_only_a_stream_that_sends_at_admission():
+    """iterate_events(wake_on_admission=False): the admission is read with the next event (the
+    loop stays off the interpreter while the worker goes on to launch the pass)."""
+    from hpc_cli.engine.api import AdmittedEvent
+
+    def arrival(wake: bool) -> float:
+        h = _handle()
+
+        async def consume() -> float:
+            t0 = time.monotonic()
+
+            def engine() -> None:
+                time.sleep(0.05)  # the consumer waits by now
+                h.put(AdmittedEvent(0, 0))
+                time.sleep(0.2)
+                h.put(FinishEvent(FinishReason.LENGTH, Usage()))
+
+            threading.Thread(target=engine).start()
+            async for ev in iterate_events(h, poll=5.0, wake_on_admission=wake):
+                if isinstance(ev, AdmittedEvent):
+                    return time.monotonic() - t0
+            raise AssertionError("no admission event")
+
+        return asyncio.run(consume())
+
+    assert arrival(True) < 0.2, "a stream that sends at admission reads it at once"
+    assert arrival(False) >= 0.24, "the admission alone does not wake the loop"
