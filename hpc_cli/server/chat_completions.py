@@ -50,7 +50,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             kwargs["enable_thinking"] = False
         # linear in the messages: on the thread pool while other requests stream (ServerState.prepare)
         prepared = await state.prepare(prepare_chat, tok, messages, tools=body.tools, markers=markers,
-                                           template_kwargs=kwargs)
+                                       template_kwargs=kwargs)
         prepared, media = await prepare_images(state, prepared, images)  # docs/vision.md
         n = len(prepared.prompt_tokens)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -49,8 +49,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         thinking = body.thinking is not None and body.thinking.type != "disabled"
         continue_final = msgs[-1]["role"] == "assistant"
         prepared = await state.prepare(prepare_chat, tok, msgs, tools=tools, markers=markers,
-                                           template_kwargs={"enable_thinking": thinking},
-                                           continue_final=continue_final)
+                                       template_kwargs={"enable_thinking": thinking},
+                                       continue_final=continue_final)
         prepared, media = await prepare_images(state, prepared, images)  # docs/vision.md
         n = len(prepared.prompt_tokens)
         max_tokens = state.resolve_max_tokens(n, body.max_tokens)
