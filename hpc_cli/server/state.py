@@ -56,7 +56,7 @@ class ServerState:
     async def prepare(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """A request's preparation (the chat template and the tokenizer, linear in its messages):
         on the event loop while the engine has nothing in flight, where no stream waits on the
-        loop and the thread pool's two hops (about 0.35 ms of a cached turn's first token on an
+        loop and the thread pool's two hops (about 0.3 ms of a cached turn's first token on an
         H100 host) are saved; on the thread pool otherwise, so running requests' streams keep
         flowing."""
         if not self.gate.in_flight():
