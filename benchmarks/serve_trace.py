@@ -7,8 +7,10 @@ a message deep in the history) is replayed through ``hpc-cli serve`` with the of
 client, streaming, once per cache mode (``hybrid``, ``off`` = ``--cache-mode off``) and per
 ``--concurrency`` (up to that many sessions run in parallel threads, the turns of a session in
 order; the server's lanes are its own ``--max-concurrency``). Each concurrency level's trace
-starts with its own header line, so no run reuses another's prefixes. Trace lengths are in tokens
-of the model's ``tokenizer.json`` (UTF-8 bytes for the builtin models).
+starts with its own header line, so no run reuses another's prefixes; ``--rounds N`` replays each
+level N times on the same server (each round with its own header), pools the rounds' turns in
+the summaries and lists each round's TTFT p50 ratio, the spread between replays. Trace lengths
+are in tokens of the model's ``tokenizer.json`` (UTF-8 bytes for the builtin models).
 
 Printed (one JSON document on stdout, and to ``--out``): per mode and concurrency the reuse share
 (sum cached_tokens / sum prompt_tokens), prompt and prefill tokens, client-side TTFT (time to the
@@ -108,6 +110,12 @@ class RequestRecord:
     timing: dict | None = None  # the server's usage.hpc_timing (seconds per phase, prefill passes)
     #: seconds the openai client took to build the request before its first byte went out
     client_prepare_s: float | None = None
+    round: int = 0  # which of --rounds replays (each with its own header) the turn belongs to
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """The turn's place in the run: (round, session, turn), the same in every mode."""
+        return (self.round, self.session, self.turn)
 
     @property
     def reuse(self) -> float:
@@ -433,6 +441,7 @@ class Compilations:
 
 @dataclass(frozen=True)
 class TurnRow:
+    round: int
     session: int
     turn: int
     edited: bool
@@ -493,7 +502,7 @@ def _compilations(run: RunResult) -> Compilations | None:
 
 
 def _rows(records: Sequence[RequestRecord]) -> list[TurnRow]:
-    return [TurnRow(r.session, r.turn, r.edited, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
+    return [TurnRow(r.round, r.session, r.turn, r.edited, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
                     None if r.ttft_s is None else round(r.ttft_s, 4), round(r.total_s, 4), round(r.sent_s, 3),
                     r.error, _engine_ttft(r),
                     None if r.client_prepare_s is None else round(r.client_prepare_s, 5),
@@ -589,11 +598,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def compare(run: RunResult, s: RunSummary, base_run: RunResult, b: RunSummary) -> Ratios:
-    high = {(r.session, r.turn) for r in run.records if r.error is None and r.reuse >= REUSE_HIGH}
-    same = [r.ttft_s for r in base_run.records
-            if (r.session, r.turn) in high and r.ttft_s is not None and r.error is None]
-    answers = {(r.session, r.turn): r.text for r in base_run.records}
-    equal = [answers.get((r.session, r.turn)) == r.text for r in run.records]
+    high = {r.key for r in run.records if r.error is None and r.reuse >= REUSE_HIGH}
+    same = [r.ttft_s for r in base_run.records if r.key in high and r.ttft_s is not None and r.error is None]
+    answers = {r.key: r.text for r in base_run.records}
+    equal = [answers.get(r.key) == r.text for r in run.records]
     return Ratios(
         ttft_p50=_ratio(_stat(s.ttft_s, "p50"), _stat(b.ttft_s, "p50")),
         ttft_p95=_ratio(_stat(s.ttft_s, "p95"), _stat(b.ttft_s, "p95")),
@@ -621,6 +629,21 @@ def ratios(runs: dict[tuple[str, int], RunResult], summaries: Summaries,
             if b is not None:
                 out.setdefault(f"{mode}/{base_mode}", {})[c] = compare(runs[(mode, int(c))], s,
                                                                         runs[(base_mode, int(c))], b)
+    return out
+
+
+def round_ratios(rounds: dict[tuple[str, int], list[RunResult]], sessions: int,
+                 base_mode: str = "off") -> dict[str, dict[str, list[float | None]]]:
+    """``"MODE/off"`` -> concurrency -> each round's TTFT p50 ratio (the spread the pooled
+    ratio hides: a round is one replay of the trace, its p50 over the trace's turns)."""
+    out: dict[str, dict[str, list[float | None]]] = {}
+    for (mode, c), rs in rounds.items():
+        base = rounds.get((base_mode, c))
+        if mode == base_mode or base is None:
+            continue
+        out.setdefault(f"{mode}/{base_mode}", {})[str(c)] = [
+            _ratio(_stat(summarize(a, sessions).ttft_s, "p50"), _stat(summarize(b, sessions).ttft_s, "p50"))
+            for a, b in zip(rs, base)]
     return out
 
 
@@ -870,6 +893,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--concurrency", default="1,8", help="comma list of parallel sessions")
     ap.add_argument("--modes", default="hybrid,off", help="comma list of cache modes")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="replays of the trace per mode and concurrency on the same server, each with its own "
+                         "header (nothing carried over): the summaries pool every round's turns, and each "
+                         "round's TTFT p50 ratio is listed (round_ttft_p50_ratios)")
     ap.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                     help="one extra flag for hpc-cli serve (repeatable; write --serve-arg=--flag=value)")
     ap.add_argument("--serve-args", default="", metavar="ARGS", help="extra flags for hpc-cli serve, one string")
@@ -908,8 +935,8 @@ def _check(args: argparse.Namespace, serve_args: list[str]) -> None:
         raise SystemExit("--user-tokens wants MIN,MAX") from None
     if not 1 <= lo <= hi:
         raise SystemExit("--user-tokens wants MIN,MAX with 1 <= MIN <= MAX")
-    if min(args.sessions, args.turns, args.preamble_tokens, args.max_tokens) < 1:
-        raise SystemExit("--sessions, --turns, --preamble-tokens and --max-tokens must be at least 1")
+    if min(args.sessions, args.turns, args.preamble_tokens, args.max_tokens, args.rounds) < 1:
+        raise SystemExit("--sessions, --turns, --preamble-tokens, --max-tokens and --rounds must be at least 1")
     if not all(c.strip().isdigit() and int(c) >= 1 for c in str(args.concurrency).split(",")):
         raise SystemExit("--concurrency wants a comma list of positive integers, e.g. 1,8")
 
@@ -937,13 +964,28 @@ def trace_config(args: argparse.Namespace) -> TraceConfig:
                        args.edit_prob)
 
 
+def pooled(rounds: Sequence[RunResult]) -> RunResult:
+    """The rounds of one mode and concurrency as one run: their turns together (each marked with
+    its round), their wall times added, the compilations from the first round's start to the
+    last one's end."""
+    first, last = rounds[0], rounds[-1]
+    records = []
+    for k, run in enumerate(rounds):
+        for rec in run.records:
+            rec.round = k
+            records.append(rec)
+    return RunResult(first.mode, first.concurrency, records, sum(r.wall_s for r in rounds),
+                     first.compilations_start, last.compilations_end, first.client_warmup)
+
+
 def run_mode(mode: str, args: argparse.Namespace, serve_args: list[str], model: str, trace: Trace,
-             concurrency: list[int], log_dir: Path) -> tuple[ServerInfo | None, dict[int, RunResult]]:
-    """Every concurrency level of the trace on one server: started here (and stopped, whatever
+             concurrency: list[int], log_dir: Path) -> tuple[ServerInfo | None, dict[int, list[RunResult]]]:
+    """Every concurrency level of the trace on one server, ``--rounds`` times each (the rounds of
+    a level one after another, each with its own header): started here (and stopped, whatever
     happens) unless ``--base`` names a running one."""
     server = None if args.base else ManagedServer(mode, model, serve_args, args.port, log_dir,
                                                   args.startup_timeout, args.stop_timeout)
-    runs: dict[int, RunResult] = {}
+    runs: dict[int, list[RunResult]] = {}
     try:
         if server is not None:
             print(f"serve_trace: starting hpc-cli serve --cache-mode {mode} ...", file=sys.stderr, flush=True)
@@ -951,9 +993,12 @@ def run_mode(mode: str, args: argparse.Namespace, serve_args: list[str], model: 
         base = server.url if server is not None else args.base.rstrip("/")
         name = served_model(base)
         for k, c in enumerate(concurrency):
-            print(f"serve_trace: {mode}, concurrency {c}: {len(trace.sessions)} sessions x "
-                  f"{trace.config.turns} turns", file=sys.stderr, flush=True)
-            runs[c] = replay(base, mode, name, trace, k, c, args.max_tokens, args.request_timeout)
+            for r in range(args.rounds):
+                print(f"serve_trace: {mode}, concurrency {c}: {len(trace.sessions)} sessions x "
+                      f"{trace.config.turns} turns" + (f", round {r + 1} of {args.rounds}" if args.rounds > 1 else ""),
+                      file=sys.stderr, flush=True)
+                runs.setdefault(c, []).append(replay(base, mode, name, trace, k * args.rounds + r, c,
+                                                     args.max_tokens, args.request_timeout))
     finally:
         if server is not None:
             server.stop()
@@ -966,17 +1011,19 @@ def run_benchmark(args: argparse.Namespace, serve_args: list[str]) -> dict[str, 
     modes = [args.label or "server"] if args.base else [m.strip() for m in args.modes.split(",") if m.strip()]
     cfg = trace_config(args)
     tok_dir = args.tokenizer or (model if not model.startswith("builtin:") else None)
-    trace = build_trace(cfg, len(concurrency), TokenCounter(tok_dir))
+    trace = build_trace(cfg, len(concurrency) * args.rounds, TokenCounter(tok_dir))
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="serve_trace-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[tuple[str, int], RunResult] = {}
+    rounds: dict[tuple[str, int], list[RunResult]] = {}
     servers: dict[str, ServerInfo] = {}
     t0 = time.perf_counter()
     for mode in modes:
         info, by_c = run_mode(mode, args, serve_args, model, trace, concurrency, log_dir)
         if info is not None:
             servers[mode] = info
-        runs.update({(mode, c): r for c, r in by_c.items()})
+        rounds.update({(mode, c): rs for c, rs in by_c.items()})
+        runs.update({(mode, c): pooled(rs) for c, rs in by_c.items()})
     summaries: Summaries = {}
     for (mode, c), run in runs.items():
         summaries.setdefault(mode, {})[str(c)] = summarize(run, len(trace.sessions))
@@ -991,6 +1038,8 @@ def run_benchmark(args: argparse.Namespace, serve_args: list[str]) -> dict[str, 
         "servers": {m: asdict(s) for m, s in servers.items()},
         "results": {m: {c: asdict(x) for c, x in by_c.items()} for m, by_c in summaries.items()},
         "ratios": {k: {c: asdict(x) for c, x in by_c.items()} for k, by_c in ratios(runs, summaries).items()},
+        "rounds": args.rounds,
+        "round_ttft_p50_ratios": round_ratios(rounds, len(trace.sessions)),
         "total_s": round(time.perf_counter() - t0, 2),
     }
 

@@ -51,7 +51,7 @@ def test_trace_is_seeded_and_renders_history():
 def test_quick_run_both_modes(tmp_path):
     out = tmp_path / "trace.json"
     cmd = [sys.executable, str(SCRIPT), "--quick", "--sessions", "2", "--turns", "2", "--preamble-tokens", "300",
-           "--concurrency", "1,2", "--port", str(_free_port()), "--serve-arg=--host-cache-mib=64",
+           "--concurrency", "1,2", "--rounds", "2", "--port", str(_free_port()), "--serve-arg=--host-cache-mib=64",
            "--serve-args", "--device cpu --max-model-len 4096", "--log-dir", str(tmp_path), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -63,12 +63,13 @@ def test_quick_run_both_modes(tmp_path):
         assert server["startup_s"] > 0 and server["exit_code"] is not None
         for c in ("1", "2"):
             r = doc["results"][mode][c]
-            assert r["requests"] == 4 and r["errors"] == 0
+            assert r["requests"] == 8 and r["errors"] == 0  # 2 sessions x 2 turns x 2 rounds
             for key in ("reuse_share", "prompt_tokens", "prefill_tokens", "ttft_s", "ttft_reuse80_s",
                         "ttft_first_turn_s", "itl_p50_s", "output_tok_s", "wall_s", "compilations"):
                 assert key in r
             assert set(r["ttft_s"]) >= {"p50", "p95", "max"}
-            assert r["ttft_first_turn_s"]["n"] == 2
+            assert r["ttft_first_turn_s"]["n"] == 4
+            assert sorted({t["round"] for t in r["turns"]}) == [0, 1]
             assert r["prefill_tokens"] == r["prompt_tokens"] - r["cached_tokens"]
             # the client's own preparation of each request is split off the path outside the engine
             for turn in r["turns"]:
@@ -81,6 +82,13 @@ def test_quick_run_both_modes(tmp_path):
         assert doc["results"]["off"][c]["reuse_share"] == 0
         ratio = doc["ratios"]["hybrid/off"][c]
         assert {"ttft_p50", "ttft_p95", "output_tok_s"} <= set(ratio)
+        # each round's own ratio, and a round's first turn reuses nothing of the round before it
+        per_round = doc["round_ttft_p50_ratios"]["hybrid/off"][c]
+        assert len(per_round) == 2 and all(x > 0 for x in per_round)
+        first = {t["round"]: t["cached"] for t in doc["results"]["hybrid"][c]["turns"]
+                 if t["session"] == 0 and t["turn"] == 0}
+        assert first == {0: 0, 1: 0}
+    assert doc["rounds"] == 2
     assert "hybrid" in proc.stderr and "off" in proc.stderr  # the human table
 
 
