@@ -49,7 +49,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         if body.reasoning_effort in ("none", "minimal") and "enable_thinking" not in kwargs:
             kwargs["enable_thinking"] = False
         # linear in the messages: on the thread pool while other requests stream (ServerState.prepare)
-        prepared = await state.prepare(prepare_chat, tok, messages, tools=body.tools, markers=markers,
+        prepared = await state.prepare(request, prepare_chat, tok, messages, tools=body.tools, markers=markers,
                                        template_kwargs=kwargs)
         prepared, media = await prepare_images(state, prepared, images)  # docs/vision.md
         n = len(prepared.prompt_tokens)

@@ -38,7 +38,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                                param="max_tokens")
         if body.best_of not in (None, body.n):
             raise RequestError("best_of must equal n (or be unset)", param="best_of")
-        prompts = await state.prepare(completion_prompts, state, body.prompt)
+        prompts = await state.prepare(request, completion_prompts, state, body.prompt)
         if body.stream and (len(prompts) > 1 or body.n > 1):
             raise RequestError("stream supports a single prompt with n = 1", param="stream")
         want_prompt_lp = body.echo and body.logprobs is not None

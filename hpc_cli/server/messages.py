@@ -48,7 +48,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         require_vision(state.engine, len(images), media_limits(state))
         thinking = body.thinking is not None and body.thinking.type != "disabled"
         continue_final = msgs[-1]["role"] == "assistant"
-        prepared = await state.prepare(prepare_chat, tok, msgs, tools=tools, markers=markers,
+        prepared = await state.prepare(request, prepare_chat, tok, msgs, tools=tools, markers=markers,
                                        template_kwargs={"enable_thinking": thinking},
                                        continue_final=continue_final)
         prepared, media = await prepare_images(state, prepared, images)  # docs/vision.md

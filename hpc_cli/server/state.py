@@ -19,7 +19,7 @@ from hpc_cli.errors import RequestError, UnavailableError
 from hpc_cli.server.common import Unavailable
 from hpc_cli.server.limits import AdmissionGate
 from hpc_cli.server.metrics import Metrics, add_engine_fatal_gauge
-from hpc_cli.server.validate import echo, read_model
+from hpc_cli.server.validate import THREAD_BYTES, echo, read_model
 from hpc_cli.settings.sections import HpcSettings, ResolvedSettings
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -53,13 +53,14 @@ class ServerState:
                                   lambda: int(getattr(engine, "in_flight", 0)))
         self.fatal_gauge = add_engine_fatal_gauge(self.metrics, self.engine_fatal)
 
-    async def prepare(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    async def prepare(self, request: Request, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """A request's preparation (the chat template and the tokenizer, linear in its messages):
-        on the event loop while the engine has nothing in flight, where no stream waits on the
-        loop and the thread pool's two hops (about 0.3 ms of a cached turn's first token on an
-        H100 host) are saved; on the thread pool otherwise, so running requests' streams keep
-        flowing."""
-        if not self.gate.in_flight():
+        on the event loop when the engine has nothing in flight and the body is smaller than
+        :data:`~hpc_cli.server.validate.THREAD_BYTES` (the size below which bodies are parsed
+        there too), where no stream waits on the loop and the thread pool's two hops (about 0.3
+        ms of a cached turn's first token on an H100 host) are saved; on the thread pool
+        otherwise, so running requests' streams and a large prompt's neighbours keep flowing."""
+        if not self.gate.in_flight() and len(await request.body()) < THREAD_BYTES:
             return fn(*args, **kwargs)
         return await run_in_threadpool(fn, *args, **kwargs)
 

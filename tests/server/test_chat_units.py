@@ -244,12 +244,14 @@ def test_chatml_scan_equals_the_prefix_renders(monkeypatch):
 
 
 def test_preparation_runs_on_the_loop_only_while_the_engine_is_idle():
-    """ServerState.prepare: inline on the event loop's thread with nothing in flight (no stream
-    waits on the loop; the thread pool's hops are saved), on a pool thread while requests run."""
+    """ServerState.prepare: inline on the event loop's thread with nothing in flight and a small
+    body (no stream waits on the loop; the thread pool's hops are saved), on a pool thread while
+    requests run or for a body of THREAD_BYTES or more."""
     import asyncio
     import threading
 
     from hpc_cli.server.state import ServerState
+    from hpc_cli.server.validate import THREAD_BYTES
     from tests.server.fake_engine import FakeEngine
     from tests.server.hostile import settings
 
@@ -258,14 +260,23 @@ def test_preparation_runs_on_the_loop_only_while_the_engine_is_idle():
     busy = {"n": 0}
     state.gate.in_flight = lambda: busy["n"]
 
-    async def where() -> tuple[int, int]:
-        loop_thread = threading.get_ident()
-        ran = await state.prepare(lambda x, y=0: (threading.get_ident(), x + y), 2, y=3)
-        assert ran[1] == 5, "arguments passed through"
-        return loop_thread, ran[0]
+    class Body:  # a read request: starlette keeps the body it read
+        def __init__(self, size: int) -> None:
+            self.raw = b"x" * size
 
-    loop_thread, ran_on = asyncio.run(where())
-    assert ran_on == loop_thread
+        async def body(self) -> bytes:
+            return self.raw
+
+    def on_loop(size: int) -> bool:
+        async def where() -> bool:
+            loop_thread = threading.get_ident()
+            ran = await state.prepare(Body(size), lambda x, y=0: (threading.get_ident(), x + y), 2, y=3)
+            assert ran[1] == 5, "arguments passed through"
+            return ran[0] == loop_thread
+
+        return asyncio.run(where())
+
+    assert on_loop(1000)
+    assert not on_loop(THREAD_BYTES), "a large body is prepared on the pool"
     busy["n"] = 1
-    loop_thread, ran_on = asyncio.run(where())
-    assert ran_on != loop_thread
+    assert not on_loop(1000), "with a request in flight the pool prepares"
