@@ -82,12 +82,14 @@ def test_quick_run_both_modes(tmp_path):
         assert doc["results"]["off"][c]["reuse_share"] == 0
         ratio = doc["ratios"]["hybrid/off"][c]
         assert {"ttft_p50", "ttft_p95", "output_tok_s"} <= set(ratio)
-        # each round's own ratio, and a round's first turn reuses nothing of the round before it
+        # each round's own ratio
         per_round = doc["round_ttft_p50_ratios"]["hybrid/off"][c]
         assert len(per_round) == 2 and all(x > 0 for x in per_round)
-        first = {t["round"]: t["cached"] for t in doc["results"]["hybrid"][c]["turns"]
-                 if t["session"] == 0 and t["turn"] == 0}
-        assert first == {0: 0, 1: 0}
+    # one session at a time: a round's first request reuses nothing of the round before it (at
+    # concurrency 2 the round's other session may have published the shared preamble first)
+    first = {t["round"]: t["cached"] for t in doc["results"]["hybrid"]["1"]["turns"]
+             if t["session"] == 0 and t["turn"] == 0}
+    assert first == {0: 0, 1: 0}
     assert doc["rounds"] == 2
     assert "hybrid" in proc.stderr and "off" in proc.stderr  # the human table
 
