@@ -965,17 +965,12 @@ def trace_config(args: argparse.Namespace) -> TraceConfig:
 
 
 def pooled(rounds: Sequence[RunResult]) -> RunResult:
-    """The rounds of one mode and concurrency as one run: their turns together (each marked with
-    its round), their wall times added, the compilations from the first round's start to the
-    last one's end."""
+    """The rounds of one mode and concurrency as one run: their turns together, their wall
+    times added, the compilations from the first round's start to the last one's end."""
     first, last = rounds[0], rounds[-1]
-    records = []
-    for k, run in enumerate(rounds):
-        for rec in run.records:
-            rec.round = k
-            records.append(rec)
-    return RunResult(first.mode, first.concurrency, records, sum(r.wall_s for r in rounds),
-                     first.compilations_start, last.compilations_end, first.client_warmup)
+    return RunResult(first.mode, first.concurrency, [rec for run in rounds for rec in run.records],
+                     sum(r.wall_s for r in rounds), first.compilations_start, last.compilations_end,
+                     first.client_warmup)
 
 
 def run_mode(mode: str, args: argparse.Namespace, serve_args: list[str], model: str, trace: Trace,
@@ -997,8 +992,10 @@ def run_mode(mode: str, args: argparse.Namespace, serve_args: list[str], model: 
                 print(f"serve_trace: {mode}, concurrency {c}: {len(trace.sessions)} sessions x "
                       f"{trace.config.turns} turns" + (f", round {r + 1} of {args.rounds}" if args.rounds > 1 else ""),
                       file=sys.stderr, flush=True)
-                runs.setdefault(c, []).append(replay(base, mode, name, trace, k * args.rounds + r, c,
-                                                     args.max_tokens, args.request_timeout))
+                run = replay(base, mode, name, trace, k * args.rounds + r, c, args.max_tokens, args.request_timeout)
+                for rec in run.records:
+                    rec.round = r
+                runs.setdefault(c, []).append(run)
     finally:
         if server is not None:
             server.stop()

@@ -180,7 +180,7 @@ class TokenSpans:
         ended by ``c``; None when ``c`` falls inside a token or past the last start."""
         cut, first, piece = self._at(c)
         if c == cut and piece.ids and piece.spans[0][0] == 0:
-            return first  # a piece's first token: the earlier pieces end by its cut
+            return first  # the usual lookup, at a piece's start: no starts or ends needed
         j = bisect.bisect_left(piece.starts, c - cut)
         if j < len(piece.starts) and piece.starts[j] == c - cut and (j == 0 or piece.ends[j - 1] <= c - cut):
             return first + j  # a piece's first token: the earlier pieces end by its cut
