@@ -289,7 +289,7 @@ def test_case05_disconnect_watch_is_shared_across_handles():
         watch = DisconnectWatch(gone, every=0.2)
         t0 = time.monotonic()
         try:
-            while time.monotonic() - t0 < 3:  # each handle finishes at once: a timer per handle never fired
+            while time.monotonic() - t0 < 10:  # each handle finishes at once: a timer per handle never fired
                 handle = engine.submit(GenerationRequest(list(b"hi"), SamplingParams(max_tokens=2)))
                 async for _ in iterate_events(handle, watch):
                     pass
@@ -299,7 +299,9 @@ def test_case05_disconnect_watch_is_shared_across_handles():
 
     took = asyncio.run(main())
     engine.stop()
-    assert 0 <= took < 1.0 and len(asks) == 1
+    # fired (a timer per handle never does: -1 after 10 s) and asked once; the bound is loose
+    # because a loaded 2-core machine can hold the loop for a second (0.2 s when idle)
+    assert 0 <= took < 5.0 and len(asks) == 1, (took, len(asks))
 
 
 def test_case05_queue_bound_is_429_with_retry_after():
