@@ -18,6 +18,13 @@ seconds of each, ``tap_cost_over_copy`` (a tap's cost over one copy: the goal is
 ``_device`` ratios divide by the copy's device time) and ``in_pass_throughput`` (``plain /
 in_pass``, the goal >= 0.97 with 8 taps in 8k tokens).
 
+``--kernel`` also times the tap recurrence alone (``hpc_kernels.gdn_state_taps``, one GDN layer at
+the model's widths): a pass of ``--short`` rows with 4 taps and one of ``--chunk`` rows with 2,
+against the same pass with no tap slots and with its slots unused, each a CUDA graph of 20
+launches, the graphs replayed in turn for 60 rounds (medians). ``kernel_tap_s`` is what a tap
+adds to one layer; ``kernel_tap_over_copy_device`` that times the GDN layers over the copy's
+device time: the part of a tap the recurrence owns, without the rest of the pass's noise.
+
     python benchmarks/gdn_taps.py --model builtin:qwen3.5-27b-shape@8 --kv-profile int8-g64
 """
 
@@ -70,6 +77,7 @@ def main() -> None:
     ap.add_argument("--taps", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--short", type=int, default=512)
+    ap.add_argument("--kernel", action="store_true", help="also time the tap recurrence kernel alone")
     args = ap.parse_args()
 
     from hpc_cli.model.model import HybridModel, TapImage
@@ -169,7 +177,63 @@ def main() -> None:
         out[f"{name}_cost_over_copy_device"] = out[f"{name}_s"] / out["copy_device_s"]
     out["in_pass_throughput"] = out["plain_s"] / out["in_pass_s"]
     out["split_throughput"] = out["plain_s"] / out["split_s"]
+    if args.kernel:
+        out.update(kernel_alone(model.config, args.short, args.chunk, out["copy_device_s"]))
     print(json.dumps(out, indent=1))
+
+
+def kernel_alone(config, short: int, long: int, copy_device_s: float, launches: int = 20,
+                 rounds: int = 60) -> dict:
+    """The tap recurrence alone on one GDN layer of ``config``'s widths (see the module's
+    docstring): seconds a tap adds to one layer, and that over all GDN layers against the copy."""
+    from hpc_kernels.gdn_state_taps import state_taps
+
+    hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    layers = len(config.gdn_layers)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    states = torch.zeros(8, hv, dk, dv, device="cuda")
+    slot = torch.tensor([7], device="cuda")
+
+    def graph_of(fn) -> torch.cuda.CUDAGraph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compiled and warm before the capture
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(launches):
+                fn()
+        return graph
+
+    out: dict = {}
+    for t, taps in ((short, [short * (j + 1) // 5 + 13 for j in range(4)]),  # the short pass's taps above
+                    (long, [long // 3 + 13, 2 * long // 3 + 13])):
+        # the recurrence's inputs as fla hands them over (keys repeated to every value head)
+        k = torch.nn.functional.normalize(torch.randn(1, t, hv, dk, device="cuda", generator=gen), dim=-1).bfloat16()
+        w = (torch.randn(1, t, hv, dk, device="cuda", generator=gen) * 0.05).bfloat16()
+        u = torch.randn(1, t, hv, dv, device="cuda", generator=gen).bfloat16()
+        g = (-torch.rand(1, t, hv, device="cuda", generator=gen) * 0.1).cumsum(1)
+        at = torch.tensor(taps, device="cuda")
+        dst = torch.arange(len(taps), device="cuda")
+        unused = torch.zeros_like(at)
+        none = torch.zeros(0, dtype=torch.long, device="cuda")
+        graphs = {"none": graph_of(lambda: state_taps(k, w, u, g, states, slot, none, none)),
+                  "unused": graph_of(lambda: state_taps(k, w, u, g, states, slot, unused, dst)),
+                  "taps": graph_of(lambda: state_taps(k, w, u, g, states, slot, at, dst))}
+        times: dict[str, list[float]] = {name: [] for name in graphs}
+        names = list(graphs)
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                times[name].append(_time_once(graphs[name].replay) / launches)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        out[f"kernel_{t}_rows_{len(taps)}_taps_s"] = med
+        tap = (med["taps"] - med["none"]) / len(taps)
+        out[f"kernel_tap_s_{t}_rows"] = tap
+        out[f"kernel_tap_over_copy_device_{t}_rows"] = layers * tap / copy_device_s
+    return out
 
 
 if __name__ == "__main__":
