@@ -11,7 +11,15 @@ consumed first.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Iterator, Protocol
+
+
+class LruEntry(Protocol):
+    """What a list links: its neighbours and the list it is in (None when in none)."""
+
+    lru_prev: "LruEntry | None"
+    lru_next: "LruEntry | None"
+    lru_list: "LruList | None"
 
 
 class _Sentinel:
@@ -39,10 +47,10 @@ class LruList:
     def __bool__(self) -> bool:
         return self._len > 0
 
-    def __contains__(self, entry: Any) -> bool:
+    def __contains__(self, entry: LruEntry) -> bool:
         return entry.lru_list is self
 
-    def append(self, entry: Any) -> None:
+    def append(self, entry: LruEntry) -> None:
         """Link ``entry`` at the MRU end (it must not be in any list)."""
         assert entry.lru_list is None, f"{entry!r} is already in list {entry.lru_list.name}"
         s = self._s
@@ -54,7 +62,7 @@ class LruList:
         entry.lru_list = self
         self._len += 1
 
-    def remove(self, entry: Any) -> None:
+    def remove(self, entry: LruEntry) -> None:
         """Unlink ``entry`` in O(1)."""
         assert entry.lru_list is self, f"{entry!r} is not in list {self.name}"
         p, n = entry.lru_prev, entry.lru_next
@@ -63,16 +71,16 @@ class LruList:
         entry.lru_prev = entry.lru_next = entry.lru_list = None
         self._len -= 1
 
-    def move_to_mru(self, entry: Any) -> None:
+    def move_to_mru(self, entry: LruEntry) -> None:
         self.remove(entry)
         self.append(entry)
 
-    def head(self) -> Any | None:
+    def head(self) -> LruEntry | None:
         """The LRU entry, or None."""
         first = self._s.lru_next
         return None if first is self._s else first
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[LruEntry]:
         """From the LRU end to the MRU end. Do not mutate the list while iterating."""
         s = self._s
         e = s.lru_next

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hpc_cli.cache.ids import PageBundle, SlabId, SnapshotSlot
 from hpc_cli.cache.tree import ABSENT, RESIDENT, BlockNode, Residency
+
+if TYPE_CHECKING:
+    from hpc_cli.cache.lru import LruEntry, LruList
 
 
 class SnapshotKind(Enum):
@@ -59,9 +62,9 @@ class Snapshot:
     dependents: dict[Snapshot, None] = field(default_factory=dict)  # those whose ancestor is self
     alive: bool = True
     # device LRU links for the tail page bundle (lru.LruList)
-    lru_prev: Any = None
-    lru_next: Any = None
-    lru_list: Any = None
+    lru_prev: "LruEntry | None" = None
+    lru_next: "LruEntry | None" = None
+    lru_list: "LruList | None" = None
 
     @property
     def tail_len(self) -> int:

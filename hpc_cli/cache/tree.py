@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from hpc_cli.cache.ids import PageBundle, SlabId
 from hpc_cli.cache.keys import BLOCK_TOKENS, MediaItem, PreparedPrompt
 
 if TYPE_CHECKING:
+    from hpc_cli.cache.lru import LruEntry, LruList
     from hpc_cli.cache.snapshot import Snapshot
 
 
@@ -66,9 +67,9 @@ class BlockNode:
     snapshots: list[Snapshot] = field(default_factory=list)  # anchored here
     alive: bool = True
     # device LRU links (lru.LruList)
-    lru_prev: Any = None
-    lru_next: Any = None
-    lru_list: Any = None
+    lru_prev: "LruEntry | None" = None
+    lru_next: "LruEntry | None" = None
+    lru_list: "LruList | None" = None
 
     @property
     def end(self) -> int:

@@ -10,18 +10,21 @@ smaller host tier restores whole snapshots greedily by density (:func:`plan_host
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hpc_cli.cache.cachefile.format import CacheFile, FileBlock, FileSnapshot, SavePlan, block_depth
 from hpc_cli.cache.cost import GENERIC, CacheCostModel
-from hpc_cli.cache.tree import RESIDENT
+from hpc_cli.cache.tree import RESIDENT, BlockNode
+
+if TYPE_CHECKING:
+    from hpc_cli.cache.index import PrefixIndex
 
 
 # ------------------------------------------------------------------ export (§5.5 save subset)
-def export_saveable(index: Any) -> SavePlan:
+def export_saveable(index: "PrefixIndex") -> SavePlan:
     """The retained, host-resident snapshots whose anchor paths are host-resident, and exactly
     those paths, parents first. Dead KV, superseded and device-only content are left out."""
-    chosen: dict[Any, None] = {}
+    chosen: dict[BlockNode, None] = {}
     snaps = []
     for s in index.snapshots.values():
         if not s.alive or s.superseded or s.host_state != RESIDENT:
@@ -87,9 +90,9 @@ def plan_host_restore(cf: CacheFile, free_slabs: int, cost: CacheCostModel = GEN
 
 
 # ------------------------------------------------------------------ adoption
-def adopt_plan(index: Any, cf: CacheFile, plan: RestorePlan, mapping: dict[int, int]) -> tuple[int, int]:
+def adopt_plan(index: "PrefixIndex", cf: CacheFile, plan: RestorePlan, mapping: dict[int, int]) -> tuple[int, int]:
     """Rebuild the plan's entries in ``index`` host-only, parents first (no eviction)."""
-    nodes: dict[int, Any] = {}
+    nodes: dict[int, BlockNode] = {}
     root = index.tree.root
     for i in plan.blocks:
         b = cf.blocks[i]
