@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import random
-import statistics
 import sys
 import time
 

@@ -22,15 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from hpc_cli.cache.cachefile.format import Geometry, open_cache_file
 from hpc_cli.cache.cachefile.plan import adopt_plan, export_saveable, plan_host_restore
 from hpc_cli.cache.cachefile.slab_io import read_plan_slabs, save_cache_file
 from hpc_cli.cache.host import SlabUse
 from hpc_cli.cache.index import PrefixIndex
 from hpc_cli.cache.records import CacheGeometry
-from hpc_cli.cache.keys import BLOCK_TOKENS, HASH_SEED, lookup_hash
+from hpc_cli.cache.keys import BLOCK_TOKENS
 from hpc_cli.cache.snapshot import SnapshotKind
 from hpc_cli.memory.host_slabs import HostSlabStorage
 
