@@ -215,7 +215,10 @@ def kernel_alone(config, short: int, long: int, copy_device_s: float, launches: 
         k = torch.nn.functional.normalize(torch.randn(1, t, hv, dk, device="cuda", generator=gen), dim=-1).bfloat16()
         w = (torch.randn(1, t, hv, dk, device="cuda", generator=gen) * 0.05).bfloat16()
         u = torch.randn(1, t, hv, dv, device="cuda", generator=gen).bfloat16()
-        g = (-torch.rand(1, t, hv, device="cuda", generator=gen) * 0.1).cumsum(1)
+        # the gate's chunk-local cumulative sums (log2 units), as fla's cumsum leaves them
+        n64 = -(-t // 64) * 64
+        g = (-torch.rand(1, n64, hv, device="cuda", generator=gen) * 0.1).view(1, n64 // 64, 64, hv).cumsum(2)
+        g = g.view(1, n64, hv)[:, :t].contiguous()
         at = torch.tensor(taps, device="cuda")
         dst = torch.arange(len(taps), device="cuda")
         unused = torch.zeros_like(at)
