@@ -186,6 +186,7 @@ def kernel_alone(config, short: int, long: int, copy_device_s: float, launches: 
                  rounds: int = 60) -> dict:
     """The tap recurrence alone on one GDN layer of ``config``'s widths (see the module's
     docstring): seconds a tap adds to one layer, and that over all GDN layers against the copy."""
+    from hpc_cli.model.graphs import capture_graph
     from hpc_kernels.gdn_state_taps import state_taps
 
     hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
@@ -194,19 +195,12 @@ def kernel_alone(config, short: int, long: int, copy_device_s: float, launches: 
     states = torch.zeros(8, hv, dk, dv, device="cuda")
     slot = torch.tensor([7], device="cuda")
 
-    def graph_of(fn) -> torch.cuda.CUDAGraph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compiled and warm before the capture
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(launches):
-                fn()
-        return graph
+    def replay_of(fn):
+        """``launches`` calls of ``fn`` captured in one graph (compiled and warm first): its replay."""
+        fn()
+        fn()
+        graph, _ = capture_graph(None, lambda: [fn() for _ in range(launches)])
+        return graph.replay
 
     out: dict = {}
     for t, taps in ((short, [short * (j + 1) // 5 + 13 for j in range(4)]),  # the short pass's taps above
@@ -223,15 +217,10 @@ def kernel_alone(config, short: int, long: int, copy_device_s: float, launches: 
         dst = torch.arange(len(taps), device="cuda")
         unused = torch.zeros_like(at)
         none = torch.zeros(0, dtype=torch.long, device="cuda")
-        graphs = {"none": graph_of(lambda: state_taps(k, w, u, g, states, slot, none, none)),
-                  "unused": graph_of(lambda: state_taps(k, w, u, g, states, slot, unused, dst)),
-                  "taps": graph_of(lambda: state_taps(k, w, u, g, states, slot, at, dst))}
-        times: dict[str, list[float]] = {name: [] for name in graphs}
-        names = list(graphs)
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                times[name].append(_time_once(graphs[name].replay) / launches)
-        med = {name: statistics.median(ts) for name, ts in times.items()}
+        times = _paired({"none": replay_of(lambda: state_taps(k, w, u, g, states, slot, none, none)),
+                         "unused": replay_of(lambda: state_taps(k, w, u, g, states, slot, unused, dst)),
+                         "taps": replay_of(lambda: state_taps(k, w, u, g, states, slot, at, dst))}, rounds)
+        med = {name: statistics.median(ts) / launches for name, ts in times.items()}
         out[f"kernel_{t}_rows_{len(taps)}_taps_s"] = med
         tap = (med["taps"] - med["none"]) / len(taps)
         out[f"kernel_tap_s_{t}_rows"] = tap
