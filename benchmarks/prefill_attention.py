@@ -7,7 +7,7 @@ products, causal), and checks that every configuration gives the shipped one's o
 (a row's result does not depend on which rows share its program). A component benchmark: it
 explains the pass's time (``benchmarks/profile_pass.py``), it does not prove a serving figure.
 
-    python benchmarks/prefill_attention.py [--profile int8-g64] [--passes 512@4096,2048@0,2048@2048] [--out F]
+    python benchmarks/prefill_attention.py [--profiles int8-g64,bf16] [--passes 512@4096,2048@0] [--configs m128_w8_s3] [--out F]
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ import torch
 H, H_KV, D = 24, 4, 256
 CONFIGS = [{"block_m": m, "num_warps": w, "num_stages": s}
            for m, w, s in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))]
+
+
+def config_key(cfg: dict[str, int]) -> str:
+    return f"m{cfg['block_m']}_w{cfg['num_warps']}_s{cfg['num_stages']}"
 
 
 def flops(start: int, t: int) -> float:
@@ -55,9 +59,11 @@ def timed(fn, launches: int = 10, rounds: int = 30) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--profile", default="int8-g64")
+    ap.add_argument("--profiles", default="int8-g64", help="comma list of KV profiles")
     ap.add_argument("--passes", default="512@4096,256@2048,2048@0,2048@2048",
                     help="comma list of NEW@CACHED token counts")
+    ap.add_argument("--configs", default=None, help="comma list of configurations to time besides the "
+                    "shipped one (as printed: m128_w8_s3); default all")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -67,56 +73,63 @@ def main() -> None:
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    shipped = dict(paged_prefill.CONFIG)
+    shipped = dict(paged_prefill.launch_config(D))
+    saved = dict(paged_prefill.CONFIGS)
+    wanted = None if args.configs is None else set(args.configs.split(","))
+    sweep = [shipped] + [c for c in CONFIGS if c != shipped and (wanted is None or config_key(c) in wanted)]
     results = []
-    for spec in args.passes.split(","):
-        t, start = (int(x) for x in spec.split("@"))
-        end = start + t
-        pages = (end + 63) // 64
-        kv = PagedKVStorage(kv_profile(args.profile), 1, H_KV, D, pages + 4, device=dev)
-        table = torch.randperm(pages + 4, device=dev)[:pages]
-        pos = torch.arange(end, device=dev)
-        kv.write(0, table[pos // 64] * 64 + pos % 64, torch.randn(end, H_KV, D, device=dev, dtype=torch.bfloat16),
-                 torch.randn(end, H_KV, D, device=dev, dtype=torch.bfloat16))
-        q = torch.randn(t, H, D, device=dev, dtype=torch.bfloat16)
+    for profile in args.profiles.split(","):
+        for spec in args.passes.split(","):
+            t, start = (int(x) for x in spec.split("@"))
+            end = start + t
+            pages = (end + 63) // 64
+            kv = PagedKVStorage(kv_profile(profile), 1, H_KV, D, pages + 4, device=dev)
+            table = torch.randperm(pages + 4, device=dev)[:pages]
+            pos = torch.arange(end, device=dev)
+            kv.write(0, table[pos // 64] * 64 + pos % 64,
+                     torch.randn(end, H_KV, D, device=dev, dtype=torch.bfloat16),
+                     torch.randn(end, H_KV, D, device=dev, dtype=torch.bfloat16))
+            q = torch.randn(t, H, D, device=dev, dtype=torch.bfloat16)
 
-        def run() -> torch.Tensor:
-            return kv.prefill_attention(0, q, table, start, D ** -0.5)
+            def run() -> torch.Tensor:
+                return kv.prefill_attention(0, q, table, start, D ** -0.5)
 
-        ref = None
-        row = {"tokens": t, "start": start, "gflop": round(flops(start, t) / 1e9, 2), "configs": {}}
-        for cfg in [shipped] + [c for c in CONFIGS if c != shipped]:
-            paged_prefill.CONFIG.clear()
-            paged_prefill.CONFIG.update(cfg)
-            key = f"m{cfg['block_m']}_w{cfg['num_warps']}_s{cfg['num_stages']}"
-            try:
-                out = run()
-                torch.cuda.synchronize()
-            except Exception as exc:  # a configuration past the device's resources
-                row["configs"][key] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
-                continue
-            same = True
-            if ref is None:
-                ref = out.clone()
-            else:
-                same = bool(torch.equal(out, ref))
-            sec = timed(run)
-            row["configs"][key] = {"us": round(sec * 1e6, 1), "tflops": round(flops(start, t) / sec / 1e12, 1),
-                                   "equal_to_shipped": same}
-            print(f"{t:5d} new after {start:5d}: {key:14s} {sec * 1e6:8.1f} us {flops(start, t) / sec / 1e12:6.1f} "
-                  f"TFLOP/s{'' if same else '  (differs from the shipped config)'}", flush=True)
-        paged_prefill.CONFIG.clear()
-        paged_prefill.CONFIG.update(shipped)
-        results.append(row)
+            ref = None
+            row = {"profile": profile, "tokens": t, "start": start, "gflop": round(flops(start, t) / 1e9, 2),
+                   "configs": {}}
+            for cfg in sweep:
+                paged_prefill.CONFIGS.clear()
+                paged_prefill.CONFIGS[0] = cfg
+                key = config_key(cfg)
+                try:
+                    out = run()
+                    torch.cuda.synchronize()
+                except Exception as exc:  # a configuration past the device's resources
+                    row["configs"][key] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
+                    continue
+                same = True
+                if ref is None:
+                    ref = out.clone()
+                else:
+                    same = bool(torch.equal(out, ref))
+                sec = timed(run)
+                row["configs"][key] = {"us": round(sec * 1e6, 1), "tflops": round(flops(start, t) / sec / 1e12, 1),
+                                       "equal_to_shipped": same}
+                print(f"{profile:18s} {t:5d} new after {start:5d}: {key:14s} {sec * 1e6:8.1f} us "
+                      f"{flops(start, t) / sec / 1e12:6.1f} TFLOP/s{'' if same else '  (differs from the shipped config)'}",
+                      flush=True)
+            paged_prefill.CONFIGS.clear()
+            paged_prefill.CONFIGS.update(saved)
+            results.append(row)
 
     print("\nbest per pass (shipped first):")
     for row in results:
         ok = {k: v for k, v in row["configs"].items() if "us" in v}
         first = next(iter(ok))
         best = min(ok, key=lambda k: ok[k]["us"])
-        print(f"  {row['tokens']}@{row['start']}: shipped {first} {ok[first]['us']} us; best {best} {ok[best]['us']} us "
+        print(f"  {row['profile']} {row['tokens']}@{row['start']}: shipped {first} {ok[first]['us']} us; best {best} {ok[best]['us']} us "
               f"({ok[first]['us'] / ok[best]['us']:.2f}x), equal {ok[best]['equal_to_shipped']}")
-    doc = {"benchmark": "prefill_attention", "device": torch.cuda.get_device_name(), "profile": args.profile,
+    doc = {"benchmark": "prefill_attention", "device": torch.cuda.get_device_name(), "profiles": args.profiles,
            "shipped": shipped, "passes": results}
     if args.out:
         with open(args.out, "w") as f:

@@ -24,8 +24,20 @@ import triton.language as tl
 from .kv_quant_triton import KIND_IDS, _typed_planes, dequant_tile, hw_fp8
 
 PAGE = 64
-#: rows (token x query head pairs) per program and warps, by head_dim (chosen by measurement)
-CONFIG = {"block_m": 64, "num_warps": 4, "num_stages": 2}
+#: rows (token x query head pairs) per program, warps and pipeline stages, by head_dim: a head_dim
+#: takes the entry of the largest key not above it. Chosen by measurement
+#: (``benchmarks/prefill_attention.py``): at head_dim 256 (the 27B model's 24 query and 4 KV heads,
+#: int8-g64 pages) on an H100, 128 rows with 8 warps took 0.81-0.85x the time of 64 rows with 4
+#: (290.6 against 358.3 us for 512 new tokens after 4,096 cached, 284.2 against 343.0 for 2,048
+#: from 0, 710.3 against 839.8 after 2,048), the same bits (a row's result does not depend on
+#: which rows share its program); 128 rows with 4 warps were 2-4x slower, 32 rows about 2x.
+CONFIGS = {0: {"block_m": 64, "num_warps": 4, "num_stages": 2},
+           256: {"block_m": 128, "num_warps": 8, "num_stages": 3}}
+
+
+def launch_config(head_dim: int) -> dict[str, int]:
+    """The launch configuration of :data:`CONFIGS` for ``head_dim``."""
+    return CONFIGS[max(k for k in CONFIGS if k <= head_dim)]
 
 
 @triton.jit(do_not_specialize=["start", "T", "n_rows"])
@@ -106,7 +118,8 @@ def paged_prefill_attention(q: torch.Tensor, fmt_k, k_planes, gs_k: float, fmt_v
         out = torch.empty_like(q)
     kd, ks = _typed_planes(fmt_k, [p.view(-1, h_kv, p.shape[-1]) for p in k_planes])
     vd, vs = _typed_planes(fmt_v, [p.view(-1, h_kv, p.shape[-1]) for p in v_planes])
-    m = int(CONFIG["block_m"])
+    cfg = launch_config(D)
+    m = int(cfg["block_m"])
     n_rows = T_all * rep
     _prefill_kernel[(triton.cdiv(n_rows, m), h_kv)](
         q, out, table, int(start), T, n_rows, kd, ks if ks is not None else kd, vd, vs if vs is not None else vd,
@@ -114,5 +127,5 @@ def paged_prefill_attention(q: torch.Tensor, fmt_k, k_planes, gs_k: float, fmt_v
         H_KV=h_kv, REP=rep, M=m, D=D, KIND_K=KIND_IDS[fmt_k.kind], GROUP_K=max(fmt_k.group, 1),
         KIND_V=KIND_IDS[fmt_v.kind], GROUP_V=max(fmt_v.group, 1), BLOCK_N=PAGE,
         IEEE=q.dtype == torch.float32, HW_FP8=hw_fp8(q.device), META=meta is not None,
-        num_warps=int(CONFIG["num_warps"]), num_stages=int(CONFIG["num_stages"]))
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     return out
