@@ -73,14 +73,14 @@ def main() -> None:
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    shipped = dict(paged_prefill.launch_config(D))
     saved = dict(paged_prefill.CONFIGS)
     wanted = None if args.configs is None else set(args.configs.split(","))
-    sweep = [shipped] + [c for c in CONFIGS if c != shipped and (wanted is None or config_key(c) in wanted)]
     results = []
     for profile in args.profiles.split(","):
         for spec in args.passes.split(","):
             t, start = (int(x) for x in spec.split("@"))
+            shipped = dict(paged_prefill.launch_config(D, t))
+            sweep = [shipped] + [c for c in CONFIGS if c != shipped and (wanted is None or config_key(c) in wanted)]
             end = start + t
             pages = (end + 63) // 64
             kv = PagedKVStorage(kv_profile(profile), 1, H_KV, D, pages + 4, device=dev)
@@ -96,10 +96,10 @@ def main() -> None:
 
             ref = None
             row = {"profile": profile, "tokens": t, "start": start, "gflop": round(flops(start, t) / 1e9, 2),
-                   "configs": {}}
+                   "shipped": config_key(shipped), "configs": {}}
             for cfg in sweep:
                 paged_prefill.CONFIGS.clear()
-                paged_prefill.CONFIGS[0] = cfg
+                paged_prefill.CONFIGS[(0, 0)] = cfg
                 key = config_key(cfg)
                 try:
                     out = run()
@@ -130,7 +130,7 @@ def main() -> None:
         print(f"  {row['profile']} {row['tokens']}@{row['start']}: shipped {first} {ok[first]['us']} us; best {best} {ok[best]['us']} us "
               f"({ok[first]['us'] / ok[best]['us']:.2f}x), equal {ok[best]['equal_to_shipped']}")
     doc = {"benchmark": "prefill_attention", "device": torch.cuda.get_device_name(), "profiles": args.profiles,
-           "shipped": shipped, "passes": results}
+           "passes": results}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

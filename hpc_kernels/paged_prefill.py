@@ -24,20 +24,23 @@ import triton.language as tl
 from .kv_quant_triton import KIND_IDS, _typed_planes, dequant_tile, hw_fp8
 
 PAGE = 64
-#: rows (token x query head pairs) per program, warps and pipeline stages, by head_dim: a head_dim
-#: takes the entry of the largest key not above it. Chosen by measurement
-#: (``benchmarks/prefill_attention.py``): at head_dim 256 (the 27B model's 24 query and 4 KV heads,
-#: int8-g64 pages) on an H100, 128 rows with 8 warps took 0.81-0.85x the time of 64 rows with 4
-#: (290.6 against 358.3 us for 512 new tokens after 4,096 cached, 284.2 against 343.0 for 2,048
-#: from 0, 710.3 against 839.8 after 2,048), the same bits (a row's result does not depend on
-#: which rows share its program); 128 rows with 4 warps were 2-4x slower, 32 rows about 2x.
-CONFIGS = {0: {"block_m": 64, "num_warps": 4, "num_stages": 2},
-           256: {"block_m": 128, "num_warps": 8, "num_stages": 3}}
+#: rows (token x query head pairs) per program, warps and pipeline stages, by (head_dim, tokens
+#: of the pass): a pass takes the largest key whose head_dim and tokens are not above its own.
+#: Chosen by measurement (``benchmarks/prefill_attention.py``, an H100, the 27B model's 24 query
+#: and 4 KV heads of 256, int8-g64 pages): from 512 tokens, 128 rows with 8 warps took 0.81-0.85x
+#: the time of 64 rows with 4 (290.6 against 358.3 us for 512 new tokens after 4,096 cached,
+#: 284.2 against 343.0 for 2,048 from 0, 710.3 against 839.8 after 2,048), where 256 tokens after
+#: 2,048 took 1.07x (146.5 against 136.6 us: half as many programs). The same bits either way: a
+#: row's result does not depend on which rows share its program. At head_dim 256 both spill
+#: (255 registers a thread), 128 rows with 8 warps less in every KV format (ptxas for sm_90).
+CONFIGS = {(0, 0): {"block_m": 64, "num_warps": 4, "num_stages": 2},
+           (256, 512): {"block_m": 128, "num_warps": 8, "num_stages": 3}}
 
 
-def launch_config(head_dim: int) -> dict[str, int]:
-    """The launch configuration of :data:`CONFIGS` for ``head_dim``."""
-    return CONFIGS[max(k for k in CONFIGS if k <= head_dim)]
+def launch_config(head_dim: int, tokens: int) -> dict[str, int]:
+    """The launch configuration of :data:`CONFIGS` for a pass of ``tokens`` (padding included)
+    at ``head_dim``."""
+    return CONFIGS[max(k for k in CONFIGS if k[0] <= head_dim and k[1] <= tokens)]
 
 
 @triton.jit(do_not_specialize=["start", "T", "n_rows"])
@@ -118,7 +121,7 @@ def paged_prefill_attention(q: torch.Tensor, fmt_k, k_planes, gs_k: float, fmt_v
         out = torch.empty_like(q)
     kd, ks = _typed_planes(fmt_k, [p.view(-1, h_kv, p.shape[-1]) for p in k_planes])
     vd, vs = _typed_planes(fmt_v, [p.view(-1, h_kv, p.shape[-1]) for p in v_planes])
-    cfg = launch_config(D)
+    cfg = launch_config(D, T_all)
     m = int(cfg["block_m"])
     n_rows = T_all * rep
     _prefill_kernel[(triton.cdiv(n_rows, m), h_kv)](

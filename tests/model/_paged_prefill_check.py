@@ -1,8 +1,9 @@
 """Run under TRITON_INTERPRET=1 (CPU) by test_paged_attention.py, or on CUDA as is: the paged prefill
 attention kernel against gather + causal SDPA over the same pages (fp32 reference), for every
 built-in KV profile, GQA with a head group that is not a power of two, passes that start at 0, in a
-page and on a page boundary, and padded rows. Prints the worst relative error per profile and exits
-non-zero past the bound."""
+page and on a page boundary, and padded rows; then, at heads of 256, that the kernel's two launch
+configurations give the same bits. Prints the worst relative error per profile and exits non-zero
+past the bound or where the configurations differ."""
 
 import sys
 
@@ -46,4 +47,29 @@ for name in ("bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"):
         worst[f"{name}/{str(dtype)[6:]}"] = err
 bad = {k: v for k, v in worst.items() if v > (1e-5 if k.endswith("float32") else 1e-2)}
 print(worst)
+
+# The launch configuration changes time, not bits: a row's result does not depend on which rows
+# share its program (hpc_kernels.paged_prefill.CONFIGS), at the 27B model's heads of 256.
+assert paged_prefill.launch_config(256, 448) == paged_prefill.CONFIGS[(0, 0)]
+assert paged_prefill.launch_config(256, 512)["block_m"] == 128
+assert paged_prefill.launch_config(128, 4096) == paged_prefill.CONFIGS[(0, 0)]
+shipped = dict(paged_prefill.CONFIGS)
+H, H_KV, D = 24, 4, 256
+start, n = 64, (8 if DEV == "cpu" else 200)
+for name in (("int8-g64", "nvfp4-g16") if DEV == "cpu" else ("bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4")):
+    kv = PagedKVStorage(kv_profile(name), 1, H_KV, D, 8, device=DEV)
+    table = torch.randperm(8)[:(start + n + 63) // 64]
+    pos = torch.arange(start + n)
+    kv.write(0, table[pos // 64] * 64 + pos % 64, torch.randn(start + n, H_KV, D), torch.randn(start + n, H_KV, D))
+    q = torch.randn(n, H, D).to(torch.float32 if DEV == "cpu" else torch.bfloat16)
+    outs = []
+    for cfg in (shipped[(0, 0)], shipped[(256, 512)]):
+        paged_prefill.CONFIGS.clear()
+        paged_prefill.CONFIGS[(0, 0)] = cfg
+        outs.append(kv.prefill_attention(0, q, table, start, D ** -0.5))
+    paged_prefill.CONFIGS.clear()
+    paged_prefill.CONFIGS.update(shipped)
+    if not torch.equal(outs[0], outs[1]):
+        bad[f"{name}/configs differ"] = (outs[0].float() - outs[1].float()).abs().max().item()
+print(bad or "configurations agree")
 sys.exit(1 if bad else 0)
