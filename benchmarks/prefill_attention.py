@@ -21,10 +21,12 @@ import torch
 H, H_KV, D = 24, 4, 256
 CONFIGS = [{"block_m": m, "num_warps": w, "num_stages": s}
            for m, w, s in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))]
+#: half-page key tiles (other sums, so other bits than a page's: compared, not required equal)
+CONFIGS += [dict(c, block_n=32) for c in CONFIGS if c["block_m"] >= 64]
 
 
 def config_key(cfg: dict[str, int]) -> str:
-    return f"m{cfg['block_m']}_w{cfg['num_warps']}_s{cfg['num_stages']}"
+    return f"m{cfg['block_m']}_w{cfg['num_warps']}_s{cfg['num_stages']}" + (f"_n{cfg['block_n']}" if "block_n" in cfg else "")
 
 
 def flops(start: int, t: int) -> float:

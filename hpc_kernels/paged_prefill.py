@@ -12,7 +12,7 @@ head of this kv head)`` grid (``row = t * REP + j``, no rows wasted on a head co
 power of two), loads their queries once and walks the pages up to its last row's position with an
 online softmax (exp2, fp32 statistics and accumulator), masking keys past each row's own
 position. Lengths are runtime values (``do_not_specialize``), so one compiled kernel per KV
-format and head shape serves every pass.
+format, head shape and launch configuration (:data:`CONFIGS`) serves every pass.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ PAGE = 64
 #: 2,048 took 1.07x (146.5 against 136.6 us: half as many programs). The same bits either way: a
 #: row's result does not depend on which rows share its program. At head_dim 256 both spill
 #: (255 registers a thread), 128 rows with 8 warps less in every KV format (ptxas for sm_90).
+#: ``block_n`` (default a page, 64): keys a step of the online softmax; 32 spills a quarter as
+#: much at 64 rows (ptxas) but changes the sums' order, so the bits; not yet timed.
 CONFIGS = {(0, 0): {"block_m": 64, "num_warps": 4, "num_stages": 2},
            (256, 512): {"block_m": 128, "num_warps": 8, "num_stages": 3}}
 
@@ -48,7 +50,8 @@ def _prefill_kernel(q_ptr, o_ptr, table_ptr, start, T, n_rows,  # T: valid token
                     kd_ptr, ks_ptr, vd_ptr, vs_ptr, gs_k, gs_v, qk_scale, meta_ptr,
                     H_KV: tl.constexpr, REP: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
                     KIND_K: tl.constexpr, GROUP_K: tl.constexpr, KIND_V: tl.constexpr, GROUP_V: tl.constexpr,
-                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HW_FP8: tl.constexpr, META: tl.constexpr):
+                    BLOCK_N: tl.constexpr, PAGE_N: tl.constexpr, IEEE: tl.constexpr, HW_FP8: tl.constexpr,
+                    META: tl.constexpr):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
     if META:  # start and valid rows read from the device (a CUDA graph's pass: no host values baked in)
@@ -69,15 +72,15 @@ def _prefill_kernel(q_ptr, o_ptr, table_ptr, start, T, n_rows,  # T: valid token
     acc = tl.zeros([M, D], tl.float32)
     offs = tl.arange(0, BLOCK_N)
     last = start + tl.minimum((pid * M + M - 1) // REP, T - 1)  # the block's deepest position
-    # a block of padding rows only reads one page: its outputs are dropped, but stay finite
+    # a block of padding rows only reads one key tile: its outputs are dropped, but stay finite
     n_pages = last // BLOCK_N + 1
     if (pid * M) // REP >= T:
         n_pages = 1
-    for p in range(0, n_pages):
-        page = tl.load(table_ptr + p).to(tl.int64)
+    for p in range(0, n_pages):  # key tiles of BLOCK_N, PAGE_N // BLOCK_N of them a page
+        page = tl.load(table_ptr + p // (PAGE_N // BLOCK_N)).to(tl.int64)
         kpos = p * BLOCK_N + offs
         kvalid = kpos <= last
-        rows = (page * BLOCK_N + offs) * H_KV + hk
+        rows = (page * PAGE_N + (p % (PAGE_N // BLOCK_N)) * BLOCK_N + offs) * H_KV + hk
         k = dequant_tile(kd_ptr, ks_ptr, rows, kvalid, gs_k, D, KIND_K, GROUP_K, BLOCK_N, HW_FP8).to(dt)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -128,7 +131,7 @@ def paged_prefill_attention(q: torch.Tensor, fmt_k, k_planes, gs_k: float, fmt_v
         q, out, table, int(start), T, n_rows, kd, ks if ks is not None else kd, vd, vs if vs is not None else vd,
         float(gs_k), float(gs_v), float(scale) * 1.4426950408889634, meta if meta is not None else table,
         H_KV=h_kv, REP=rep, M=m, D=D, KIND_K=KIND_IDS[fmt_k.kind], GROUP_K=max(fmt_k.group, 1),
-        KIND_V=KIND_IDS[fmt_v.kind], GROUP_V=max(fmt_v.group, 1), BLOCK_N=PAGE,
+        KIND_V=KIND_IDS[fmt_v.kind], GROUP_V=max(fmt_v.group, 1), BLOCK_N=int(cfg.get("block_n", PAGE)), PAGE_N=PAGE,
         IEEE=q.dtype == torch.float32, HW_FP8=hw_fp8(q.device), META=meta is not None,
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     return out
