@@ -36,17 +36,12 @@ def flops(start: int, t: int) -> float:
 
 
 def timed(fn, launches: int = 10, rounds: int = 30) -> float:
-    """Median seconds a launch, ``launches`` of them replayed from one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
+    """Median seconds a launch, ``launches`` of them replayed from one CUDA graph (captured as
+    the engine captures its passes, after a warm call that compiles)."""
+    from hpc_cli.model.graphs import capture_graph
+
+    fn()
+    graph, _ = capture_graph(None, lambda: [fn() for _ in range(launches)])
     times = []
     for _ in range(rounds):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -75,7 +70,6 @@ def main() -> None:
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    saved = dict(paged_prefill.CONFIGS)
     wanted = None if args.configs is None else set(args.configs.split(","))
     results = []
     for profile in args.profiles.split(","):
@@ -100,28 +94,23 @@ def main() -> None:
             row = {"profile": profile, "tokens": t, "start": start, "gflop": round(flops(start, t) / 1e9, 2),
                    "shipped": config_key(shipped), "configs": {}}
             for cfg in sweep:
-                paged_prefill.CONFIGS.clear()
-                paged_prefill.CONFIGS[(0, 0)] = cfg
                 key = config_key(cfg)
-                try:
-                    out = run()
-                    torch.cuda.synchronize()
-                except Exception as exc:  # a configuration past the device's resources
-                    row["configs"][key] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
-                    continue
-                same = True
+                with paged_prefill.every_pass_with(cfg):
+                    try:
+                        out = run()
+                        torch.cuda.synchronize()
+                    except Exception as exc:  # a configuration past the device's resources
+                        row["configs"][key] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
+                        continue
+                    sec = timed(run)
+                same = ref is None or bool(torch.equal(out, ref))
                 if ref is None:
                     ref = out.clone()
-                else:
-                    same = bool(torch.equal(out, ref))
-                sec = timed(run)
                 row["configs"][key] = {"us": round(sec * 1e6, 1), "tflops": round(flops(start, t) / sec / 1e12, 1),
                                        "equal_to_shipped": same}
                 print(f"{profile:18s} {t:5d} new after {start:5d}: {key:14s} {sec * 1e6:8.1f} us "
                       f"{flops(start, t) / sec / 1e12:6.1f} TFLOP/s{'' if same else '  (differs from the shipped config)'}",
                       flush=True)
-            paged_prefill.CONFIGS.clear()
-            paged_prefill.CONFIGS.update(saved)
             results.append(row)
 
     print("\nbest per pass (shipped first):")

@@ -17,6 +17,9 @@ format, head shape and launch configuration (:data:`CONFIGS`) serves every pass.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +46,20 @@ def launch_config(head_dim: int, tokens: int) -> dict[str, int]:
     """The launch configuration of :data:`CONFIGS` for a pass of ``tokens`` (padding included)
     at ``head_dim``."""
     return CONFIGS[max(k for k in CONFIGS if k[0] <= head_dim and k[1] <= tokens)]
+
+
+@contextlib.contextmanager
+def every_pass_with(cfg: dict[str, int]) -> Iterator[None]:
+    """Within the block every pass runs with ``cfg`` (a benchmark's or a check's sweep), then
+    :data:`CONFIGS` is as it was."""
+    saved = dict(CONFIGS)
+    CONFIGS.clear()
+    CONFIGS[(0, 0)] = cfg
+    try:
+        yield
+    finally:
+        CONFIGS.clear()
+        CONFIGS.update(saved)
 
 
 @triton.jit(do_not_specialize=["start", "T", "n_rows"])

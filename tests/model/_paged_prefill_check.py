@@ -2,8 +2,9 @@
 attention kernel against gather + causal SDPA over the same pages (fp32 reference), for every
 built-in KV profile, GQA with a head group that is not a power of two, passes that start at 0, in a
 page and on a page boundary, and padded rows; then, at heads of 256, that the kernel's two launch
-configurations give the same bits and key tiles of half a page the same attention. Prints the worst relative error per profile and exits non-zero
-past the bound or where the configurations differ (key tiles of half a page: beyond the bound)."""
+configurations give the same bits and key tiles of half a page the same attention. Prints the
+worst relative error per profile and exits non-zero past the bound or where the configurations
+differ (key tiles of half a page: beyond the bound)."""
 
 import sys
 
@@ -63,20 +64,13 @@ for name in (("int8-g64", "nvfp4-g16") if DEV == "cpu" else ("bf16", "int8-g64",
     kv.write(0, table[pos // 64] * 64 + pos % 64, torch.randn(start + n, H_KV, D), torch.randn(start + n, H_KV, D))
     q = torch.randn(n, H, D).to(torch.float32 if DEV == "cpu" else torch.bfloat16)
     outs = []
-    for cfg in (shipped[(0, 0)], shipped[(256, 512)]):
-        paged_prefill.CONFIGS.clear()
-        paged_prefill.CONFIGS[(0, 0)] = cfg
-        outs.append(kv.prefill_attention(0, q, table, start, D ** -0.5))
-    paged_prefill.CONFIGS.clear()
-    paged_prefill.CONFIGS.update(shipped)
+    # the two configurations, then key tiles of half a page (other sums, the same attention)
+    for cfg in (shipped[(0, 0)], shipped[(256, 512)], dict(shipped[(0, 0)], block_n=32)):
+        with paged_prefill.every_pass_with(cfg):
+            outs.append(kv.prefill_attention(0, q, table, start, D ** -0.5))
     if not torch.equal(outs[0], outs[1]):
         bad[f"{name}/configs differ"] = (outs[0].float() - outs[1].float()).abs().max().item()
-    # key tiles of half a page: other sums, the same attention
-    paged_prefill.CONFIGS.clear()
-    paged_prefill.CONFIGS[(0, 0)] = dict(shipped[(0, 0)], block_n=32)
-    half = kv.prefill_attention(0, q, table, start, D ** -0.5)
-    paged_prefill.CONFIGS.clear()
-    paged_prefill.CONFIGS.update(shipped)
+    half = outs[2]
     rel = ((half.float() - outs[0].float()).norm() / outs[0].float().norm()).item()
     if rel > (1e-5 if DEV == "cpu" else 1e-2):
         bad[f"{name}/half-page tiles"] = rel
