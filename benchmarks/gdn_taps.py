@@ -25,6 +25,13 @@ launches, the graphs replayed in turn for 60 rounds (medians). ``kernel_tap_s`` 
 adds to one layer; ``kernel_tap_over_copy_device`` that times the GDN layers over the copy's
 device time: the part of a tap the recurrence owns, without the rest of the pass's noise.
 
+``--profile ROUNDS`` also takes the single and the short pass's tap as device time: every kernel
+of 5 replays of the pass, tapped and plain, summed under the torch profiler, the two taking turns
+for ROUNDS rounds (``pass_tap_kernels_s``, ``short_tap_kernels_s`` and their ratios over the
+copy's device time). Timing a pass whole with events carries its jitter (tens of microseconds
+between two replays of the same graph, as much as a tap); summing its kernels' device time leaves
+out the gaps between them, which a graph replay does not change.
+
     python benchmarks/gdn_taps.py --model builtin:qwen3.5-27b-shape@8 --kv-profile int8-g64
 """
 
@@ -78,6 +85,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--short", type=int, default=512)
     ap.add_argument("--kernel", action="store_true", help="also time the tap recurrence kernel alone")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROUNDS",
+                    help="also sum the device time of every kernel of the single and the short pass, "
+                         "tapped and plain, under the torch profiler (ROUNDS rounds of 5 replays each)")
     args = ap.parse_args()
 
     from hpc_cli.model.model import HybridModel, TapImage
@@ -177,9 +187,42 @@ def main() -> None:
         out[f"{name}_cost_over_copy_device"] = out[f"{name}_s"] / out["copy_device_s"]
     out["in_pass_throughput"] = out["plain_s"] / out["in_pass_s"]
     out["split_throughput"] = out["plain_s"] / out["split_s"]
+    if args.profile:
+        for name, fns, m in (("pass", (pass_plain, pass_tapped), len(one_taps)),
+                             ("short", (short_plain, short_tapped), len(short_taps))):
+            tap = kernels_tap_s(*fns, m, args.profile)
+            out[f"{name}_tap_kernels_s"] = tap
+            out[f"{name}_tap_kernels_over_copy_device"] = tap / out["copy_device_s"]
     if args.kernel:
         out.update(kernel_alone(model.config, args.short, args.chunk, out["copy_device_s"]))
     print(json.dumps(out, indent=1))
+
+
+def kernels_tap_s(plain, tapped, taps: int, rounds: int, replays: int = 5) -> float:
+    """A tap's device time inside a pass, without the pass-to-pass jitter of timing it whole:
+    the device time of every kernel of ``replays`` calls of ``plain`` and of ``tapped``, summed
+    under the torch profiler, the two taking turns for ``rounds`` rounds; the median over rounds
+    of the difference, per tap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def device_s(fn) -> float:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                fn()
+            torch.cuda.synchronize()
+        return sum(e.device_time_total for e in prof.key_averages()) / 1e6 / replays
+
+    device_s(plain), device_s(tapped)
+    diffs = []
+    for r in range(rounds):
+        if r % 2 == 0:
+            a = device_s(plain)
+            b = device_s(tapped)
+        else:
+            b = device_s(tapped)
+            a = device_s(plain)
+        diffs.append(b - a)
+    return statistics.median(diffs) / taps
 
 
 def kernel_alone(config, short: int, long: int, copy_device_s: float, launches: int = 20,

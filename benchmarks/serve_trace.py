@@ -480,6 +480,9 @@ class RunSummary:
     ttft_later_turns_s: Dist | None
     ttft_edit_turns_s: Dist | None
     itl_p50_s: float | None  # gaps between content chunks
+    #: the same per gap: element j is the p50 over requests of the gap between their content
+    #: chunks j and j + 1 (which step of a request's decode is slow)
+    itl_p50_by_gap_s: list[float]
     tpot_p50_s: float | None  # (last chunk - first chunk) / (completion tokens - 1), per request
     decode_tok_s_p50: float | None
     output_tok_s: float | None  # completion tokens / wall time
@@ -547,6 +550,17 @@ def _phases(records: Sequence[RequestRecord]) -> dict[str, float] | None:
     return out
 
 
+def _gaps_by_position(recs: list[RequestRecord]) -> list[float]:
+    """The p50 over requests of each chunk gap by its place in the answer (first gap first)."""
+    by: list[list[float]] = []
+    for r in recs:
+        for j, (a, b) in enumerate(zip(r.arrivals, r.arrivals[1:])):
+            if j == len(by):
+                by.append([])
+            by[j].append(b - a)
+    return [_p50(g, 6) for g in by]
+
+
 def summarize(run: RunResult, sessions: int) -> RunSummary:
     recs = [r for r in run.records if r.error is None]
     prompt = sum(r.prompt_tokens for r in recs)
@@ -570,7 +584,7 @@ def summarize(run: RunResult, sessions: int) -> RunSummary:
         ttft_first_turn_s=Dist.of(_ttfts(recs, lambda r: r.turn == 0)),
         ttft_later_turns_s=Dist.of(_ttfts(recs, lambda r: r.turn > 0)),
         ttft_edit_turns_s=Dist.of(_ttfts(recs, lambda r: r.edited)),
-        itl_p50_s=_p50(gaps), tpot_p50_s=tpot50, decode_tok_s_p50=round(1.0 / tpot50, 2) if tpot50 else None,
+        itl_p50_s=_p50(gaps), itl_p50_by_gap_s=_gaps_by_position(recs), tpot_p50_s=tpot50, decode_tok_s_p50=round(1.0 / tpot50, 2) if tpot50 else None,
         output_tok_s=round(completion / run.wall_s, 2) if run.wall_s > 0 else None,
         wall_s=round(run.wall_s, 3), compilations=_compilations(run), phases_p50=_phases(recs),
         client_warmup_ttft_s=run.client_warmup.ttft_s if run.client_warmup is not None else None,
