@@ -25,10 +25,11 @@ launches, the graphs replayed in turn for 60 rounds (medians). ``kernel_tap_s`` 
 adds to one layer; ``kernel_tap_over_copy_device`` that times the GDN layers over the copy's
 device time: the part of a tap the recurrence owns, without the rest of the pass's noise.
 
-``--profile ROUNDS`` also takes the single and the short pass's tap as device time: every kernel
-of 5 replays of the pass, tapped and plain, summed under the torch profiler, the two taking turns
-for ROUNDS rounds (``pass_tap_kernels_s``, ``short_tap_kernels_s`` and their ratios over the
-copy's device time). Timing a pass whole with events carries its jitter (tens of microseconds
+``--profile ROUNDS`` also takes the single and the short pass's tap as device time: each kernel
+of 5 replays of the pass, tapped and plain, under the torch profiler, the two taking turns for
+ROUNDS rounds; per kernel the median of what the taps added, summed (``pass_tap_kernels_s``,
+``short_tap_kernels_s``, their ratios over the copy's device time, and the kernels that moved
+most in ``..._tap_kernels_top``). Timing a pass whole with events carries its jitter (tens of microseconds
 between two replays of the same graph, as much as a tap); summing its kernels' device time leaves
 out the gaps between them, which a graph replay does not change.
 
@@ -190,30 +191,33 @@ def main() -> None:
     if args.profile:
         for name, fns, m in (("pass", (pass_plain, pass_tapped), len(one_taps)),
                              ("short", (short_plain, short_tapped), len(short_taps))):
-            tap = kernels_tap_s(*fns, m, args.profile)
+            tap, top = kernels_tap_s(*fns, m, args.profile)
             out[f"{name}_tap_kernels_s"] = tap
+            out[f"{name}_tap_kernels_top"] = top
             out[f"{name}_tap_kernels_over_copy_device"] = tap / out["copy_device_s"]
     if args.kernel:
         out.update(kernel_alone(model.config, args.short, args.chunk, out["copy_device_s"]))
     print(json.dumps(out, indent=1))
 
 
-def kernels_tap_s(plain, tapped, taps: int, rounds: int, replays: int = 5) -> float:
+def kernels_tap_s(plain, tapped, taps: int, rounds: int, replays: int = 5) -> tuple[float, list[dict]]:
     """A tap's device time inside a pass, without the pass-to-pass jitter of timing it whole:
-    the device time of every kernel of ``replays`` calls of ``plain`` and of ``tapped``, summed
-    under the torch profiler, the two taking turns for ``rounds`` rounds; the median over rounds
-    of the difference, per tap."""
+    the device time of each kernel over ``replays`` calls of ``plain`` and of ``tapped`` under the
+    torch profiler, the two taking turns for ``rounds`` rounds. Returns the sum over kernels of
+    the median over rounds of what the tapped calls added to that kernel, per tap, and the
+    kernels that moved most (microseconds a tap): the ones a tap runs show up there, the others
+    only their noise."""
     from torch.profiler import ProfilerActivity, profile
 
-    def device_s(fn) -> float:
+    def device_s(fn) -> dict[str, float]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(replays):
                 fn()
             torch.cuda.synchronize()
-        return sum(e.device_time_total for e in prof.key_averages()) / 1e6 / replays
+        return {e.key: e.device_time_total / 1e6 / replays for e in prof.key_averages() if e.device_time_total > 0}
 
     device_s(plain), device_s(tapped)
-    diffs = []
+    diffs: dict[str, list[float]] = {}
     for r in range(rounds):
         if r % 2 == 0:
             a = device_s(plain)
@@ -221,8 +225,11 @@ def kernels_tap_s(plain, tapped, taps: int, rounds: int, replays: int = 5) -> fl
         else:
             b = device_s(tapped)
             a = device_s(plain)
-        diffs.append(b - a)
-    return statistics.median(diffs) / taps
+        for name in {*a, *b}:
+            diffs.setdefault(name, []).append(b.get(name, 0.0) - a.get(name, 0.0))
+    added = {name: statistics.median(d + [0.0] * (rounds - len(d))) / taps for name, d in diffs.items()}
+    top = sorted(added.items(), key=lambda e: -abs(e[1]))[:8]
+    return sum(added.values()), [{"kernel": name[:80], "us": round(v * 1e6, 2)} for name, v in top]
 
 
 def kernel_alone(config, short: int, long: int, copy_device_s: float, launches: int = 20,

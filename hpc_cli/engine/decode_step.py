@@ -64,18 +64,31 @@ class DecodeStep(EngineCore):
             self.itl.append(dt)
         self.counters["decode_rounds"] += 1
 
-    def _prepare_next_decode(self, lanes: list[Lane], slots: list[int], offsets: dict[str, list[int]]) -> None:
-        """The host's part of the next decode step of ``lanes`` (each one position on, its pages
-        as they are now), built while the device runs this one; the next step uses it only if
-        its inputs are exactly these (:meth:`PreparedDecode.matches`)."""
+    def _prepare_next_decode(self, lanes: list[Lane], slots: list[int], offsets: dict[str, list[int]],
+                             ahead: int = 1) -> None:
+        """The host's part of the next decode step of ``lanes`` (each ``ahead`` positions on, its
+        pages as they are now), built while the device runs this step (or, ``ahead=0``, a lane's
+        last prefill pass); the next step uses it only if its inputs are exactly these
+        (:meth:`PreparedDecode.matches`)."""
         if not self.decode_ahead:
             return
-        positions = [l.pos + 1 for l in lanes]
+        positions = [l.pos + ahead for l in lanes]
         if any(len(l.pages) * BLOCK_TOKENS <= p for l, p in zip(lanes, positions)):
             return  # a lane needs a page it does not hold yet
         tables = [l.pages[:p // BLOCK_TOKENS + 1] for l, p in zip(lanes, positions)]
         self._prepared_decode = self.model.prepare_decode(positions, tables, slots, self.storage, self.states,
                                                           **offsets)
+
+    def _prepare_first_decode(self, lane: Lane) -> None:
+        """After ``lane``'s last prefill pass is launched, while the device computes it: the
+        index of the decode step that follows, over the lanes decoding now and ``lane`` (which
+        joins them once its first token is chosen), so that the step launches at once (used
+        only if that step's lanes and positions are exactly these)."""
+        if self.spec is not None:
+            return
+        lanes = [l for l in self._lanes if l is lane or (
+            not l.prefilling and l.next_token is not None and not l.finish_reason)]
+        self._prepare_next_decode(lanes, [l.state_slot for l in lanes], decode_offsets(lanes), ahead=0)
 
     def _sample(self, lane: Lane, logits: torch.Tensor, greedy: int | None = None, hold: bool = False) -> None:
         """``greedy``: the token a greedy lane's ``logits`` choose, when taken already; ``hold``:

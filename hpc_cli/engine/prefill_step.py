@@ -58,6 +58,7 @@ class PrefillStep(EngineCore):
             if sp.max_tokens == 0:
                 lane.finish_reason = FinishReason.LENGTH
             else:
+                self._prepare_first_decode(lane)  # while the device runs the pass
                 self._sample(lane, logits)
         if lane.pos == lane.n_prompt and lane.next_token is not None and self.spec is None:
             # the last pass's commits and taps run while the device computes the first decode

@@ -45,10 +45,31 @@ def test_a_lane_decoding_on_takes_the_index_built_during_its_previous_step(model
     finally:
         eng.stop()
     assert eng.fatal is None and len(toks) == 150
-    # 149 steps (the first token comes from the prefill); the first has nothing built ahead, and
-    # every other step's index was built during the step before, for exactly its inputs
+    # 149 steps (the first token comes from the prefill); the first step's index was built while
+    # the last prefill pass ran, every other step's during the step before, each for exactly its
+    # inputs
     assert counts["steps"] == 149, counts
-    assert counts["handed"] == counts["matched"] == 148, counts
+    assert counts["handed"] == counts["matched"] == 149, counts
+
+
+def test_a_lane_joining_decoding_lanes_takes_an_index_built_during_its_last_pass(model, monkeypatch):
+    """A lane whose prompt ends joins the lanes decoding: the step after its last pass runs them
+    all, at their positions, and takes the index built while that pass ran."""
+    counts = _watch(model, monkeypatch)
+    eng = Engine(model, kv_profile="bf16", prefill_chunk=64, max_model_len=1024).start()
+    try:
+        first = eng.submit(GenerationRequest([(7 * i) % 200 + 1 for i in range(40)],
+                                             SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)))
+        second = eng.submit(GenerationRequest([(11 * i) % 200 + 1 for i in range(300)],
+                                              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
+        a = [ev.token_id for ev in first.result(timeout=120)[0]]
+        b = [ev.token_id for ev in second.result(timeout=120)[0]]
+    finally:
+        eng.stop()
+    assert eng.fatal is None and len(a) == 60 and len(b) == 20
+    # steps whose lanes changed because one ended get an index built for other inputs; the step
+    # where the second lane joins after its 5 passes does not
+    assert counts["handed"] - counts["matched"] <= 1, counts
 
 
 def test_lanes_joining_and_ending_fall_back_to_an_index_built_in_turn(model, monkeypatch):
