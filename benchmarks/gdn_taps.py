@@ -29,7 +29,12 @@ device time: the part of a tap the recurrence owns, without the rest of the pass
 of 5 replays of the pass, tapped and plain, under the torch profiler, the two taking turns for
 ROUNDS rounds; per kernel the median of what the taps added, summed (``pass_tap_kernels_s``,
 ``short_tap_kernels_s``, their ratios over the copy's device time, and the kernels that moved
-most in ``..._tap_kernels_top``). Timing a pass whole with events carries its jitter (tens of microseconds
+most in ``..._tap_kernels_top``). ``..._tap_own_kernels_s`` sums only the kernels whose launches
+a tap changes (the tap recurrence and the index ops of the images' conv windows and hidden rows):
+every other kernel of a tapped pass runs on the same inputs and shapes as in a plain one, and on
+an H100 one of them (cuBLAS's MLP product in a 2,048-token pass) moved by +-25 us a tap from one
+run to the next while the tap recurrence moved by 0.1 us. That is the figure the goal (a tap <=
+1.1x the copy's device time) is read from; the whole sums show what the rest adds besides. Timing a pass whole with events carries its jitter (tens of microseconds
 between two replays of the same graph, as much as a tap); summing its kernels' device time leaves
 out the gaps between them, which a graph replay does not change.
 
@@ -191,20 +196,23 @@ def main() -> None:
     if args.profile:
         for name, fns, m in (("pass", (pass_plain, pass_tapped), len(one_taps)),
                              ("short", (short_plain, short_tapped), len(short_taps))):
-            tap, top = kernels_tap_s(*fns, m, args.profile)
+            tap, own, top = kernels_tap_s(*fns, m, args.profile)
             out[f"{name}_tap_kernels_s"] = tap
-            out[f"{name}_tap_kernels_top"] = top
             out[f"{name}_tap_kernels_over_copy_device"] = tap / out["copy_device_s"]
+            out[f"{name}_tap_own_kernels_s"] = own
+            out[f"{name}_tap_own_kernels_over_copy_device"] = own / out["copy_device_s"]
+            out[f"{name}_tap_kernels_top"] = top
     if args.kernel:
         out.update(kernel_alone(model.config, args.short, args.chunk, out["copy_device_s"]))
     print(json.dumps(out, indent=1))
 
 
-def kernels_tap_s(plain, tapped, taps: int, rounds: int, replays: int = 5) -> tuple[float, list[dict]]:
+def kernels_tap_s(plain, tapped, taps: int, rounds: int, replays: int = 5) -> tuple[float, float, list[dict]]:
     """A tap's device time inside a pass, without the pass-to-pass jitter of timing it whole:
     the device time of each kernel over ``replays`` calls of ``plain`` and of ``tapped`` under the
     torch profiler, the two taking turns for ``rounds`` rounds. Returns the sum over kernels of
-    the median over rounds of what the tapped calls added to that kernel, per tap, and the
+    the median over rounds of what the tapped calls added to that kernel, per tap; the same sum
+    over the kernels whose launches a tap changes (:func:`_tap_kernel`); and the
     kernels that moved most (microseconds a tap): the ones a tap runs show up there, the others
     only their noise."""
     from torch.profiler import ProfilerActivity, profile
@@ -229,7 +237,17 @@ def kernels_tap_s(plain, tapped, taps: int, rounds: int, replays: int = 5) -> tu
             diffs.setdefault(name, []).append(b.get(name, 0.0) - a.get(name, 0.0))
     added = {name: statistics.median(d + [0.0] * (rounds - len(d))) / taps for name, d in diffs.items()}
     top = sorted(added.items(), key=lambda e: -abs(e[1]))[:8]
-    return sum(added.values()), [{"kernel": name[:80], "us": round(v * 1e6, 2)} for name, v in top]
+    own = sum(v for name, v in added.items() if _tap_kernel(name))
+    return sum(added.values()), own, [{"kernel": name[:80], "us": round(v * 1e6, 2)} for name, v in top]
+
+
+def _tap_kernel(kernel: str) -> bool:
+    """The kernels whose launches a tap changes: the tap recurrence (its tap offsets and slots) and
+    the index ops that gather and write the images' conv windows and hidden rows (one row set per
+    slot). Every other kernel of a tapped pass runs on the same inputs and shapes as in a plain
+    one, so what it differs by is its own jitter."""
+    name = kernel.lower()
+    return "state_taps" in name or "index" in name or "gather" in name
 
 
 def kernel_alone(config, short: int, long: int, copy_device_s: float, launches: int = 20,
