@@ -165,7 +165,10 @@ def test_mtp_round_catch_up_writes_what_observe_writes(model):
     for a, b in zip(tail, observed):
         assert torch.count_nonzero(b) > 0, "observe wrote nothing"
         assert torch.equal(a != 0, b != 0), "the tail wrote other positions than observe"
-        assert torch.equal(a, b), "the tail wrote other K/V than observe"
+        # the same K/V up to the projections' rounding: a CPU BLAS may sum the 12 rows of one call
+        # otherwise than the few rows of each lane's (an AMD EPYC host: 2 of 57k values apart, by
+        # 7.6e-6); a wrong column or position is off by the values' own size (about 1)
+        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-4, msg="the tail wrote other K/V than observe")
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
