@@ -114,13 +114,21 @@ def prefill_attention(attn: GatedAttention, q: torch.Tensor, kv, layer: int, pag
     t = q.shape[0]
     end = start + t
     keys, values = kv.gather(layer, pages, end, q.dtype)
-    mask = None
-    if start:
-        dev = q.device
-        positions = torch.arange(start, end, device=dev)
-        mask = (torch.arange(end, device=dev)[None, :] <= positions[:, None])[None, None]
-    # GQA by the kernel itself (no repeated K/V copies); causal without a mask from position 0
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                       values.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
-                                       scale=attn.scale, enable_gqa=attn.n_heads != attn.n_kv)
-    return o[0].transpose(0, 1)
+    if not start:  # causal without a mask; GQA by the kernel itself (no repeated K/V copies)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                           values.transpose(0, 1)[None], is_causal=True, scale=attn.scale,
+                                           enable_gqa=attn.n_heads != attn.n_kv)
+        return o[0].transpose(0, 1)
+    # after cached keys, under a mask: the query heads of each KV head become query rows of one
+    # product over that head's keys (as attend_one does for decode), so every key block the
+    # kernel loads serves all of them; each row's sums are those of the per-head form (the CPU
+    # kernel splits the keys alike whatever the rows), and on the 2-core CPU a cached turn's
+    # 512 queries over 4,012 keys took 331-345 ms against 371-426 ms
+    g = attn.n_heads // attn.n_kv
+    dev = q.device
+    positions = torch.arange(start, end, device=dev)
+    mask = torch.arange(end, device=dev)[None, :] <= positions[:, None]  # [t, end]
+    rows = q.view(t, attn.n_kv, g, q.shape[-1]).permute(1, 2, 0, 3).reshape(1, attn.n_kv, g * t, q.shape[-1])
+    o = F.scaled_dot_product_attention(rows, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                                       attn_mask=mask.repeat(g, 1)[None, None], scale=attn.scale)
+    return o[0].view(attn.n_kv, g, t, -1).permute(2, 0, 1, 3).reshape(t, attn.n_heads, -1)
