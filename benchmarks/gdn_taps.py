@@ -35,9 +35,10 @@ a tap changes (the tap recurrence and the index ops of the images' conv windows 
 every other kernel of a tapped pass runs on the same inputs and shapes as in a plain one, and on
 an H100 one of them (cuBLAS's MLP product in a 2,048-token pass) moved by +-25 us a tap from one
 run to the next while the tap recurrence moved by 0.1 us. That is the figure the goal (a tap <=
-1.1x the copy's device time) is read from; the whole sums show what the rest adds besides. Timing a pass whole with events carries its jitter (tens of microseconds
-between two replays of the same graph, as much as a tap); summing its kernels' device time leaves
-out the gaps between them, which a graph replay does not change.
+1.1x the copy's device time) is read from; the whole sums show what the rest adds besides. (A
+pass timed whole with events carries that jitter, tens of microseconds between two replays of the
+same graph, as much as a tap; the kernels' device time leaves out the gaps between them, which a
+graph replay does not change.)
 
     python benchmarks/gdn_taps.py --model builtin:qwen3.5-27b-shape@8 --kv-profile int8-g64
 """

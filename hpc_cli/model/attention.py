@@ -128,7 +128,7 @@ def prefill_attention(attn: GatedAttention, q: torch.Tensor, kv, layer: int, pag
     dev = q.device
     positions = torch.arange(start, end, device=dev)
     mask = torch.arange(end, device=dev)[None, :] <= positions[:, None]  # [t, end]
-    rows = q.view(t, attn.n_kv, g, q.shape[-1]).permute(1, 2, 0, 3).reshape(1, attn.n_kv, g * t, q.shape[-1])
+    rows = q.reshape(t, attn.n_kv, g, q.shape[-1]).permute(1, 2, 0, 3).reshape(1, attn.n_kv, g * t, q.shape[-1])
     o = F.scaled_dot_product_attention(rows, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                                        attn_mask=mask.repeat(g, 1)[None, None], scale=attn.scale)
     return o[0].view(attn.n_kv, g, t, -1).permute(2, 0, 1, 3).reshape(t, attn.n_heads, -1)
