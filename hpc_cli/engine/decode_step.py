@@ -83,8 +83,10 @@ class DecodeStep(EngineCore):
         """After ``lane``'s last prefill pass is launched, while the device computes it: the
         index of the decode step that follows, over the lanes decoding now and ``lane`` (which
         joins them once its first token is chosen), so that the step launches at once (used
-        only if that step's lanes and positions are exactly these)."""
-        if self.spec is not None:
+        only if that step's lanes and positions are exactly these). Not for a lane that ends at
+        its first token (``max_tokens`` 1): the lanes decoding now keep the index their last step
+        built for them."""
+        if self.spec is not None or lane.request.sampling.max_tokens <= 1:
             return
         lanes = [l for l in self._lanes if l is lane or (
             not l.prefilling and l.next_token is not None and not l.finish_reason)]

@@ -224,3 +224,22 @@ def test_a_rounds_tokens_go_to_the_server_once_the_next_verify_is_launched(model
     assert lag[0] == 0, "the prompt's first token is not held"
     assert all(d == 1 for c, d in zip(chosen[1:], lag[1:]) if c < last_round), lag
     assert all(d == 0 for c, d in zip(chosen, lag) if c == last_round), lag  # sent before the end
+
+
+def test_a_request_ending_at_its_first_token_leaves_the_decoding_lanes_their_index(model, monkeypatch):
+    """A one-token request (scoring, a classifier's label) prefilled beside a decoding lane ends at
+    its first token: the index built during the decoding lane's step stays theirs."""
+    counts = _watch(model, monkeypatch)
+    eng = Engine(model, kv_profile="bf16", prefill_chunk=64, max_model_len=1024).start()
+    try:
+        long = eng.submit(GenerationRequest([(7 * i) % 200 + 1 for i in range(40)],
+                                            SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)))
+        ones = [eng.submit(GenerationRequest([(11 * i + n) % 200 + 1 for i in range(100)],
+                                             SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)))
+                for n in range(4)]
+        assert len(long.result(timeout=120)[0]) == 60
+        assert all(len(h.result(timeout=120)[0]) == 1 for h in ones)
+    finally:
+        eng.stop()
+    assert eng.fatal is None
+    assert counts["handed"] == counts["matched"] == counts["steps"], counts
