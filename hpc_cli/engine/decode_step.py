@@ -86,10 +86,9 @@ class DecodeStep(EngineCore):
         only if that step's lanes and positions are exactly these). Not for a lane that ends at
         its first token (``max_tokens`` 1): the lanes decoding now keep the index their last step
         built for them."""
-        if self.spec is not None or lane.request.sampling.max_tokens <= 1:
+        if self.spec is not None or lane.max_tokens <= 1:
             return
-        lanes = [l for l in self._lanes if l is lane or (
-            not l.prefilling and l.next_token is not None and not l.finish_reason)]
+        lanes = [l for l in self._lanes if l is lane or l.decoding]  # lane: its token is still to come
         self._prepare_next_decode(lanes, [l.state_slot for l in lanes], decode_offsets(lanes), ahead=0)
 
     def _sample(self, lane: Lane, logits: torch.Tensor, greedy: int | None = None, hold: bool = False) -> None:

@@ -63,6 +63,11 @@ class Lane:
         return self.pos < self.n_prompt
 
     @property
+    def decoding(self) -> bool:
+        """Its prompt is in and its next token chosen: it takes a column of the next decode round."""
+        return not self.prefilling and self.next_token is not None and not self.finish_reason
+
+    @property
     def max_tokens(self) -> int:
         return self.request.sampling.max_tokens
 

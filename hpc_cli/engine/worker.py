@@ -167,7 +167,7 @@ class Worker(EngineCore):
             except Exception as exc:  # this request's pass failed: it alone ends (a broken device
                 self._fail_lane(prefilling[0], exc)  # fails the next decode round, which is fatal)
             worked = True
-        decoding = [l for l in self._lanes if not l.prefilling and l.next_token is not None and not l.finish_reason]
+        decoding = [l for l in self._lanes if l.decoding]
         if decoding:
             self._decode(decoding, finishing)  # ends `finishing` while the device computes the step
             worked = True
