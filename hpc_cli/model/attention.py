@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``apply_rotary(norm(x), cos, sin)`` for heads ``x`` ``[N, H, d]``: one launch where the
     fused kernels run (:func:`hpc_kernels.rms_norm.rms_norm_rope`)."""
-    if fused(x) and cos.dim() == 2 and cos.shape[0] == x.shape[0]:
+    if fused(x, norm.weight) and cos.dim() == 2 and cos.shape[0] == x.shape[0]:
         return norm_kernels.rms_norm_rope(x, norm.weight, norm.eps, cos.contiguous(), sin.contiguous())
     return apply_rotary(norm(x), cos, sin)
 

@@ -355,7 +355,7 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
         w = self.conv1d.weight
-        if fused(mixed):  # one launch, time-major, no window copy
+        if fused(mixed, w):  # one launch, time-major, no window copy
             window = ConvWindow(state=conv_state.to(mixed.dtype), rows=mixed)
             mixed = causal_conv.conv_silu(window.state, mixed, w[:, 0, :])
         elif x.device.type == "cpu":  # time-major: the window is a view of the rows the conv reads

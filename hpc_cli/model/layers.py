@@ -39,10 +39,16 @@ def env_switch(name: str) -> bool:
 FUSED_KERNELS = env_switch("HPC_FUSED_KERNELS")
 
 
-def fused(x: torch.Tensor) -> bool:
-    """Whether the fused kernels take ``x``: on CUDA with Triton (or under Triton's interpreter, for
-    tests), unless turned off."""
-    return FUSED_KERNELS and launchable(x)
+def fused(x: torch.Tensor, *weights: "torch.Tensor | None") -> bool:
+    """Whether the fused kernels take ``x`` (with ``weights``): on CUDA with Triton (or under
+    Triton's interpreter, for tests), unless turned off, and never where autograd records the op
+    (``x`` or a weight requires its gradient while gradients are on: a training forward, such as
+    ``scripts/train_tiny.py``'s), since the kernels have no backward. Serving runs with gradients
+    off and weights that require none, so it always takes them."""
+    if not (FUSED_KERNELS and launchable(x)):
+        return False
+    return not (torch.is_grad_enabled()
+                and (x.requires_grad or any(w is not None and w.requires_grad for w in weights)))
 
 #: set while a model is built whose Linear weights the loader fills one by one (see
 #: :func:`deferred_linear_weights`)
@@ -110,7 +116,7 @@ class RMSNorm(nn.Module):
         self.weight = param(dim, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused(x):
+        if fused(x, self.weight):
             return norm_kernels.rms_norm(x, self.weight, self.eps)
         return norm_kernels.rms_norm_ref(x, self.weight, self.eps)
 
@@ -118,7 +124,7 @@ class RMSNorm(nn.Module):
         """``(x + r, self(x + r))``: the residual stream's sum and its norm (one launch where the
         fused kernels run; the same numbers as the sum then the norm). ``r`` may be a product's
         split sums (:meth:`Linear.unsummed`), added in the same launch."""
-        if fused(x):
+        if fused(x, self.weight, r if isinstance(r, torch.Tensor) else None):
             return norm_kernels.add_rms_norm(x, r, self.weight, self.eps)
         return norm_kernels.add_rms_norm_ref(x, r, self.weight, self.eps)
 
@@ -132,7 +138,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = param(dim, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if fused(x):
+        if fused(x, self.weight, gate):
             return norm_kernels.gated_rms_norm(x, self.weight, gate, self.eps)
         return norm_kernels.gated_rms_norm_ref(x, self.weight, gate, self.eps)
 
@@ -153,7 +159,7 @@ class MLP(nn.Module):
             gate, up = self.merged(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        act = swiglu.swiglu(gate, up) if fused(gate) else swiglu.swiglu_ref(gate, up)
+        act = swiglu.swiglu(gate, up) if fused(gate, up) else swiglu.swiglu_ref(gate, up)
         return self.down_proj.unsummed(act) if unsummed else self.down_proj(act)
 
 

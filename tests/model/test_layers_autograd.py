@@ -1,0 +1,149 @@
+"""hpc_cli.model.layers.fused: the fused kernels have no backward, so a forward that autograd
+records (a training forward such as scripts/train_tiny.py's) takes the torch ops, and one that it
+does not (serving: gradients off, weights that require none) takes the kernels. On the CPU the
+kernels' launch check is forced on and the kernels are replaced by recorders; on CUDA a drafter
+training step of scripts/train_tiny.py must move every drafter weight (``-m gpu``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_cli.model import attention, gdn, layers
+from hpc_cli.model.layers import MLP, GatedRMSNorm, RMSNorm
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    """The fused path "available" on the CPU; every kernel it would launch records its name and
+    returns its torch twin's result (so a forward that takes it still runs)."""
+    called: list[str] = []
+    monkeypatch.setattr(layers, "FUSED_KERNELS", True)
+    monkeypatch.setattr(layers, "launchable", lambda x: True)
+    norm = layers.norm_kernels
+
+    def recorder(name, twin):
+        def run(*args, **kwargs):
+            called.append(name)
+            return twin(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(norm, "rms_norm", recorder("rms_norm", norm.rms_norm_ref))
+    monkeypatch.setattr(norm, "add_rms_norm", recorder("add_rms_norm", norm.add_rms_norm_ref))
+    monkeypatch.setattr(norm, "gated_rms_norm", recorder("gated_rms_norm", norm.gated_rms_norm_ref))
+    monkeypatch.setattr(layers.swiglu, "swiglu", recorder("swiglu", layers.swiglu.swiglu_ref))
+    return called
+
+
+def _norm(dim: int) -> RMSNorm:
+    n = RMSNorm(dim)
+    with torch.no_grad():
+        n.weight.normal_(0, 0.1)
+    return n
+
+
+def _mlp(hidden: int = 16, inter: int = 32) -> MLP:
+    m = MLP(hidden, inter)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.2)
+    return m
+
+
+def test_serving_forwards_take_the_kernels(kernels_on):
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        _norm(16)(x)
+        _norm(16).add(x, x)
+        GatedRMSNorm(16)(x, torch.randn(4, 16))
+        _mlp()(x)
+    with torch.no_grad():  # gradients off, even with weights that would require them
+        n = _norm(16)
+        n.weight.requires_grad_(True)
+        n(x)
+    assert kernels_on == ["rms_norm", "add_rms_norm", "gated_rms_norm", "swiglu", "rms_norm"]
+    assert layers.fused(x)  # plain tensors with gradients on: nothing to record either
+
+
+def test_a_recorded_forward_takes_the_torch_ops_and_gets_its_gradients(kernels_on):
+    # the input requires its gradient (a drafter's hidden built from trained weights)
+    x = torch.randn(4, 16, requires_grad=True)
+    norm = _norm(16)
+    norm(x).square().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    # only the weight does (a drafter's first norm reads the frozen model's embedding)
+    norm.weight.requires_grad_(True)
+    plain = torch.randn(4, 16)
+    norm(plain).square().sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
+    gnorm = GatedRMSNorm(16)
+    with torch.no_grad():
+        gnorm.weight.fill_(1.0)
+    gate = torch.randn(4, 16, requires_grad=True)
+    gnorm(plain, gate).sum().backward()
+    assert gate.grad is not None and gate.grad.abs().sum() > 0
+    mlp = _mlp()
+    for p in mlp.parameters():
+        p.requires_grad_(True)
+    mlp(plain).square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in mlp.parameters())
+    s, _ = norm.add(x, plain)
+    assert s.grad_fn is not None
+    assert kernels_on == [], kernels_on  # no kernel without a backward ran
+
+
+def test_the_attention_norm_rope_and_conv_follow_the_same_rule(kernels_on, monkeypatch):
+    calls = []
+    monkeypatch.setattr(attention.norm_kernels, "rms_norm_rope",
+                        lambda *a, **k: calls.append("rms_norm_rope") or torch.zeros(1))
+    norm = _norm(8)
+    x = torch.randn(3, 2, 8)
+    cos, sin = torch.ones(3, 4), torch.zeros(3, 4)
+    with torch.inference_mode():
+        attention._norm_rope(norm, x, cos, sin)
+    assert calls == ["rms_norm_rope"]
+    x.requires_grad_(True)
+    out = attention._norm_rope(norm, x, cos, sin)
+    assert calls == ["rms_norm_rope"] and out.grad_fn is not None
+    assert gdn.fused is layers.fused  # the GDN layer's conv asks the same question
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_drafter_training_step_moves_every_drafter_weight():
+    """One step of scripts/train_tiny.py's drafter loss on CUDA (the fused kernels on) gives every
+    DFlash and DFlash2 weight a gradient: before the rule, the fused norms cut the graph and only
+    DFlash2's selector (which reads the hidden past the last norm) ever trained on a GPU."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny.py"
+    spec = importlib.util.spec_from_file_location("train_tiny_for_test", path)
+    tt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tt)
+    from hpc_cli.model.layers import Rotary
+    from hpc_cli.model.model import HybridModel
+    from hpc_cli.speculative.dflash import load_drafter
+
+    dev = torch.device("cuda")
+    root = Path(__file__).resolve().parents[2] / "hpc_cli" / "model" / "tiny"
+    model = HybridModel.from_name_or_path(str(root), dtype=torch.float32, device=dev)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 6000, (2, 96), generator=g).to(dev)
+    for kind in ("dflash", "dflash2"):
+        net = load_drafter(str(root / kind), kind, dev, torch.float32).train()
+        for p in net.parameters():
+            p.requires_grad_(True)
+        with torch.no_grad():
+            h, feats = tt.forward(model, tokens, tuple(net.cfg.target_layers))
+            labels = model.lm_head(h).argmax(-1)
+        anchors = torch.tensor([[10, 40, 70], [5, 33, 80]], device=dev)
+        hid = tt.drafter_forward(net, model, Rotary(net.cfg.head_dim, net.cfg.rope_theta, device=dev), feats,
+                                 tokens, anchors, 3, h)
+        lab = labels.gather(1, (anchors[:, :, None] + torch.arange(3, device=dev)).reshape(2, -1)).view(2, -1, 3)
+        logits = model.lm_head(hid).float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1))
+        loss.backward()
+        missing = [n for n, p in net.named_parameters()
+                   if not n.startswith("selector") and (p.grad is None or p.grad.abs().sum() == 0)]
+        assert not missing, f"{kind}: no gradient for {missing}"
