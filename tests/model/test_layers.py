@@ -1,8 +1,9 @@
-"""hpc_cli.model.layers.fused: the fused kernels have no backward, so a forward that autograd
-records (a training forward such as scripts/train_tiny.py's) takes the torch ops, and one that it
-does not (serving: gradients off, weights that require none) takes the kernels. On the CPU the
-kernels' launch check is forced on and the kernels are replaced by recorders; on CUDA a drafter
-training step of scripts/train_tiny.py must move every drafter weight (``-m gpu``)."""
+"""hpc_cli.model.layers: :func:`linear`'s form for a few rows on the CPU, and :func:`fused`. The
+fused kernels have no backward, so a forward that autograd records (a training forward such as
+scripts/train_tiny.py's) takes the torch ops, and one that it does not (serving: gradients off,
+weights that require none) takes the kernels. On the CPU the kernels' launch check is forced on
+and the kernels are replaced by recorders; on CUDA a drafter training step of
+scripts/train_tiny.py must move every drafter weight (``-m gpu``)."""
 
 from __future__ import annotations
 
@@ -147,3 +148,36 @@ def test_cuda_drafter_training_step_moves_every_drafter_weight():
         missing = [n for n, p in net.named_parameters()
                    if not n.startswith("selector") and (p.grad is None or p.grad.abs().sum() == 0)]
         assert not missing, f"{kind}: no gradient for {missing}"
+
+
+def test_a_few_rows_product_on_the_cpu_runs_as_weight_times_rows(monkeypatch):
+    """hpc_cli.model.layers.linear: float32 products of 2..FEW_ROWS rows on the CPU are
+    ``(W @ x^T)^T`` (decode's and verify's row blocks), bit for bit the same whatever the leading
+    dims; one row, longer runs, a bias and bf16 keep ``F.linear``; both agree to float32 rounding."""
+    seen: list[tuple[int, ...]] = []
+    real = layers.F.linear
+
+    def spy(x, w, b=None):
+        seen.append(tuple(x.shape))
+        return real(x, w, b)
+
+    monkeypatch.setattr(layers.F, "linear", spy)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 32, generator=g)
+    for rows in (2, 4, layers.FEW_ROWS):
+        x = torch.randn(rows, 32, generator=g)
+        y = layers.linear(x, w)
+        assert torch.equal(y, torch.mm(w, x.t()).t())
+        assert torch.equal(layers.linear(x.view(1, rows, 32), w), y.view(1, rows, 96))
+        assert torch.allclose(y, real(x, w), rtol=1e-5, atol=1e-5)
+    assert seen == []
+    layers.linear(torch.randn(1, 32), w)
+    layers.linear(torch.randn(layers.FEW_ROWS + 1, 32), w)
+    layers.linear(torch.randn(4, 32), w, torch.zeros(96))
+    layers.linear(torch.randn(4, 32, dtype=torch.bfloat16), w.bfloat16())
+    assert seen == [(1, 32), (layers.FEW_ROWS + 1, 32), (4, 32), (4, 32)]
+    lin = layers.Linear(32, 96)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    x = torch.randn(4, 32)
+    assert torch.equal(lin(x), torch.mm(w, x.t()).t())
