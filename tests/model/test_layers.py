@@ -153,7 +153,8 @@ def test_cuda_drafter_training_step_moves_every_drafter_weight():
 def test_a_few_rows_product_on_the_cpu_runs_as_weight_times_rows(monkeypatch):
     """hpc_cli.model.layers.linear: float32 products of 2..FEW_ROWS rows on the CPU are
     ``(W @ x^T)^T`` (decode's and verify's row blocks), bit for bit the same whatever the leading
-    dims; one row, longer runs, a bias and bf16 keep ``F.linear``; both agree to float32 rounding."""
+    dims, and one row with a tall weight the same padded to two rows; other single rows, longer
+    runs, a bias and bf16 keep ``F.linear``; the forms agree to float32 rounding."""
     seen: list[tuple[int, ...]] = []
     real = layers.F.linear
 
@@ -176,6 +177,18 @@ def test_a_few_rows_product_on_the_cpu_runs_as_weight_times_rows(monkeypatch):
     layers.linear(torch.randn(4, 32), w, torch.zeros(96))
     layers.linear(torch.randn(4, 32, dtype=torch.bfloat16), w.bfloat16())
     assert seen == [(1, 32), (layers.FEW_ROWS + 1, 32), (4, 32), (4, 32)]
+    # one row with a tall weight (an lm_head): padded to two rows, the padding's column dropped
+    monkeypatch.setattr(layers, "TALL_ELEMENTS", 128 * 32)
+    tall = torch.randn(128, 32, generator=g)
+    x1 = torch.randn(1, 1, 32, generator=g)
+    y1 = layers.linear(x1, tall)
+    two = torch.cat([x1[0], torch.zeros(1, 32)])
+    assert y1.shape == (1, 1, 128) and torch.equal(y1[0, 0], torch.mm(tall, two.t())[:, 0])
+    assert torch.allclose(y1, real(x1, tall), rtol=1e-5, atol=1e-5)
+    assert len(seen) == 4
+    layers.linear(torch.randn(1, 32), tall[:127])  # fewer than 4x as many outputs as inputs
+    layers.linear(torch.randn(1, 32), torch.randn(64, 32))  # under TALL_ELEMENTS
+    assert seen[4:] == [(1, 32), (1, 32)]
     lin = layers.Linear(32, 96)
     with torch.no_grad():
         lin.weight.copy_(w)
