@@ -90,17 +90,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     row keeps the GEMV, which is faster there. A fixed shape always takes the same form, so decode
     and verify, whose row blocks have the same rows, keep their bit identity; longer runs (a
     prefill pass) keep ``F.linear``, as do bf16 and a bias."""
-    rows = x.numel() // max(1, x.shape[-1])
-    if (bias is None and rows <= FEW_ROWS and x.device.type == "cpu" and weight.dtype == torch.float32
-            and x.dtype == torch.float32):
-        n, k = weight.shape
-        x2 = x.reshape(rows, k)
-        if rows > 1:
-            return torch.mm(weight, x2.t()).t().contiguous().view(*x.shape[:-1], n)
-        if rows == 1 and n >= 4 * k and weight.numel() >= TALL_ELEMENTS:
-            two = torch.cat([x2, x2.new_zeros(1, k)])
-            return torch.mm(weight, two.t())[:, 0].contiguous().view(*x.shape[:-1], n)
-    return F.linear(x, weight, bias)
+    n, k = weight.shape
+    rows = x.numel() // max(1, k)
+    tall = n >= 4 * k and weight.numel() >= TALL_ELEMENTS
+    if not (bias is None and (1 < rows <= FEW_ROWS or (rows == 1 and tall)) and x.device.type == "cpu"
+            and weight.dtype == torch.float32 and x.dtype == torch.float32):
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(rows, k)
+    if rows == 1:  # as two rows, the second zero
+        x2 = torch.cat([x2, x2.new_zeros(1, k)])
+    return torch.mm(weight, x2.t())[:, :rows].t().contiguous().view(*x.shape[:-1], n)
 
 
 class Linear(nn.Module):

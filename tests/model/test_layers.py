@@ -7,7 +7,7 @@ scripts/train_tiny.py must move every drafter weight (``-m gpu``)."""
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,8 @@ import torch
 
 from hpc_cli.model import attention, gdn, layers
 from hpc_cli.model.layers import MLP, GatedRMSNorm, RMSNorm
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -115,40 +117,33 @@ def test_the_attention_norm_rope_and_conv_follow_the_same_rule(kernels_on, monke
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_drafter_training_step_moves_every_drafter_weight():
-    """One step of scripts/train_tiny.py's drafter loss on CUDA (the fused kernels on) gives every
-    DFlash and DFlash2 weight a gradient: before the rule, the fused norms cut the graph and only
-    DFlash2's selector (which reads the hidden past the last norm) ever trained on a GPU."""
-    path = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny.py"
-    spec = importlib.util.spec_from_file_location("train_tiny_for_test", path)
-    tt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tt)
-    from hpc_cli.model.layers import Rotary
+    """Two steps of scripts/train_tiny.py's drafter phase on CUDA (the fused kernels on) move every
+    DFlash and DFlash2 weight: before the rule, the fused norms cut the graph and only DFlash2's
+    selector (which reads the hidden past the last norm) ever trained on a GPU."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny
+
     from hpc_cli.model.model import HybridModel
     from hpc_cli.speculative.dflash import load_drafter
 
     dev = torch.device("cuda")
-    root = Path(__file__).resolve().parents[2] / "hpc_cli" / "model" / "tiny"
-    model = HybridModel.from_name_or_path(str(root), dtype=torch.float32, device=dev)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(1, 6000, (2, 96), generator=g).to(dev)
-    for kind in ("dflash", "dflash2"):
-        net = load_drafter(str(root / kind), kind, dev, torch.float32).train()
-        for p in net.parameters():
-            p.requires_grad_(True)
-        with torch.no_grad():
-            h, feats = tt.forward(model, tokens, tuple(net.cfg.target_layers))
-            labels = model.lm_head(h).argmax(-1)
-        anchors = torch.tensor([[10, 40, 70], [5, 33, 80]], device=dev)
-        hid = tt.drafter_forward(net, model, Rotary(net.cfg.head_dim, net.cfg.rope_theta, device=dev), feats,
-                                 tokens, anchors, 3, h)
-        lab = labels.gather(1, (anchors[:, :, None] + torch.arange(3, device=dev)).reshape(2, -1)).view(2, -1, 3)
-        logits = model.lm_head(hid).float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1))
-        loss.backward()
-        missing = [n for n, p in net.named_parameters()
-                   if not n.startswith("selector") and (p.grad is None or p.grad.abs().sum() == 0)]
-        assert not missing, f"{kind}: no gradient for {missing}"
-
+    tiny = ROOT / "hpc_cli" / "model" / "tiny"
+    model = HybridModel.from_name_or_path(str(tiny), dtype=torch.float32, device=dev)
+    nets = {kind: load_drafter(str(tiny / kind), kind, dev, torch.float32).train() for kind in ("dflash", "dflash2")}
+    before = {kind: {n: p.detach().clone() for n, p in net.named_parameters()} for kind, net in nets.items()}
+    rows = torch.randint(1, 6000, (4, 129), generator=torch.Generator().manual_seed(0))
+    args = SimpleNamespace(no_mtp=True, draft_lr=1e-3, draft_steps=2, draft_seconds=1e9, block_sizes=[3],
+                           anchors=8, batch=2, log_every=100, corpus_every=0, checkpoint_every=0)
+    try:
+        train_tiny.train_drafters(model, nets, {"train": rows, "val": rows}, args, dev, {})
+    finally:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    for kind, net in nets.items():
+        still = [n for n, p in net.named_parameters() if torch.equal(p.detach(), before[kind][n])]
+        assert not still, f"{kind}: weights the steps did not move: {still}"
 
 def test_a_few_rows_product_on_the_cpu_runs_as_weight_times_rows(monkeypatch):
     """hpc_cli.model.layers.linear: float32 products of 2..FEW_ROWS rows on the CPU are
