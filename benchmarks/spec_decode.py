@@ -12,7 +12,10 @@ to the default ``per_token`` one.
 
 ``--traffic chat`` sends the model's own kind of traffic instead: chat questions about the
 Python standard library rendered with the model's chat template (``builtin:tiny`` answers them),
-each answered until its end-of-turn token or --max-tokens.
+each answered until its end-of-turn token or --max-tokens. The fixed questions are 12, their
+answers short (about 300 tokens in all); ``--chat-data DIR`` takes --prompts first-turn prompts of
+the tiny corpus's validation split instead (``python scripts/tiny_corpus.py --out DIR``: objects
+neither the model nor its drafters were trained on; 64 prompts give about 1,100 answer tokens).
 
 Every backend's engine is built and warmed up first; then ``--repeat`` timed passes run
 interleaved over the backends (none, mtp, ..., none, mtp, ...) and each backend reports its
@@ -61,6 +64,23 @@ def chat_prompts(model, n: int) -> list[list[int]]:
         msgs = [{"role": "user", "content": CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]}]
         out.append(tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=False)))
     return out
+
+
+def held_out_prompts(model, data_dir: str, n: int) -> list[list[int]]:
+    """``n`` first-turn chat prompts of the tiny corpus's validation split (``scripts/tiny_corpus.py
+    --out DIR``): questions about objects that neither the model nor its drafters were trained on,
+    drawn as ``scripts/train_tiny.py`` draws its validation answers (the same seed, so the same
+    prompts as its ``--val-answers``), tokenized by the model's tokenizer."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "train_tiny.py"
+    spec = importlib.util.spec_from_file_location("train_tiny", path)
+    train_tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_tiny)
+    texts = train_tiny.chat_prompts(train_tiny.records_all(Path(data_dir)), "val", n, train_tiny.SEED + 13)
+    if len(texts) < n:
+        raise SystemExit(f"{data_dir}: {len(texts)} validation chat prompts, {n} asked for")
+    return [model.tokenizer.encode(t) for t in texts]
 
 
 def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -141,6 +161,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--rollback", default="both", choices=["per_token", "recompute", "both"])
     ap.add_argument("--traffic", default="random", choices=["random", "chat"],
                     help="random token prompts, or chat questions answered until end of turn")
+    ap.add_argument("--chat-data", default=None, metavar="DIR",
+                    help="with --traffic chat: the validation split's chat prompts of the tiny corpus in DIR "
+                         "(scripts/tiny_corpus.py) instead of the fixed questions, --prompts of them")
     ap.add_argument("--warmup", default=None, choices=["short", "full"],
                     help="short: one 4-token request; full: every prompt once (default for chat traffic)")
     ap.add_argument("--drafters", action="append", default=[], metavar="LABEL=DIR",
@@ -156,8 +179,11 @@ def main(argv=None) -> dict:
     t = time.time()
     model = HybridModel.from_name_or_path(name, dtype=getattr(torch, dtype), device="cuda" if cuda else "cpu")
     load_s = time.time() - t
+    if args.chat_data and args.traffic != "chat":
+        ap.error("--chat-data gives chat prompts: add --traffic chat")
     if args.traffic == "chat":
-        prompts = chat_prompts(model, args.prompts)
+        prompts = held_out_prompts(model, args.chat_data, args.prompts) if args.chat_data \
+            else chat_prompts(model, args.prompts)
     else:
         prompts = _prompts(args.prompts, args.prompt_len, model.config.vocab_size)
     engines = {"none": _engine(model, None, prompts, args)}
@@ -199,7 +225,7 @@ def main(argv=None) -> dict:
     doc = {"benchmark": "spec_decode", "model": name, "dtype": dtype,
            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "model_load_s": load_s,
-           "k": args.k, "repeat": args.repeat, "traffic": args.traffic, "warmup": args.warmup, "prompts": args.prompts,
+           "k": args.k, "repeat": args.repeat, "traffic": args.traffic, "warmup": args.warmup, "prompts": args.prompts, "chat_data": args.chat_data,
            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
            "concurrency": args.concurrency, "compilations_in_timed_passes": compiled, "runs": runs}
     text = json.dumps(doc, indent=1)

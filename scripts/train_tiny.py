@@ -798,8 +798,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--answer-device", default=None,
                     help="where the engine answers (--chat-answers; default --device; CPU and CUDA greedy "
                          "answers may differ where two tokens nearly tie)")
-    ap.add_argument("--val-answers", type=int, default=64,
-                    help="with --chat-answers: chat prompts of the validation split answered to measure drafts")
+    ap.add_argument("--val-answers", type=int, default=None,
+                    help="chat prompts of the validation split answered to measure drafts (default 64 with "
+                         "--chat-answers, else 0; needs --init-from)")
     ap.add_argument("--hold-out", default="benchmark",
                     help="'benchmark': leave out the chat examples about the objects benchmarks/spec_decode.py "
                          "asks about (its CHAT_QUESTIONS); 'none': keep every example")
@@ -817,6 +818,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     args.block_sizes = [int(x) for x in args.block_sizes.split(",")]
+    if args.val_answers is None:
+        args.val_answers = 64 if args.chat_answers else 0
+    if args.val_answers and not args.init_from:
+        ap.error("--val-answers answers with a trained model: give --init-from DIR")
     if args.corpus_every and not args.chat_answers:
         ap.error("--corpus-every mixes corpus rows into --chat-answers training; give --chat-answers N too")
     if args.target_layers and args.init_drafters:
@@ -867,10 +872,12 @@ def main(argv=None) -> dict:
         model.train()
         train_main(model, data, args, dev, report)
     report["parameters"] = sum(p.numel() for p in model.parameters())
-    if args.chat_answers:  # self-distillation on chat traffic: the model answers chat prompts greedily
+    if args.chat_answers or args.val_answers:  # self-distillation on chat traffic: the model answers greedily
         t1 = time.time()
-        assert args.init_from, "--chat-answers answers with the --init-from model"
+        assert args.init_from, "--chat-answers and --val-answers answer with the --init-from model"
         for split, n, key in (("train", args.chat_answers, "answers"), ("val", args.val_answers, "val_answers")):
+            if not n:
+                continue
             prompts = [e.ids for e in tok.encode_batch(chat_prompts(records, split, n, SEED + 13),
                                                        add_special_tokens=False)]
             answers = greedy_answers(Path(args.init_from), prompts, args.answer_tokens, args.answer_lanes,

@@ -192,3 +192,16 @@ def test_drafter_training_exports_checkpoints_as_it_goes(tiny, every):
             p.requires_grad_(False)
     assert report["drafters"]["steps"] == 3
     assert steps == ([] if every == 0 else [1, 2]), steps
+
+
+def test_validation_answers_need_a_trained_model(tmp_path):
+    """``train_tiny.py --val-answers N`` (the drafters measured on the model's own answers, also
+    without ``--chat-answers``) answers with the ``--init-from`` model: without one it is a usage
+    error before any data is read."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_tiny
+
+    with pytest.raises(SystemExit) as err:
+        train_tiny.main(["--val-answers", "4", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "out")])
+    assert err.value.code == 2
+    assert not (tmp_path / "out").exists()

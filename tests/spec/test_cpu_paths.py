@@ -106,6 +106,35 @@ def test_benchmark_repeats_interleaved_with_per_backend_k(tmp_path):
     assert (tmp_path / "out.json").is_file()
 
 
+
+def test_benchmark_chat_data_takes_the_validation_splits_prompts(tmp_path):
+    """``spec_decode.py --traffic chat --chat-data DIR`` asks the corpus's validation chat prompts
+    (the ones ``train_tiny.py --val-answers`` answers: same draw), tokenized by the model; the
+    training split's prompts never come."""
+    import gzip
+    import json
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "benchmarks"))
+    sys.path.insert(0, str(root / "scripts"))
+    import spec_decode
+    import train_tiny
+
+    tpl = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n{}<|im_end|>\n"
+    records = [{"kind": "chat", "name": f"obj{i}", "split": "val" if i % 2 else "train",
+                "text": tpl.format(f"What is obj{i}?", "An object.")} for i in range(12)]
+    with gzip.open(tmp_path / "corpus.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    model = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda text: [len(text), text.count("obj")]))
+    texts = train_tiny.chat_prompts(records, "val", 4, train_tiny.SEED + 13)
+    assert len(texts) == 4 and all("What is obj" in t for t in texts)
+    assert all(int(t.split("obj")[1].split("?")[0]) % 2 for t in texts)  # validation objects only
+    assert spec_decode.held_out_prompts(model, str(tmp_path), 4) == [[len(t), 1] for t in texts]
+    with pytest.raises(SystemExit):
+        spec_decode.held_out_prompts(model, str(tmp_path), 7)  # 6 validation prompts exist
+    with pytest.raises(SystemExit):
+        spec_decode.main(["--chat-data", str(tmp_path)])  # chat prompts need --traffic chat
+
 def test_draft_page_table_has_a_decode_graph_width():
     """Where the paged decode kernel reads the pages (one query per lane), the page table's width
     must be one the warm-up compiled that kernel for (a decode graph's: a power of two, >= 8), or
