@@ -171,6 +171,8 @@ def main(argv=None) -> dict:
                          "dflash@LABEL, dflash2@LABEL), next to the default ones; repeatable")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.chat_data and args.traffic != "chat":
+        ap.error("--chat-data gives chat prompts: add --traffic chat")
     others = [tuple(x.split("=", 1)) for x in args.drafters]
     args.warmup = args.warmup or ("full" if args.traffic == "chat" else "short")
     cuda = torch.cuda.is_available()
@@ -179,8 +181,6 @@ def main(argv=None) -> dict:
     t = time.time()
     model = HybridModel.from_name_or_path(name, dtype=getattr(torch, dtype), device="cuda" if cuda else "cpu")
     load_s = time.time() - t
-    if args.chat_data and args.traffic != "chat":
-        ap.error("--chat-data gives chat prompts: add --traffic chat")
     if args.traffic == "chat":
         prompts = held_out_prompts(model, args.chat_data, args.prompts) if args.chat_data \
             else chat_prompts(model, args.prompts)
@@ -225,8 +225,8 @@ def main(argv=None) -> dict:
     doc = {"benchmark": "spec_decode", "model": name, "dtype": dtype,
            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "model_load_s": load_s,
-           "k": args.k, "repeat": args.repeat, "traffic": args.traffic, "warmup": args.warmup, "prompts": args.prompts, "chat_data": args.chat_data,
-           "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+           "k": args.k, "repeat": args.repeat, "traffic": args.traffic, "warmup": args.warmup, "prompts": args.prompts,
+           "chat_data": args.chat_data, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
            "concurrency": args.concurrency, "compilations_in_timed_passes": compiled, "runs": runs}
     text = json.dumps(doc, indent=1)
     print(text)

@@ -106,7 +106,6 @@ def test_benchmark_repeats_interleaved_with_per_backend_k(tmp_path):
     assert (tmp_path / "out.json").is_file()
 
 
-
 def test_benchmark_chat_data_takes_the_validation_splits_prompts(tmp_path):
     """``spec_decode.py --traffic chat --chat-data DIR`` asks the corpus's validation chat prompts
     (the ones ``train_tiny.py --val-answers`` answers: same draw), tokenized by the model; the
