@@ -53,7 +53,10 @@ class StopController:
         self.reason: str | None = None
         self.error: BaseException | None = None
         self._last_sigint: float | None = None
-        self._lock = threading.Lock()
+        # re-entrant: a signal handler runs in the main thread between any two bytecodes, also
+        # while that thread holds the lock inside request_stop (Thread.start waits for the new
+        # thread): a second SIGTERM there must find the stop started, not wait on its own lock
+        self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
 
     # --- signals -------------------------------------------------------------------------------
@@ -70,6 +73,8 @@ class StopController:
                   + (", then the prefix cache is saved" if self.prefix_cache_file else ""))
 
     def handle_sigterm(self, signum=None, frame=None) -> None:
+        if self.stopping:  # a repeated SIGTERM (a supervisor's retry): the stop runs already
+            return
         self.request_stop("SIGTERM")
 
     @contextlib.contextmanager

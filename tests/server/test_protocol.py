@@ -406,3 +406,29 @@ def test_sigint_needs_confirmation():
     assert c.stopping and c.done.wait(5) and engine.stopped
     c.handle_sigint()
     assert exits == [130] and c.abort_save.is_set()
+
+
+def test_a_second_sigterm_during_the_stops_start_does_not_hang_the_server(monkeypatch):
+    """A signal handler runs in the main thread between bytecodes: a second SIGTERM (a supervisor
+    retrying, ``timeout`` then ``kill``) can arrive while the first one's handler holds the
+    controller's lock, waiting for the stop thread to start. It must return at once (the stop runs
+    once), not wait on that lock: the event loop, and so the server, would hang for good."""
+    import hpc_cli.server.stop as stop_mod
+
+    engine = FakeEngine().start()
+    c = StopController(engine, echo=lambda m: None)
+    started = []
+
+    class SignalledDuringStart(threading.Thread):
+        def start(self):
+            started.append(self.name)
+            c.handle_sigterm()  # the second SIGTERM, delivered while request_stop holds the lock
+            super().start()
+
+    first = threading.Thread(target=c.handle_sigterm, daemon=True)  # the first SIGTERM's handler
+    monkeypatch.setattr(stop_mod.threading, "Thread", SignalledDuringStart)  # the threads it starts
+    first.start()
+    first.join(5)
+    assert not first.is_alive(), "the nested SIGTERM waited on the controller's own lock"
+    assert c.done.wait(5) and engine.stopped
+    assert started == ["hpc-orderly-stop"] and c.reason == "SIGTERM"
