@@ -77,7 +77,7 @@ def held_out_prompts(model, data_dir: str, n: int) -> list[list[int]]:
     spec = importlib.util.spec_from_file_location("train_tiny", path)
     train_tiny = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_tiny)
-    texts = train_tiny.chat_prompts(train_tiny.records_all(Path(data_dir)), "val", n, train_tiny.SEED + 13)
+    texts = train_tiny.chat_prompts(train_tiny.records_all(Path(data_dir)), "val", n, train_tiny.CHAT_PROMPT_SEED)
     if len(texts) < n:
         raise SystemExit(f"{data_dir}: {len(texts)} validation chat prompts, {n} asked for")
     return [model.tokenizer.encode(t) for t in texts]

@@ -138,6 +138,9 @@ def held_out(records: list[dict], questions: tuple[str, ...]) -> set[str]:
 
 #: where a chat example's first answer starts: the generation prompt with the closed reasoning block
 _ANSWER = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+#: the draw of the chat prompts the model answers (--chat-answers, --val-answers); benchmarks/
+#: spec_decode.py --chat-data draws the validation split's with it, so both ask the same prompts
+CHAT_PROMPT_SEED = SEED + 13
 
 
 def chat_prompts(records: list[dict], split: str, n: int, seed: int) -> list[str]:
@@ -820,8 +823,8 @@ def main(argv=None) -> dict:
     args.block_sizes = [int(x) for x in args.block_sizes.split(",")]
     if args.val_answers is None:
         args.val_answers = 64 if args.chat_answers else 0
-    if args.val_answers and not args.init_from:
-        ap.error("--val-answers answers with a trained model: give --init-from DIR")
+    if (args.chat_answers or args.val_answers) and not args.init_from:
+        ap.error("--chat-answers and --val-answers answer with a trained model: give --init-from DIR")
     if args.corpus_every and not args.chat_answers:
         ap.error("--corpus-every mixes corpus rows into --chat-answers training; give --chat-answers N too")
     if args.target_layers and args.init_drafters:
@@ -874,11 +877,10 @@ def main(argv=None) -> dict:
     report["parameters"] = sum(p.numel() for p in model.parameters())
     if args.chat_answers or args.val_answers:  # self-distillation on chat traffic: the model answers greedily
         t1 = time.time()
-        assert args.init_from, "--chat-answers and --val-answers answer with the --init-from model"
         for split, n, key in (("train", args.chat_answers, "answers"), ("val", args.val_answers, "val_answers")):
             if not n:
                 continue
-            prompts = [e.ids for e in tok.encode_batch(chat_prompts(records, split, n, SEED + 13),
+            prompts = [e.ids for e in tok.encode_batch(chat_prompts(records, split, n, CHAT_PROMPT_SEED),
                                                        add_special_tokens=False)]
             answers = greedy_answers(Path(args.init_from), prompts, args.answer_tokens, args.answer_lanes,
                                      args.answer_device or dev.type)

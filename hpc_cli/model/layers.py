@@ -90,11 +90,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     row keeps the GEMV, which is faster there. A fixed shape always takes the same form, so decode
     and verify, whose row blocks have the same rows, keep their bit identity; longer runs (a
     prefill pass) keep ``F.linear``, as do bf16 and a bias."""
+    if bias is not None or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return F.linear(x, weight, bias)
     n, k = weight.shape
     rows = x.numel() // max(1, k)
     tall = n >= 4 * k and weight.numel() >= TALL_ELEMENTS
-    if not (bias is None and (1 < rows <= FEW_ROWS or (rows == 1 and tall)) and x.device.type == "cpu"
-            and weight.dtype == torch.float32 and x.dtype == torch.float32):
+    if not (1 < rows <= FEW_ROWS or (rows == 1 and tall)):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, k)
     if rows == 1:  # as two rows, the second zero

@@ -73,8 +73,6 @@ class StopController:
                   + (", then the prefix cache is saved" if self.prefix_cache_file else ""))
 
     def handle_sigterm(self, signum=None, frame=None) -> None:
-        if self.stopping:  # a repeated SIGTERM (a supervisor's retry): the stop runs already
-            return
         self.request_stop("SIGTERM")
 
     @contextlib.contextmanager

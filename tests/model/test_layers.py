@@ -145,6 +145,7 @@ def test_cuda_drafter_training_step_moves_every_drafter_weight():
         still = [n for n, p in net.named_parameters() if torch.equal(p.detach(), before[kind][n])]
         assert not still, f"{kind}: weights the steps did not move: {still}"
 
+
 def test_a_few_rows_product_on_the_cpu_runs_as_weight_times_rows(monkeypatch):
     """hpc_cli.model.layers.linear: float32 products of 2..FEW_ROWS rows on the CPU are
     ``(W @ x^T)^T`` (decode's and verify's row blocks), bit for bit the same whatever the leading

@@ -125,7 +125,7 @@ def test_benchmark_chat_data_takes_the_validation_splits_prompts(tmp_path):
     with gzip.open(tmp_path / "corpus.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     model = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda text: [len(text), text.count("obj")]))
-    texts = train_tiny.chat_prompts(records, "val", 4, train_tiny.SEED + 13)
+    texts = train_tiny.chat_prompts(records, "val", 4, train_tiny.CHAT_PROMPT_SEED)
     assert len(texts) == 4 and all("What is obj" in t for t in texts)
     assert all(int(t.split("obj")[1].split("?")[0]) % 2 for t in texts)  # validation objects only
     assert spec_decode.held_out_prompts(model, str(tmp_path), 4) == [[len(t), 1] for t in texts]
