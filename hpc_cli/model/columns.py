@@ -51,6 +51,11 @@ from hpc_kernels.split_sums import SplitSums, summed
 ROW_BLOCK = {"cuda": 16, "cpu": 4}
 
 
+#: lanes x table width up to which :meth:`ColumnIndex.pack_values` builds the index in plain
+#: Python (beyond it numpy's per-call cost is the smaller)
+SMALL_INDEX = 4096
+
+
 def row_block(model) -> int:
     return int(getattr(model, "row_block", None) or ROW_BLOCK.get(model.device.type, 16))
 
@@ -118,27 +123,63 @@ class ColumnIndex:
     host: tuple | None = None
 
     @staticmethod
-    def pack(tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]], slots: Sequence[int],
-             page: int, W: int, rope_offsets: Sequence[int] | None = None) -> torch.Tensor:
-        """The int64 host buffer :meth:`view` reads (one H2D copy). ``rope_offsets``: per lane, what
-        its rotary positions add to its token positions (a Vision prompt's mRoPE delta). Built in
-        numpy: a decode step waits for it (a dozen torch CPU ops took 190 us at one lane)."""
-        B, T = tokens.shape
+    def pack(tokens: torch.Tensor | Sequence[Sequence[int]], starts: Sequence[int], tables: Sequence[Sequence[int]],
+             slots: Sequence[int], page: int, W: int, rope_offsets: Sequence[int] | None = None) -> torch.Tensor:
+        """The int64 host buffer :meth:`view` reads (one H2D copy): :meth:`pack_values` as a tensor."""
+        values = ColumnIndex.pack_values(tokens, starts, tables, slots, page, W, rope_offsets)
+        return torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.int64)
+
+    @staticmethod
+    def pack_values(tokens: torch.Tensor | Sequence[Sequence[int]], starts: Sequence[int],
+                    tables: Sequence[Sequence[int]], slots: Sequence[int], page: int, W: int,
+                    rope_offsets: Sequence[int] | None = None) -> list[int] | np.ndarray:
+        """The values of the packed buffer, in :meth:`view`'s order (``tokens`` ``[B, T]``, a tensor
+        or rows). ``rope_offsets``: per lane, what its rotary positions add to its token positions
+        (a Vision prompt's mRoPE delta). A decode step or a speculative round waits for them: a
+        small index (lanes x table width up to :data:`SMALL_INDEX`) is built in plain Python (on the
+        2-core CPU machine 4 us at one lane and two columns, where numpy's dozen calls take 16 us;
+        19 us against 32 at 8 lanes, 4 columns and 64 pages), a large one in numpy."""
+        rows_ = tokens.tolist() if torch.is_tensor(tokens) else tokens
+        B, T = len(rows_), len(rows_[0])
+        for b, bt in enumerate(tables):
+            need = (starts[b] + T - 1) // page + 1
+            assert len(bt) >= need, f"block table has {len(bt)} pages, position {starts[b] + T - 1} needs {need}"
+        if B * W > SMALL_INDEX:
+            return ColumnIndex._pack_numpy(rows_, starts, tables, slots, page, W, rope_offsets)
+        cols = range(T)
+        out = [t for row in rows_ for t in row]
+        if rope_offsets is None:
+            out += [s + t for s in starts for t in cols]
+        else:
+            out += [s + o + t for s, o in zip(starts, rope_offsets) for t in cols]
+        out += slots
+        tab = [list(bt[:W]) + [0] * (W - min(len(bt), W)) for bt in tables]
+        for t in cols:
+            out += [tab[b][(s + t) // page] * page + (s + t) % page for b, s in enumerate(starts)]
+        for t in cols:
+            out += [s + t + 1 for s in starts]
+        for t in cols:
+            out += [b * T + t for b in range(B)]
+        for row in tab:
+            out += row
+        return out
+
+    @staticmethod
+    def _pack_numpy(tokens: Sequence[Sequence[int]], starts: Sequence[int], tables: Sequence[Sequence[int]],
+                    slots: Sequence[int], page: int, W: int, rope_offsets: Sequence[int] | None) -> np.ndarray:
+        B, T = len(tokens), len(tokens[0])
         t = np.arange(T, dtype=np.int64)
         pos = np.asarray(starts, dtype=np.int64)[:, None] + t[None, :]  # [B, T]
         rope = pos if rope_offsets is None else pos + np.asarray(rope_offsets, dtype=np.int64)[:, None]
         tab = np.zeros((B, W), dtype=np.int64)
         for b, bt in enumerate(tables):
-            need = (starts[b] + T - 1) // page + 1
-            assert len(bt) >= need, f"block table has {len(bt)} pages, position {starts[b] + T - 1} needs {need}"
             k = min(len(bt), W)
             tab[b, :k] = bt[:k]
         write = np.take_along_axis(tab, pos // page, axis=1) * page + pos % page  # [B, T]
         rows = np.arange(B, dtype=np.int64)[:, None] * T + t[None, :]
-        tok = tokens.reshape(-1).cpu().numpy().astype(np.int64, copy=False)
-        return torch.from_numpy(np.concatenate([tok, rope.reshape(-1), np.asarray(slots, dtype=np.int64),
-                                                write.T.reshape(-1), (pos + 1).T.reshape(-1), rows.T.reshape(-1),
-                                                tab.reshape(-1)]))
+        tok = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        return np.concatenate([tok, rope.reshape(-1), np.asarray(slots, dtype=np.int64), write.T.reshape(-1),
+                               (pos + 1).T.reshape(-1), rows.T.reshape(-1), tab.reshape(-1)])
 
     @classmethod
     def view(cls, packed: torch.Tensor, B: int, T: int, W: int, host: tuple | None = None) -> "ColumnIndex":
@@ -177,6 +218,10 @@ class ColumnsOut:
     #: the serial number of the CUDA graph whose static outputs these are (valid until its next
     #: replay; a graph captured again gets a new one), 0 for a pass's own tensors
     static: int = 0
+    #: a verify pass's (``keep_all``, two or more columns) ``[B, 2T - 1]``: the tokens of columns
+    #: ``1..T-1`` (the drafts) and every column's argmax, computed in the pass (its graph) so that
+    #: the host reads drafts and verdicts in one copy
+    verdict: torch.Tensor | None = None
 
 
 def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: torch.Tensor,
@@ -418,5 +463,7 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
     if not keep_all:
         states.hidden.index_copy_(0, slot_t, hidden[:, -1].to(states.hidden.dtype))
     lg = blocks(model.lm_head, R, xn)[:n].view(B, T, -1) if logits else None
+    verdict = (torch.cat([idx.tokens.view(B, T)[:, 1:], lg.argmax(-1)], 1)
+               if keep_all and T > 1 and lg is not None else None)
     return ColumnsOut(lg, hidden, torch.cat(feats, dim=-1).view(B, T, -1) if feats else None,
-                      windows if keep_all else None, kept if keep_all else None, index=idx)
+                      windows if keep_all else None, kept if keep_all else None, index=idx, verdict=verdict)

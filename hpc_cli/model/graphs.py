@@ -42,6 +42,7 @@ import torch
 
 from hpc_cli.model.columns import ColumnIndex, ColumnsOut, columns_core, table_width
 from hpc_cli.model.layers import env_switch
+from hpc_cli.model.staging import HostStaging
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -151,6 +152,7 @@ class ColumnGraphs(CapturedGraphs):
         self.evictions = 0
         self.prepared_replays = 0  # decode steps whose packed index was built ahead
         self.bound: tuple | None = None  # serials of the pools the kept graphs write
+        self.staging = HostStaging(model.device)  # the passes' packed indices on their way to the device
         total = torch.cuda.get_device_properties(model.device).total_memory if model.device.type == "cuda" else 0
         self.budget = min(OUTPUT_BUDGET_MAX, int(OUTPUT_BUDGET_SHARE * total))
 
@@ -223,10 +225,14 @@ class ColumnGraphs(CapturedGraphs):
         return self._replay(key, entry, prepared.packed).logits[:, 0].clone()
 
     def _replay(self, key: tuple, entry: _Graph, packed: torch.Tensor,
-                drafts: torch.Tensor | None = None) -> ColumnsOut:
-        """``entry``'s graph on the step's ``packed`` index (and ``drafts`` on the device)."""
+                drafts: torch.Tensor | None = None, staged: bool = False) -> ColumnsOut:
+        """``entry``'s graph on the step's ``packed`` index (``staged``: the last buffer of
+        :attr:`staging`) and ``drafts`` on the device."""
         self.graphs.move_to_end(key)
-        entry.index.packed.copy_(packed, non_blocking=True)
+        if staged:
+            self.staging.send_into(packed, entry.index.packed)
+        else:
+            entry.index.packed.copy_(packed, non_blocking=True)
         if drafts is not None:
             entry.index.put_drafts(drafts)
         entry.graph.replay()
@@ -246,7 +252,7 @@ class ColumnGraphs(CapturedGraphs):
         B, T = tokens.shape
         page = kv.page_tokens
         W = table_width(tables, starts, T, page)
-        packed = ColumnIndex.pack(tokens, starts, tables, slots, page, W, rope_offsets).pin_memory()
+        packed = self.staging.stage(ColumnIndex.pack_values(tokens, starts, tables, slots, page, W, rope_offsets))
         capture = tuple(sorted(set(capture)))
         key = self._key(B, T, W, kv, states, keep_all, capture, logits)
         entry = self.graphs.get(key)
@@ -254,16 +260,16 @@ class ColumnGraphs(CapturedGraphs):
             entry = self._capture(key, packed, B, T, W, kv, states, keep_all, capture, logits)
         if entry is None:  # the first pass of this key (warm-up), or graphs unavailable
             self.seen.add(key)
-            idx = ColumnIndex.view(packed.to(model.device, non_blocking=True), B, T, W)
+            idx = ColumnIndex.view(self.staging.send(packed), B, T, W)
             if drafts is not None:
                 idx.put_drafts(drafts)
             return columns_core(model, idx, kv, states, keep_all=keep_all, capture=capture, logits=logits)
-        return self._replay(key, entry, packed, drafts)
+        return self._replay(key, entry, packed, drafts, staged=True)
 
     def _capture(self, key, packed: torch.Tensor, B: int, T: int, W: int, kv, states, keep_all: bool,
                  capture: tuple, logits: bool) -> _Graph | None:
         model = self.model
-        static = packed.to(model.device)
+        static = packed.to(model.device)  # a copy the host waits for: the staged buffer is free after it
         idx = ColumnIndex.view(static, B, T, W)
         captured = self.try_capture(lambda: columns_core(model, idx, kv, states, keep_all=keep_all,
                                                          capture=capture, logits=logits), "decoding")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -140,6 +142,7 @@ class HybridModel(nn.Module):
         self._graphs = None
         #: the prefill passes' graphs (hpc_cli.model.prefill_graphs), likewise
         self._prefill_graphs = None
+        self._wanted_memo: tuple[weakref.ref, tuple, bool] | None = None  # (pool, switches, answer)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, **fk)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -376,11 +379,24 @@ class HybridModel(nn.Module):
             return None
         from hpc_cli.model.graphs import ColumnGraphs
 
-        if not ColumnGraphs.wanted(self, kv):
+        if not self._graphs_wanted(kv):
             return None
         if self._graphs is None:
             self._graphs = ColumnGraphs(self)
         return None if self._graphs.disabled else self._graphs
+
+    def _graphs_wanted(self, kv: "PagedKVStorage") -> bool:
+        """:meth:`ColumnGraphs.wanted` for ``kv``, worked out once per pool and switch setting (each
+        decode step and verify pass asks; the answer walks the layers and the pool's formats)."""
+        from hpc_cli.model.graphs import ColumnGraphs
+
+        switches = (self.cuda_graphs, os.environ.get("HPC_CUDA_GRAPHS"))
+        memo = self._wanted_memo
+        if memo is not None and memo[0]() is kv and memo[1] == switches:
+            return memo[2]
+        wanted = ColumnGraphs.wanted(self, kv)
+        self._wanted_memo = (weakref.ref(kv), switches, wanted)
+        return wanted
 
     def prefill_graphs(self, kv: "PagedKVStorage"):
         """The CUDA graphs of this model's plain prefill passes over ``kv``
@@ -388,10 +404,9 @@ class HybridModel(nn.Module):
         or a capture failed."""
         if self.device.type != "cuda" or int(self.prefill_pad) <= 1:
             return None
-        from hpc_cli.model.graphs import ColumnGraphs
         from hpc_cli.model.prefill_graphs import PrefillGraphs
 
-        if not ColumnGraphs.wanted(self, kv):
+        if not self._graphs_wanted(kv):
             return None
         if self._prefill_graphs is None:
             self._prefill_graphs = PrefillGraphs(self)

@@ -43,7 +43,7 @@ from hpc_cli.kv_profile import PAGE_TOKENS
 from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, apply_rotary
 from hpc_cli.spec_backend import BackendPoolSpec
 from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, warm_proposals
-from hpc_cli.speculative.ops import column_writes, padded_table
+from hpc_cli.speculative.ops import column_writes, padded_rows, padded_table
 
 RING_PART = "dflash2_ring"
 
@@ -491,14 +491,13 @@ class DFlashDrafter:
         per lanes x page-table width (DFlash; a decode graph's width, so many context lengths
         share one) x ``k``."""
         assert self.graphs is not None, "packed proposals need the drafter's graphs"
-        head = torch.tensor([[l.next_token, l.state_slot, l.pos, 0] for l in lanes], dtype=torch.long)
         W = 0
         if self.cfg.kind == "dflash":  # the context's pages, padded to a decode graph's width
-            table, W = padded_table([l.pages for l in lanes], [max(0, l.pos - 1) for l in lanes],
-                                    self.pool.page_tokens, "cpu", graph=True)
-            head = torch.cat([head, table], 1)
-        if self.model.device.type == "cuda":
-            head = head.pin_memory()  # copied to the device without waiting
+            table, W = padded_rows([l.pages for l in lanes], [max(0, l.pos - 1) for l in lanes],
+                                   self.pool.page_tokens, graph=True)
+        else:
+            table = [()] * len(lanes)
+        head = self.graphs.pack([[l.next_token, l.state_slot, l.pos, 0, *row] for l, row in zip(lanes, table)])
         key = DraftGraphs.key(len(lanes), W, k, self.pool if self.pool is not None else self.storage, self.states, 0)
         return self.graphs.run(key, head, lambda p: self._steps(p, W, k))
 

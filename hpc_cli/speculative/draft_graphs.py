@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from hpc_cli.model.graphs import CapturedGraphs, pool_serials
+from hpc_cli.model.staging import HostStaging
 
 #: columns of a packed input row before the page table: next token, state slot, position, write
 INPUT_COLUMNS = 4
@@ -47,6 +48,12 @@ class DraftGraphs(CapturedGraphs):
         self.device = device
         self.graphs: dict[tuple, _DraftGraph] = {}
         self.seen: set[tuple] = set()
+        self.staging = HostStaging(device)
+
+    def pack(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """A round's packed inputs ``[B, INPUT_COLUMNS + W]`` (one row a lane, of equal lengths) in
+        a staged host buffer (pinned on CUDA), for :meth:`run`."""
+        return self.staging.stage([v for row in rows for v in row]).view(len(rows), -1)
 
     @staticmethod
     def key(B: int, W: int, k: int, kv, states, row_block: int) -> tuple:
@@ -56,22 +63,22 @@ class DraftGraphs(CapturedGraphs):
 
     def run(self, key: tuple, packed: torch.Tensor, steps: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The drafts ``[B, k]`` of ``steps`` (a function of the packed inputs on the device) on
-        ``packed`` (pinned host memory): eagerly the first time a key is met, then from its graph.
+        ``packed`` (from :meth:`pack`): eagerly the first time a key is met, then from its graph.
         A graph's result is its static buffer: read it before the next proposal of the key."""
         entry = self.graphs.get(key)
         if entry is None and key in self.seen and self.disabled is None:
             entry = self._capture(key, packed, steps)
         if entry is None:
             self.seen.add(key)
-            return steps(packed.to(self.device, non_blocking=True))
-        entry.inputs.copy_(packed, non_blocking=True)
+            return steps(self.staging.send(packed))
+        self.staging.send_into(packed, entry.inputs)
         entry.graph.replay()
         self.replays += 1
         return entry.drafts
 
     def _capture(self, key: tuple, packed: torch.Tensor,
                  steps: Callable[[torch.Tensor], torch.Tensor]) -> _DraftGraph | None:
-        static = packed.to(self.device)
+        static = packed.to(self.device)  # a copy the host waits for
         captured = self.try_capture(lambda: steps(static), "proposing")
         if captured is None:
             return None

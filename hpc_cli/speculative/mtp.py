@@ -26,7 +26,7 @@ import torch
 
 from hpc_cli.kv_profile import PAGE_TOKENS
 from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, warm_proposals
-from hpc_cli.speculative.ops import column_writes, page_table, paged_attention, reads_in_place, write_kv
+from hpc_cli.speculative.ops import column_writes, page_rows, page_table, paged_attention, reads_in_place, write_kv
 
 
 class MTPDrafter:
@@ -215,13 +215,10 @@ class MTPDrafter:
         round's inputs packed into one pinned host tensor, the steps replayed from a graph."""
         assert self.graphs is not None, "packed proposals need the drafter's graphs"
         attn = self.mtp.layers[0].self_attn
-        table, W = page_table(attn, self.storage, [l.pages for l in lanes], [l.pos - 2 + k for l in lanes], 1, "cpu")
+        table, W = page_rows(attn, self.storage, [l.pages for l in lanes], [l.pos - 2 + k for l in lanes], 1)
         # position pos-1 is the bridge: already valid where the prefill had the next token
-        head = torch.tensor([[l.next_token, l.state_slot, l.pos - 1, int((l.backend_frontier or 0) <= l.pos - 1)]
-                             for l in lanes], dtype=torch.long)
-        packed = torch.cat([head, table], 1)
-        if self.model.device.type == "cuda":
-            packed = packed.pin_memory()  # copied to the device without waiting
+        packed = self.graphs.pack([[l.next_token, l.state_slot, l.pos - 1, int((l.backend_frontier or 0) <= l.pos - 1),
+                                    *row] for l, row in zip(lanes, table)])
         key = DraftGraphs.key(len(lanes), W, k, self.storage, states, int(getattr(self.model, "row_block", None) or 0))
         drafts = self.graphs.run(key, packed, lambda p: self._steps(p, W, k, states))
         for l in lanes:

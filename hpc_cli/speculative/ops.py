@@ -24,10 +24,11 @@ import torch
 from hpc_cli.model.columns import ColumnsOut, columns_pass, graph_width
 
 
-def padded_table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int, device,
-                 graph: bool = False) -> tuple[torch.Tensor, int]:
-    """Padded page table ``[B, width]`` covering position ``last_pos[b]`` of each lane (``graph``:
-    a decode graph's width, :func:`~hpc_cli.model.columns.graph_width`)."""
+def padded_rows(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int,
+                graph: bool = False) -> tuple[list[list[int]], int]:
+    """Each lane's page table covering position ``last_pos[b]``, padded with its first page to
+    one width (``graph``: a decode graph's width, :func:`~hpc_cli.model.columns.graph_width`), as
+    host rows, and that width."""
     need = [p // page + 1 for p in last_pos]
     width = graph_width(max(need)) if graph else max(need)
     rows = []
@@ -35,6 +36,13 @@ def padded_table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page:
         assert len(bt) >= n, f"block table has {len(bt)} pages, position {p} needs {n}"
         row = list(bt[:n])
         rows.append(row + [row[0]] * (width - n))
+    return rows, width
+
+
+def padded_table(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int, device,
+                 graph: bool = False) -> tuple[torch.Tensor, int]:
+    """:func:`padded_rows` as a tensor ``[B, width]`` on ``device``."""
+    rows, width = padded_rows(tables, last_pos, page, graph)
     return torch.tensor(rows, dtype=torch.long, device=device), width
 
 
@@ -122,6 +130,12 @@ def page_table(attn, kv, tables: Sequence[Sequence[int]], last_pos: Sequence[int
     kernel reads it, its width is a decode graph's (a power of two, >= 8), the widths the warm-up
     compiles that kernel for, so a draft step compiles nothing while serving."""
     return padded_table(tables, last_pos, kv.page_tokens, device, graph=reads_in_place(attn, kv, T))
+
+
+def page_rows(attn, kv, tables: Sequence[Sequence[int]], last_pos: Sequence[int], T: int
+              ) -> tuple[list[list[int]], int]:
+    """:func:`page_table` as host rows (a graph's packed inputs)."""
+    return padded_rows(tables, last_pos, kv.page_tokens, graph=reads_in_place(attn, kv, T))
 
 
 #: the verify pass's result (logits, hidden, features, per-column windows and states)

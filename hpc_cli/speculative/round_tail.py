@@ -28,6 +28,7 @@ import torch
 
 from hpc_cli.model.columns import ColumnsOut
 from hpc_cli.model.graphs import CapturedGraphs
+from hpc_cli.model.staging import HostStaging
 
 #: tail graphs kept (least recently used dropped first): one per verify graph in use
 MAX_TAILS = 256
@@ -48,6 +49,7 @@ class RoundTails(CapturedGraphs):
         self.use_graphs = use_graphs and device.type == "cuda"
         self.graphs: OrderedDict[tuple, _TailGraph] = OrderedDict()
         self.seen: set[tuple] = set()
+        self.staging = HostStaging(device)
 
     def run(self, out: ColumnsOut, accepted: list[int], variant: str,
             tail: Callable[[ColumnsOut, torch.Tensor], None]) -> None:
@@ -55,18 +57,16 @@ class RoundTails(CapturedGraphs):
         verify graph's static output seen before with this ``variant`` of the tail (the same
         verify graph can be followed by the commit alone or by the commit and the drafter's
         catch-up), else eagerly."""
-        counts = torch.tensor(accepted, dtype=torch.long)
-        if self.device.type == "cuda":
-            counts = counts.pin_memory()
+        counts = self.staging.stage(accepted)
         if not (self.use_graphs and out.static and self.disabled is None):
-            tail(out, counts.to(self.device, non_blocking=True))
+            tail(out, self.staging.send(counts))
             return
         key = (out.static, variant)
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)
         elif key in self.seen:
-            static = counts.to(self.device)
+            static = counts.to(self.device)  # a copy the host waits for
             captured = self.try_capture(lambda: tail(out, static), "committing the round")
             if captured is not None:
                 entry = _TailGraph(captured[0], static)
@@ -77,8 +77,8 @@ class RoundTails(CapturedGraphs):
             if len(self.seen) > 4 * MAX_TAILS:
                 self.seen.clear()
             self.seen.add(key)
-            tail(out, counts.to(self.device, non_blocking=True))
+            tail(out, self.staging.send(counts))
             return
-        entry.accepted.copy_(counts, non_blocking=True)
+        self.staging.send_into(counts, entry.accepted)
         entry.graph.replay()
         self.replays += 1

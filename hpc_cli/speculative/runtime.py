@@ -183,18 +183,19 @@ class SpecRuntime:
                           capture=self.drafter.capture, drafts=dev_drafts if on_device else None)
         t2 = time.monotonic()
         engine.send_held()  # the last round's tokens, while the device verifies (in rollback_s's wait)
-        logits = out.logits.float()
+        logits = out.logits  # read in place: a greedy round reads only the argmax (event_for and
+        # target_probs take float32 of what they read)
         any_greedy = any(l.request.sampling.temperature == 0.0 for l in lanes)
         # every column's greedy token in one read of the device (not one per column), with the
         # drafts when they were left there
         greedy = None
         if on_device:
-            both = torch.cat([dev_drafts, out.logits.argmax(-1)], 1) if any_greedy else dev_drafts
-            rows = both.tolist()
+            rows = out.verdict.tolist()  # the drafts the pass read and every column's argmax
             drafts = [r[:k] for r in rows]
             greedy = [r[k:] for r in rows] if any_greedy else None
         elif any_greedy:
-            greedy = out.logits.argmax(-1).tolist()
+            greedy = ([r[k:] for r in out.verdict.tolist()] if out.verdict is not None
+                      else out.logits.argmax(-1).tolist())
         accepted = []
         for b, lane in enumerate(lanes):
             acc = self._accept(engine, lane, logits[b], drafts[b], greedy[b] if greedy is not None else None)

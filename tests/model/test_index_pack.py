@@ -1,14 +1,16 @@
-"""The packed host indices of a column pass (hpc_cli.model.columns.ColumnIndex) and of a prefill
-pass (hpc_cli.model.prefill_core.PrefillIndex), built in numpy, against the same layouts built
-with torch ops (the form they had before: independent code, same numbers), over random lanes,
-spans, tables, rotary offsets and taps."""
+"""The packed host indices of a column pass (hpc_cli.model.columns.ColumnIndex: plain Python for a
+small index, numpy for a large one) and of a prefill pass (hpc_cli.model.prefill_core.PrefillIndex,
+numpy), against the same layouts built with torch ops (the form they had before: independent
+code, same numbers), over random lanes, spans, tables, rotary offsets and taps."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+from hpc_cli.model import columns
 from hpc_cli.model.columns import ColumnIndex, table_width
 from hpc_cli.model.prefill_core import PrefillIndex
 from hpc_cli.model.prefill_core import table_width as prefill_table_width
@@ -48,7 +50,9 @@ def _prefill_ref(tokens, start, block_table, state_slot, L, W, page, k1, taps, s
                       torch.cat(cols), torch.tensor([*at, *([0] * free)], dtype=torch.long)])
 
 
-def test_column_index_equals_the_torch_layout():
+@pytest.mark.parametrize("small_index", [columns.SMALL_INDEX, 0], ids=["lists", "numpy"])
+def test_column_index_equals_the_torch_layout(monkeypatch, small_index):
+    monkeypatch.setattr(columns, "SMALL_INDEX", small_index)
     rng = random.Random(0)
     for _ in range(60):
         B, T, page = rng.randint(1, 8), rng.randint(1, 5), 64
@@ -59,7 +63,9 @@ def test_column_index_equals_the_torch_layout():
         rope = [rng.randrange(-50, 50) for _ in range(B)] if rng.random() < 0.3 else None
         W = table_width(tables, starts, T, page)
         got = ColumnIndex.pack(tokens, starts, tables, slots, page, W, rope)
-        assert got.dtype == torch.long and torch.equal(got, _columns_ref(tokens, starts, tables, slots, page, W, rope))
+        want = _columns_ref(tokens, starts, tables, slots, page, W, rope)
+        assert got.dtype == torch.long and torch.equal(got, want)
+        assert list(ColumnIndex.pack_values(tokens.tolist(), starts, tables, slots, page, W, rope)) == want.tolist()
 
 
 def test_prefill_index_equals_the_torch_layout():
