@@ -14,10 +14,14 @@ construction, also in bf16 and on CUDA (docs/speculative.md, "Bit-identical veri
 * **Per-lane ops run column by column with decode's shapes.** The conv window (a product-sum
   over a contiguous ``[B, C, K]`` window, then silu and the gates on contiguous ``[B, ...]``
   operands), the gated delta rule (the decode kernel on
-  ``[B, 1, ...]``, one program per lane and head) and attention (one query per lane, the K/V of
-  column ``t`` written just before column ``t`` reads the pages) are the very calls decode
-  makes, in decode's order. A lane's attention reads exactly its own pages up to its position
-  (lanes with equal spans share a call), so its key span never depends on the other lanes. With
+  ``[B, 1, ...]``, one program per lane and head) are the very calls decode makes, in decode's
+  order. Attention writes every column's K/V, then reads the pages for every column's query in
+  one launch of the paged decode kernel (decode's kernel and launch, ``B * T`` rows: a program
+  per row, KV head and split, so a row's result never depends on the other rows); a row reads
+  exactly its own lane's pages up to its own position (a later column's K/V, already written,
+  is masked as the stale K/V there is in decode), so its key span never depends on the other
+  lanes or columns. On the gather + SDPA path (no paged kernel) lanes with equal spans share a
+  call. With
   the fused kernels (CUDA) a GDN column is one launch of :func:`hpc_kernels.gdn_decode.gdn_step`
   over all lanes, one program per lane, value head and block of value columns, in verify; decode
   runs the same step after a conv launch that steps the conv states in their slots
@@ -104,10 +108,11 @@ class ColumnIndex:
     """Every index a column pass reads, built once per pass (not per layer) and moved to the device
     in ONE copy: rows are ``b * T + t``.
 
-    ``tokens``/``positions`` ``[B*T]``, ``slots`` ``[B]`` state slots, ``write`` ``[T, B]`` the KV slot
-    of column ``t`` of lane ``b``, ``seqlens`` ``[T, B]`` keys column ``t`` reads, ``rows`` ``[T, B]``,
-    ``tables`` ``[B, W]`` page tables (padded with page 0, never read past ``seqlens``). ``host``
-    keeps the lists for the gather + SDPA attention path."""
+    ``tokens``/``positions`` ``[B*T]``, ``slots`` ``[B]`` state slots, ``write`` ``[B, T]`` the KV slot
+    of column ``t`` of lane ``b``, ``seqlens`` ``[B, T]`` keys column ``t`` reads, ``rows`` ``[B, T]``
+    (``b * T + t``), ``tables`` ``[B, W]`` page tables (padded with page 0, never read past
+    ``seqlens``), ``row_tables`` ``[B*T, W]`` each row's (its lane's; ``tables`` itself for one
+    column). ``host`` keeps the lists for the gather + SDPA attention path."""
 
     B: int
     T: int
@@ -120,6 +125,7 @@ class ColumnIndex:
     seqlens: torch.Tensor
     rows: torch.Tensor
     tables: torch.Tensor
+    row_tables: torch.Tensor
     host: tuple | None = None
 
     @staticmethod
@@ -154,14 +160,15 @@ class ColumnIndex:
             out += [s + o + t for s, o in zip(starts, rope_offsets) for t in cols]
         out += slots
         tab = [list(bt[:W]) + [0] * (W - min(len(bt), W)) for bt in tables]
-        for t in cols:
-            out += [tab[b][(s + t) // page] * page + (s + t) % page for b, s in enumerate(starts)]
-        for t in cols:
-            out += [s + t + 1 for s in starts]
-        for t in cols:
-            out += [b * T + t for b in range(B)]
+        out += [tab[b][(s + t) // page] * page + (s + t) % page for b, s in enumerate(starts) for t in cols]
+        out += [s + t + 1 for s in starts for t in cols]
+        out += range(B * T)
         for row in tab:
             out += row
+        if T > 1:  # each row's table: its lane's
+            for row in tab:
+                for _ in cols:
+                    out += row
         return out
 
     @staticmethod
@@ -176,17 +183,20 @@ class ColumnIndex:
             k = min(len(bt), W)
             tab[b, :k] = bt[:k]
         write = np.take_along_axis(tab, pos // page, axis=1) * page + pos % page  # [B, T]
-        rows = np.arange(B, dtype=np.int64)[:, None] * T + t[None, :]
         tok = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        return np.concatenate([tok, rope.reshape(-1), np.asarray(slots, dtype=np.int64), write.T.reshape(-1),
-                               (pos + 1).T.reshape(-1), rows.T.reshape(-1), tab.reshape(-1)])
+        parts = [tok, rope.reshape(-1), np.asarray(slots, dtype=np.int64), write.reshape(-1), (pos + 1).reshape(-1),
+                 np.arange(B * T, dtype=np.int64), tab.reshape(-1)]
+        if T > 1:
+            parts.append(np.repeat(tab, T, axis=0).reshape(-1))
+        return np.concatenate(parts)
 
     @classmethod
     def view(cls, packed: torch.Tensor, B: int, T: int, W: int, host: tuple | None = None) -> "ColumnIndex":
         n = B * T
-        parts = torch.split(packed, [n, n, B, n, n, n, B * W])
-        return cls(B, T, W, packed, parts[0], parts[1], parts[2], parts[3].view(T, B), parts[4].view(T, B),
-                   parts[5].view(T, B), parts[6].view(B, W), host)
+        parts = torch.split(packed, [n, n, B, n, n, n, B * W] + ([n * W] if T > 1 else []))
+        tables = parts[6].view(B, W)
+        return cls(B, T, W, packed, parts[0], parts[1], parts[2], parts[3].view(B, T), parts[4].view(B, T),
+                   parts[5].view(B, T), tables, parts[7].view(n, W) if T > 1 else tables, host)
 
     def put_drafts(self, drafts: torch.Tensor) -> None:
         """Columns ``1..T-1`` of the tokens from ``drafts`` ``[B, T - 1]`` on the device (one
@@ -222,23 +232,64 @@ class ColumnsOut:
     #: ``1..T-1`` (the drafts) and every column's argmax, computed in the pass (its graph) so that
     #: the host reads drafts and verdicts in one copy
     verdict: torch.Tensor | None = None
+    #: a verify pass's ``windows`` and ``states`` as two stacked tensors ``[G, B, C, K-1+T]`` and
+    #: ``[G, B*T, H, dk, dv]`` (the lists are views of them), where the fused kernels kept them so
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class _Stacks:
+    """A verify pass's kept windows and states of every GDN layer in two stacked tensors
+    (``[G, B, C, K-1+T]`` and ``[G, B*T, H, dk, dv]``, allocated at the first layer), so that a
+    round's commit copies every layer's in one launch each (:func:`hpc_cli.speculative.ops.commit_columns`)
+    instead of a few launches a layer. The fused kernels' path only."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self.windows: torch.Tensor | None = None
+        self.kept: torch.Tensor | None = None
+        self.filled = 0
+
+    def window(self, g: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        if self.windows is None:
+            self.windows = like.new_empty(self.layers, *shape)
+        self.filled += 1
+        return self.windows[g]
+
+    def kept_rows(self, g: int, rows: int, rec: torch.Tensor) -> torch.Tensor:
+        if self.kept is None:
+            self.kept = rec.new_empty(self.layers, rows, *rec.shape[1:])
+        return self.kept[g]
+
+    def both(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The two stacks where every layer filled its part, else None (the per-layer tensors)."""
+        return (self.windows, self.kept) if self.filled == self.layers and self.kept is not None else None
 
 
 def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: torch.Tensor,
-         slot_t: torch.Tensor, keep_all: bool, R: int, run: int | None = None, unsummed: bool = False):
+         slot_t: torch.Tensor, keep_all: bool, R: int, run: int | None = None, unsummed: bool = False,
+         stacks: tuple[_Stacks, int] | None = None):
     """The GDN layer's columns. ``rec`` is the layer's state slots, the lanes' in ``slot_t``: with
     ``keep_all`` they are read only (every column's state comes back ``[B, T, H, dk, dv]``), else
     the last column's state is written back there (and ``None`` comes back). ``run``: the first of
     the lanes' slots where they are consecutive (:func:`_slot_run`; decode on the CPU only).
-    ``unsummed``: the output projection's split sums where it has them (one row block)."""
+    ``unsummed``: the output projection's split sums where it has them (one row block).
+    ``stacks``: where a verify pass keeps this layer's window and states (and the layer's place
+    there), on the fused kernels' path."""
     finish = functools.partial(la._finish, unsummed=unsummed)
     mixed, z, b, a = blocks(la._project, R, h)
     C = mixed.shape[-1]
     m = mixed[:n].view(B, T, C)
-    window = torch.cat([conv0.to(m.dtype), m.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+    parts = [conv0.to(m.dtype), m.transpose(1, 2)]
     if _fused_gdn(la, h):
-        core, state = _gdn_fused(la, window, a, b, B, T, rec, slot_t, keep_all)
+        if keep_all and stacks is not None:
+            st, g = stacks
+            window = torch.cat(parts, dim=-1, out=st.window(g, (B, C, conv0.shape[-1] + T), m))  # [B, C, K-1+T]
+            kept = st.kept_rows(g, B * T, rec)
+        else:
+            window, kept = torch.cat(parts, dim=-1), None
+        core, state = _gdn_fused(la, window, a, b, B, T, rec, slot_t, keep_all, kept)
         return blocks(finish, R, _pad_rows(core, h.shape[0]), z), window, state
+    window = torch.cat(parts, dim=-1)  # [B, C, K-1+T]
     w = la.conv1d.weight[:, 0, :]  # [C, K]
     K = w.shape[-1]
     b3, a3 = b[:n].view(B, T, -1), a[:n].view(B, T, -1)
@@ -299,18 +350,20 @@ def _slot_run(slot_t: torch.Tensor) -> int | None:
 
 
 def _gdn_fused(la, window: torch.Tensor, a: torch.Tensor, b: torch.Tensor, B: int, T: int, rec: torch.Tensor,
-               slot_t: torch.Tensor, keep_all: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+               slot_t: torch.Tensor, keep_all: bool, kept: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The columns through :func:`hpc_kernels.gdn_decode.gdn_step`, one launch a column, output
     rows ``b * T + t``: decode steps the lanes' slots in place; the verify pass (``keep_all``)
-    writes column ``t``'s state to row ``b * T + t`` of a ``[B * T, ...]`` buffer, reading column
-    ``t - 1``'s from there."""
+    writes column ``t``'s state to row ``b * T + t`` of a ``[B * T, ...]`` buffer (``kept``, else a
+    new one), reading column ``t - 1``'s from there."""
     o = window.new_empty(B * T, la.n_v, la.d_v)
     w = la.conv1d.weight[:, 0, :].contiguous()
     if not keep_all:
         for t in range(T):
             gdn_decode.gdn_step(window, t, w, a, b, la.A_log, la.dt_bias, rec, slot_t, rec, slot_t, la.n_k, T, o)
         return o, None
-    kept = rec.new_empty(B * T, *rec.shape[1:])
+    if kept is None:
+        kept = rec.new_empty(B * T, *rec.shape[1:])
     for t in range(T):
         src, src_idx = (rec, slot_t) if t == 0 else (kept, None)
         gdn_decode.gdn_step(window, t, w, a, b, la.A_log, la.dt_bias, src, src_idx, kept, None, la.n_k, T, o)
@@ -346,14 +399,16 @@ def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, page
     ``unsummed``: the output projection's split sums where it has them (one row block)."""
     finish = functools.partial(attn.finish, unsummed=unsummed)
     q, gate, k, v = blocks(attn.qkv, R, h, cos, sin)
-    o_rows = q.new_zeros(q.shape)
     if paged:
-        for t in range(idx.T):  # column t's K/V is written just before column t reads the pages, as in decode
-            rows = idx.rows[t]
-            kv.write(layer, idx.write[t], k.index_select(0, rows), v.index_select(0, rows))
-            o = kv.decode_attention(layer, q.index_select(0, rows), idx.tables, idx.seqlens[t], attn.scale)
-            o_rows.index_copy_(0, rows, o)
-        return blocks(finish, R, o_rows, gate)
+        # every column's K/V written, then every column's query in ONE launch of the paged decode
+        # kernel: it runs a program per row, KV head and split whatever the rows, so a column's
+        # result is what decode's one-column launch computes (a row's keys past its own position,
+        # written by later columns, are masked as decode's stale ones are: they add exactly 0)
+        n = idx.B * idx.T
+        kv.write(layer, idx.write.reshape(-1), k[:n], v[:n])
+        o = kv.decode_attention(layer, q[:n], idx.row_tables, idx.seqlens.reshape(-1), attn.scale)
+        return blocks(finish, R, _pad_rows(o, q.shape[0]), gate)
+    o_rows = q.new_zeros(q.shape)
     # every column's K/V written at once: column t reads keys up to its own position only, so the
     # later columns' K/V sit in masked slots exactly where decode has stale ones (a masked key
     # adds exp(-inf) * v = 0 either way)
@@ -370,7 +425,7 @@ def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, page
             sel = torch.tensor(lanes, dtype=torch.long, device=dev)
             pos = torch.tensor([positions[b] for b in lanes], dtype=torch.long, device=dev)
             mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None]
-            sel_rows = idx.rows[t].index_select(0, sel)
+            sel_rows = idx.rows[:, t].index_select(0, sel)
             o_rows.index_copy_(0, sel_rows, attn.attend_one(q.index_select(0, sel_rows), keys, values, mask))
     return blocks(finish, R, o_rows, gate)
 
@@ -411,6 +466,7 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
     paged = kv.paged_attention_supported(model.config.num_attention_heads)
     run = None if keep_all else _slot_run(slot_t)  # once a pass: every GDN layer's slots are the same
     feats, windows, kept = [], [], []
+    stacks = _Stacks(states.num_gdn_layers) if keep_all and getattr(states, "conv_all", None) is not None else None
     pending = None  # the last MLP's output, added to x by the next norm (one launch for both)
     # one row block (decode, a short verify): the attention, GDN and MLP outputs that the next
     # norm adds may stay their products' split sums, which that norm's launch adds
@@ -429,7 +485,7 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
                 out = _gdn_decode(la, h, conv, rec, slot_t, R, one)  # both states stepped in their slots
             else:
                 out, window, st = _gdn(la, h, n, B, T, conv.index_select(0, slot_t), rec, slot_t, keep_all, R, run,
-                                       one)
+                                       one, (stacks, g) if stacks is not None else None)
                 if keep_all:
                     windows.append(window)
                     kept.append(st)
@@ -466,4 +522,5 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
     verdict = (torch.cat([idx.tokens.view(B, T)[:, 1:], lg.argmax(-1)], 1)
                if keep_all and T > 1 and lg is not None else None)
     return ColumnsOut(lg, hidden, torch.cat(feats, dim=-1).view(B, T, -1) if feats else None,
-                      windows if keep_all else None, kept if keep_all else None, index=idx, verdict=verdict)
+                      windows if keep_all else None, kept if keep_all else None, index=idx, verdict=verdict,
+                      stacked=stacks.both() if stacks is not None else None)

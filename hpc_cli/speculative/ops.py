@@ -69,9 +69,9 @@ def column_writes(idx, T: int, counts: torch.Tensor) -> tuple[torch.Tensor, torc
     (device values only, capturable): their positions ``[B, T]``, which are kept (column ``t <
     counts[b]``) and the pass's KV write slots, ``-1`` past a lane's count (a built-in profile's
     pool skips them)."""
-    pos = idx.seqlens[:T].transpose(0, 1) - 1  # the lengths are positions + 1
+    pos = idx.seqlens[:, :T] - 1  # the lengths are positions + 1
     keep = torch.arange(T, device=counts.device)[None, :] < counts[:, None]
-    return pos, keep, torch.where(keep, idx.write[:T].transpose(0, 1), torch.full_like(pos, -1))
+    return pos, keep, torch.where(keep, idx.write[:, :T], torch.full_like(pos, -1))
 
 
 def write_kv(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int], tables: Sequence[Sequence[int]], kv,
@@ -176,14 +176,21 @@ def commit_columns(states, out: VerifyOut, slot_t: torch.Tensor, j: torch.Tensor
     dev = out.hidden.device
     B, T = out.hidden.shape[:2]
     flat = torch.arange(B, device=dev) * T + j  # row b * T + keep[b] of the [B * T, ...] views
-    for g, (window, st) in enumerate(zip(out.windows, out.states)):
-        conv = states.conv[g]
-        K1 = conv.shape[-1]
-        idx = (j[:, None] + 1 + torch.arange(K1, device=dev)[None])  # [B, K-1] columns of the window
-        sel = window.gather(2, idx[:, None, :].expand(-1, window.shape[1], -1))
-        conv.index_copy_(0, slot_t, sel.to(conv.dtype))
-        # index_select of the flattened rows: the same values as st[ar, j], several times cheaper on CPU
-        states.recurrent[g].index_copy_(0, slot_t, st.flatten(0, 1).index_select(0, flat))
+    K1 = states.conv[0].shape[-1]
+    cols = j[:, None] + 1 + torch.arange(K1, device=dev)[None]  # [B, K-1] columns of the window
+    if out.stacked is not None:  # every layer's in one gather and one copy each (the same values)
+        windows, kept = out.stacked
+        G, _, C, _ = windows.shape
+        sel = windows.gather(3, cols[None, :, None, :].expand(G, B, C, K1))
+        states.conv_all.index_copy_(1, slot_t, sel.to(states.conv_all.dtype))
+        states.recurrent_all.index_copy_(1, slot_t, kept.index_select(1, flat))
+    else:
+        for g, (window, st) in enumerate(zip(out.windows, out.states)):
+            conv = states.conv[g]
+            sel = window.gather(2, cols[:, None, :].expand(-1, window.shape[1], -1))
+            conv.index_copy_(0, slot_t, sel.to(conv.dtype))
+            # index_select of the flattened rows: the same values as st[ar, j], several times cheaper on CPU
+            states.recurrent[g].index_copy_(0, slot_t, st.flatten(0, 1).index_select(0, flat))
     states.hidden.index_copy_(0, slot_t, out.hidden.flatten(0, 1).index_select(0, flat).to(states.hidden.dtype))
 
 

@@ -26,8 +26,9 @@ def _columns_ref(tokens, starts, tables, slots, page, W, rope_offsets=None):
         tab[b, :min(len(bt), W)] = torch.tensor(list(bt[:W]), dtype=torch.long)
     write = tab.gather(1, pos // page) * page + pos % page
     rows = torch.arange(B, dtype=torch.long)[:, None] * T + t[None, :]
+    row_tables = [tab.repeat_interleave(T, 0).reshape(-1)] if T > 1 else []
     return torch.cat([tokens.reshape(-1).long(), rope.reshape(-1), torch.tensor(list(slots), dtype=torch.long),
-                      write.t().reshape(-1), (pos + 1).t().reshape(-1), rows.t().reshape(-1), tab.reshape(-1)])
+                      write.reshape(-1), (pos + 1).reshape(-1), rows.reshape(-1), tab.reshape(-1), *row_tables])
 
 
 def _prefill_ref(tokens, start, block_table, state_slot, L, W, page, k1, taps, slots):
@@ -66,6 +67,13 @@ def test_column_index_equals_the_torch_layout(monkeypatch, small_index):
         want = _columns_ref(tokens, starts, tables, slots, page, W, rope)
         assert got.dtype == torch.long and torch.equal(got, want)
         assert list(ColumnIndex.pack_values(tokens.tolist(), starts, tables, slots, page, W, rope)) == want.tolist()
+        idx = ColumnIndex.view(got, B, T, W)  # the fields the passes read, lane-major
+        pos = [[s + t for t in range(T)] for s in starts]
+        assert idx.seqlens.tolist() == [[p + 1 for p in row] for row in pos]
+        assert idx.write.tolist() == [[tables[b][p // page] * page + p % page for p in row] for b, row in enumerate(pos)]
+        assert idx.rows.reshape(-1).tolist() == list(range(B * T))
+        assert [r[:len(tables[b // T])] for b, r in enumerate(idx.row_tables.tolist())] == \
+            [list(tables[b // T][:W]) for b in range(B * T)]
 
 
 def test_prefill_index_equals_the_torch_layout():
