@@ -390,3 +390,15 @@ def test_mtp_drafts_after_a_resume_from_an_in_pass_tap_match_a_split_tap():
     assert outs["split"] == outs["in pass"]
     assert proposed["in pass"] and proposed["in pass"] == proposed["split"]
     assert any(d for _, drafts in proposed["split"] for d in drafts)
+
+
+def test_round_kernels_busy_time_is_the_union_of_the_kernels_intervals():
+    """``benchmarks/round_kernels.py`` counts the device busy while any kernel or copy runs:
+    overlapping intervals once, gaps not at all."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import round_kernels
+
+    assert round_kernels.busy_us([]) == 0
+    assert round_kernels.busy_us([(0, 10)]) == 10
+    assert round_kernels.busy_us([(20, 30), (0, 10), (5, 12)]) == 22  # [0, 12] and [20, 30]
+    assert round_kernels.busy_us([(0, 10), (2, 4), (10, 15)]) == 15  # nested and touching
