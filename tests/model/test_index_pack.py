@@ -70,7 +70,8 @@ def test_column_index_equals_the_torch_layout(monkeypatch, small_index):
         idx = ColumnIndex.view(got, B, T, W)  # the fields the passes read, lane-major
         pos = [[s + t for t in range(T)] for s in starts]
         assert idx.seqlens.tolist() == [[p + 1 for p in row] for row in pos]
-        assert idx.write.tolist() == [[tables[b][p // page] * page + p % page for p in row] for b, row in enumerate(pos)]
+        assert idx.write.tolist() == [[tables[b][p // page] * page + p % page for p in row]
+                                      for b, row in enumerate(pos)]
         assert idx.rows.reshape(-1).tolist() == list(range(B * T))
         assert [r[:len(tables[b // T])] for b, r in enumerate(idx.row_tables.tolist())] == \
             [list(tables[b // T][:W]) for b in range(B * T)]
