@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from spec_decode import _engine, chat_prompts, held_out_prompts  # noqa: E402
+from spec_decode import chat_prompts, held_out_prompts, warmed_engine  # noqa: E402
 
 from hpc_cli.engine.api import GenerationRequest, SamplingParams  # noqa: E402
 from hpc_cli.model.model import HybridModel  # noqa: E402
@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
                                   warmup="full", k=args.k, traffic="chat")
     runs = {}
     for b in [x for x in args.backends.split(",") if x]:
-        engine = _engine(model, None if b == "none" else b, prompts, eargs)
+        engine = warmed_engine(model, None if b == "none" else b, prompts, eargs)
         try:
             runs[b] = measure(engine, prompts[0], args.max_tokens, args.top)
         finally:

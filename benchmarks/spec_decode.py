@@ -88,7 +88,7 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(1, min(250, vocab)) for _ in range(length)] for _ in range(n)]
 
 
-def _engine(model, spec, prompts, args, rollback="per_token", k=None, drafter=None) -> Engine:
+def warmed_engine(model, spec, prompts, args, rollback="per_token", k=None, drafter=None) -> Engine:
     """A started engine for one backend, warmed up as the server warms it (:meth:`Engine.warmup`:
     on CUDA every prefill length and verify shape compiled and captured); "full" warm-up also runs
     every prompt once first (the drafters' own eager passes meet their shapes there)."""
@@ -186,7 +186,7 @@ def main(argv=None) -> dict:
             else chat_prompts(model, args.prompts)
     else:
         prompts = _prompts(args.prompts, args.prompt_len, model.config.vocab_size)
-    engines = {"none": _engine(model, None, prompts, args)}
+    engines = {"none": warmed_engine(model, None, prompts, args)}
     refs = {tuple(p): r for p, r in zip(prompts, _pass(engines["none"], prompts, args)[0])}
     ks = {b: int(v) for b, v in (x.split("=") for x in args.k_for.split(",") if x)} if args.k_for else {}
     for b in [x for x in args.backends.split(",") if x and x != "none"]:
@@ -195,10 +195,10 @@ def main(argv=None) -> dict:
         for mode in modes:
             spec = OracleBackend(refs) if b == "oracle" else b
             key = b if mode == "per_token" else f"{b}+recompute"
-            engines[key] = _engine(model, spec, prompts, args, rollback=mode, k=ks.get(b, args.k))
+            engines[key] = warmed_engine(model, spec, prompts, args, rollback=mode, k=ks.get(b, args.k))
         if b in ("dflash", "dflash2"):  # the same backend with other drafters, in the same run
             for label, path in others:
-                engines[f"{b}@{label}"] = _engine(model, b, prompts, args, k=ks.get(b, args.k),
+                engines[f"{b}@{label}"] = warmed_engine(model, b, prompts, args, k=ks.get(b, args.k),
                                                  drafter=str(Path(path) / b))
     from hpc_cli.model.compile_watch import watch
 

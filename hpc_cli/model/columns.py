@@ -55,9 +55,12 @@ from hpc_kernels.split_sums import SplitSums, summed
 ROW_BLOCK = {"cuda": 16, "cpu": 4}
 
 
-#: lanes x table width up to which :meth:`ColumnIndex.pack_values` builds the index in plain
-#: Python (beyond it numpy's per-call cost is the smaller)
-SMALL_INDEX = 4096
+#: table entries (the lanes' tables and, past one column, each row's) up to which
+#: :meth:`ColumnIndex.pack_values` builds the index in plain Python: beyond about a thousand,
+#: numpy's list of values goes into a staged buffer faster than Python's (measured with the
+#: buffer's fill on the 2-core CPU machine: 23 against 35 us at 8 lanes of 64 pages, 37 against 32
+#: at 4 lanes, 4 columns and 64 pages, 247 against 84 at 16 lanes, 4 columns and 128 pages)
+SMALL_INDEX = 1024
 
 
 def row_block(model) -> int:
@@ -106,12 +109,11 @@ def table_width(tables: Sequence[Sequence[int]], starts: Sequence[int], T: int, 
 @dataclass
 class ColumnIndex:
     """Every index a column pass reads, built once per pass (not per layer) and moved to the device
-    in ONE copy: rows are ``b * T + t``.
+    in ONE copy: rows are ``b * T + t``, lane-major.
 
     ``tokens``/``positions`` ``[B*T]``, ``slots`` ``[B]`` state slots, ``write`` ``[B, T]`` the KV slot
-    of column ``t`` of lane ``b``, ``seqlens`` ``[B, T]`` keys column ``t`` reads, ``rows`` ``[B, T]``
-    (``b * T + t``), ``tables`` ``[B, W]`` page tables (padded with page 0, never read past
-    ``seqlens``), ``row_tables`` ``[B*T, W]`` each row's (its lane's; ``tables`` itself for one
+    of column ``t`` of lane ``b``, ``seqlens`` ``[B, T]`` keys column ``t`` reads, ``tables``
+    ``[B, W]`` page tables (padded with page 0, never read past ``seqlens``), ``row_tables`` ``[B*T, W]`` each row's (its lane's; ``tables`` itself for one
     column). ``host`` keeps the lists for the gather + SDPA attention path."""
 
     B: int
@@ -123,7 +125,6 @@ class ColumnIndex:
     slots: torch.Tensor
     write: torch.Tensor
     seqlens: torch.Tensor
-    rows: torch.Tensor
     tables: torch.Tensor
     row_tables: torch.Tensor
     host: tuple | None = None
@@ -142,15 +143,15 @@ class ColumnIndex:
         """The values of the packed buffer, in :meth:`view`'s order (``tokens`` ``[B, T]``, a tensor
         or rows). ``rope_offsets``: per lane, what its rotary positions add to its token positions
         (a Vision prompt's mRoPE delta). A decode step or a speculative round waits for them: a
-        small index (lanes x table width up to :data:`SMALL_INDEX`) is built in plain Python (on the
-        2-core CPU machine 4 us at one lane and two columns, where numpy's dozen calls take 16 us;
-        19 us against 32 at 8 lanes, 4 columns and 64 pages), a large one in numpy."""
+        small index (table entries up to :data:`SMALL_INDEX`) is built in plain Python (on the
+        2-core CPU machine 7 us staged at one lane and two columns, where numpy's dozen calls take
+        23 us), a large one in numpy."""
         rows_ = tokens.tolist() if torch.is_tensor(tokens) else tokens
         B, T = len(rows_), len(rows_[0])
         for b, bt in enumerate(tables):
             need = (starts[b] + T - 1) // page + 1
             assert len(bt) >= need, f"block table has {len(bt)} pages, position {starts[b] + T - 1} needs {need}"
-        if B * W > SMALL_INDEX:
+        if B * W * (T + 1 if T > 1 else 1) > SMALL_INDEX:
             return ColumnIndex._pack_numpy(rows_, starts, tables, slots, page, W, rope_offsets)
         cols = range(T)
         out = [t for row in rows_ for t in row]
@@ -162,7 +163,6 @@ class ColumnIndex:
         tab = [list(bt[:W]) + [0] * (W - min(len(bt), W)) for bt in tables]
         out += [tab[b][(s + t) // page] * page + (s + t) % page for b, s in enumerate(starts) for t in cols]
         out += [s + t + 1 for s in starts for t in cols]
-        out += range(B * T)
         for row in tab:
             out += row
         if T > 1:  # each row's table: its lane's
@@ -185,7 +185,7 @@ class ColumnIndex:
         write = np.take_along_axis(tab, pos // page, axis=1) * page + pos % page  # [B, T]
         tok = np.asarray(tokens, dtype=np.int64).reshape(-1)
         parts = [tok, rope.reshape(-1), np.asarray(slots, dtype=np.int64), write.reshape(-1), (pos + 1).reshape(-1),
-                 np.arange(B * T, dtype=np.int64), tab.reshape(-1)]
+                 tab.reshape(-1)]
         if T > 1:
             parts.append(np.repeat(tab, T, axis=0).reshape(-1))
         return np.concatenate(parts)
@@ -193,10 +193,10 @@ class ColumnIndex:
     @classmethod
     def view(cls, packed: torch.Tensor, B: int, T: int, W: int, host: tuple | None = None) -> "ColumnIndex":
         n = B * T
-        parts = torch.split(packed, [n, n, B, n, n, n, B * W] + ([n * W] if T > 1 else []))
-        tables = parts[6].view(B, W)
+        parts = torch.split(packed, [n, n, B, n, n, B * W] + ([n * W] if T > 1 else []))
+        tables = parts[5].view(B, W)
         return cls(B, T, W, packed, parts[0], parts[1], parts[2], parts[3].view(B, T), parts[4].view(B, T),
-                   parts[5].view(B, T), tables, parts[7].view(n, W) if T > 1 else tables, host)
+                   tables, parts[6].view(n, W) if T > 1 else tables, host)
 
     def put_drafts(self, drafts: torch.Tensor) -> None:
         """Columns ``1..T-1`` of the tokens from ``drafts`` ``[B, T - 1]`` on the device (one
@@ -399,21 +399,18 @@ def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, page
     ``unsummed``: the output projection's split sums where it has them (one row block)."""
     finish = functools.partial(attn.finish, unsummed=unsummed)
     q, gate, k, v = blocks(attn.qkv, R, h, cos, sin)
+    # every column's K/V written first: a column reads keys up to its own position only, so the
+    # later columns' K/V sit in masked slots exactly where decode has stale ones (a masked key adds
+    # exp(-inf) * v = 0 either way)
+    n = idx.B * idx.T
+    kv.write(layer, idx.write.reshape(-1), k[:n], v[:n])
     if paged:
-        # every column's K/V written, then every column's query in ONE launch of the paged decode
-        # kernel: it runs a program per row, KV head and split whatever the rows, so a column's
-        # result is what decode's one-column launch computes (a row's keys past its own position,
-        # written by later columns, are masked as decode's stale ones are: they add exactly 0)
-        n = idx.B * idx.T
-        kv.write(layer, idx.write.reshape(-1), k[:n], v[:n])
+        # every column's query in ONE launch of the paged decode kernel: it runs a program per
+        # row, KV head and split whatever the rows, so a column's result is what decode's
+        # one-column launch computes
         o = kv.decode_attention(layer, q[:n], idx.row_tables, idx.seqlens.reshape(-1), attn.scale)
         return blocks(finish, R, _pad_rows(o, q.shape[0]), gate)
     o_rows = q.new_zeros(q.shape)
-    # every column's K/V written at once: column t reads keys up to its own position only, so the
-    # later columns' K/V sit in masked slots exactly where decode has stale ones (a masked key
-    # adds exp(-inf) * v = 0 either way)
-    rows = idx.rows.reshape(-1)
-    kv.write(layer, idx.write.reshape(-1), k.index_select(0, rows), v.index_select(0, rows))
     starts, tables = idx.host
     gathered = _GroupKV(attn, kv, layer, tables, q.dtype)
     page, dev = kv.page_tokens, h.device
@@ -422,10 +419,9 @@ def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, page
         for lanes, width in _groups(tables, positions, page):
             span = width * page
             keys, values = gathered.get(lanes, width, dev)
-            sel = torch.tensor(lanes, dtype=torch.long, device=dev)
             pos = torch.tensor([positions[b] for b in lanes], dtype=torch.long, device=dev)
             mask = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None]
-            sel_rows = idx.rows[:, t].index_select(0, sel)
+            sel_rows = torch.tensor([b * idx.T + t for b in lanes], dtype=torch.long, device=dev)
             o_rows.index_copy_(0, sel_rows, attn.attend_one(q.index_select(0, sel_rows), keys, values, mask))
     return blocks(finish, R, o_rows, gate)
 
@@ -466,7 +462,7 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
     paged = kv.paged_attention_supported(model.config.num_attention_heads)
     run = None if keep_all else _slot_run(slot_t)  # once a pass: every GDN layer's slots are the same
     feats, windows, kept = [], [], []
-    stacks = _Stacks(states.num_gdn_layers) if keep_all and getattr(states, "conv_all", None) is not None else None
+    stacks = _Stacks(states.num_gdn_layers) if keep_all else None
     pending = None  # the last MLP's output, added to x by the next norm (one launch for both)
     # one row block (decode, a short verify): the attention, GDN and MLP outputs that the next
     # norm adds may stay their products' split sums, which that norm's launch adds

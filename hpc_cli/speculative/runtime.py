@@ -183,8 +183,7 @@ class SpecRuntime:
                           capture=self.drafter.capture, drafts=dev_drafts if on_device else None)
         t2 = time.monotonic()
         engine.send_held()  # the last round's tokens, while the device verifies (in rollback_s's wait)
-        logits = out.logits  # read in place: a greedy round reads only the argmax (event_for and
-        # target_probs take float32 of what they read)
+        logits = out.logits  # in place: event_for and target_probs take float32 of what they read
         any_greedy = any(l.request.sampling.temperature == 0.0 for l in lanes)
         # every column's greedy token in one read of the device (not one per column), with the
         # drafts when they were left there
