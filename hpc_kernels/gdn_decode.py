@@ -87,9 +87,9 @@ if triton is not None:
         tl.store(lane + KW - 2, new.to(conv.dtype.element_ty), mask=m_c)
         tl.store(act + i_b * C + o_c, _silu_of_conv(acc, dt).to(dt), mask=m_c)
 
-    @triton.jit(do_not_specialize=["t", "T", "B", "ROWS"])
+    @triton.jit(do_not_specialize=["t", "T", "B", "PAD0", "ROWS"])
     def _step_kernel(win, sw_b, sw_c, conv_w, a, sa, b, sb, A_log, dt_bias,
-                     s_in, in_idx, s_out, out_idx, o, t, T, B, ROWS, scale,
+                     s_in, in_idx, s_out, out_idx, o, t, T, B, PAD0, ROWS, scale,
                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KW: tl.constexpr,
                      BV: tl.constexpr, IN_SLOT: tl.constexpr, OUT_SLOT: tl.constexpr, ACT: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
@@ -145,9 +145,9 @@ if triton is not None:
         out = tl.sum(S * q[:, None], 0)
         tl.store(s_out + r_out * HV * K * V + blk, S)
         tl.store(o + (r_ab * HV + i_h) * V + o_v, out.to(dt))
-        # the rows of o past the lanes' (decode's padding to a row block): zeros, written by the
-        # lanes' programs in turn
-        for r in range(B + i_b, ROWS, B):
+        # the rows of o from PAD0 to ROWS (the pass's padding to a row block): zeros, written by
+        # the lanes' programs in turn
+        for r in range(PAD0 + i_b, ROWS, B):
             tl.store(o + (r * HV + i_h) * V + o_v, tl.zeros([BV], dtype=dt))
 
 
@@ -158,8 +158,9 @@ def gdn_step(win: torch.Tensor, t: int, conv_w: torch.Tensor, a: torch.Tensor, b
     contiguous; ``conv_w`` ``[C, KW]``; ``a``, ``b`` ``[rows, HV]``: row ``b * T + t`` holds the lane's
     gate inputs; ``s_in``/``s_out`` fp32 ``[N, HV, K,
     V]`` contiguous, rows from ``in_idx``/``out_idx`` ``[B]`` (int64, on the device), or, where
-    None, row ``b * T + t - 1`` / ``b * T + t``; row ``b * T + t`` of ``o`` ``[B * T, HV, V]``
-    (the model dtype) is written."""
+    None, row ``b * T + t - 1`` / ``b * T + t``; row ``b * T + t`` of ``o`` ``[R, HV, V]``
+    (the model dtype, ``R >= B * T``) is written, and the last column's launch (``t == T - 1``)
+    zeros its rows past ``B * T`` (the pass's padding to a row block: no launch of its own)."""
     B, C, _ = win.shape
     HV, K, V = s_in.shape[1:]
     KW = conv_w.shape[1]
@@ -167,12 +168,14 @@ def gdn_step(win: torch.Tensor, t: int, conv_w: torch.Tensor, a: torch.Tensor, b
         "the GDN step reads contiguous windows, weights and states"
     assert s_in.dtype == torch.float32 and s_out.dtype == torch.float32, "the GDN states are fp32"
     assert C == 2 * n_k * K + HV * V, f"{C} conv channels for {n_k} key and {HV} value heads"
-    assert a.stride(1) == 1 and b.stride(1) == 1 and o.is_contiguous() and o.shape == (B * T, HV, V), "rows of a and b, and o, contiguous"
+    assert a.stride(1) == 1 and b.stride(1) == 1 and o.is_contiguous() and o.shape[1:] == (HV, V) \
+        and o.shape[0] >= B * T, f"rows of a and b, and o [>= {B * T}, {HV}, {V}], contiguous"
     bv = min(BV, V)
+    rows = o.shape[0] if t == T - 1 else B * T
     _step_kernel[(B * HV, V // bv)](
         win, win.stride(0), win.stride(1), conv_w, a, a.stride(0), b, b.stride(0), A_log, dt_bias,
         s_in, in_idx if in_idx is not None else s_in, s_out, out_idx if out_idx is not None else s_out, o,
-        t, T, B, B, K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv, IN_SLOT=in_idx is not None,
+        t, T, B, B * T, rows, K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv, IN_SLOT=in_idx is not None,
         OUT_SLOT=out_idx is not None, ACT=False, num_warps=NUM_WARPS)
 
 
@@ -204,7 +207,7 @@ def gdn_decode_step(x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor, co
     bv = min(BV, V)
     _step_kernel[(L * HV, V // bv)](
         act, act.stride(0), 1, conv_w, a, a.stride(0), b, b.stride(0), A_log, dt_bias, state, slots, state, slots, o,
-        0, 1, L, o.shape[0], K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv, IN_SLOT=True, OUT_SLOT=True, ACT=True,
+        0, 1, L, L, o.shape[0], K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv, IN_SLOT=True, OUT_SLOT=True, ACT=True,
         num_warps=NUM_WARPS)
 
 

@@ -81,18 +81,21 @@ def _split_kernel(q_ptr, o_ptr, ml_ptr, table_ptr, table_stride, seqlen_ptr,
 
 
 @triton.jit
-def _combine_kernel(o_ptr, ml_ptr, out_ptr, D: tl.constexpr, SPLITS_C: tl.constexpr):
+def _combine_kernel(o_ptr, ml_ptr, out_ptr, valid, D: tl.constexpr, SPLITS_C: tl.constexpr):
     row = tl.program_id(0)  # b * H + head
-    sp = tl.arange(0, SPLITS_C)
-    m = tl.load(ml_ptr + (row * SPLITS_C + sp) * 2)
-    l = tl.load(ml_ptr + (row * SPLITS_C + sp) * 2 + 1)
-    mx = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))
     d = tl.arange(0, D)
-    o = tl.load(o_ptr + (row.to(tl.int64) * SPLITS_C + sp)[:, None] * D + d[None, :])
-    num = tl.sum(o * w[:, None], axis=0)
-    den = tl.sum(l * w, axis=0)
-    tl.store(out_ptr + row.to(tl.int64) * D + d, (num / den).to(out_ptr.dtype.element_ty))
+    if row < valid:
+        sp = tl.arange(0, SPLITS_C)
+        m = tl.load(ml_ptr + (row * SPLITS_C + sp) * 2)
+        l = tl.load(ml_ptr + (row * SPLITS_C + sp) * 2 + 1)
+        mx = tl.max(m, axis=0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))
+        o = tl.load(o_ptr + (row.to(tl.int64) * SPLITS_C + sp)[:, None] * D + d[None, :])
+        num = tl.sum(o * w[:, None], axis=0)
+        den = tl.sum(l * w, axis=0)
+        tl.store(out_ptr + row.to(tl.int64) * D + d, (num / den).to(out_ptr.dtype.element_ty))
+    else:  # a padding row of the output (the pass's rows past the lanes'): zeros
+        tl.store(out_ptr + row.to(tl.int64) * D + d, tl.zeros([D], dtype=out_ptr.dtype.element_ty))
 
 
 def supports(fmt_k, fmt_v, head_dim: int, heads: int, kv_heads: int) -> bool:
@@ -110,10 +113,12 @@ def supports(fmt_k, fmt_v, head_dim: int, heads: int, kv_heads: int) -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, fmt_k, k_planes, gs_k: float, fmt_v, v_planes, gs_v: float,
-                           tables: torch.Tensor, seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+                           tables: torch.Tensor, seqlens: torch.Tensor, scale: float,
+                           rows: int | None = None) -> torch.Tensor:
     """``q`` ``[B, H, D]``; ``k_planes``/``v_planes``: one side's planes ``[pages, 64, H_kv, bytes]``;
     ``tables`` ``[B, W]`` page ids (int64), ``seqlens`` ``[B]`` keys per lane (position + 1).
-    Returns ``[B, H, D]`` in ``q``'s dtype."""
+    Returns ``[rows, H, D]`` (``rows`` >= B, default B) in ``q``'s dtype, its rows past ``B`` zero
+    (a pass's padding to a row block, written by the same launch)."""
     B, H, D = q.shape
     h_kv = k_planes[0].shape[-2]
     rep = H // h_kv
@@ -131,6 +136,8 @@ def paged_decode_attention(q: torch.Tensor, fmt_k, k_planes, gs_k: float, fmt_v,
         H_KV=h_kv, REP=rep, M=m_rows, D=D, KIND_K=KIND_IDS[fmt_k.kind], GROUP_K=max(fmt_k.group, 1),
         KIND_V=KIND_IDS[fmt_v.kind], GROUP_V=max(fmt_v.group, 1), SPLITS_C=SPLITS, BLOCK_N=PAGE,
         IEEE=q.dtype == torch.float32, HW_FP8=hw_fp8(q.device), num_warps=4 if D <= 128 else 8)
-    out = torch.empty_like(q)
-    _combine_kernel[(B * H,)](o, ml, out, D=D, SPLITS_C=SPLITS, num_warps=4)
+    rows = B if rows is None else rows
+    assert rows >= B, f"{rows} output rows for {B} queries"
+    out = q.new_empty(rows, H, D)
+    _combine_kernel[(rows * H,)](o, ml, out, B * H, D=D, SPLITS_C=SPLITS, num_warps=4)
     return out

@@ -127,16 +127,17 @@ class PagedKVStorage:
                                         self.kv_heads)
 
     def decode_attention(self, layer: int, q: torch.Tensor, tables: torch.Tensor, seqlens: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, rows: int | None = None) -> torch.Tensor:
         """One query per lane (``q`` ``[B, H, D]``) over the lane's pages (``tables`` ``[B, W]``,
-        the first ``seqlens[b]`` tokens), read from the planes without a dequantised copy."""
+        the first ``seqlens[b]`` tokens), read from the planes without a dequantised copy.
+        ``rows``: the output's rows (>= B), those past ``B`` zero."""
         from hpc_kernels import paged_attention
 
         planes = self.planes[layer]
         gs = [float(self._gs(layer, s)) if self.profile.uses_global_scale else 1.0 for s in ("k", "v")]
         return paged_attention.paged_decode_attention(
             q, self._formats["k"], [planes[i] for i in self._side_idx["k"]], gs[0],
-            self._formats["v"], [planes[i] for i in self._side_idx["v"]], gs[1], tables, seqlens, scale)
+            self._formats["v"], [planes[i] for i in self._side_idx["v"]], gs[1], tables, seqlens, scale, rows)
 
     def prefill_attention(self, layer: int, q: torch.Tensor, table: torch.Tensor, start: int,
                           scale: float, valid: int | None = None, meta: torch.Tensor | None = None) -> torch.Tensor:

@@ -287,8 +287,8 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: 
             kept = st.kept_rows(g, B * T, rec)
         else:
             window, kept = torch.cat(parts, dim=-1), None
-        core, state = _gdn_fused(la, window, a, b, B, T, rec, slot_t, keep_all, kept)
-        return blocks(finish, R, _pad_rows(core, h.shape[0]), z), window, state
+        core, state = _gdn_fused(la, window, a, b, B, T, rec, slot_t, keep_all, h.shape[0], kept)
+        return blocks(finish, R, core, z), window, state
     window = torch.cat(parts, dim=-1)  # [B, C, K-1+T]
     w = la.conv1d.weight[:, 0, :]  # [C, K]
     K = w.shape[-1]
@@ -350,13 +350,14 @@ def _slot_run(slot_t: torch.Tensor) -> int | None:
 
 
 def _gdn_fused(la, window: torch.Tensor, a: torch.Tensor, b: torch.Tensor, B: int, T: int, rec: torch.Tensor,
-               slot_t: torch.Tensor, keep_all: bool, kept: torch.Tensor | None = None
+               slot_t: torch.Tensor, keep_all: bool, rows: int, kept: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The columns through :func:`hpc_kernels.gdn_decode.gdn_step`, one launch a column, output
-    rows ``b * T + t``: decode steps the lanes' slots in place; the verify pass (``keep_all``)
-    writes column ``t``'s state to row ``b * T + t`` of a ``[B * T, ...]`` buffer (``kept``, else a
-    new one), reading column ``t - 1``'s from there."""
-    o = window.new_empty(B * T, la.n_v, la.d_v)
+    rows ``b * T + t`` of ``rows`` (the pass's padded rows, which the last launch zeros): decode
+    steps the lanes' slots in place; the verify pass (``keep_all``) writes column ``t``'s state
+    to row ``b * T + t`` of a ``[B * T, ...]`` buffer (``kept``, else a new one), reading column
+    ``t - 1``'s from there."""
+    o = window.new_empty(rows, la.n_v, la.d_v)
     w = la.conv1d.weight[:, 0, :].contiguous()
     if not keep_all:
         for t in range(T):
@@ -408,8 +409,9 @@ def _attention(attn, h, idx: ColumnIndex, kv, layer: int, cos, sin, R: int, page
         # every column's query in ONE launch of the paged decode kernel: it runs a program per
         # row, KV head and split whatever the rows, so a column's result is what decode's
         # one-column launch computes
-        o = kv.decode_attention(layer, q[:n], idx.row_tables, idx.seqlens.reshape(-1), attn.scale)
-        return blocks(finish, R, _pad_rows(o, q.shape[0]), gate)
+        # (the rows past the lanes' come back zero from the same launch: no padding of its own)
+        o = kv.decode_attention(layer, q[:n], idx.row_tables, idx.seqlens.reshape(-1), attn.scale, q.shape[0])
+        return blocks(finish, R, o, gate)
     o_rows = q.new_zeros(q.shape)
     starts, tables = idx.host
     gathered = _GroupKV(attn, kv, layer, tables, q.dtype)

@@ -300,7 +300,7 @@ class DFlashDrafter:
     columns_behind = 0
 
     @torch.inference_mode()
-    def catch_up_columns(self, out, accepted: torch.Tensor) -> None:
+    def catch_up_columns(self, out, accepted: torch.Tensor) -> torch.Tensor | None:
         """A round's catch-up on the device: for every lane the context K/V of its ``accepted[b] +
         1`` committed positions ``start .. start + accepted[b]`` from the verify pass ``out``'s
         captured features (DFlash: into the pool at the pass's write slots, the columns past a
@@ -317,16 +317,38 @@ class DFlashDrafter:
             for l, layer in enumerate(self.net.layers):
                 k, v = layer.self_attn.kv(ctx, cos, sin)
                 self.pool.write(l, slots.reshape(-1), k, v)
-            return
+            return None
         rings = self.states.extra[RING_PART]  # [N, layers, K|V, W, heads, dim]
         W = self.cfg.window
         where = (idx.slots[:, None], pos % W)  # [B, 1], [B, T]: the lane's ring slot of each column
+        # what the columns' ring slots hold before the writes, every layer's at once: written back
+        # past each lane's count, and returned for undo_catch_up
+        old = rings.permute(0, 3, 1, 2, 4, 5)[where]  # [B, T, layers, K|V, heads, dim]
         for l, layer in enumerate(self.net.layers):
             k, v = layer.self_attn.kv(ctx, cos, sin)
             for j, x in enumerate((k, v)):
                 ring = rings[:, l, j]  # [N, W, heads, dim]
                 new = x.view(B, T, *x.shape[1:]).to(ring.dtype)
-                ring.index_put_(where, torch.where(keep[..., None, None], new, ring[where]))
+                ring.index_put_(where, torch.where(keep[..., None, None], new, old[:, :, l, j]))
+        return old
+
+    @torch.inference_mode()
+    def undo_catch_up(self, out, saved: torch.Tensor | None, accepted: list[int]) -> None:
+        """Put back what :meth:`catch_up_columns` wrote past each lane's ``accepted[b] + 1``
+        committed columns (it ran with larger counts; ``saved`` is what it returned): a DFlash2
+        ring slot holds an older position that later rounds still read. DFlash's pool needs
+        nothing (what lies past a lane's frontier is overwritten before it is read)."""
+        if self.cfg.kind == "dflash" or saved is None:
+            return
+        idx = out.index
+        T = idx.T
+        rings = self.states.extra[RING_PART]
+        W = self.cfg.window
+        dev = saved.device
+        past = torch.arange(T, device=dev)[None, :] > torch.tensor(accepted, device=dev)[:, None]  # [B, T]
+        where = (idx.slots[:, None], (idx.seqlens - 1) % W)
+        view = rings.permute(0, 3, 1, 2, 4, 5)  # [N, W, layers, K|V, heads, dim]
+        view.index_put_(where, torch.where(past[..., None, None, None, None], saved, view[where]))
 
     def _write_ring(self, ring: torch.Tensor, ctx: torch.Tensor, pos: torch.Tensor, cos, sin) -> None:
         """DFlash2: the context K/V of positions ``pos`` (consecutive) into ``ring``

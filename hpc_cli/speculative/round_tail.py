@@ -13,6 +13,13 @@ model, more than the verify pass's replay); captured, it is one launch.
   per verify graph (the key is the verify graph's serial number, ``ColumnsOut.static``, which also
   fixes the pools both write), so a verify graph captured again (another budget, other pools)
   never meets an old tail.
+* Greedy counts on the device: where every lane of the round decodes greedily the counts are the
+  drafts matched before the first mismatch, which the tail computes from the verify pass's verdict
+  itself (:func:`greedy_counts`). The runtime then launches the tail right behind the verify pass,
+  before it reads the verdict: the device runs both back to back, with no copy of counts and no
+  wait for the host's accepting between them. A lane the host stops earlier (a stop token inside
+  the accepted drafts) has its commit run again with the host's count
+  (:meth:`~hpc_cli.speculative.runtime.SpecRuntime`'s round does it).
 * As with the other graph sets, the first tail of a key runs eagerly and the second captures it;
   a verify pass that ran eagerly (its first pass, graphs off, the CPU) has its tail run eagerly.
   Eager or replayed, the tail runs the same function on the same shapes: the same bits.
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -34,10 +41,31 @@ from hpc_cli.model.staging import HostStaging
 MAX_TAILS = 256
 
 
+def greedy_counts(verdict: torch.Tensor) -> torch.Tensor:
+    """Per lane the drafts a greedy round accepts, on the device: of a verify pass's verdict ``[B,
+    2T - 1]`` (the drafts, then every column's argmax) the drafts equal to the argmax before the
+    first that is not, ``[B]`` int64 (capturable: no host read)."""
+    k = (verdict.shape[1] - 1) // 2
+    return (verdict[:, :k] == verdict[:, k:2 * k]).cumprod(1).sum(1)
+
+
+def leading_matches(rows: Sequence[Sequence[int]]) -> list[int]:
+    """:func:`greedy_counts` of a verdict the host has read (its rows)."""
+    out = []
+    for row in rows:
+        k = (len(row) - 1) // 2
+        n = 0
+        while n < k and row[n] == row[k + n]:
+            n += 1
+        out.append(n)
+    return out
+
+
 @dataclass
 class _TailGraph:
     graph: torch.cuda.CUDAGraph
-    accepted: torch.Tensor  # the static accepted counts ``[B]``
+    accepted: torch.Tensor | None  # the static accepted counts ``[B]`` (None: counted on the device)
+    result: object  # what the tail returned (a drafter's saved values), static
 
 
 class RoundTails(CapturedGraphs):
@@ -51,25 +79,33 @@ class RoundTails(CapturedGraphs):
         self.seen: set[tuple] = set()
         self.staging = HostStaging(device)
 
-    def run(self, out: ColumnsOut, accepted: list[int], variant: str,
-            tail: Callable[[ColumnsOut, torch.Tensor], None]) -> None:
+    def run(self, out: ColumnsOut, accepted: list[int] | None, variant: str,
+            tail: Callable[[ColumnsOut, torch.Tensor], object]) -> object:
         """``tail(out, accepted)`` with the counts on the device: from a graph where ``out`` is a
         verify graph's static output seen before with this ``variant`` of the tail (the same
         verify graph can be followed by the commit alone or by the commit and the drafter's
-        catch-up), else eagerly."""
-        counts = self.staging.stage(accepted)
+        catch-up), else eagerly. ``accepted`` None: the greedy counts of ``out``'s verdict,
+        computed on the device (:func:`greedy_counts`). Returns what ``tail`` returned (a graph's
+        static result: read it before the tail's next run)."""
+        on_device = accepted is None
+        counts = None if on_device else self.staging.stage(accepted)
+
+        def device_counts() -> torch.Tensor:
+            assert out.verdict is not None, "greedy counts need the verify pass's verdict"
+            return greedy_counts(out.verdict)
+
         if not (self.use_graphs and out.static and self.disabled is None):
-            tail(out, self.staging.send(counts))
-            return
-        key = (out.static, variant)
+            return tail(out, device_counts() if on_device else self.staging.send(counts))
+        key = (out.static, variant, on_device)
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)
         elif key in self.seen:
-            static = counts.to(self.device)  # a copy the host waits for
-            captured = self.try_capture(lambda: tail(out, static), "committing the round")
+            static = None if on_device else counts.to(self.device)  # a copy the host waits for
+            captured = self.try_capture(lambda: tail(out, device_counts() if on_device else static),
+                                        "committing the round")
             if captured is not None:
-                entry = _TailGraph(captured[0], static)
+                entry = _TailGraph(captured[0], static, captured[1])
                 self.graphs[key] = entry
                 while len(self.graphs) > MAX_TAILS:
                     self.graphs.popitem(last=False)
@@ -77,8 +113,9 @@ class RoundTails(CapturedGraphs):
             if len(self.seen) > 4 * MAX_TAILS:
                 self.seen.clear()
             self.seen.add(key)
-            tail(out, self.staging.send(counts))
-            return
-        self.staging.send_into(counts, entry.accepted)
+            return tail(out, device_counts() if on_device else self.staging.send(counts))
+        if entry.accepted is not None:
+            self.staging.send_into(counts, entry.accepted)
         entry.graph.replay()
         self.replays += 1
+        return entry.result

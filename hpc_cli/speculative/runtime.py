@@ -29,7 +29,7 @@ import torch
 from hpc_cli.engine.sampling import event_for, target_probs
 from hpc_cli.kv_profile import PAGE_TOKENS
 from hpc_cli.speculative.ops import Snapshot, commit_columns, commit_states, verify_pass
-from hpc_cli.speculative.round_tail import RoundTails
+from hpc_cli.speculative.round_tail import RoundTails, leading_matches
 
 if TYPE_CHECKING:
     from hpc_cli.engine.api import TokenEvent
@@ -89,6 +89,9 @@ class SpecRuntime:
         self.drafter = backend.build_drafter(model, drafter_path, seed)
         self.counters = collections.Counter()
         self.accept_hist = collections.Counter()  # accepted drafts per lane-round
+        #: rounds whose lanes are all greedy count their accepted drafts on the device, in a tail
+        #: launched before the host reads the verify pass (where tails run as graphs)
+        self.count_on_device = True
 
     @property
     def name(self) -> str:
@@ -181,20 +184,24 @@ class SpecRuntime:
                    if self.drafter.needs_hidden and not tail_catch_up else None)
         out = verify_pass(model, tokens, starts, tables, slots, engine.storage, states, keep_all=keep_all,
                           capture=self.drafter.capture, drafts=dev_drafts if on_device else None)
+        any_greedy = any(l.request.sampling.temperature == 0.0 for l in lanes)
+        # every lane greedy: the tail counts the accepted drafts on the device and is launched
+        # right behind the verify pass, before the host reads it (round_tail's greedy counts)
+        device_tail = (self.count_on_device and keep_all and k > 0 and self.tails.use_graphs and out.verdict is not None
+                       and all(l.request.sampling.temperature == 0.0 for l in lanes))
+        saved = self._run_tail(out, None, tail_catch_up) if device_tail else None
         t2 = time.monotonic()
         engine.send_held()  # the last round's tokens, while the device verifies (in rollback_s's wait)
         logits = out.logits  # in place: event_for and target_probs take float32 of what they read
-        any_greedy = any(l.request.sampling.temperature == 0.0 for l in lanes)
         # every column's greedy token in one read of the device (not one per column), with the
         # drafts when they were left there
         greedy = None
+        rows = out.verdict.tolist() if out.verdict is not None and (on_device or any_greedy) else None
         if on_device:
-            rows = out.verdict.tolist()  # the drafts the pass read and every column's argmax
-            drafts = [r[:k] for r in rows]
+            drafts = [r[:k] for r in rows]  # the drafts the pass read and every column's argmax
             greedy = [r[k:] for r in rows] if any_greedy else None
         elif any_greedy:
-            greedy = ([r[k:] for r in out.verdict.tolist()] if out.verdict is not None
-                      else out.logits.argmax(-1).tolist())
+            greedy = [r[k:] for r in rows] if rows is not None else out.logits.argmax(-1).tolist()
         accepted = []
         for b, lane in enumerate(lanes):
             acc = self._accept(engine, lane, logits[b], drafts[b], greedy[b] if greedy is not None else None)
@@ -203,7 +210,9 @@ class SpecRuntime:
             lane.usage.accepted_draft_tokens += acc
             self.accept_hist[acc] += 1
         # roll the GDN state to the last accepted column
-        if keep_all and k:
+        if device_tail:
+            self._settle_device_tail(out, rows, accepted, slots, saved, tail_catch_up)
+        elif keep_all and k:
             self._run_tail(out, accepted, tail_catch_up)
         elif keep_all:
             commit_states(states, out, slots, accepted)
@@ -245,19 +254,35 @@ class SpecRuntime:
         c["rollback_us"] += int((t3 - t2) * 1e6)
         c["catch_up_us"] += int((t4 - t3) * 1e6)
 
-    def _run_tail(self, out, accepted: list[int], catch_up: bool) -> None:
+    def _run_tail(self, out, accepted: list[int] | None, catch_up: bool) -> object:
         """The round's tail after the verify pass ``out`` (:mod:`~hpc_cli.speculative.round_tail`):
         each lane's state after its last accepted column into its slot and, with ``catch_up``,
-        the drafter's K/V of the accepted positions."""
+        the drafter's K/V of the accepted positions. ``accepted`` None: the greedy counts, on the
+        device. Returns what the drafter's catch-up saved (for :meth:`_settle_device_tail`)."""
         states = self.states
         step = self.drafter.catch_up_columns if catch_up else None
 
         def tail(o, acc):
             commit_columns(states, o, o.index.slots, acc)
-            if step is not None:
-                step(o, acc)
+            return step(o, acc) if step is not None else None
 
-        self.tails.run(out, accepted, "commit+catch-up" if catch_up else "commit", tail)
+        return self.tails.run(out, accepted, "commit+catch-up" if catch_up else "commit", tail)
+
+    def _settle_device_tail(self, out, rows: list[list[int]], accepted: list[int], slots: list[int],
+                            saved: object, catch_up: bool) -> None:
+        """After a tail that counted on the device: where the host accepted fewer drafts than the
+        greedy count (a lane stopped inside its accepted drafts), each lane's state after its own
+        last accepted column again (from the pass's kept states, which the tail only read), and
+        the drafter's catch-up past the host's counts undone where it is not harmless there
+        (``undo_catch_up``: DFlash2's rings; K/V written past a lane's frontier is, as a rejected
+        column's is)."""
+        if leading_matches(rows) == accepted:
+            return
+        self.counters["device_tail_fixes"] += 1
+        commit_states(self.states, out, slots, accepted)
+        undo = getattr(self.drafter, "undo_catch_up", None)
+        if catch_up and undo is not None:
+            undo(out, saved, accepted)
 
     def warm_tails(self, out) -> int:
         """The tails a round can run after the verify pass ``out`` (a warm-up shape: its slots
@@ -267,10 +292,13 @@ class SpecRuntime:
             return 0
         variants = [False, True] if self.tails.use_graphs and getattr(self.drafter, "catches_up_columns", False) \
             else [False]
+        # and each with the greedy counts on the device, where rounds take that tail
+        counted = [None] if self.tails.use_graphs and out.verdict is not None else []
         for catch_up in variants:
-            for _ in range(2 if out.static else 1):
-                self._run_tail(out, [0] * out.index.B, catch_up)
-        return len(variants)
+            for accepted in [[0] * out.index.B] + counted:
+                for _ in range(2 if out.static else 1):
+                    self._run_tail(out, accepted, catch_up)
+        return len(variants) * (1 + len(counted))
 
     def _accept(self, engine: "RoundHost", lane, logits: torch.Tensor, drafts: list[int],
                 greedy: list[int] | None = None) -> int:

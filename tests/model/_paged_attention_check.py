@@ -43,6 +43,12 @@ for name in ("bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"):
             ref = F.scaled_dot_product_attention(q[b][:, None].float(), k.float(), v.float(), scale=D ** -0.5)[:, 0]
             err = max(err, ((out[b].float() - ref).norm() / ref.norm()).item())
         worst[f"{name}/{str(dtype)[6:]}"] = err
+        # rows past the queries (a pass's padding to a row block): zero, the queries' rows the same
+        padded = paged_attention.paged_decode_attention(
+            q, fk, [planes[i] for i in kv._side_idx["k"]], gs[0], fv, [planes[i] for i in kv._side_idx["v"]], gs[1],
+            tables, seqlens, D ** -0.5, rows=B + 3)
+        if padded.shape != (B + 3, H, D) or not torch.equal(padded[:B], out) or not bool((padded[B:] == 0).all()):
+            worst[f"{name}/{str(dtype)[6:]}/padded"] = float("inf")
 bad = {k: v for k, v in worst.items() if v > (1e-5 if k.endswith("float32") else 1e-2)}
 print(worst)
 sys.exit(1 if bad else 0)

@@ -170,11 +170,13 @@ def _kernel_cases(device: str) -> dict:
         lanes = torch.tensor([3, 1], device=device)
         slots[lanes] = state
         kept = torch.zeros(B * T, HV, K, V, device=device)
-        o = torch.empty(B * T, HV, V, dtype=dtype, device=device)
+        # rows past B * T: the pass's padding to a row block, zeroed by the last column's launch
+        o_rows = torch.full((B * T + 3, HV, V), 7.0, dtype=dtype, device=device)
         # the verify form: column t's state in row b*T+t of kept
         for t in range(T):
             src, idx = (slots, lanes) if t == 0 else (kept, None)
-            gdn_decode.gdn_step(win, t, conv_w, a, b, A_log, dt_bias, src, idx, kept, None, n_k, T, o)
+            gdn_decode.gdn_step(win, t, conv_w, a, b, A_log, dt_bias, src, idx, kept, None, n_k, T, o_rows)
+        o = o_rows[:B * T]
         ref_S, ref_o, ref_kept = state, [], []
         for t in range(T):
             ro, ref_S = gdn_decode.gdn_step_ref(win, t, conv_w, a.view(B, T, HV)[:, t], b.view(B, T, HV)[:, t],
@@ -211,7 +213,8 @@ def _kernel_cases(device: str) -> dict:
                     and bool((rec[[0, 2, 4]] == 0).all()) and bool((conv_slots[[0, 2, 4]] == 0).all()))
         out["step"].append({"dtype": str(dtype), "o": _rel(o, ref_o), "states": _rel(kept, ref_kept),
                             "decode_equals_verify": same, "in_slots_equals_window": in_place,
-                            "others_untouched": bool((slots[[0, 2, 4]] == 0).all())})
+                            "others_untouched": bool((slots[[0, 2, 4]] == 0).all()),
+                            "padding_zero": bool((o_rows[B * T:] == 0).all())})
     return out
 
 
@@ -229,7 +232,7 @@ def _check_kernel_cases(cases: dict) -> None:
     for c in cases["step"]:
         tol = 1e-5 if "float32" in c["dtype"] else 2e-2
         assert max(c["o"], c["states"]) < tol, c
-        assert c["decode_equals_verify"] and c["others_untouched"], c
+        assert c["decode_equals_verify"] and c["others_untouched"] and c["padding_zero"], c
         assert c["in_slots_equals_window"], c
 
 

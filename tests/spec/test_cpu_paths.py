@@ -402,3 +402,66 @@ def test_round_kernels_busy_time_is_the_union_of_the_kernels_intervals():
     assert round_kernels.busy_us([(0, 10)]) == 10
     assert round_kernels.busy_us([(20, 30), (0, 10), (5, 12)]) == 22  # [0, 12] and [20, 30]
     assert round_kernels.busy_us([(0, 10), (2, 4), (10, 15)]) == 15  # nested and touching
+
+
+@pytest.mark.parametrize("name", ["mtp", "dflash", "dflash2"])
+def test_a_lane_stopping_inside_its_accepted_drafts_keeps_the_state_of_its_last_token(name):
+    """Rounds whose lanes are all greedy count the accepted drafts on the device, in the tail
+    launched before the host reads the verify pass (forced on the CPU, where it runs eagerly). A
+    lane that stops on a token inside its accepted drafts accepts fewer than that count: its
+    state is committed again at the host's count and DFlash2's rings get back what the catch-up
+    overwrote past it. Checked against rounds whose tail takes the host's counts: the same
+    answers, the same drafts proposed round by round, and at each request's end (where the cache
+    takes its endpoint snapshot) the same state image in the lane's slot, bit for bit."""
+    from helpers import make, record_proposals, settle
+
+    from hpc_cli.engine.api import GenerationRequest, SamplingParams
+    from hpc_cli.model.model import HybridModel
+
+    model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
+    tok = model.tokenizer
+    questions = ("What does json.dumps do?", "What is functools.partial?", "Explain datetime.timedelta.",
+                 "How do I read a file line by line?")
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                  enable_thinking=False)) for q in questions]
+    off = make(model, reuse=False)
+    until_eos = SamplingParams(max_tokens=24, temperature=0.0)
+    answers = [off.generate(GenerationRequest(p, until_eos), timeout=300)[0] for p in prompts]
+    settle(off)
+    # requests that stop on their answer's 3rd, 5th, ... token: some of them drafted right
+    cases = [(p, a, a[j]) for p, a in zip(prompts, answers) for j in (2, 4, 6, 8, 10) if j < len(a)]
+    prompts, answers, stops = (list(x) for x in zip(*cases))
+    results: dict[bool, tuple] = {}
+    for on_device in (True, False):
+        e = make(model, name)
+        e.spec.tails.use_graphs = True  # the tail catches the drafter up in both
+        e.spec.count_on_device = on_device
+        proposed = record_proposals(e.spec.drafter)
+        images: dict[tuple, list[torch.Tensor]] = {}
+        inner, st = e.cache.finish, e.states
+
+        def finish(lane, *, publish=True, inner=inner, st=st, images=images):
+            s = lane.state_slot
+            images[(tuple(lane.request.prompt_tokens), lane.request.sampling.stop_token_ids)] = [
+                st.conv_all[:, s].clone(), st.recurrent_all[:, s].clone(), st.hidden[s].clone(),
+                *(x[s].clone() for x in st.extra.values())]
+            inner(lane, publish=publish)
+
+        e.cache.finish = finish
+        try:
+            handles = [e.submit(GenerationRequest(p, SamplingParams(max_tokens=24, temperature=0.0,
+                                                                    stop_token_ids=(s,))))
+                       for p, s in zip(prompts, stops)]
+            firsts = [[t.token_id for t in h.result(timeout=300)[0]] for h in handles]
+            results[on_device] = (firsts, list(proposed), images, e.spec.counters["device_tail_fixes"])
+        finally:
+            settle(e)
+    dev, host = results[True], results[False]
+    assert dev[3] > 0, "no lane stopped inside its accepted drafts: the case is not exercised"
+    assert host[3] == 0
+    for first, answer, stop in zip(dev[0], answers, stops):
+        assert first == answer[:answer.index(stop)], "a stopped answer is not greedy decoding's up to its stop"
+    assert dev[:2] == host[:2]
+    assert dev[2].keys() == host[2].keys() and len(dev[2]) == len(prompts)
+    for key, image in dev[2].items():
+        assert all(torch.equal(a, b) for a, b in zip(image, host[2][key])), "a lane's state at its end differs"
