@@ -87,6 +87,23 @@ if triton is not None:
         tl.store(lane + KW - 2, new.to(conv.dtype.element_ty), mask=m_c)
         tl.store(act + i_b * C + o_c, _silu_of_conv(acc, dt).to(dt), mask=m_c)
 
+    @triton.jit(do_not_specialize=["T"])
+    def _window_kernel(conv, sc_n, sc_c, idx, x, sx, win, C, T, KW: tl.constexpr, BC: tl.constexpr):
+        """The verify pass's conv window of lane ``program_id(0)`` and ``BC`` channels: its conv
+        state (``KW - 1`` columns of its slot), then its ``T`` columns' pre-conv projections
+        (rows ``b * T + t`` of ``x``), into ``win`` ``[B, C, KW - 1 + T]`` (contiguous)."""
+        i_b = tl.program_id(0).to(tl.int64)
+        o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+        m_c = o_c < C
+        dt = win.dtype.element_ty
+        width = KW - 1 + T
+        dst = win + i_b * C * width + o_c * width
+        lane = conv + tl.load(idx + i_b) * sc_n + o_c * sc_c
+        for j in tl.static_range(KW - 1):
+            tl.store(dst + j, tl.load(lane + j, mask=m_c, other=0.0).to(dt), mask=m_c)
+        for t in range(T):
+            tl.store(dst + KW - 1 + t, tl.load(x + (i_b * T + t) * sx + o_c, mask=m_c, other=0.0).to(dt), mask=m_c)
+
     @triton.jit(do_not_specialize=["t", "T", "B", "PAD0", "ROWS"])
     def _step_kernel(win, sw_b, sw_c, conv_w, a, sa, b, sb, A_log, dt_bias,
                      s_in, in_idx, s_out, out_idx, o, t, T, B, PAD0, ROWS, scale,
@@ -177,6 +194,23 @@ def gdn_step(win: torch.Tensor, t: int, conv_w: torch.Tensor, a: torch.Tensor, b
         s_in, in_idx if in_idx is not None else s_in, s_out, out_idx if out_idx is not None else s_out, o,
         t, T, B, B * T, rows, K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv, IN_SLOT=in_idx is not None,
         OUT_SLOT=out_idx is not None, ACT=False, num_warps=NUM_WARPS)
+
+
+def conv_window(conv: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, T: int, win: torch.Tensor) -> torch.Tensor:
+    """The verify pass's conv windows in one launch: ``win`` ``[B, C, KW - 1 + T]`` (contiguous)
+    gets each lane's conv state (``conv`` ``[N, C, KW - 1]``, the lanes' slots ``slots`` ``[B]``
+    int64 on the device), then its ``T`` columns' projections (``x`` ``[B * T, C]``, rows at any
+    stride, lane-major), as ``torch.cat([conv[slots], x.view(B, T, C).transpose(1, 2)], -1)``
+    gives them (copies: the same values). Returns ``win``."""
+    B, C, width = win.shape
+    KW = conv.shape[2] + 1
+    assert width == KW - 1 + T and conv.shape[1] == C and x.shape == (B * T, C), \
+        f"window {tuple(win.shape)} for conv states {tuple(conv.shape)}, {T} columns and projections {tuple(x.shape)}"
+    assert win.is_contiguous() and conv.stride(2) == 1 and x.stride(1) == 1, \
+        "a contiguous window, conv state columns and projection rows contiguous"
+    _window_kernel[(B, triton.cdiv(C, CONV_BC))](conv, conv.stride(0), conv.stride(1), slots, x, x.stride(0), win,
+                                                 C, T, KW=KW, BC=CONV_BC, num_warps=NUM_WARPS)
+    return win
 
 
 def gdn_decode_step(x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor, conv_w: torch.Tensor, a: torch.Tensor,

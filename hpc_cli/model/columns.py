@@ -265,10 +265,12 @@ class _Stacks:
         return (self.windows, self.kept) if self.filled == self.layers and self.kept is not None else None
 
 
-def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: torch.Tensor,
+def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv: torch.Tensor, rec: torch.Tensor,
          slot_t: torch.Tensor, keep_all: bool, R: int, run: int | None = None, unsummed: bool = False,
          stacks: tuple[_Stacks, int] | None = None):
-    """The GDN layer's columns. ``rec`` is the layer's state slots, the lanes' in ``slot_t``: with
+    """The GDN layer's columns. ``conv`` and ``rec`` are the layer's conv and recurrent state
+    slots, the lanes' in ``slot_t`` (the conv states are only read; each lane's window comes back
+    ``[B, C, K-1+T]``). ``rec``: with
     ``keep_all`` they are read only (every column's state comes back ``[B, T, H, dk, dv]``), else
     the last column's state is written back there (and ``None`` comes back). ``run``: the first of
     the lanes' slots where they are consecutive (:func:`_slot_run`; decode on the CPU only).
@@ -279,17 +281,18 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv0: torch.Tensor, rec: 
     mixed, z, b, a = blocks(la._project, R, h)
     C = mixed.shape[-1]
     m = mixed[:n].view(B, T, C)
-    parts = [conv0.to(m.dtype), m.transpose(1, 2)]
     if _fused_gdn(la, h):
+        # the lanes' conv states and the columns' projections, in one launch ([B, C, K-1+T])
+        shape = (B, C, conv.shape[-1] + T)
         if keep_all and stacks is not None:
             st, g = stacks
-            window = torch.cat(parts, dim=-1, out=st.window(g, (B, C, conv0.shape[-1] + T), m))  # [B, C, K-1+T]
-            kept = st.kept_rows(g, B * T, rec)
+            window, kept = st.window(g, shape, m), st.kept_rows(g, B * T, rec)
         else:
-            window, kept = torch.cat(parts, dim=-1), None
+            window, kept = m.new_empty(shape), None
+        gdn_decode.conv_window(conv, slot_t, mixed[:n], T, window)
         core, state = _gdn_fused(la, window, a, b, B, T, rec, slot_t, keep_all, h.shape[0], kept)
         return blocks(finish, R, core, z), window, state
-    window = torch.cat(parts, dim=-1)  # [B, C, K-1+T]
+    window = torch.cat([conv.index_select(0, slot_t).to(m.dtype), m.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
     w = la.conv1d.weight[:, 0, :]  # [C, K]
     K = w.shape[-1]
     b3, a3 = b[:n].view(B, T, -1), a[:n].view(B, T, -1)
@@ -482,7 +485,7 @@ def columns_core(model, idx: ColumnIndex, kv, states, *, keep_all: bool, capture
             if not keep_all and T == 1 and _fused_gdn(la, h):
                 out = _gdn_decode(la, h, conv, rec, slot_t, R, one)  # both states stepped in their slots
             else:
-                out, window, st = _gdn(la, h, n, B, T, conv.index_select(0, slot_t), rec, slot_t, keep_all, R, run,
+                out, window, st = _gdn(la, h, n, B, T, conv, rec, slot_t, keep_all, R, run,
                                        one, (stacks, g) if stacks is not None else None)
                 if keep_all:
                     windows.append(window)

@@ -211,7 +211,14 @@ def _kernel_cases(device: str) -> dict:
                     and bool(torch.equal(rec[lanes], kept.view(B, T, HV, K, V)[:, 0]))
                     and bool(torch.equal(conv_slots[lanes], win[:, :, 1:4])) and bool((o2[B:] == 0).all())
                     and bool((rec[[0, 2, 4]] == 0).all()) and bool((conv_slots[[0, 2, 4]] == 0).all()))
+        # the verify pass's windows in one launch: the lanes' conv states, then the columns'
+        # projections (rows at a wider stride), the values of torch's gather and concatenation
+        proj = torch.randn(B * T, 2 * C, generator=g).to(dtype).to(device)[:, :C]
+        window = gdn_decode.conv_window(conv_slots, lanes, proj, T, torch.full((B, C, 3 + T), 7.0, dtype=dtype,
+                                                                              device=device))
+        ref_window = torch.cat([conv_slots.index_select(0, lanes), proj.reshape(B, T, C).transpose(1, 2)], -1)
         out["step"].append({"dtype": str(dtype), "o": _rel(o, ref_o), "states": _rel(kept, ref_kept),
+                            "window_exact": bool(torch.equal(window, ref_window)),
                             "decode_equals_verify": same, "in_slots_equals_window": in_place,
                             "others_untouched": bool((slots[[0, 2, 4]] == 0).all()),
                             "padding_zero": bool((o_rows[B * T:] == 0).all())})
@@ -232,7 +239,7 @@ def _check_kernel_cases(cases: dict) -> None:
     for c in cases["step"]:
         tol = 1e-5 if "float32" in c["dtype"] else 2e-2
         assert max(c["o"], c["states"]) < tol, c
-        assert c["decode_equals_verify"] and c["others_untouched"] and c["padding_zero"], c
+        assert c["decode_equals_verify"] and c["others_untouched"] and c["padding_zero"] and c["window_exact"], c
         assert c["in_slots_equals_window"], c
 
 
