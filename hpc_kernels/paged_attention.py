@@ -80,7 +80,7 @@ def _split_kernel(q_ptr, o_ptr, ml_ptr, table_ptr, table_stride, seqlen_ptr,
     tl.store(ml_ptr + base * 2 + 1, l_i, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["valid"])  # a value per lane count: one compilation for all
 def _combine_kernel(o_ptr, ml_ptr, out_ptr, valid, D: tl.constexpr, SPLITS_C: tl.constexpr):
     row = tl.program_id(0)  # b * H + head
     d = tl.arange(0, D)
