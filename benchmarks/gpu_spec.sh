@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Speculative decoding on one CUDA machine after a change to the drafters' CUDA paths: the GPU
-# tests of the draft graphs and round tails, then `benchmarks/spec_decode.py` on builtin:tiny's
-# own chat traffic at k = 3 and 1 (none, MTP, DFlash, DFlash2 and any DRAFTERS sets in the same
-# run), then `benchmarks/serve_spec.py` through HTTP with the official client. A table prints last.
+# Speculative decoding on one CUDA machine after a change to the rounds' CUDA paths: the GPU tests
+# of the draft graphs and round tails, then `benchmarks/spec_decode.py` on builtin:tiny's own chat
+# traffic at each k of KS (none, MTP, DFlash, DFlash2 and any DRAFTERS sets in the same run), the
+# kernels a step and a round launch (`benchmarks/round_kernels.py`), then
+# `benchmarks/serve_spec.py` through HTTP with the official client. A table prints last.
 #
 #   bash benchmarks/gpu_spec.sh OUT_DIR
 #
-# DRAFTERS: extra drafter sets for spec_decode, "label=DIR ..." (DIR holding dflash/ and dflash2/);
-# TESTS: 1 (default) the draft-graph tests, all the whole GPU file of speculative tests, 0 none.
-# About 5 minutes on an H200 with the default tests (TESTS=all: run it with fewer steps after).
+# DATA (default .tiny-data, from `python3 scripts/tiny_corpus.py --out .tiny-data`): where it
+# exists, 64 held-out prompts of its validation split (`--chat-data`), else the 8 fixed questions.
+# KS (default "1 3"); DRAFTERS: extra drafter sets for spec_decode, "label=DIR ..." (DIR holding
+# dflash/ and dflash2/); BEFORE: a directory holding an earlier tree's hpc_cli/ and hpc_kernels/,
+# whose spec_decode runs at the first k too (on PYTHONPATH: before and after on one machine);
+# SERVE=0 skips the HTTP step; TESTS: 1 (default) the draft-graph tests, all the whole GPU file of
+# speculative tests, 0 none. About 6 minutes on an H200 with the defaults.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_spec.sh OUT_DIR}
@@ -23,13 +28,28 @@ case "${TESTS:-1}" in
 esac
 extra=()
 for d in ${DRAFTERS:-}; do extra+=(--drafters "$d"); done
-for k in 3 1; do
-    step "spec-k$k" 200 python3 benchmarks/spec_decode.py --model builtin:tiny --traffic chat --prompts 8 \
+DATA=${DATA:-.tiny-data}
+traffic=(--traffic chat --prompts 8)
+[ -d "$DATA" ] && traffic=(--traffic chat --chat-data "$DATA" --prompts 64)
+KS=${KS:-1 3}
+for k in $KS; do
+    step "spec-k$k" 200 python3 benchmarks/spec_decode.py --model builtin:tiny "${traffic[@]}" \
         --max-tokens 96 -k "$k" --rollback per_token --repeat 2 --backends none,mtp,dflash,dflash2 "${extra[@]}" \
         --out "$OUT/spec-k$k.json"
 done
-step serve 300 python3 benchmarks/serve_spec.py --backends mtp,dflash,dflash2 --repeat 2 \
-    --serve-args '--kv-profile int8-g64 --host-cache-mib 1024 --kv-capacity 2048' --out "$OUT/serve.json"
+if [ -n "${BEFORE:-}" ]; then
+    k=${KS%% *}
+    step "before-k$k" 200 env PYTHONPATH="$BEFORE:${PYTHONPATH:-}" python3 benchmarks/spec_decode.py \
+        --model builtin:tiny "${traffic[@]}" --max-tokens 96 -k "$k" --rollback per_token --repeat 2 \
+        --backends none,mtp,dflash,dflash2 --out "$OUT/before-k$k.json"
+fi
+chat=()
+[ -d "$DATA" ] && chat=(--chat-data "$DATA")
+step kernels 120 python3 benchmarks/round_kernels.py "${chat[@]}" -k "${KS%% *}" --top 40 --out "$OUT/kernels.json"
+if [ "${SERVE:-1}" != 0 ]; then
+    step serve 300 python3 benchmarks/serve_spec.py --backends mtp,dflash,dflash2 --repeat 2 \
+        --serve-args '--kv-profile int8-g64 --host-cache-mib 1024 --kv-capacity 2048' --out "$OUT/serve.json"
+    grep -E "tok/s" "$OUT/serve.log"
+fi
 spec_table
-grep -E "tok/s" "$OUT/serve.log"
 summary

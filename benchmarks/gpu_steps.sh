@@ -1,7 +1,7 @@
 # Sourced by the GPU scripts: `step NAME SECONDS COMMAND...` runs one step with its own time
 # limit into "$OUT/NAME.log" (the script carries on after a failure) and records a summary line
 # (its exit code, seconds, and the log's last line naming passes, failures, warm-ups or errors);
-# `summary` prints them; `spec_table` prints a line per backend of each OUT/spec-k*.json that
+# `summary` prints them; `spec_table` prints a line per backend of each OUT/*-k*.json (spec-k1, before-k1, ...) that
 # benchmarks/spec_decode.py wrote; `checkpoints DIR` writes the 27B-width checkpoint to DIR/bf16
 # and its FP8 copy to DIR/fp8 unless they are there; `out_dirs SCRIPT DEFAULT_LOGS OUT_DIR` sets
 # and makes OUTDIR (the script's argument, required), OUT (the logs: $LOGS, else DEFAULT_LOGS) and
@@ -35,10 +35,12 @@ spec_table() {
     python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
-for f in sorted(Path(sys.argv[1]).glob("spec-k*.json")):
+for f in sorted(Path(sys.argv[1]).glob("*-k*.json")):
     doc = json.loads(f.read_text())
+    if "runs" not in doc:
+        continue
     for key, r in doc["runs"].items():
-        print(f"k={doc['k']}  {key:18} {r['decode_tok_s']:8.1f} tok/s  {r['speedup']:5.2f}x none"
+        print(f"{f.stem:10} k={doc['k']}  {key:18} {r['decode_tok_s']:8.1f} tok/s  {r['speedup']:5.2f}x none"
               f"  {r['mean_acceptance_length']:5.3f} tokens a round  same as none: {r.get('matches_none', True)}")
 PY
 }
