@@ -34,11 +34,13 @@ from typing import Callable, Sequence
 import torch
 
 from hpc_cli.model.columns import ColumnsOut
-from hpc_cli.model.graphs import CapturedGraphs
+from hpc_cli.model.graphs import MAX_GRAPHS, CapturedGraphs
 from hpc_cli.model.staging import HostStaging
 
-#: tail graphs kept (least recently used dropped first): one per verify graph in use
-MAX_TAILS = 256
+#: tail graphs kept (least recently used dropped first): one per verify graph kept, for each
+#: variant (the commit alone, with the catch-up) and each way of counting (the host's counts, the
+#: greedy ones on the device)
+MAX_TAILS = 4 * MAX_GRAPHS
 
 
 def greedy_counts(verdict: torch.Tensor) -> torch.Tensor:
