@@ -233,7 +233,7 @@ class ColumnsOut:
     #: the host reads drafts and verdicts in one copy
     verdict: torch.Tensor | None = None
     #: a verify pass's ``windows`` and ``states`` as two stacked tensors ``[G, B, C, K-1+T]`` and
-    #: ``[G, B*T, H, dk, dv]`` (the lists are views of them), where the fused kernels kept them so
+    #: ``[G, B*T, H, dk, dv]`` (the lists are views of them); None without GDN layers
     stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -241,7 +241,7 @@ class _Stacks:
     """A verify pass's kept windows and states of every GDN layer in two stacked tensors
     (``[G, B, C, K-1+T]`` and ``[G, B*T, H, dk, dv]``, allocated at the first layer), so that a
     round's commit copies every layer's in one launch each (:func:`hpc_cli.speculative.ops.commit_columns`)
-    instead of a few launches a layer. The fused kernels' path only."""
+    instead of a few launches a layer. Both GDN paths (the fused kernels', torch's) fill them."""
 
     def __init__(self, layers: int) -> None:
         self.layers = layers
@@ -275,8 +275,9 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv: torch.Tensor, rec: t
     the last column's state is written back there (and ``None`` comes back). ``run``: the first of
     the lanes' slots where they are consecutive (:func:`_slot_run`; decode on the CPU only).
     ``unsummed``: the output projection's split sums where it has them (one row block).
-    ``stacks``: where a verify pass keeps this layer's window and states (and the layer's place
-    there), on the fused kernels' path."""
+    ``stacks``: where a verify pass (``keep_all``) keeps this layer's window and states (and the
+    layer's place there)."""
+    assert stacks is not None or not keep_all, "a verify pass keeps its windows and states stacked"
     finish = functools.partial(la._finish, unsummed=unsummed)
     mixed, z, b, a = blocks(la._project, R, h)
     C = mixed.shape[-1]
@@ -284,15 +285,20 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv: torch.Tensor, rec: t
     if _fused_gdn(la, h):
         # the lanes' conv states and the columns' projections, in one launch ([B, C, K-1+T])
         shape = (B, C, conv.shape[-1] + T)
-        if keep_all and stacks is not None:
-            st, g = stacks
-            window, kept = st.window(g, shape, m), st.kept_rows(g, B * T, rec)
+        if keep_all:
+            st, at = stacks
+            window, kept = st.window(at, shape, m), st.kept_rows(at, B * T, rec)
         else:
             window, kept = m.new_empty(shape), None
         gdn_decode.conv_window(conv, slot_t, mixed[:n], T, window)
         core, state = _gdn_fused(la, window, a, b, B, T, rec, slot_t, keep_all, h.shape[0], kept)
         return blocks(finish, R, core, z), window, state
-    window = torch.cat([conv.index_select(0, slot_t).to(m.dtype), m.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+    parts = [conv.index_select(0, slot_t).to(m.dtype), m.transpose(1, 2)]
+    if keep_all:
+        st, at = stacks
+        window = torch.cat(parts, dim=-1, out=st.window(at, (B, C, conv.shape[-1] + T), m))  # [B, C, K-1+T]
+    else:
+        window = torch.cat(parts, dim=-1)
     w = la.conv1d.weight[:, 0, :]  # [C, K]
     K = w.shape[-1]
     b3, a3 = b[:n].view(B, T, -1), a[:n].view(B, T, -1)
@@ -318,7 +324,8 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv: torch.Tensor, rec: t
     core = _pad_rows(core, h.shape[0])
     out = blocks(finish, R, core, z)
     if keep_all:
-        return out, window, torch.stack(states, dim=1)
+        kept = st.kept_rows(at, B * T, rec).view(B, T, *rec.shape[1:])
+        return out, window, torch.stack(states, dim=1, out=kept)
     if run is None:
         rec.index_copy_(0, slot_t, state)
     return out, window, None

@@ -319,8 +319,7 @@ class DFlashDrafter:
                 self.pool.write(l, slots.reshape(-1), k, v)
             return None
         rings = self.states.extra[RING_PART]  # [N, layers, K|V, W, heads, dim]
-        W = self.cfg.window
-        where = (idx.slots[:, None], pos % W)  # [B, 1], [B, T]: the lane's ring slot of each column
+        where = self._ring_columns(idx)
         # what the columns' ring slots hold before the writes, every layer's at once: written back
         # past each lane's count, and returned for undo_catch_up
         old = rings.permute(0, 3, 1, 2, 4, 5)[where]  # [B, T, layers, K|V, heads, dim]
@@ -332,22 +331,23 @@ class DFlashDrafter:
                 ring.index_put_(where, torch.where(keep[..., None, None], new, old[:, :, l, j]))
         return old
 
+    def _ring_columns(self, idx) -> tuple[torch.Tensor, torch.Tensor]:
+        """DFlash2: the ring slot of each column of the verify index ``idx`` (``[B, 1]`` state
+        slots, ``[B, T]`` places in the window)."""
+        return idx.slots[:, None], (idx.seqlens - 1) % self.cfg.window  # the lengths are positions + 1
+
     @torch.inference_mode()
-    def undo_catch_up(self, out, saved: torch.Tensor | None, accepted: list[int]) -> None:
+    def undo_catch_up(self, out, saved: torch.Tensor, accepted: list[int]) -> None:
         """Put back what :meth:`catch_up_columns` wrote past each lane's ``accepted[b] + 1``
-        committed columns (it ran with larger counts; ``saved`` is what it returned): a DFlash2
-        ring slot holds an older position that later rounds still read. DFlash's pool needs
-        nothing (what lies past a lane's frontier is overwritten before it is read)."""
-        if self.cfg.kind == "dflash" or saved is None:
-            return
-        idx = out.index
-        T = idx.T
-        rings = self.states.extra[RING_PART]
-        W = self.cfg.window
+        committed columns (it ran with larger counts; ``saved`` is what it returned, DFlash2's
+        only): a ring slot holds an older position that later rounds still read. DFlash's pool
+        returns nothing to undo (what lies past a lane's frontier is overwritten before it is
+        read)."""
+        T = out.index.T
         dev = saved.device
         past = torch.arange(T, device=dev)[None, :] > torch.tensor(accepted, device=dev)[:, None]  # [B, T]
-        where = (idx.slots[:, None], (idx.seqlens - 1) % W)
-        view = rings.permute(0, 3, 1, 2, 4, 5)  # [N, W, layers, K|V, heads, dim]
+        where = self._ring_columns(out.index)
+        view = self.states.extra[RING_PART].permute(0, 3, 1, 2, 4, 5)  # [N, W, layers, K|V, heads, dim]
         view.index_put_(where, torch.where(past[..., None, None, None, None], saved, view[where]))
 
     def _write_ring(self, ring: torch.Tensor, ctx: torch.Tensor, pos: torch.Tensor, cos, sin) -> None:

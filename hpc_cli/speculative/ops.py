@@ -176,21 +176,16 @@ def commit_columns(states, out: VerifyOut, slot_t: torch.Tensor, j: torch.Tensor
     dev = out.hidden.device
     B, T = out.hidden.shape[:2]
     flat = torch.arange(B, device=dev) * T + j  # row b * T + keep[b] of the [B * T, ...] views
-    K1 = states.conv[0].shape[-1]
-    cols = j[:, None] + 1 + torch.arange(K1, device=dev)[None]  # [B, K-1] columns of the window
-    if out.stacked is not None:  # every layer's in one gather and one copy each (the same values)
+    assert out.stacked is not None or not out.windows, "a verify pass keeps its windows and states stacked"
+    if out.stacked is not None:  # every GDN layer's in one gather and one copy each
         windows, kept = out.stacked
         G, _, C, _ = windows.shape
+        K1 = states.conv_all.shape[-1]
+        cols = j[:, None] + 1 + torch.arange(K1, device=dev)[None]  # [B, K-1] columns of the window
         sel = windows.gather(3, cols[None, :, None, :].expand(G, B, C, K1))
         states.conv_all.index_copy_(1, slot_t, sel.to(states.conv_all.dtype))
+        # index_select of the flattened rows: the same values as kept[:, ar, j], several times cheaper on CPU
         states.recurrent_all.index_copy_(1, slot_t, kept.index_select(1, flat))
-    else:
-        for g, (window, st) in enumerate(zip(out.windows, out.states)):
-            conv = states.conv[g]
-            sel = window.gather(2, cols[:, None, :].expand(-1, window.shape[1], -1))
-            conv.index_copy_(0, slot_t, sel.to(conv.dtype))
-            # index_select of the flattened rows: the same values as st[ar, j], several times cheaper on CPU
-            states.recurrent[g].index_copy_(0, slot_t, st.flatten(0, 1).index_select(0, flat))
     states.hidden.index_copy_(0, slot_t, out.hidden.flatten(0, 1).index_select(0, flat).to(states.hidden.dtype))
 
 

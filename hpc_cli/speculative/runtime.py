@@ -184,11 +184,12 @@ class SpecRuntime:
                    if self.drafter.needs_hidden and not tail_catch_up else None)
         out = verify_pass(model, tokens, starts, tables, slots, engine.storage, states, keep_all=keep_all,
                           capture=self.drafter.capture, drafts=dev_drafts if on_device else None)
-        any_greedy = any(l.request.sampling.temperature == 0.0 for l in lanes)
+        greedy_lanes = sum(l.request.sampling.temperature == 0.0 for l in lanes)
+        any_greedy = greedy_lanes > 0
         # every lane greedy: the tail counts the accepted drafts on the device and is launched
         # right behind the verify pass, before the host reads it (round_tail's greedy counts)
         device_tail = (self.count_on_device and keep_all and k > 0 and self.tails.use_graphs and out.verdict is not None
-                       and all(l.request.sampling.temperature == 0.0 for l in lanes))
+                       and greedy_lanes == len(lanes))
         saved = self._run_tail(out, None, tail_catch_up) if device_tail else None
         t2 = time.monotonic()
         engine.send_held()  # the last round's tokens, while the device verifies (in rollback_s's wait)
@@ -211,7 +212,7 @@ class SpecRuntime:
             self.accept_hist[acc] += 1
         # roll the GDN state to the last accepted column
         if device_tail:
-            self._settle_device_tail(out, rows, accepted, slots, saved, tail_catch_up)
+            self._settle_device_tail(out, rows, accepted, slots, saved)
         elif keep_all and k:
             self._run_tail(out, accepted, tail_catch_up)
         elif keep_all:
@@ -269,20 +270,19 @@ class SpecRuntime:
         return self.tails.run(out, accepted, "commit+catch-up" if catch_up else "commit", tail)
 
     def _settle_device_tail(self, out, rows: list[list[int]], accepted: list[int], slots: list[int],
-                            saved: object, catch_up: bool) -> None:
+                            saved: object) -> None:
         """After a tail that counted on the device: where the host accepted fewer drafts than the
         greedy count (a lane stopped inside its accepted drafts), each lane's state after its own
         last accepted column again (from the pass's kept states, which the tail only read), and
-        the drafter's catch-up past the host's counts undone where it is not harmless there
-        (``undo_catch_up``: DFlash2's rings; K/V written past a lane's frontier is, as a rejected
-        column's is)."""
+        the drafter's catch-up past the host's counts undone where it saved what it overwrote
+        (``saved``, for its ``undo_catch_up``: DFlash2's rings; K/V written past a lane's frontier
+        needs nothing, as a rejected column's does not)."""
         if leading_matches(rows) == accepted:
             return
         self.counters["device_tail_fixes"] += 1
         commit_states(self.states, out, slots, accepted)
-        undo = getattr(self.drafter, "undo_catch_up", None)
-        if catch_up and undo is not None:
-            undo(out, saved, accepted)
+        if saved is not None:
+            self.drafter.undo_catch_up(out, saved, accepted)
 
     def warm_tails(self, out) -> int:
         """The tails a round can run after the verify pass ``out`` (a warm-up shape: its slots
