@@ -50,12 +50,12 @@ def _cache_words(s) -> str:
             + (f", file {s.cache.prefix_cache_file}" if s.cache.prefix_cache_file else "") + ")")
 
 
-def banner(resolved, url: str) -> str:
+def banner(resolved, url: str, loop: str = "asyncio") -> str:
     s = resolved.settings
     served = s.server.served_model_name or s.model.name
     lines = [f"hpc-cli serving {s.model.name} as '{served}' at {url}",
              f"  {_cache_words(s)} | KV {s.kv.profile} | speculative {s.speculative.backend}"
-             f" | lanes {s.engine.max_concurrency}",
+             f" | lanes {s.engine.max_concurrency} | {loop} event loop",
              f"  OpenAI: {url}/v1/chat/completions, {url}/v1/completions | Anthropic: {url}/v1/messages",
              f"  {url}/health, {url}/metrics, {url}/v1/cache/stats"
              + (" | API key required (Authorization: Bearer ...)" if s.server.api_key else "")]
@@ -242,7 +242,7 @@ def run_server(resolved, log_level: str = "info") -> None:
 
     from hpc_cli.engine.engine import Engine
     from hpc_cli.server.app import create_app
-    from hpc_cli.server.limits import uvicorn_config
+    from hpc_cli.server.limits import event_loop, uvicorn_config
     from hpc_cli.server.startup import check_host_tier, fatal_exit, prepare_cache_file, warm_request_path
     from hpc_cli.server.stop import StopController
 
@@ -252,6 +252,7 @@ def run_server(resolved, log_level: str = "info") -> None:
         from hpc_cli.engine.persistence import check_cache_file_path
 
         check_cache_file_path(s.cache.prefix_cache_file)  # other data there: refuse before the model loads
+    loop = event_loop(s.server.event_loop)  # before the model: uvloop asked for and missing fails now
     sock = bind_listen_socket(s.server.host, s.server.port)  # before the model: a port in use fails now
     engine = Engine.from_settings(resolved, progress=True)
     echo = lambda msg: click.echo(f"hpc-cli: {msg}", err=True)  # noqa: E731
@@ -302,12 +303,13 @@ def run_server(resolved, log_level: str = "info") -> None:
 
     if s.server.tui and log_level == "info":
         log_level = "warning"  # keep the log from scrolling over the view
-    config = uvicorn_config(app, s.server, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off")
+    config = uvicorn_config(app, s.server, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off",
+                            loop=loop)
     server = Server(config)
     controller.server = server
     host = s.server.host if ":" not in s.server.host else f"[{s.server.host}]"
     url = f"http://{host}:{sock.getsockname()[1]}"
-    text = banner(resolved, url)
+    text = banner(resolved, url, loop)
     click.echo(text, err=True)
     tui = None
     if s.server.tui:

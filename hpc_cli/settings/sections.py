@@ -108,6 +108,9 @@ class ServerSettings(_Section):
     body_timeout_s: float = Field(30.0, gt=0, description="seconds a request may take to send its body; "
                                                           "past it 408")
     keep_alive_timeout_s: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection stays open")
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="the server's event loop: uvloop where it is installed (auto; a dependency on Linux "
+                            "and macOS), or asyncio's own")
     exit_on_fatal: bool = Field(True, description="exit with status 3 once the engine stopped after an error, "
                                                   "so that a supervisor restarts the server")
     allow_remote_media: bool = Field(False, description="fetch http(s) image URLs in requests (off: images come "
