@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -197,7 +198,7 @@ def event_loop(setting: str) -> str:
     if setting == "asyncio":
         return "asyncio"
     try:
-        import uvloop  # noqa: F401
+        importlib.import_module("uvloop")
     except ImportError:
         if setting == "uvloop":
             raise ConfigError("server.event_loop is 'uvloop' but uvloop is not installed",
