@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 APP = r'''
 import json, socket, sys
@@ -117,11 +118,9 @@ def main(argv=None) -> dict:
               "loops": {loop: {"ttft_p50_ms": round(1e3 * statistics.median(v), 3),
                                "ttft_p90_ms": round(1e3 * statistics.quantiles(v, n=10)[-1], 3)}
                         for loop, v in seen.items()}}
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
