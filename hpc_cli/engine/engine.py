@@ -43,6 +43,9 @@ from hpc_cli.errors import EngineError, RequestError, UnavailableError
 from hpc_cli.model import layers as model_layers
 
 MiB = 1 << 20
+#: rotary table rows past ``max_model_len``: a round's drafts (k <= 16) reach k + 1 positions past
+#: a sequence's end
+ROTARY_MARGIN = 64
 log = logging.getLogger("hpc_cli.engine")
 
 
@@ -107,6 +110,12 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
                 from hpc_cli.memory.transfer.engine import TransferEngine
 
                 transfer_factory = functools.partial(TransferEngine, copy_method=c.transfer_copy)
+        # rotary rows read from a table in every pass instead of computed (CUDA, Rotary.hold_table):
+        # the longest sequence and the drafts a round places past its end; held before the pages
+        # take what memory is left
+        for rotary in (model.rotary, getattr(drafter, "rotary", None)):
+            if rotary is not None:
+                rotary.hold_table(self.max_model_len + ROTARY_MARGIN, model.dtype)
         pages = c.kv_pages or self._auto_pages(c.device_memory_fraction)
         self.storage, self.backend_storage = self._spec_storage(model, pages)
         from hpc_cli.memory.transfer.engine import TransferEngine

@@ -206,12 +206,46 @@ class Rotary:
         self.rotary_dim = rotary_dim
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device)
                                          / rotary_dim))
+        #: dtype -> (cos, sin) ``[P, rotary_dim]`` of positions ``0 .. P-1`` (:meth:`hold_table`)
+        self.tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: every table ever held: a CUDA graph captured while one was current reads its memory
+        self.retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` ``[N, rotary_dim]`` for integer positions ``[N]``."""
+    def compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``[N, rotary_dim]`` for integer positions ``[N]``, computed (7 kernels on CUDA)."""
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def hold_table(self, positions: int, dtype: torch.dtype) -> None:
+        """Keep :meth:`compute`'s values of positions ``0 .. positions-1`` in ``dtype`` on the
+        device of ``inv_freq``, so that :meth:`cos_sin` reads rows instead of computing them (three
+        launches instead of seven, in every decode step, verify pass and draft step). CUDA only:
+        there an elementwise kernel computes each element alike whatever the tensor's length, so a
+        row of the table is bit for bit what :meth:`compute` gives for that position (checked by
+        ``tests/model/test_rotary_table.py`` on the GPU); on the CPU the vector body and the scalar
+        tail of ``cos`` may differ in the last bit. Keeps the longer of two tables (and the shorter
+        alive, for the graphs that read it)."""
+        if self.inv_freq.device.type != "cuda":
+            return
+        held = self.tables.get(dtype)
+        if held is not None and held[0].shape[0] >= positions:
+            return
+        if held is not None:
+            self.retired.append(held)
+        self.tables[dtype] = self.compute(torch.arange(positions, device=self.inv_freq.device), dtype)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``[N, rotary_dim]`` for integer positions ``[N]``: rows of the held table
+        where there is one for ``dtype`` on their device, else computed. A position past the table
+        reads its last row: only padding rows go there (the engine holds its longest sequence plus
+        a margin, :meth:`hold_table`), and a clamp keeps them from reading outside it."""
+        held = self.tables.get(dtype)
+        if held is None or held[0].device != positions.device:
+            return self.compute(positions, dtype)
+        cos, sin = held
+        rows = positions.clamp(0, cos.shape[0] - 1)
+        return cos.index_select(0, rows), sin.index_select(0, rows)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
