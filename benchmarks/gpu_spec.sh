@@ -12,8 +12,9 @@
 # KS (default "1 3"); DRAFTERS: extra drafter sets for spec_decode, "label=DIR ..." (DIR holding
 # dflash/ and dflash2/); BEFORE: a directory holding an earlier tree's hpc_cli/ and hpc_kernels/,
 # whose spec_decode runs at the first k too (on PYTHONPATH: before and after on one machine);
-# SERVE=0 skips the HTTP step; TESTS: 1 (default) the draft-graph tests, all the whole GPU file of
-# speculative tests, 0 none. About 6 minutes on an H200 with the defaults.
+# SERVE=0 skips the HTTP step; TESTS: 1 (default) the draft-graph, verify-column and rotary-table
+# tests, all the whole GPU file of speculative tests, 0 none. About 6 minutes on an H200 with the
+# defaults.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_spec.sh OUT_DIR}
@@ -24,7 +25,7 @@ case "${TESTS:-1}" in
     0) ;;
     all) step test 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/spec/test_bf16_gpu.py ;;
     *) step test 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/spec/test_bf16_gpu.py \
-        -k "graph_drafts or warmup_covers_serving" ;;
+        tests/model/test_rotary_table.py -k "graph_drafts or warmup_covers_serving or verify_columns or rotary" ;;
 esac
 extra=()
 for d in ${DRAFTERS:-}; do extra+=(--drafters "$d"); done
