@@ -212,7 +212,8 @@ class Rotary:
         self.retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` ``[N, rotary_dim]`` for integer positions ``[N]``, computed (7 kernels on CUDA)."""
+        """``cos, sin`` ``[N, rotary_dim]`` for integer positions ``[N]``, computed (seven launches on
+        CUDA in bf16: a cast, a product, a concatenation, ``cos``, ``sin`` and two casts)."""
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -238,7 +239,7 @@ class Rotary:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` ``[N, rotary_dim]`` for integer positions ``[N]``: rows of the held table
         where there is one for ``dtype`` on their device, else computed. A position past the table
-        reads its last row: only padding rows go there (the engine holds its longest sequence plus
+        reads its last row (a negative one its first): only padding rows go there (the engine holds its longest sequence plus
         a margin, :meth:`hold_table`), and a clamp keeps them from reading outside it."""
         held = self.tables.get(dtype)
         if held is None or held[0].device != positions.device:

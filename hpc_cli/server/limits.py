@@ -191,9 +191,9 @@ def guarded_h11(header_timeout_s: float) -> type[H11Protocol]:
 
 def event_loop(setting: str) -> str:
     """The event loop ``[server] event_loop`` names: ``uvloop`` or ``asyncio`` (``auto``: uvloop
-    where it imports). uvloop's loop runs the server's own Python in fewer steps than asyncio's:
-    a bare FastAPI app answering a streamed chat request of 23 KB to the openai client, measured
-    from the client, 3.2-3.3 ms against 3.8-4.2 ms on a 2-core CPU host (benchmarks in
+    where it imports). uvloop runs the server's own Python in fewer steps: a bare app with this
+    server's connection settings answering a streamed 23 KiB chat request to the openai client,
+    3.45 ms against 4.05 ms p50 on an H100 machine's host (``benchmarks/http_floor.py``,
     docs/server.md). Asked for by name where it is not installed: a ConfigError with a hint."""
     if setting == "asyncio":
         return "asyncio"
