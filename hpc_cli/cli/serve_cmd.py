@@ -50,7 +50,7 @@ def _cache_words(s) -> str:
             + (f", file {s.cache.prefix_cache_file}" if s.cache.prefix_cache_file else "") + ")")
 
 
-def banner(resolved, url: str, loop: str = "asyncio") -> str:
+def banner(resolved, url: str, loop: str) -> str:
     s = resolved.settings
     served = s.server.served_model_name or s.model.name
     lines = [f"hpc-cli serving {s.model.name} as '{served}' at {url}",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -49,18 +49,6 @@ def greedy_counts(verdict: torch.Tensor) -> torch.Tensor:
     first that is not, ``[B]`` int64 (capturable: no host read)."""
     k = (verdict.shape[1] - 1) // 2
     return (verdict[:, :k] == verdict[:, k:2 * k]).long().cumprod(1).sum(1)
-
-
-def leading_matches(rows: Sequence[Sequence[int]]) -> list[int]:
-    """:func:`greedy_counts` of a verdict the host has read (its rows)."""
-    out = []
-    for row in rows:
-        k = (len(row) - 1) // 2
-        n = 0
-        while n < k and row[n] == row[k + n]:
-            n += 1
-        out.append(n)
-    return out
 
 
 @dataclass

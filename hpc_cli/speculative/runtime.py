@@ -29,7 +29,7 @@ import torch
 from hpc_cli.engine.sampling import event_for, target_probs
 from hpc_cli.kv_profile import PAGE_TOKENS
 from hpc_cli.speculative.ops import Snapshot, commit_columns, commit_states, verify_pass
-from hpc_cli.speculative.round_tail import RoundTails, leading_matches
+from hpc_cli.speculative.round_tail import RoundTails
 
 if TYPE_CHECKING:
     from hpc_cli.engine.api import TokenEvent
@@ -212,7 +212,7 @@ class SpecRuntime:
             self.accept_hist[acc] += 1
         # roll the GDN state to the last accepted column
         if device_tail:
-            self._settle_device_tail(out, rows, accepted, slots, saved)
+            self._settle_device_tail(out, drafts, greedy, accepted, slots, saved)
         elif keep_all and k:
             self._run_tail(out, accepted, tail_catch_up)
         elif keep_all:
@@ -269,16 +269,17 @@ class SpecRuntime:
 
         return self.tails.run(out, accepted, "commit+catch-up" if catch_up else "commit", tail)
 
-    def _settle_device_tail(self, out, rows: list[list[int]], accepted: list[int], slots: list[int],
-                            saved: object) -> None:
-        """After a tail that counted on the device: where the host accepted fewer drafts than the
-        greedy count (a lane stopped inside its accepted drafts), each lane's state after its own
-        last accepted column again (from the pass's kept states, which the tail only read), and
-        the drafter's catch-up past the host's counts undone where it saved what it overwrote
-        (``saved``, for its ``undo_catch_up``: DFlash2's rings; K/V written past a lane's frontier
-        needs nothing, as a rejected column's does not)."""
-        if leading_matches(rows) == accepted:
-            return
+    def _settle_device_tail(self, out, drafts: list[list[int]], greedy: list[list[int]], accepted: list[int],
+                            slots: list[int], saved: object) -> None:
+        """After a tail that counted on the device, which counts every draft equal to its column's
+        argmax up to the first that is not: a lane the host stopped on such a draft (a stop token
+        inside its accepted drafts) accepted fewer, so each lane's state after its own last
+        accepted column is committed again (from the pass's kept states, which the tail only
+        read), and the drafter's catch-up past the host's counts is undone where it saved what it
+        overwrote (``saved``, for its ``undo_catch_up``: DFlash2's rings; K/V written past a
+        lane's frontier needs nothing, as a rejected column's does not)."""
+        if not any(a < len(d) and d[a] == g[a] for d, g, a in zip(drafts, greedy, accepted)):
+            return  # every lane stopped where the device's count did
         self.counters["device_tail_fixes"] += 1
         commit_states(self.states, out, slots, accepted)
         if saved is not None:
