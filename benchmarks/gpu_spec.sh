@@ -12,8 +12,9 @@
 # KS (default "1 3"); DRAFTERS: extra drafter sets for spec_decode, "label=DIR ..." (DIR holding
 # dflash/ and dflash2/); BEFORE: a directory holding an earlier tree's hpc_cli/ and hpc_kernels/,
 # whose spec_decode runs at the first k too (on PYTHONPATH: before and after on one machine);
-# SERVE=0 skips the HTTP step; TESTS: 1 (default) the draft-graph, verify-column and rotary-table
-# tests, all the whole GPU file of speculative tests, 0 none. About 6 minutes on an H200 with the
+# AHEAD: spec_decode's --ahead (default both: each backend with and without the proposal ahead);
+# SERVE=0 skips the HTTP step; TESTS: 1 (default) the draft-graph, verify-column, rotary-table and
+# proposal-ahead tests, all the whole GPU file of speculative tests, 0 none. About 6 minutes on an H200 with the
 # defaults.
 set -u
 cd "$(dirname "$0")/.."
@@ -25,7 +26,7 @@ case "${TESTS:-1}" in
     0) ;;
     all) step test 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/spec/test_bf16_gpu.py ;;
     *) step test 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/spec/test_bf16_gpu.py \
-        tests/model/test_rotary_table.py -k "graph_drafts or warmup_covers_serving or verify_columns or rotary" ;;
+        tests/model/test_rotary_table.py -k "graph_drafts or warmup_covers_serving or verify_columns or rotary or ahead" ;;
 esac
 extra=()
 for d in ${DRAFTERS:-}; do extra+=(--drafters "$d"); done
@@ -34,15 +35,16 @@ traffic=(--traffic chat --prompts 8)
 [ -d "$DATA" ] && traffic=(--traffic chat --chat-data "$DATA" --prompts 64)
 KS=${KS:-1 3}
 for k in $KS; do
-    step "spec-k$k" 200 python3 benchmarks/spec_decode.py --model builtin:tiny "${traffic[@]}" \
+    step "spec-k$k" 300 python3 benchmarks/spec_decode.py --model builtin:tiny "${traffic[@]}" \
         --max-tokens 96 -k "$k" --rollback per_token --repeat 2 --backends none,mtp,dflash,dflash2 "${extra[@]}" \
+        --ahead "${AHEAD:-both}" \
         --out "$OUT/spec-k$k.json"
 done
 if [ -n "${BEFORE:-}" ]; then
     k=${KS%% *}
     step "before-k$k" 200 env PYTHONPATH="$BEFORE:${PYTHONPATH:-}" python3 benchmarks/spec_decode.py \
         --model builtin:tiny "${traffic[@]}" --max-tokens 96 -k "$k" --rollback per_token --repeat 2 \
-        --backends none,mtp,dflash,dflash2 --out "$OUT/before-k$k.json"
+        --backends none,mtp,dflash,dflash2 --ahead off --out "$OUT/before-k$k.json"
 fi
 chat=()
 [ -d "$DATA" ] && chat=(--chat-data "$DATA")

@@ -169,6 +169,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--drafters", action="append", default=[], metavar="LABEL=DIR",
                     help="also run dflash / dflash2 with the drafters in DIR/dflash, DIR/dflash2 (reported as "
                          "dflash@LABEL, dflash2@LABEL), next to the default ones; repeatable")
+    ap.add_argument("--ahead", default="on", choices=["on", "off", "both"],
+                    help="the next round's proposal launched ahead, behind a greedy round's verify pass (on by "
+                         "default); both: each backend also without it (reported as BACKEND/no-ahead)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.chat_data and args.traffic != "chat":
@@ -196,6 +199,11 @@ def main(argv=None) -> dict:
             spec = OracleBackend(refs) if b == "oracle" else b
             key = b if mode == "per_token" else f"{b}+recompute"
             engines[key] = warmed_engine(model, spec, prompts, args, rollback=mode, k=ks.get(b, args.k))
+            engines[key].spec.look_ahead = args.ahead != "off"
+            if args.ahead == "both" and mode == "per_token":
+                engines[f"{key}/no-ahead"] = e = warmed_engine(model, spec, prompts, args, rollback=mode,
+                                                               k=ks.get(b, args.k))
+                e.spec.look_ahead = False
         if b in ("dflash", "dflash2"):  # the same backend with other drafters, in the same run
             for label, path in others:
                 engines[f"{b}@{label}"] = warmed_engine(model, b, prompts, args, k=ks.get(b, args.k),
@@ -221,7 +229,10 @@ def main(argv=None) -> dict:
                      # the same phases a round (the counters and the rounds cover the same passes)
                      "round_ms": {ph: round(1e3 * getattr(st, f"{ph}_s") / max(1, st.rounds), 4)
                                   for ph in ("propose", "verify", "rollback", "catch_up")},
-                     "recomputed_columns": st.recomputed_columns}
+                     "recomputed_columns": st.recomputed_columns,
+                     # (an earlier tree on PYTHONPATH, before and after on one machine, has none)
+                     "proposals_ahead": getattr(st, "proposals_ahead", 0),
+                     "proposals_ahead_used": getattr(st, "proposals_ahead_used", 0)}
     doc = {"benchmark": "spec_decode", "model": name, "dtype": dtype,
            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "model_load_s": load_s,

@@ -42,7 +42,7 @@ from torch import nn
 from hpc_cli.kv_profile import PAGE_TOKENS
 from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, apply_rotary
 from hpc_cli.spec_backend import BackendPoolSpec
-from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, warm_proposals
+from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, no_draft_accepted, warm_proposals
 from hpc_cli.speculative.ops import column_writes, padded_rows, padded_table
 
 RING_PART = "dflash2_ring"
@@ -513,15 +513,47 @@ class DFlashDrafter:
         per lanes x page-table width (DFlash; a decode graph's width, so many context lengths
         share one) x ``k``."""
         assert self.graphs is not None, "packed proposals need the drafter's graphs"
-        W = 0
-        if self.cfg.kind == "dflash":  # the context's pages, padded to a decode graph's width
-            table, W = padded_rows([l.pages for l in lanes], [max(0, l.pos - 1) for l in lanes],
-                                   self.pool.page_tokens, graph=True)
-        else:
-            table = [()] * len(lanes)
+        table, W = self._table(lanes, [max(0, l.pos - 1) for l in lanes])
         head = self.graphs.pack([[l.next_token, l.state_slot, l.pos, 0, *row] for l, row in zip(lanes, table)])
-        key = DraftGraphs.key(len(lanes), W, k, self.pool if self.pool is not None else self.storage, self.states, 0)
-        return self.graphs.run(key, head, lambda p: self._steps(p, W, k))
+        return self.graphs.run(self._key(len(lanes), W, k), head, lambda p: self._steps(p, W, k))
+
+    def _table(self, lanes, last: list[int]) -> tuple[list, int]:
+        """DFlash: the context's pages through position ``last[b]``, padded to a decode graph's
+        width, and that width; DFlash2 (its context in the rings): empty rows, width 0."""
+        if self.cfg.kind != "dflash":
+            return [()] * len(lanes), 0
+        return padded_rows([l.pages for l in lanes], last, self.pool.page_tokens, graph=True)
+
+    def _key(self, B: int, W: int, k: int) -> tuple:
+        return DraftGraphs.key(B, W, k, self.pool if self.pool is not None else self.storage, self.states, 0)
+
+    # ------------------------------------------------------------------ the next round's proposal, ahead
+    @torch.inference_mode()
+    def propose_ahead(self, lanes, k: int, verdict: torch.Tensor, states=None) -> torch.Tensor | None:
+        """The next round's drafts ``[B, k]``, proposed on the device behind this round's verify
+        pass and tail (which counted the accepted drafts and wrote their context K/V), before the
+        host reads the verdict: each lane's next token and position come from ``verdict``
+        (:func:`~hpc_cli.speculative.draft_graphs.ahead_inputs`), so they are what the packed
+        proposal reads after a round whose lanes all stop where the device counted (the runtime
+        uses the drafts only then). DFlash's page table reaches as far as a round accepting every
+        draft, in the width of one accepting none (the drafts are the packed proposal's bit for
+        bit); None where those widths differ, a lane lacks the pages, or proposals run eagerly
+        (their context's width follows the lanes' positions, which only the host's count gives)."""
+        if self.graphs is None:
+            return None
+        page = self.pool.page_tokens if self.pool is not None else PAGE_TOKENS
+        last = [l.pos + k for l in lanes]  # the context's last position after k accepted drafts
+        if self.cfg.kind == "dflash" and any(len(l.pages) * page <= p for l, p in zip(lanes, last)):
+            return None
+        table, W = self._table(lanes, last)
+        if self._table(lanes, [p - k for p in last])[1] != W:
+            return None
+        rows = [[0, l.state_slot, l.pos + 1, 0, *row] for l, row in zip(lanes, table)]
+        return self.graphs.run_ahead(self._key(len(lanes), W, k), self.graphs.pack(rows), verdict,
+                                     lambda p: self._steps(p, W, k))
+
+    def took_ahead(self, lanes) -> None:
+        """A round's proposal is made (here or ahead): DFlash's moves no frontier."""
 
     @torch.inference_mode()
     def warm(self, batches, widths, k: int, states, num_pages: int, max_model_len: int) -> int:
@@ -537,4 +569,6 @@ class DFlashDrafter:
             return pos, max(1, math.ceil(pos / PAGE_TOKENS))
 
         return warm_proposals(self._propose_packed, batches, widths if self.cfg.kind == "dflash" else [1], k,
-                              num_pages, place)
+                              num_pages, place,
+                              lambda lanes, drafts: self.propose_ahead(
+                                  lanes, drafts, no_draft_accepted(len(lanes), drafts, self.model.device)))

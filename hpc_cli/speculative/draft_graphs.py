@@ -28,9 +28,22 @@ import torch
 
 from hpc_cli.model.graphs import CapturedGraphs, pool_serials
 from hpc_cli.model.staging import HostStaging
+from hpc_cli.speculative.round_tail import greedy_counts
 
 #: columns of a packed input row before the page table: next token, state slot, position, write
 INPUT_COLUMNS = 4
+
+
+def ahead_inputs(packed: torch.Tensor, verdict: torch.Tensor) -> torch.Tensor:
+    """The packed inputs of the round after a greedy round, on the device (capturable): ``packed``
+    holds each lane's row as it is with no draft accepted (its next token a placeholder), and
+    ``verdict`` ``[B, 2k + 1]`` is the round's verify pass's (its drafts, then every column's
+    argmax). Each lane's next token becomes the argmax at its count of accepted drafts
+    (:func:`~hpc_cli.speculative.round_tail.greedy_counts`) and its position moves on by that
+    count."""
+    k = (verdict.shape[1] - 1) // 2
+    counts = greedy_counts(verdict)[:, None]
+    return torch.cat([verdict.gather(1, counts + k), packed[:, 1:2], packed[:, 2:3] + counts, packed[:, 3:]], 1)
 
 
 @dataclass
@@ -38,6 +51,7 @@ class _DraftGraph:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # the static packed inputs ``[B, INPUT_COLUMNS + W]``
     drafts: torch.Tensor  # the static drafts ``[B, k]``
+    verdict: torch.Tensor | None = None  # a proposal ahead's static verdict ``[B, 2k + 1]``
 
 
 class DraftGraphs(CapturedGraphs):
@@ -76,14 +90,35 @@ class DraftGraphs(CapturedGraphs):
         self.replays += 1
         return entry.drafts
 
-    def _capture(self, key: tuple, packed: torch.Tensor,
-                 steps: Callable[[torch.Tensor], torch.Tensor]) -> _DraftGraph | None:
+    def run_ahead(self, key: tuple, packed: torch.Tensor, verdict: torch.Tensor,
+                  steps: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """:meth:`run` for a proposal ahead: ``steps`` of :func:`ahead_inputs` of ``packed`` (the
+        rows at no accepted draft) and the round's ``verdict`` on the device, which a graph takes
+        into a static buffer of its own (a device copy)."""
+        key = (*key, "ahead")
+        entry = self.graphs.get(key)
+        if entry is None and key in self.seen and self.disabled is None:
+            entry = self._capture(key, packed, steps, verdict)
+        if entry is None:
+            self.seen.add(key)
+            return steps(ahead_inputs(self.staging.send(packed), verdict))
+        self.staging.send_into(packed, entry.inputs)
+        assert entry.verdict is not None, "a proposal ahead's graph has a verdict buffer"
+        entry.verdict.copy_(verdict)
+        entry.graph.replay()
+        self.replays += 1
+        return entry.drafts
+
+    def _capture(self, key: tuple, packed: torch.Tensor, steps: Callable[[torch.Tensor], torch.Tensor],
+                 verdict: torch.Tensor | None = None) -> _DraftGraph | None:
         static = packed.to(self.device)  # a copy the host waits for
-        captured = self.try_capture(lambda: steps(static), "proposing")
+        held = verdict.clone() if verdict is not None else None
+        captured = self.try_capture(lambda: steps(static if held is None else ahead_inputs(static, held)),
+                                    "proposing")
         if captured is None:
             return None
         graph, drafts = captured
-        entry = _DraftGraph(graph, static, drafts)
+        entry = _DraftGraph(graph, static, drafts, held)
         self.graphs[key] = entry
         return entry
 
@@ -96,12 +131,21 @@ class WarmLane:
         self.backend_frontier = 0
 
 
+def no_draft_accepted(B: int, k: int, device: torch.device) -> torch.Tensor:
+    """A verify verdict ``[B, 2k + 1]`` in which no lane accepts a draft (a warm-up's)."""
+    return torch.cat([torch.zeros(B, k, dtype=torch.long, device=device),
+                      torch.ones(B, k + 1, dtype=torch.long, device=device)], 1)
+
+
 def warm_proposals(propose: Callable[[list[WarmLane], int], object], batches: Sequence[int], widths: Sequence[int],
-                   k: int, num_pages: int, place: Callable[[int, int], tuple[int, int]]) -> int:
+                   k: int, num_pages: int, place: Callable[[int, int], tuple[int, int]],
+                   ahead: Callable[[list[WarmLane], int], object] | None = None) -> int:
     """A drafter's warm-up: ``propose(lanes, drafts)`` twice (eager, then the capture of its graph)
     for every lanes x table width x ``1..k`` drafts (a round near ``max_tokens`` drafts fewer);
     ``place(width, drafts)`` gives the warm lanes' position and their pages (each lane its own,
-    modulo ``num_pages``). Returns the shapes warmed."""
+    modulo ``num_pages``). ``ahead(lanes, k)``: the proposal ahead of every lanes x width, from lanes
+    ``k + 1`` positions before (its table reaches as far as the round after a round that accepts
+    every draft). Returns the shapes warmed."""
     done = 0
     for B in batches:
         for W in widths:
@@ -110,5 +154,11 @@ def warm_proposals(propose: Callable[[list[WarmLane], int], object], batches: Se
                 lanes = [WarmLane(1 + b, b, pos, [(b * need + i) % num_pages for i in range(need)]) for b in range(B)]
                 for _ in range(2):
                     propose(lanes, drafts)
+                    if ahead is not None and drafts == k:
+                        for lane in lanes:
+                            lane.pos = max(1, pos - k - 1)
+                        ahead(lanes, k)
+                        for lane in lanes:
+                            lane.pos = pos
                 done += 1
     return done

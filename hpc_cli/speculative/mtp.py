@@ -25,7 +25,8 @@ from typing import Sequence
 import torch
 
 from hpc_cli.kv_profile import PAGE_TOKENS
-from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, warm_proposals
+from hpc_cli.speculative.draft_graphs import (INPUT_COLUMNS, DraftGraphs, ahead_inputs, no_draft_accepted,
+                                              warm_proposals)
 from hpc_cli.speculative.ops import column_writes, page_rows, page_table, paged_attention, reads_in_place, write_kv
 
 
@@ -219,11 +220,48 @@ class MTPDrafter:
         # position pos-1 is the bridge: already valid where the prefill had the next token
         packed = self.graphs.pack([[l.next_token, l.state_slot, l.pos - 1, int((l.backend_frontier or 0) <= l.pos - 1),
                                     *row] for l, row in zip(lanes, table)])
-        key = DraftGraphs.key(len(lanes), W, k, self.storage, states, int(getattr(self.model, "row_block", None) or 0))
-        drafts = self.graphs.run(key, packed, lambda p: self._steps(p, W, k, states))
+        drafts = self.graphs.run(self._key(len(lanes), W, k, states), packed, lambda p: self._steps(p, W, k, states))
+        self._bridged(lanes)
+        return drafts
+
+    def _key(self, B: int, W: int, k: int, states) -> tuple:
+        return DraftGraphs.key(B, W, k, self.storage, states, int(getattr(self.model, "row_block", None) or 0))
+
+    # ------------------------------------------------------------------ the next round's proposal, ahead
+    @torch.inference_mode()
+    def propose_ahead(self, lanes, k: int, verdict: torch.Tensor, states) -> torch.Tensor | None:
+        """The next round's drafts ``[B, k]``, proposed on the device behind this round's verify
+        pass and tail (which counted the accepted drafts and caught the MTP K/V up to them), before
+        the host reads the verdict: each lane's next token and position come from ``verdict``
+        (:func:`~hpc_cli.speculative.draft_graphs.ahead_inputs`), so they are what
+        :meth:`propose_device` reads after a round whose lanes all stop where the device counted
+        (the runtime uses the drafts only then, and calls :meth:`took_ahead`). Its page table reaches
+        as far as a round accepting every draft, in the width of one accepting none (the drafts
+        are those of :meth:`propose_device` bit for bit); None where those widths differ or a
+        lane lacks the pages."""
+        attn = self.mtp.layers[0].self_attn
+        last = [l.pos + 2 * k - 1 for l in lanes]  # the last step's position after k accepted drafts
+        if any(len(l.pages) * PAGE_TOKENS <= p for l, p in zip(lanes, last)):
+            return None
+        table, W = page_rows(attn, self.storage, [l.pages for l in lanes], last, 1)
+        if page_rows(attn, self.storage, [l.pages for l in lanes], [p - k for p in last], 1)[1] != W:
+            return None
+        # the rows at no accepted draft: the bridge at pos (then pos + count), written
+        rows = [[0, l.state_slot, l.pos, 1, *row] for l, row in zip(lanes, table)]
+        if self.graphs is None:
+            packed = torch.tensor(rows, dtype=torch.long, device=self.model.device)
+            return self._steps(ahead_inputs(packed, verdict), W, k, states)
+        return self.graphs.run_ahead(self._key(len(lanes), W, k, states), self.graphs.pack(rows), verdict,
+                                     lambda p: self._steps(p, W, k, states))
+
+    def took_ahead(self, lanes) -> None:
+        """A round takes the proposal made ahead for it: its bridge's K/V is written."""
+        self._bridged(lanes)
+
+    @staticmethod
+    def _bridged(lanes) -> None:
         for l in lanes:
             l.backend_frontier = max(l.backend_frontier or 0, l.pos)
-        return drafts
 
     @torch.inference_mode()
     def warm(self, batches, widths, k: int, states, num_pages: int, max_model_len: int) -> int:
@@ -240,5 +278,7 @@ class MTPDrafter:
             return max(1, last + 2 - drafts), last // PAGE_TOKENS + 1
 
         return warm_proposals(lambda lanes, drafts: self._propose_packed(lanes, drafts, states), batches, widths, k,
-                              num_pages, place)
+                              num_pages, place,
+                              lambda lanes, drafts: self.propose_ahead(
+                                  lanes, drafts, no_draft_accepted(len(lanes), drafts, self.model.device), states))
 

@@ -68,6 +68,29 @@ class RoundTails(CapturedGraphs):
         self.graphs: OrderedDict[tuple, _TailGraph] = OrderedDict()
         self.seen: set[tuple] = set()
         self.staging = HostStaging(device)
+        self._reads: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}  # pinned, by shape
+        self._read_done = torch.cuda.Event() if device.type == "cuda" else None
+
+    def read_later(self, t: torch.Tensor) -> Callable[[], list]:
+        """``t.tolist()``, its copy to the host queued behind the work queued so far: the call
+        returned waits for that copy alone, not for work queued after it (a proposal ahead).
+        One read at a time: call it before the next :meth:`read_later`."""
+        if self._read_done is None:
+            values = t.tolist()
+            return lambda: values
+        key = (tuple(t.shape), t.dtype)
+        buf = self._reads.get(key)
+        if buf is None:
+            buf = self._reads[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        done = self._read_done
+        done.record()
+
+        def wait() -> list:
+            done.synchronize()
+            return buf.tolist()
+
+        return wait
 
     def run(self, out: ColumnsOut, accepted: list[int] | None, variant: str,
             tail: Callable[[ColumnsOut, torch.Tensor], object]) -> object:

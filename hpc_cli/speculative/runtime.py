@@ -61,6 +61,10 @@ class SpeculativeStats:
     rollback_s: float  # reading the logits (the wait for the verify pass), accepting, the rollback
     catch_up_s: float  # the drafter's catch-up on the committed tokens and the block commits
     recomputed_columns: int
+    #: proposals launched ahead, behind the round before's verify pass (:meth:`SpecRuntime._round`),
+    #: and those a round used (the rest: a lane finished, or the lanes changed)
+    proposals_ahead: int
+    proposals_ahead_used: int
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,30 @@ class RoundHost:
     send_held: Callable[[], None]
 
 
+@dataclass
+class _Ahead:
+    """A proposal made ahead (:meth:`SpecRuntime._propose_ahead`): the lanes and ``k`` it was
+    made for, its drafts on the device (a graph's static buffer, read by the next verify pass
+    before the next proposal of its shape), the lanes' state slots and, once the host has
+    accepted the round, their positions."""
+
+    lanes: list
+    k: int
+    drafts: torch.Tensor
+    slots: list[int]
+    positions: list[int] | None = None
+
+    def made_for(self, lanes) -> "_Ahead":
+        self.positions = [l.pos for l in lanes]
+        return self
+
+    def serves(self, lanes, k: int) -> bool:
+        """Whether it is the proposal of a round of ``lanes`` drafting ``k``: the same lanes in the
+        same order, each where the round that made it left it, in the same slot."""
+        return (k == self.k and len(lanes) == len(self.lanes) and all(a is b for a, b in zip(lanes, self.lanes))
+                and self.positions == [l.pos for l in lanes] and self.slots == [l.state_slot for l in lanes])
+
+
 class SpecRuntime:
     def __init__(self, backend, model, *, k: int = 3, rollback: str = "per_token", drafter_path: str | None = None,
                  seed: int | None = None) -> None:
@@ -92,6 +120,10 @@ class SpecRuntime:
         #: rounds whose lanes are all greedy count their accepted drafts on the device, in a tail
         #: launched before the host reads the verify pass (where tails run as graphs)
         self.count_on_device = True
+        #: such a round, where its tail catches the drafter up, also launches the next round's
+        #: proposal before the host reads it (:meth:`_propose_ahead`)
+        self.look_ahead = True
+        self._ahead: _Ahead | None = None
 
     @property
     def name(self) -> str:
@@ -112,6 +144,7 @@ class SpecRuntime:
 
     def bind(self, storage, backend_storage, states) -> None:
         self.storage, self.states = storage, states
+        self._ahead = None
         self.drafter.bind(storage, backend_storage, states)
         self.tails = RoundTails(self.model.device, self.model.column_graphs(storage) is not None)
 
@@ -160,7 +193,16 @@ class SpecRuntime:
         # drafts left on the device where the drafter can (MTP, DFlash): the proposal and the verify pass
         # queue without a wait, and the host reads drafts and verdicts at once
         on_device = k > 0 and keep_all and hasattr(self.drafter, "propose_device")
-        if on_device:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not (on_device and ahead.serves(lanes, k)):
+            self.counters["proposals_ahead_dropped"] += 1
+            ahead = None
+        if ahead is not None:  # proposed by the last round, behind its verify pass
+            dev_drafts = ahead.drafts
+            self.drafter.took_ahead(lanes)
+            self.counters["proposals_ahead_used"] += 1
+            drafts = None
+        elif on_device:
             dev_drafts = self.drafter.propose_device(lanes, k, states)
             drafts = None
         else:
@@ -191,13 +233,23 @@ class SpecRuntime:
         device_tail = (self.count_on_device and keep_all and k > 0 and self.tails.use_graphs and out.verdict is not None
                        and greedy_lanes == len(lanes))
         saved = self._run_tail(out, None, tail_catch_up) if device_tail else None
+        # and, where that tail caught the drafter up too, the next round's proposal behind it: the
+        # verdict's copy to the host is queued first, so the host waits for that alone
+        read = None
+        pending = None
+        if device_tail and tail_catch_up and self._looks_ahead(lanes, k):
+            read = self.tails.read_later(out.verdict)
+            pending = self._propose_ahead(lanes, k, out.verdict, slots)
         t2 = time.monotonic()
         engine.send_held()  # the last round's tokens, while the device verifies (in rollback_s's wait)
         logits = out.logits  # in place: event_for and target_probs take float32 of what they read
         # every column's greedy token in one read of the device (not one per column), with the
         # drafts when they were left there
         greedy = None
-        rows = out.verdict.tolist() if out.verdict is not None and (on_device or any_greedy) else None
+        if read is not None:
+            rows = read()
+        else:
+            rows = out.verdict.tolist() if out.verdict is not None and (on_device or any_greedy) else None
         if on_device:
             drafts = [r[:k] for r in rows]  # the drafts the pass read and every column's argmax
             greedy = [r[k:] for r in rows] if any_greedy else None
@@ -212,7 +264,8 @@ class SpecRuntime:
             self.accept_hist[acc] += 1
         # roll the GDN state to the last accepted column
         if device_tail:
-            self._settle_device_tail(out, drafts, greedy, accepted, slots, saved)
+            if self._settle_device_tail(out, drafts, greedy, accepted, slots, saved):
+                pending = None  # proposed from the device's counts, which this round did not keep
         elif keep_all and k:
             self._run_tail(out, accepted, tail_catch_up)
         elif keep_all:
@@ -239,6 +292,11 @@ class SpecRuntime:
                 pre = pre_hid[b] if pre_hid is not None else None
                 self.drafter.observe(lane, starts[b], n, out.hidden[b], feats, pre, extend=False)
             engine.commit_blocks(lane)
+        if pending is not None:
+            if any(lane.finish_reason for lane in lanes):
+                self.counters["proposals_ahead_dropped"] += 1
+            else:
+                self._ahead = pending.made_for(lanes)
         t4 = time.monotonic()
         dt = t4 - t0
         emitted = sum(a + 1 for a in accepted)
@@ -269,21 +327,38 @@ class SpecRuntime:
 
         return self.tails.run(out, accepted, "commit+catch-up" if catch_up else "commit", tail)
 
+    def _looks_ahead(self, lanes, k: int) -> bool:
+        """Whether a round of ``lanes`` drafting ``k`` proposes the next round ahead: the drafter
+        can, and every lane drafts ``k`` again next round whatever it accepts now."""
+        return (self.look_ahead and k > 0 and hasattr(self.drafter, "propose_ahead")
+                and all(l.request.sampling.max_tokens - len(l.generated) >= 2 * k + 2 for l in lanes))
+
+    def _propose_ahead(self, lanes, k: int, verdict: torch.Tensor, slots: list[int]) -> "_Ahead | None":
+        """The next round's proposal, launched behind this round's verify pass and tail from the
+        device's counts (the drafter's ``propose_ahead``); None where the drafter cannot."""
+        drafts = self.drafter.propose_ahead(lanes, k, verdict, self.states)
+        if drafts is None:
+            return None
+        self.counters["proposals_ahead"] += 1
+        return _Ahead(list(lanes), k, drafts, list(slots))
+
     def _settle_device_tail(self, out, drafts: list[list[int]], greedy: list[list[int]], accepted: list[int],
-                            slots: list[int], saved: object) -> None:
+                            slots: list[int], saved: object) -> bool:
         """After a tail that counted on the device, which counts every draft equal to its column's
         argmax up to the first that is not: a lane the host stopped on such a draft (a stop token
         inside its accepted drafts) accepted fewer, so each lane's state after its own last
         accepted column is committed again (from the pass's kept states, which the tail only
         read), and the drafter's catch-up past the host's counts is undone where it saved what it
         overwrote (``saved``, for its ``undo_catch_up``: DFlash2's rings; K/V written past a
-        lane's frontier needs nothing, as a rejected column's does not)."""
+        lane's frontier needs nothing, as a rejected column's does not). Returns whether any
+        lane did."""
         if not any(a < len(d) and d[a] == g[a] for d, g, a in zip(drafts, greedy, accepted)):
-            return  # every lane stopped where the device's count did
+            return False  # every lane stopped where the device's count did
         self.counters["device_tail_fixes"] += 1
         commit_states(self.states, out, slots, accepted)
         if saved is not None:
             self.drafter.undo_catch_up(out, saved, accepted)
+        return True
 
     def warm_tails(self, out) -> int:
         """The tails a round can run after the verify pass ``out`` (a warm-up shape: its slots
@@ -342,4 +417,5 @@ class SpecRuntime:
             accepted_histogram={str(a): n for a, n in sorted(self.accept_hist.items())},
             propose_s=c["propose_us"] / 1e6, verify_s=c["verify_us"] / 1e6,
             rollback_s=c["rollback_us"] / 1e6, catch_up_s=c["catch_up_us"] / 1e6,
-            recomputed_columns=c["recomputed_columns"])
+            recomputed_columns=c["recomputed_columns"], proposals_ahead=c["proposals_ahead"],
+            proposals_ahead_used=c["proposals_ahead_used"])

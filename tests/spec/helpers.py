@@ -79,7 +79,8 @@ def settle(engine: Engine) -> dict:
 
 def record_proposals(drafter) -> list[tuple[int, list[list[int]]]]:
     """Wrap the drafter's proposal (``propose_device`` where it has one, which the runtime calls
-    then, else ``propose``) so that each round's ``(k, drafts)`` is appended to the list returned."""
+    then, else ``propose``) so that each round's ``(k, drafts)`` is appended to the list returned;
+    a proposal made ahead (``propose_ahead``) is appended when a round takes it (``took_ahead``)."""
     seen: list[tuple[int, list[list[int]]]] = []
     name = "propose_device" if hasattr(drafter, "propose_device") else "propose"
     inner = getattr(drafter, name)
@@ -90,4 +91,19 @@ def record_proposals(drafter) -> list[tuple[int, list[list[int]]]]:
         return out
 
     setattr(drafter, name, propose)
+    if hasattr(drafter, "propose_ahead"):
+        made: list = []
+        ahead, took = drafter.propose_ahead, drafter.took_ahead
+
+        def propose_ahead(lanes, k, verdict, states=None):
+            out = ahead(lanes, k, verdict, states)
+            made[:] = [] if out is None else [(k, out.clone())]
+            return out
+
+        def took_ahead(lanes):
+            k, out = made.pop()
+            seen.append((k, out.tolist()))
+            took(lanes)
+
+        drafter.propose_ahead, drafter.took_ahead = propose_ahead, took_ahead
     return seen

@@ -130,6 +130,39 @@ def test_cuda_graph_drafts_equal_eager_drafts(name, tmp_path):
     assert proposed["graphs"] and proposed["graphs"] == proposed["eager"]
 
 
+@pytest.mark.parametrize("name", ["mtp", "dflash", "dflash2"])
+def test_cuda_proposals_ahead_equal_the_rounds_own(name):
+    """With graphs, a greedy round launches the next round's proposal behind its verify pass and
+    tail (from the device's counts): two lanes decoding together, one ending before the other,
+    verify the drafts that rounds proposing for themselves verify, round by round, and answer
+    with plain greedy output; the proposals ahead replay from graphs the warm-up captured."""
+    m = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device="cuda")
+    prompts, lengths = [tokens(150, 41), tokens(700, 42)], (21, 34)
+    off = make(m, reuse=False, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
+    refs = [run(off, p, n)[0] for p, n in zip(prompts, lengths)]
+    settle(off)
+    proposed: dict[bool, list] = {}
+    for ahead in (True, False):
+        e = make(m, name, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
+        e.warmup()
+        e.spec.look_ahead = ahead
+        drafter = e.spec.drafter
+        captures = drafter.graphs.captures
+        proposed[ahead] = record_proposals(drafter)
+        try:
+            handles = [e.submit(GenerationRequest(list(p), greedy(n))) for p, n in zip(prompts, lengths)]
+            assert [[t.token_id for t in h.result(timeout=300)[0]] for h in handles] == refs, ahead
+            st = e.spec.stats()
+            if ahead:
+                assert 0 < st.proposals_ahead_used < st.proposals_ahead, st
+                assert drafter.graphs.captures == captures, f"{name}: proposals ahead captured while serving"
+            else:
+                assert st.proposals_ahead == 0, st
+        finally:
+            settle(e)
+    assert proposed[True] and sorted(proposed[True]) == sorted(proposed[False])
+
+
 def test_cuda_backend_passes_take_their_taps_from_warm_graphs():
     """With MTP, DFlash or DFlash2 a prefill pass takes its exact taps itself (no split; DFlash2's
     drafter fills the taps' rings) from a graph the warm-up captured with the backend's outputs

@@ -465,3 +465,96 @@ def test_a_lane_stopping_inside_its_accepted_drafts_keeps_the_state_of_its_last_
     assert dev[2].keys() == host[2].keys() and len(dev[2]) == len(prompts)
     for key, image in dev[2].items():
         assert all(torch.equal(a, b) for a, b in zip(image, host[2][key])), "a lane's state at its end differs"
+
+
+def test_the_next_rounds_mtp_proposal_made_ahead_is_the_rounds_own():
+    """A greedy round whose tail counts on the device and catches MTP up launches the next
+    round's proposal behind it, before the host reads the verify pass (forced on the CPU, where
+    it runs eagerly). Two lanes decoding together, requests of several lengths (some ending on
+    end of turn, so a lane leaves mid-run and the proposal made for both is dropped): the answers
+    are greedy decoding's, the drafts each round verifies are those of rounds that propose for
+    themselves, round by round, and at each request's end the lane's state image is the same,
+    bit for bit. And the proposals ahead are used where the lanes go on, dropped where not."""
+    from helpers import make, record_proposals, settle
+
+    from hpc_cli.engine.api import GenerationRequest, SamplingParams
+    from hpc_cli.model.model import HybridModel
+
+    model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
+    tok = model.tokenizer
+    questions = ("What does json.dumps do?", "What is functools.partial?", "Explain datetime.timedelta.",
+                 "How do I read a file line by line?")
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                  enable_thinking=False)) for q in questions]
+    lengths = (40, 17, 29, 40)
+    off = make(model, reuse=False)
+    answers = [off.generate(GenerationRequest(p, SamplingParams(max_tokens=n, temperature=0.0)), timeout=300)[0]
+               for p, n in zip(prompts, lengths)]
+    settle(off)
+    results: dict[bool, tuple] = {}
+    for ahead in (True, False):
+        e = make(model, "mtp")
+        e.spec.tails.use_graphs = True  # the tail counts and catches MTP up on the device
+        e.spec.look_ahead = ahead
+        proposed = record_proposals(e.spec.drafter)
+        images: dict[tuple, list[torch.Tensor]] = {}
+        inner, st = e.cache.finish, e.states
+
+        def finish(lane, *, publish=True, inner=inner, st=st, images=images):
+            s = lane.state_slot
+            images[tuple(lane.request.prompt_tokens)] = [st.conv_all[:, s].clone(), st.recurrent_all[:, s].clone(),
+                                                         st.hidden[s].clone()]
+            inner(lane, publish=publish)
+
+        e.cache.finish = finish
+        try:
+            handles = []
+            for i, (p, n) in enumerate(zip(prompts, lengths)):  # two at a time: the same batches both ways
+                handles.append(e.submit(GenerationRequest(p, SamplingParams(max_tokens=n, temperature=0.0))))
+                if i % 2:
+                    outs = [[t.token_id for t in h.result(timeout=300)[0]] for h in handles[-2:]]
+                    assert outs == answers[i - 1:i + 1], "speculative output is not greedy decoding's"
+            results[ahead] = (sorted(proposed), images, e.spec.stats())
+        finally:
+            settle(e)
+    on, off_ = results[True], results[False]
+    assert on[2].proposals_ahead_used > 0, on[2]
+    assert on[2].proposals_ahead > on[2].proposals_ahead_used, "no proposal ahead was dropped: the case is not exercised"
+    assert off_[2].proposals_ahead == 0
+    assert on[0] == off_[0], "a round verified other drafts than it would have proposed itself"
+    assert on[1].keys() == off_[1].keys() and len(on[1]) == len(prompts)
+    for key, image in on[1].items():
+        assert all(torch.equal(a, b) for a, b in zip(image, off_[1][key])), "a lane's state at its end differs"
+
+
+def test_a_proposal_ahead_serves_only_the_round_it_was_made_for():
+    """The proposal made ahead is used only by a round of the same lanes, in the same order, at
+    the positions and slots the round that made it left them, drafting as many."""
+    from hpc_cli.speculative.runtime import _Ahead
+
+    lanes = [SimpleNamespace(pos=10, state_slot=0), SimpleNamespace(pos=20, state_slot=1)]
+    ahead = _Ahead(list(lanes), 3, torch.zeros(2, 3, dtype=torch.long), [0, 1]).made_for(lanes)
+    assert ahead.serves(lanes, 3)
+    assert not ahead.serves(lanes, 2)
+    assert not ahead.serves(lanes[::-1], 3)
+    assert not ahead.serves(lanes[:1], 3)
+    assert not ahead.serves([lanes[0], SimpleNamespace(pos=20, state_slot=1)], 3)
+    lanes[1].pos += 1
+    assert not ahead.serves(lanes, 3)
+    lanes[1].pos -= 1
+    lanes[0].state_slot = 5
+    assert not ahead.serves(lanes, 3)
+
+
+def test_ahead_inputs_take_each_lanes_next_token_and_position_from_the_verdict():
+    """A proposal ahead's packed inputs: each lane's next token is the argmax at its count of
+    accepted drafts, its position moves on by that count, the other columns stay."""
+    from hpc_cli.speculative.draft_graphs import ahead_inputs, no_draft_accepted
+
+    # k = 2: drafts, then 3 argmaxes; lane 0 accepts both (bonus 9), lane 1 one (then 6), lane 2 none
+    verdict = torch.tensor([[4, 5, 4, 5, 9], [7, 8, 7, 6, 3], [1, 2, 3, 2, 2]])
+    packed = torch.tensor([[0, 11, 100, 1, 7, 8], [0, 12, 200, 1, 9, 9], [0, 13, 300, 1, 4, 4]])
+    got = ahead_inputs(packed, verdict)
+    assert got.tolist() == [[9, 11, 102, 1, 7, 8], [6, 12, 201, 1, 9, 9], [3, 13, 300, 1, 4, 4]]
+    none = no_draft_accepted(2, 3, torch.device("cpu"))
+    assert ahead_inputs(packed[:2], none)[:, 2].tolist() == [100, 200]
