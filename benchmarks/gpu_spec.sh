@@ -12,7 +12,8 @@
 # KS (default "1 3"); DRAFTERS: extra drafter sets for spec_decode, "label=DIR ..." (DIR holding
 # dflash/ and dflash2/); BEFORE: a directory holding an earlier tree's hpc_cli/ and hpc_kernels/,
 # whose spec_decode runs at the first k too (on PYTHONPATH: before and after on one machine);
-# AHEAD: spec_decode's --ahead (default both: each backend with and without the proposal ahead);
+# AHEAD: spec_decode's --ahead (default all: each backend with the round ahead, the proposal
+# ahead, neither);
 # SERVE=0 skips the HTTP step; TESTS: 1 (default) the draft-graph, verify-column, rotary-table and
 # proposal-ahead tests, all the whole GPU file of speculative tests, 0 none. About 6 minutes on an H200 with the
 # defaults.
@@ -37,7 +38,7 @@ KS=${KS:-1 3}
 for k in $KS; do
     step "spec-k$k" 300 python3 benchmarks/spec_decode.py --model builtin:tiny "${traffic[@]}" \
         --max-tokens 96 -k "$k" --rollback per_token --repeat 2 --backends none,mtp,dflash,dflash2 "${extra[@]}" \
-        --ahead "${AHEAD:-both}" \
+        --ahead "${AHEAD:-all}" \
         --out "$OUT/spec-k$k.json"
 done
 if [ -n "${BEFORE:-}" ]; then

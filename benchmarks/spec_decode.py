@@ -169,9 +169,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--drafters", action="append", default=[], metavar="LABEL=DIR",
                     help="also run dflash / dflash2 with the drafters in DIR/dflash, DIR/dflash2 (reported as "
                          "dflash@LABEL, dflash2@LABEL), next to the default ones; repeatable")
-    ap.add_argument("--ahead", default="on", choices=["on", "off", "both"],
-                    help="the next round's proposal launched ahead, behind a greedy round's verify pass (on by "
-                         "default); both: each backend also without it (reported as BACKEND/no-ahead)")
+    ap.add_argument("--ahead", default="round", choices=["round", "propose", "off", "all"],
+                    help="what a greedy round launches of the next before the host reads it: the proposal and "
+                         "the verify pass (round, the default), the proposal, nothing; all: each backend in "
+                         "the three ways (reported as BACKEND, BACKEND/propose-ahead, BACKEND/no-ahead)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.chat_data and args.traffic != "chat":
@@ -199,11 +200,12 @@ def main(argv=None) -> dict:
             spec = OracleBackend(refs) if b == "oracle" else b
             key = b if mode == "per_token" else f"{b}+recompute"
             engines[key] = warmed_engine(model, spec, prompts, args, rollback=mode, k=ks.get(b, args.k))
-            engines[key].spec.look_ahead = args.ahead != "off"
-            if args.ahead == "both" and mode == "per_token":
-                engines[f"{key}/no-ahead"] = e = warmed_engine(model, spec, prompts, args, rollback=mode,
-                                                               k=ks.get(b, args.k))
-                e.spec.look_ahead = False
+            engines[key].spec.look_ahead = "round" if args.ahead == "all" else args.ahead
+            if args.ahead == "all" and mode == "per_token":
+                for ahead, label in (("propose", "propose-ahead"), ("off", "no-ahead")):
+                    engines[f"{key}/{label}"] = e = warmed_engine(model, spec, prompts, args, rollback=mode,
+                                                                  k=ks.get(b, args.k))
+                    e.spec.look_ahead = ahead
         if b in ("dflash", "dflash2"):  # the same backend with other drafters, in the same run
             for label, path in others:
                 engines[f"{b}@{label}"] = warmed_engine(model, b, prompts, args, k=ks.get(b, args.k),

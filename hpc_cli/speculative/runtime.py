@@ -34,9 +34,13 @@ from hpc_cli.speculative.round_tail import RoundTails
 if TYPE_CHECKING:
     from hpc_cli.engine.api import TokenEvent
     from hpc_cli.memory.kv_pool import PagedKVStorage
+    from hpc_cli.model.columns import ColumnsOut
     from hpc_cli.spec_backend import BackendPoolSpec
 
 ROLLBACKS = ("per_token", "recompute")
+#: what a greedy round launches of the next one before the host has read it (:class:`SpecRuntime`'s
+#: ``look_ahead``): nothing, the proposal, or the proposal and the verify pass
+AHEAD = ("off", "propose", "round")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +91,16 @@ class _Ahead:
     """A proposal made ahead (:meth:`SpecRuntime._propose_ahead`): the lanes and ``k`` it was
     made for, its drafts on the device (a graph's static buffer, read by the next verify pass
     before the next proposal of its shape), the lanes' state slots and, once the host has
-    accepted the round, their positions."""
+    accepted the round, their positions, and the verify pass launched for it."""
 
     lanes: list
     k: int
     drafts: torch.Tensor
     slots: list[int]
     positions: list[int] | None = None
+    #: the next round's verify pass of these drafts, launched once the host had accepted the
+    #: round (``look_ahead`` "round"): its outputs are the graph's static ones, read next round
+    verify: "ColumnsOut | None" = None
 
     def made_for(self, lanes) -> "_Ahead":
         self.positions = [l.pos for l in lanes]
@@ -121,8 +128,9 @@ class SpecRuntime:
         #: launched before the host reads the verify pass (where tails run as graphs)
         self.count_on_device = True
         #: such a round, where its tail catches the drafter up, also launches the next round's
-        #: proposal before the host reads it (:meth:`_propose_ahead`)
-        self.look_ahead = True
+        #: proposal before the host reads it (:meth:`_propose_ahead`) and, once the host has
+        #: accepted it and every lane goes on, the next round's verify pass (one of :data:`AHEAD`)
+        self.look_ahead = "round"
         self._ahead: _Ahead | None = None
 
     @property
@@ -197,7 +205,7 @@ class SpecRuntime:
         if ahead is not None and not (on_device and ahead.serves(lanes, k)):
             self.counters["proposals_ahead_dropped"] += 1
             ahead = None
-        if ahead is not None:  # proposed by the last round, behind its verify pass
+        if ahead is not None:  # proposed (and maybe verified) by the last round, behind its verify pass
             dev_drafts = ahead.drafts
             self.drafter.took_ahead(lanes)
             self.counters["proposals_ahead_used"] += 1
@@ -224,8 +232,12 @@ class SpecRuntime:
                          and all(l.backend_frontier == l.pos for l in lanes))
         pre_hid = (states.hidden.index_select(0, torch.tensor(slots, device=states.hidden.device))
                    if self.drafter.needs_hidden and not tail_catch_up else None)
-        out = verify_pass(model, tokens, starts, tables, slots, engine.storage, states, keep_all=keep_all,
-                          capture=self.drafter.capture, drafts=dev_drafts if on_device else None)
+        if ahead is not None and ahead.verify is not None:
+            out = ahead.verify
+            self.counters["verify_ahead_used"] += 1
+        else:
+            out = verify_pass(model, tokens, starts, tables, slots, engine.storage, states, keep_all=keep_all,
+                              capture=self.drafter.capture, drafts=dev_drafts if on_device else None)
         greedy_lanes = sum(l.request.sampling.temperature == 0.0 for l in lanes)
         any_greedy = greedy_lanes > 0
         # every lane greedy: the tail counts the accepted drafts on the device and is launched
@@ -281,6 +293,18 @@ class SpecRuntime:
                     verify_pass(model, tokens[bs, :n], [starts[b] for b in bs], [tables[b] for b in bs],
                                 [slots[b] for b in bs], engine.storage, states, keep_all=False)
                 self.counters["recomputed_columns"] += sum(accepted[b] + 1 for b in redo)
+        if pending is not None and any(lane.finish_reason for lane in lanes):
+            self.counters["proposals_ahead_dropped"] += 1
+            pending = None
+        if pending is not None and self.look_ahead == "round":
+            # every lane goes on: the next round's verify pass of the drafts proposed ahead, launched
+            # now (the device runs it behind that proposal while the host finishes this round)
+            starts_next = [s + a + 1 for s, a in zip(starts, accepted)]
+            pending.verify = verify_pass(
+                model, torch.tensor([[l.next_token] + [0] * k for l in lanes], dtype=torch.long), starts_next,
+                [l.pages[:math.ceil((p + T) / PAGE_TOKENS)] for l, p in zip(lanes, starts_next)], slots,
+                engine.storage, states, keep_all=True, capture=self.drafter.capture, drafts=pending.drafts)
+            engine.send_held()  # this round's tokens, while the device verifies the next round's drafts
         t3 = time.monotonic()
         for b, lane in enumerate(lanes):
             n = accepted[b] + 1
@@ -293,10 +317,7 @@ class SpecRuntime:
                 self.drafter.observe(lane, starts[b], n, out.hidden[b], feats, pre, extend=False)
             engine.commit_blocks(lane)
         if pending is not None:
-            if any(lane.finish_reason for lane in lanes):
-                self.counters["proposals_ahead_dropped"] += 1
-            else:
-                self._ahead = pending.made_for(lanes)
+            self._ahead = pending.made_for(lanes)
         t4 = time.monotonic()
         dt = t4 - t0
         emitted = sum(a + 1 for a in accepted)
@@ -330,7 +351,7 @@ class SpecRuntime:
     def _looks_ahead(self, lanes, k: int) -> bool:
         """Whether a round of ``lanes`` drafting ``k`` proposes the next round ahead: the drafter
         can, and every lane drafts ``k`` again next round whatever it accepts now."""
-        return (self.look_ahead and k > 0 and hasattr(self.drafter, "propose_ahead")
+        return (self.look_ahead != "off" and k > 0 and hasattr(self.drafter, "propose_ahead")
                 and all(l.request.sampling.max_tokens - len(l.generated) >= 2 * k + 2 for l in lanes))
 
     def _propose_ahead(self, lanes, k: int, verdict: torch.Tensor, slots: list[int]) -> "_Ahead | None":

@@ -131,36 +131,39 @@ def test_cuda_graph_drafts_equal_eager_drafts(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["mtp", "dflash", "dflash2"])
-def test_cuda_proposals_ahead_equal_the_rounds_own(name):
+def test_cuda_rounds_made_ahead_equal_the_rounds_own(name):
     """With graphs, a greedy round launches the next round's proposal behind its verify pass and
-    tail (from the device's counts): two lanes decoding together, one ending before the other,
-    verify the drafts that rounds proposing for themselves verify, round by round, and answer
-    with plain greedy output; the proposals ahead replay from graphs the warm-up captured."""
+    tail (from the device's counts) and, once accepted, the next round's verify pass: two lanes
+    decoding together, one ending before the other, verify the drafts that rounds proposing for
+    themselves verify, round by round, and answer with plain greedy output; the proposals ahead
+    replay from graphs the warm-up captured."""
     m = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device="cuda")
     prompts, lengths = [tokens(150, 41), tokens(700, 42)], (21, 34)
     off = make(m, reuse=False, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
     refs = [run(off, p, n)[0] for p, n in zip(prompts, lengths)]
     settle(off)
-    proposed: dict[bool, list] = {}
-    for ahead in (True, False):
+    proposed: dict[str, list] = {}
+    for ahead in ("round", "propose", "off"):
         e = make(m, name, kv_pages=64, max_concurrency=2, max_model_len=1024, prefill_chunk=256)
         e.warmup()
         e.spec.look_ahead = ahead
         drafter = e.spec.drafter
-        captures = drafter.graphs.captures
+        captures, verify_captures = drafter.graphs.captures, m.column_graphs(e.storage).captures
         proposed[ahead] = record_proposals(drafter)
         try:
             handles = [e.submit(GenerationRequest(list(p), greedy(n))) for p, n in zip(prompts, lengths)]
             assert [[t.token_id for t in h.result(timeout=300)[0]] for h in handles] == refs, ahead
             st = e.spec.stats()
-            if ahead:
+            if ahead != "off":
                 assert 0 < st.proposals_ahead_used < st.proposals_ahead, st
                 assert drafter.graphs.captures == captures, f"{name}: proposals ahead captured while serving"
+                assert m.column_graphs(e.storage).captures == verify_captures, f"{name}: verify graphs captured"
+                assert (e.spec.counters["verify_ahead_used"] > 0) == (ahead == "round"), e.spec.counters
             else:
                 assert st.proposals_ahead == 0, st
         finally:
             settle(e)
-    assert proposed[True] and sorted(proposed[True]) == sorted(proposed[False])
+    assert proposed["off"] and sorted(proposed["round"]) == sorted(proposed["propose"]) == sorted(proposed["off"])
 
 
 def test_cuda_backend_passes_take_their_taps_from_warm_graphs():

@@ -467,14 +467,15 @@ def test_a_lane_stopping_inside_its_accepted_drafts_keeps_the_state_of_its_last_
         assert all(torch.equal(a, b) for a, b in zip(image, host[2][key])), "a lane's state at its end differs"
 
 
-def test_the_next_rounds_mtp_proposal_made_ahead_is_the_rounds_own():
+def test_the_next_rounds_mtp_proposal_and_verify_pass_made_ahead_are_the_rounds_own():
     """A greedy round whose tail counts on the device and catches MTP up launches the next
-    round's proposal behind it, before the host reads the verify pass (forced on the CPU, where
-    it runs eagerly). Two lanes decoding together, requests of several lengths (some ending on
-    end of turn, so a lane leaves mid-run and the proposal made for both is dropped): the answers
-    are greedy decoding's, the drafts each round verifies are those of rounds that propose for
-    themselves, round by round, and at each request's end the lane's state image is the same,
-    bit for bit. And the proposals ahead are used where the lanes go on, dropped where not."""
+    round's proposal behind it, before the host reads the verify pass, and (``round``) the next
+    round's verify pass once the host has accepted it (forced on the CPU, where they run
+    eagerly). Two lanes decoding together, requests of several lengths (some ending on end of
+    turn, so a lane leaves mid-run and what was made for both is dropped): the answers are greedy
+    decoding's, the drafts each round verifies are those of rounds that propose for themselves,
+    round by round, and at each request's end the lane's state image is the same, bit for bit.
+    And what is made ahead is used where the lanes go on, dropped where not."""
     from helpers import make, record_proposals, settle
 
     from hpc_cli.engine.api import GenerationRequest, SamplingParams
@@ -491,8 +492,8 @@ def test_the_next_rounds_mtp_proposal_made_ahead_is_the_rounds_own():
     answers = [off.generate(GenerationRequest(p, SamplingParams(max_tokens=n, temperature=0.0)), timeout=300)[0]
                for p, n in zip(prompts, lengths)]
     settle(off)
-    results: dict[bool, tuple] = {}
-    for ahead in (True, False):
+    results: dict[str, tuple] = {}
+    for ahead in ("round", "propose", "off"):
         e = make(model, "mtp")
         e.spec.tails.use_graphs = True  # the tail counts and catches MTP up on the device
         e.spec.look_ahead = ahead
@@ -514,17 +515,21 @@ def test_the_next_rounds_mtp_proposal_made_ahead_is_the_rounds_own():
                 if i % 2:
                     outs = [[t.token_id for t in h.result(timeout=300)[0]] for h in handles[-2:]]
                     assert outs == answers[i - 1:i + 1], "speculative output is not greedy decoding's"
-            results[ahead] = (sorted(proposed), images, e.spec.stats())
+            results[ahead] = (sorted(proposed), images, e.spec.stats(), e.spec.counters["verify_ahead_used"])
         finally:
             settle(e)
-    on, off_ = results[True], results[False]
-    assert on[2].proposals_ahead_used > 0, on[2]
-    assert on[2].proposals_ahead > on[2].proposals_ahead_used, "no proposal ahead was dropped: the case is not exercised"
-    assert off_[2].proposals_ahead == 0
-    assert on[0] == off_[0], "a round verified other drafts than it would have proposed itself"
-    assert on[1].keys() == off_[1].keys() and len(on[1]) == len(prompts)
-    for key, image in on[1].items():
-        assert all(torch.equal(a, b) for a, b in zip(image, off_[1][key])), "a lane's state at its end differs"
+    off_ = results["off"]
+    assert off_[2].proposals_ahead == 0 and off_[3] == 0
+    assert results["propose"][3] == 0
+    assert 0 < results["round"][3] == results["round"][2].proposals_ahead_used, results["round"]
+    for mode in ("round", "propose"):
+        on = results[mode]
+        assert on[2].proposals_ahead_used > 0, (mode, on[2])
+        assert on[2].proposals_ahead > on[2].proposals_ahead_used, f"{mode}: nothing made ahead was dropped"
+        assert on[0] == off_[0], f"{mode}: a round verified other drafts than it would have proposed itself"
+        assert on[1].keys() == off_[1].keys() and len(on[1]) == len(prompts)
+        for key, image in on[1].items():
+            assert all(torch.equal(a, b) for a, b in zip(image, off_[1][key])), f"{mode}: a lane's state at its end differs"
 
 
 def test_a_proposal_ahead_serves_only_the_round_it_was_made_for():
