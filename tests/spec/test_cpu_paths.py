@@ -333,7 +333,7 @@ def test_packed_steps_draft_what_the_eager_steps_draft(model, caplog, name, tmp_
 @pytest.mark.parametrize("name,widths", [("mtp", 2), ("dflash", 2), ("dflash2", 1)])
 def test_warm_runs_every_lanes_width_and_draft_count(model, name, widths):
     """The warm-up's proposal shapes: every lanes x table width (DFlash2 reads its rings, no
-    table) x 1..k drafts through the packed steps (forced on the CPU, where no graph is captured),
+    table) x 1..k drafts, and the proposal ahead of every lanes x width at k, through the packed steps (forced on the CPU, where no graph is captured),
     on the worker thread of an engine whose pool holds nothing yet; the engine then answers as
     plain greedy decoding does."""
     from helpers import make, run, settle, tokens
@@ -349,7 +349,11 @@ def test_warm_runs_every_lanes_width_and_draft_count(model, name, widths):
     try:
         done = e.call(lambda: drafter.warm([1, 2], [8, 16], 3, e.states, e.storage.num_pages, 1024))
         assert done == 2 * widths * 3
-        assert len(drafter.graphs.seen) == done  # one key a shape
+        plain = [key for key in drafter.graphs.seen if key[-1] != "ahead"]
+        ahead = [key for key in drafter.graphs.seen if key[-1] == "ahead"]
+        assert len(plain) == done  # one key a shape
+        # and the next round's proposal made ahead: one key a lanes x width, at k drafts
+        assert len(ahead) == 2 * widths and all(key[2] == 3 for key in ahead), sorted(ahead)
         for s in range(2):
             e.states.reset(s)
         assert run(e, tokens(120, 51), 9)[0] == ref
