@@ -28,7 +28,11 @@ padding's concatenation and the scatter of the new states (five launches, about 
 at batch 1) are gone. The conv's sums run in the window's order with the same rounding points.
 
 A lane's column depends on its own window, projections and state alone, so the verify pass's
-columns (the same kernel, column by column) equal decode's bit for bit. The state rows are a
+columns equal decode's bit for bit. They run in one launch: a program steps its state block
+column by column in registers, each column the code of a one-column launch on the state that
+launch would read back (fp32, stored and loaded unchanged), so ``T`` columns in one launch, in
+``T`` launches, or in decode's launches give the same bits (:func:`gdn_step`'s ``columns``; a
+verify pass's GDN layer is two launches, the window and the steps, whatever its ``k``). The state rows are a
 lane's slot (``IN_SLOT``/``OUT_SLOT``: read from ``in_idx``/``out_idx`` on the device) or row
 ``b * T + t`` of a ``[B * T, ...]`` buffer (the verify pass keeps every column's state). No
 argument depends on values, so the launch is captured in the decode graphs.
@@ -104,9 +108,9 @@ if triton is not None:
         for t in range(T):
             tl.store(dst + KW - 1 + t, tl.load(x + (i_b * T + t) * sx + o_c, mask=m_c, other=0.0).to(dt), mask=m_c)
 
-    @triton.jit(do_not_specialize=["t", "T", "B", "PAD0", "ROWS"])
+    @triton.jit(do_not_specialize=["t0", "t1", "T", "B", "PAD0", "ROWS"])
     def _step_kernel(win, sw_b, sw_c, conv_w, a, sa, b, sb, A_log, dt_bias,
-                     s_in, in_idx, s_out, out_idx, o, t, T, B, PAD0, ROWS, scale,
+                     s_in, in_idx, s_out, out_idx, o, t0, t1, T, B, PAD0, ROWS, scale,
                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KW: tl.constexpr,
                      BV: tl.constexpr, IN_SLOT: tl.constexpr, OUT_SLOT: tl.constexpr, ACT: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
@@ -120,48 +124,54 @@ if triton is not None:
         c_q = i_k * K + o_k
         c_k = HK * K + i_k * K + o_k
         c_v = 2 * HK * K + i_h * V + o_v
-        lane = win + i_b * sw_b + t
-        if ACT:  # silu(conv) of the column, from _conv_step_kernel ([lanes, C])
-            q = tl.load(lane + c_q).to(tl.float32)
-            k = tl.load(lane + c_k).to(tl.float32)
-            v = tl.load(lane + c_v).to(tl.float32)
-        else:
-            q = tl.zeros([K], dtype=tl.float32)
-            k = tl.zeros([K], dtype=tl.float32)
-            v = tl.zeros([BV], dtype=tl.float32)
-            for j in tl.static_range(KW):
-                q += tl.load(lane + c_q * sw_c + j).to(tl.float32) * tl.load(conv_w + c_q * KW + j).to(tl.float32)
-                k += tl.load(lane + c_k * sw_c + j).to(tl.float32) * tl.load(conv_w + c_k * KW + j).to(tl.float32)
-                v += tl.load(lane + c_v * sw_c + j).to(tl.float32) * tl.load(conv_w + c_v * KW + j).to(tl.float32)
-            q = _silu_of_conv(q, dt)
-            k = _silu_of_conv(k, dt)
-            v = _silu_of_conv(v, dt)
-        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
-        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-        # the gates of this lane's column t and value head
-        r_ab = i_b * T + t
-        b_raw = tl.load(b + r_ab * sb + i_h).to(tl.float32)
-        beta = (1.0 / (1.0 + tl.exp(-b_raw))).to(dt).to(tl.float32)
-        x = tl.load(a + r_ab * sa + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        g = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * softplus
-        # the state block [K, BV], read and written by row
+        # the state block [K, BV] before column t0, read by row; columns t0 .. t1 - 1 step it in
+        # registers (the values a launch a column would store and read back: fp32 both ways)
         if IN_SLOT:
             r_in = tl.load(in_idx + i_b)
         else:
-            r_in = i_b * T + t - 1
-        if OUT_SLOT:
-            r_out = tl.load(out_idx + i_b)
-        else:
-            r_out = i_b * T + t
+            r_in = i_b * T + t0 - 1
         blk = i_h * K * V + o_k[:, None] * V + o_v[None, :]
         S = tl.load(s_in + r_in * HV * K * V + blk)
-        S *= tl.exp(g)
-        vn = (v - tl.sum(S * k[:, None], 0)) * beta
-        S += k[:, None] * vn[None, :]
-        out = tl.sum(S * q[:, None], 0)
-        tl.store(s_out + r_out * HV * K * V + blk, S)
-        tl.store(o + (r_ab * HV + i_h) * V + o_v, out.to(dt))
+        A = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        bias = tl.load(dt_bias + i_h).to(tl.float32)
+        if OUT_SLOT:
+            r_slot = tl.load(out_idx + i_b)
+        for t in range(t0, t1):
+            lane = win + i_b * sw_b + t
+            if ACT:  # silu(conv) of the column, from _conv_step_kernel ([lanes, C])
+                q = tl.load(lane + c_q).to(tl.float32)
+                k = tl.load(lane + c_k).to(tl.float32)
+                v = tl.load(lane + c_v).to(tl.float32)
+            else:
+                q = tl.zeros([K], dtype=tl.float32)
+                k = tl.zeros([K], dtype=tl.float32)
+                v = tl.zeros([BV], dtype=tl.float32)
+                for j in tl.static_range(KW):
+                    q += tl.load(lane + c_q * sw_c + j).to(tl.float32) * tl.load(conv_w + c_q * KW + j).to(tl.float32)
+                    k += tl.load(lane + c_k * sw_c + j).to(tl.float32) * tl.load(conv_w + c_k * KW + j).to(tl.float32)
+                    v += tl.load(lane + c_v * sw_c + j).to(tl.float32) * tl.load(conv_w + c_v * KW + j).to(tl.float32)
+                q = _silu_of_conv(q, dt)
+                k = _silu_of_conv(k, dt)
+                v = _silu_of_conv(v, dt)
+            q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
+            k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+            # the gates of this lane's column t and value head
+            r_ab = i_b * T + t
+            b_raw = tl.load(b + r_ab * sb + i_h).to(tl.float32)
+            beta = (1.0 / (1.0 + tl.exp(-b_raw))).to(dt).to(tl.float32)
+            x = tl.load(a + r_ab * sa + i_h).to(tl.float32) + bias
+            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+            g = A * softplus
+            S *= tl.exp(g)
+            vn = (v - tl.sum(S * k[:, None], 0)) * beta
+            S += k[:, None] * vn[None, :]
+            out = tl.sum(S * q[:, None], 0)
+            if OUT_SLOT:
+                if t == t1 - 1:  # a slot keeps the last column's state
+                    tl.store(s_out + r_slot * HV * K * V + blk, S)
+            else:
+                tl.store(s_out + r_ab * HV * K * V + blk, S)
+            tl.store(o + (r_ab * HV + i_h) * V + o_v, out.to(dt))
         # the rows of o from PAD0 to ROWS (the pass's padding to a row block): zeros, written by
         # the lanes' programs in turn
         for r in range(PAD0 + i_b, ROWS, B):
@@ -170,14 +180,19 @@ if triton is not None:
 
 def gdn_step(win: torch.Tensor, t: int, conv_w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              A_log: torch.Tensor, dt_bias: torch.Tensor, s_in: torch.Tensor, in_idx: torch.Tensor | None,
-             s_out: torch.Tensor, out_idx: torch.Tensor | None, n_k: int, T: int, o: torch.Tensor) -> None:
-    """Column ``t`` of the lanes' GDN step (see the module doc). ``win`` ``[B, C, KW-1+T]``
-    contiguous; ``conv_w`` ``[C, KW]``; ``a``, ``b`` ``[rows, HV]``: row ``b * T + t`` holds the lane's
-    gate inputs; ``s_in``/``s_out`` fp32 ``[N, HV, K,
-    V]`` contiguous, rows from ``in_idx``/``out_idx`` ``[B]`` (int64, on the device), or, where
-    None, row ``b * T + t - 1`` / ``b * T + t``; row ``b * T + t`` of ``o`` ``[R, HV, V]``
-    (the model dtype, ``R >= B * T``) is written, and the last column's launch (``t == T - 1``)
-    zeros its rows past ``B * T`` (the pass's padding to a row block: no launch of its own)."""
+             s_out: torch.Tensor, out_idx: torch.Tensor | None, n_k: int, T: int, o: torch.Tensor,
+             columns: int = 1) -> None:
+    """Columns ``t .. t + columns - 1`` of the lanes' GDN step in one launch (see the module doc).
+    ``win`` ``[B, C, KW-1+T]`` contiguous; ``conv_w`` ``[C, KW]``; ``a``, ``b`` ``[rows, HV]``: row
+    ``b * T + t`` holds the lane's gate inputs; ``s_in``/``s_out`` fp32 ``[N, HV, K, V]``
+    contiguous. The state before column ``t`` is row ``in_idx[b]`` of ``s_in`` (``[B]`` int64 on
+    the device), or, where None, row ``b * T + t - 1``; each column's state goes to row ``b * T +
+    t`` of ``s_out``, or, with ``out_idx``, the last column's to row ``out_idx[b]``. A program
+    keeps its state block in registers from column to column: each column computes what a launch
+    of its own computes, bit for bit (the same code; the state it would store and read back is
+    fp32 both ways). Row ``b * T + t`` of ``o`` ``[R, HV, V]`` (the model dtype, ``R >= B * T``)
+    is written, and a launch that reaches the last column (``t + columns == T``) zeros the rows
+    past ``B * T`` (the pass's padding to a row block: no launch of its own)."""
     B, C, _ = win.shape
     HV, K, V = s_in.shape[1:]
     KW = conv_w.shape[1]
@@ -187,13 +202,14 @@ def gdn_step(win: torch.Tensor, t: int, conv_w: torch.Tensor, a: torch.Tensor, b
     assert C == 2 * n_k * K + HV * V, f"{C} conv channels for {n_k} key and {HV} value heads"
     assert a.stride(1) == 1 and b.stride(1) == 1 and o.is_contiguous() and o.shape[1:] == (HV, V) \
         and o.shape[0] >= B * T, f"rows of a and b, and o [>= {B * T}, {HV}, {V}], contiguous"
+    assert columns >= 1 and 0 <= t and t + columns <= T, f"columns {t}..{t + columns - 1} of {T}"
     bv = min(BV, V)
-    rows = o.shape[0] if t == T - 1 else B * T
+    rows = o.shape[0] if t + columns == T else B * T
     _step_kernel[(B * HV, V // bv)](
         win, win.stride(0), win.stride(1), conv_w, a, a.stride(0), b, b.stride(0), A_log, dt_bias,
         s_in, in_idx if in_idx is not None else s_in, s_out, out_idx if out_idx is not None else s_out, o,
-        t, T, B, B * T, rows, K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv, IN_SLOT=in_idx is not None,
-        OUT_SLOT=out_idx is not None, ACT=False, num_warps=NUM_WARPS)
+        t, t + columns, T, B, B * T, rows, K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv,
+        IN_SLOT=in_idx is not None, OUT_SLOT=out_idx is not None, ACT=False, num_warps=NUM_WARPS)
 
 
 def conv_window(conv: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, T: int, win: torch.Tensor) -> torch.Tensor:
@@ -241,7 +257,7 @@ def gdn_decode_step(x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor, co
     bv = min(BV, V)
     _step_kernel[(L * HV, V // bv)](
         act, act.stride(0), 1, conv_w, a, a.stride(0), b, b.stride(0), A_log, dt_bias, state, slots, state, slots, o,
-        0, 1, L, L, o.shape[0], K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv, IN_SLOT=True, OUT_SLOT=True, ACT=True,
+        0, 1, 1, L, L, o.shape[0], K ** -0.5, HK=n_k, HV=HV, K=K, V=V, KW=KW, BV=bv, IN_SLOT=True, OUT_SLOT=True, ACT=True,
         num_warps=NUM_WARPS)
 
 

@@ -22,8 +22,10 @@ construction, also in bf16 and on CUDA (docs/speculative.md, "Bit-identical veri
   is masked as the stale K/V there is in decode), so its key span never depends on the other
   lanes or columns. On the gather + SDPA path (no paged kernel) lanes with equal spans share a
   call. With
-  the fused kernels (CUDA) a GDN column is one launch of :func:`hpc_kernels.gdn_decode.gdn_step`
-  over all lanes, one program per lane, value head and block of value columns, in verify; decode
+  the fused kernels (CUDA) a verify pass's GDN columns are one launch of
+  :func:`hpc_kernels.gdn_decode.gdn_step` over all lanes, one program per lane, value head and
+  block of value columns stepping its state column by column in registers (each column the
+  code and numbers of a one-column launch); decode
   runs the same step after a conv launch that steps the conv states in their slots
   (:func:`hpc_kernels.gdn_decode.gdn_decode_step`), the same sums in the same order.
 * **One row block, split sums.** Where the pass is one row block (decode, a short verify), the
@@ -362,22 +364,20 @@ def _slot_run(slot_t: torch.Tensor) -> int | None:
 def _gdn_fused(la, window: torch.Tensor, a: torch.Tensor, b: torch.Tensor, B: int, T: int, rec: torch.Tensor,
                slot_t: torch.Tensor, keep_all: bool, rows: int, kept: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The columns through :func:`hpc_kernels.gdn_decode.gdn_step`, one launch a column, output
-    rows ``b * T + t`` of ``rows`` (the pass's padded rows, which the last launch zeros): decode
-    steps the lanes' slots in place; the verify pass (``keep_all``) writes column ``t``'s state
-    to row ``b * T + t`` of a ``[B * T, ...]`` buffer (``kept``, else a new one), reading column
-    ``t - 1``'s from there."""
+    """The columns through :func:`hpc_kernels.gdn_decode.gdn_step`, all ``T`` in one launch (each
+    program steps its state block column by column in registers: a column's numbers are those of
+    a launch of its own), output rows ``b * T + t`` of ``rows`` (the pass's padded rows, which
+    the launch zeros): decode steps the lanes' slots in place; the verify pass (``keep_all``)
+    writes column ``t``'s state to row ``b * T + t`` of a ``[B * T, ...]`` buffer (``kept``, else
+    a new one)."""
     o = window.new_empty(rows, la.n_v, la.d_v)
     w = la.conv1d.weight[:, 0, :].contiguous()
     if not keep_all:
-        for t in range(T):
-            gdn_decode.gdn_step(window, t, w, a, b, la.A_log, la.dt_bias, rec, slot_t, rec, slot_t, la.n_k, T, o)
+        gdn_decode.gdn_step(window, 0, w, a, b, la.A_log, la.dt_bias, rec, slot_t, rec, slot_t, la.n_k, T, o, columns=T)
         return o, None
     if kept is None:
         kept = rec.new_empty(B * T, *rec.shape[1:])
-    for t in range(T):
-        src, src_idx = (rec, slot_t) if t == 0 else (kept, None)
-        gdn_decode.gdn_step(window, t, w, a, b, la.A_log, la.dt_bias, src, src_idx, kept, None, la.n_k, T, o)
+    gdn_decode.gdn_step(window, 0, w, a, b, la.A_log, la.dt_bias, rec, slot_t, kept, None, la.n_k, T, o, columns=T)
     return o, kept.view(B, T, *rec.shape[1:])
 
 

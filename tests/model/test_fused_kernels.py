@@ -177,6 +177,22 @@ def _kernel_cases(device: str) -> dict:
             src, idx = (slots, lanes) if t == 0 else (kept, None)
             gdn_decode.gdn_step(win, t, conv_w, a, b, A_log, dt_bias, src, idx, kept, None, n_k, T, o_rows)
         o = o_rows[:B * T]
+        # every column in one launch, and in two (the second reading its state from the kept
+        # rows): the same bits as a launch a column, the padding zero
+        kept1, o1 = torch.zeros_like(kept), torch.full_like(o_rows, 7.0)
+        gdn_decode.gdn_step(win, 0, conv_w, a, b, A_log, dt_bias, slots, lanes, kept1, None, n_k, T, o1, columns=T)
+        kept2, o2_rows = torch.zeros_like(kept), torch.full_like(o_rows, 7.0)
+        gdn_decode.gdn_step(win, 0, conv_w, a, b, A_log, dt_bias, slots, lanes, kept2, None, n_k, T, o2_rows)
+        gdn_decode.gdn_step(win, 1, conv_w, a, b, A_log, dt_bias, kept2, None, kept2, None, n_k, T, o2_rows,
+                            columns=T - 1)
+        # the in-place form over T columns: the slot ends with the last column's state
+        slots3 = slots.clone()
+        o3 = torch.full_like(o_rows, 7.0)
+        gdn_decode.gdn_step(win, 0, conv_w, a, b, A_log, dt_bias, slots3, lanes, slots3, lanes, n_k, T, o3, columns=T)
+        one_launch = (torch.equal(kept1, kept) and torch.equal(o1, o_rows) and torch.equal(kept2, kept)
+                      and torch.equal(o2_rows, o_rows) and torch.equal(o3, o_rows)
+                      and torch.equal(slots3[lanes], kept.view(B, T, HV, K, V)[:, -1])
+                      and torch.equal(slots3[[0, 2, 4]], slots[[0, 2, 4]]))
         ref_S, ref_o, ref_kept = state, [], []
         for t in range(T):
             ro, ref_S = gdn_decode.gdn_step_ref(win, t, conv_w, a.view(B, T, HV)[:, t], b.view(B, T, HV)[:, t],
@@ -220,6 +236,7 @@ def _kernel_cases(device: str) -> dict:
         out["step"].append({"dtype": str(dtype), "o": _rel(o, ref_o), "states": _rel(kept, ref_kept),
                             "window_exact": bool(torch.equal(window, ref_window)),
                             "decode_equals_verify": same, "in_slots_equals_window": in_place,
+                            "columns_in_one_launch": bool(one_launch),
                             "others_untouched": bool((slots[[0, 2, 4]] == 0).all()),
                             "padding_zero": bool((o_rows[B * T:] == 0).all())})
     return out
@@ -241,6 +258,7 @@ def _check_kernel_cases(cases: dict) -> None:
         assert max(c["o"], c["states"]) < tol, c
         assert c["decode_equals_verify"] and c["others_untouched"] and c["padding_zero"] and c["window_exact"], c
         assert c["in_slots_equals_window"], c
+        assert c["columns_in_one_launch"], c
 
 
 def _model_case(device: str) -> dict:
