@@ -43,7 +43,7 @@ def ahead_inputs(packed: torch.Tensor, verdict: torch.Tensor) -> torch.Tensor:
     count."""
     k = (verdict.shape[1] - 1) // 2
     counts = greedy_counts(verdict)[:, None]
-    return torch.cat([verdict.gather(1, counts + k), packed[:, 1:2], packed[:, 2:3] + counts, packed[:, 3:]], 1)
+    return torch.cat([verdict[:, k:].gather(1, counts), packed[:, 1:2], packed[:, 2:3] + counts, packed[:, 3:]], 1)
 
 
 @dataclass

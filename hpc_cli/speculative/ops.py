@@ -71,7 +71,7 @@ def column_writes(idx, T: int, counts: torch.Tensor) -> tuple[torch.Tensor, torc
     pool skips them)."""
     pos = idx.seqlens[:, :T] - 1  # the lengths are positions + 1
     keep = torch.arange(T, device=counts.device)[None, :] < counts[:, None]
-    return pos, keep, torch.where(keep, idx.write[:, :T], torch.full_like(pos, -1))
+    return pos, keep, torch.where(keep, idx.write[:, :T], -1)
 
 
 def write_kv(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int], tables: Sequence[Sequence[int]], kv,
@@ -175,13 +175,13 @@ def commit_columns(states, out: VerifyOut, slot_t: torch.Tensor, j: torch.Tensor
     so a round's tail can be captured (:mod:`hpc_cli.speculative.round_tail`)."""
     dev = out.hidden.device
     B, T = out.hidden.shape[:2]
-    flat = torch.arange(B, device=dev) * T + j  # row b * T + keep[b] of the [B * T, ...] views
+    flat = torch.arange(0, B * T, T, device=dev) + j  # row b * T + keep[b] of the [B * T, ...] views
     assert out.stacked is not None or not out.windows, "a verify pass keeps its windows and states stacked"
     if out.stacked is not None:  # every GDN layer's in one gather and one copy each
         windows, kept = out.stacked
         G, _, C, _ = windows.shape
         K1 = states.conv_all.shape[-1]
-        cols = j[:, None] + 1 + torch.arange(K1, device=dev)[None]  # [B, K-1] columns of the window
+        cols = j[:, None] + torch.arange(1, K1 + 1, device=dev)[None]  # [B, K-1] columns of the window
         sel = windows.gather(3, cols[None, :, None, :].expand(G, B, C, K1))
         states.conv_all.index_copy_(1, slot_t, sel.to(states.conv_all.dtype))
         # index_select of the flattened rows: the same values as kept[:, ar, j], several times cheaper on CPU

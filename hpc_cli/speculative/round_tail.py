@@ -48,7 +48,10 @@ def greedy_counts(verdict: torch.Tensor) -> torch.Tensor:
     2T - 1]`` (the drafts, then every column's argmax) the drafts equal to the argmax before the
     first that is not, ``[B]`` int64 (capturable: no host read)."""
     k = (verdict.shape[1] - 1) // 2
-    return (verdict[:, :k] == verdict[:, k:2 * k]).long().cumprod(1).sum(1)
+    matches = verdict[:, :k] == verdict[:, k:2 * k]
+    if k == 1:
+        return matches.sum(1)  # a bool's sum is int64: two launches
+    return matches.cumprod(1).sum(1)  # a bool's running product is int64
 
 
 @dataclass
