@@ -15,6 +15,13 @@ Per lane the drafter keeps ``lane.backend_frontier`` (MTP K/V valid for ``[0, F_
 * a round's first draft step computes position ``pos-1`` from ``(next_token, h[pos-1])``: the
   bridge to the frontier (committed) and the first draft; steps 2..k run at ``pos..pos+k-2`` on
   the previous step's MTP hidden and draft (provisional K/V, overwritten later).
+
+After a greedy round whose tail counted its drafts on the device, that tail computes the bridge
+itself (:meth:`catch_up_and_bridge`): one pass of the MTP layer over every verify column, the
+rows up to each lane's count writing their K/V (the catch-up) and the row at the count (the
+bridge, its token the bonus) giving the next round's first draft and its hidden, kept per state
+slot. The next round's proposal, made ahead or at its start, then starts from them
+(:meth:`propose_device` when :meth:`first_drafts` marked the lanes): at k = 1 it is a gather.
 """
 
 from __future__ import annotations
@@ -46,6 +53,13 @@ class MTPDrafter:
         self.base_layer = len(model.config.attention_layers)  # first MTP layer of pages in the main pool
         self.storage = None
         self.graphs: DraftGraphs | None = None  # the captured proposals (CUDA, a pool the paged kernel reads)
+        # the next round's first draft and its MTP hidden per state slot, written by a greedy
+        # round's tail (:meth:`catch_up_and_bridge`), and for which lane and position they hold
+        self._first_token: torch.Tensor | None = None
+        self._first_hidden: torch.Tensor | None = None
+        self._first_for: dict[int, tuple[object, int]] = {}
+        #: proposals that started from a tail's first drafts (made ahead, or at a round's start)
+        self.proposals_from_first = 0
 
     def bind(self, storage, backend_storage, states) -> None:
         from hpc_cli.model.graphs import ColumnGraphs
@@ -59,6 +73,13 @@ class MTPDrafter:
         wanted = (dense and ColumnGraphs.wanted(self.model, storage)
                   and reads_in_place(self.mtp.layers[0].self_attn, storage, 1))
         self.graphs = DraftGraphs(self.model.device) if wanted else None
+        self._first_for = {}
+        if states is None:  # a drafter bound to a pool alone (no slots: no first drafts kept)
+            self._first_token = self._first_hidden = None
+            return
+        n, dev = states.hidden.shape[0], self.model.device
+        self._first_token = torch.zeros(n, dtype=torch.long, device=dev)
+        self._first_hidden = torch.zeros(n, self.model.config.hidden_size, dtype=self.model.dtype, device=dev)
 
     # ------------------------------------------------------------------ the MTP stack
     @torch.inference_mode()
@@ -101,9 +122,6 @@ class MTPDrafter:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
 
     # ------------------------------------------------------------------ frontier upkeep
-    def admitted(self, lane) -> None:
-        lane.backend_frontier = max(0, lane.pos - 1)
-
     def observe(self, lane, start: int, n: int, hidden: torch.Tensor | None, features, pre_hidden, *,
                 extend: bool) -> None:
         """The main model processed ``[start, start+n)`` (hiddens ``hidden[:n]``): catch the MTP
@@ -154,6 +172,113 @@ class MTPDrafter:
         kk, vv = layer.self_attn.kv(layer.input_layernorm(x), cos, sin)
         self.storage.write(self.base_layer, slots.reshape(-1), kk, vv)
 
+    @property
+    def bridges_in_tail(self) -> bool:
+        """Whether a greedy round's tail computes the next round's first draft with its catch-up
+        (:meth:`catch_up_and_bridge`)."""
+        return self.catches_up_columns and self._first_token is not None
+
+    @torch.inference_mode()
+    def catch_up_and_bridge(self, out, accepted: torch.Tensor) -> None:
+        """A greedy round's catch-up and the next round's bridge in one pass of the MTP layer over
+        the verify pass ``out``'s ``T`` columns: row ``t`` of a lane is position ``start + t``
+        with the token after it, the argmax of column ``t`` (an accepted draft for ``t <
+        accepted[b]``, the bonus at ``accepted[b]``), and the column's hidden. The rows up to the
+        count write their K/V (the catch-up of :meth:`catch_up_columns`, then the bridge at the
+        new frontier); each query reads its lane's pages up to its own position (the rows past
+        the count, which write nothing, are computed and dropped). The bridge row's norm, head and
+        argmax give the next round's first draft, kept with its hidden in the lane's state slot.
+        Device values only (``accepted`` on the device): captured in the round's tail."""
+        idx = out.index
+        B, T = idx.B, idx.T
+        dev = accepted.device
+        tokens = out.verdict[:, T - 1:]  # every column's argmax: the token after its position
+        pos = idx.seqlens - 1  # the lengths are positions + 1
+        keep = torch.arange(T, device=dev)[None, :] <= accepted[:, None]
+        x, cos, sin = self._input(tokens, out.hidden, pos)
+        layer = self.mtp.layers[0]
+        attn = layer.self_attn
+        q, gate, kk, vv = attn.qkv(layer.input_layernorm(x), cos, sin)
+        self.storage.write(self.base_layer, torch.where(keep, idx.write, -1).reshape(-1), kk, vv)
+        x = x + attn.finish(self._rows_attention(attn, q, idx), gate)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        g = self.mtp.norm(x.index_select(0, torch.arange(0, B * T, T, device=dev) + accepted))
+        self._first_token.index_copy_(0, idx.slots, self.model.lm_head(g).argmax(-1))
+        self._first_hidden.index_copy_(0, idx.slots, g)
+
+    def _rows_attention(self, attn, q: torch.Tensor, idx) -> torch.Tensor:
+        """The MTP layer's attention for the verify index ``idx``'s rows (``q`` ``[B * T, H,
+        D]``): each row over its lane's pages up to its own position, its K/V written. The
+        paged decode kernel over every row where it reads the pool (the verify pass's own
+        launch), else the lanes' spans gathered and masked."""
+        kv, layer = self.storage, self.base_layer
+        if kv.paged_attention_supported(attn.n_heads):
+            return kv.decode_attention(layer, q, idx.row_tables, idx.seqlens.reshape(-1), attn.scale)
+        B, T = idx.B, idx.T
+        span = idx.tables.shape[1] * kv.page_tokens
+        keys, values = kv.gather(layer, idx.tables.reshape(-1), B * span, q.dtype)
+        keys = keys.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
+        values = values.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
+        pos = idx.seqlens - 1
+        mask = (torch.arange(span, device=q.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,S]
+        qh = q.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
+        o = attn.attend(qh, keys, values, mask)  # [B, H, T, d]
+        return o.transpose(1, 2).reshape(B * T, attn.n_heads, attn.head_dim)
+
+    def first_drafts(self, lanes, made: bool) -> None:
+        """After a round of ``lanes`` (their positions moved on): ``made``, its tail computed each
+        lane's bridge and first draft (:meth:`catch_up_and_bridge`), which the lane's next
+        proposal starts from; else the lanes' slots hold none for them."""
+        for l in lanes:
+            if made:
+                self._first_for[l.state_slot] = (l, l.pos)
+            else:
+                self._first_for.pop(l.state_slot, None)
+        if made:
+            self._bridged(lanes)
+
+    def _has_first(self, lanes) -> bool:
+        return all((f := self._first_for.get(l.state_slot)) is not None and f[0] is l and f[1] == l.pos
+                   for l in lanes)
+
+    def admitted(self, lane) -> None:
+        lane.backend_frontier = max(0, lane.pos - 1)
+        self._first_for.pop(lane.state_slot, None)
+
+    def _steps_first(self, packed: torch.Tensor, W: int, k: int, states) -> torch.Tensor:
+        """The drafts ``[B, k]`` from the slots' first drafts (packed rows as :meth:`_steps`'s, the
+        position that of step 2, ``pos``): draft 1 is the slot's; steps 2..k run from its hidden
+        at ``pos .. pos + k - 2`` (provisional K/V) as :meth:`_steps` runs them. Capturable."""
+        slots = packed[:, 1]
+        tok = self._first_token.index_select(0, slots)[:, None]
+        if k == 1:
+            return tok
+        hid = self._first_hidden.index_select(0, slots)[:, None]
+        pos = packed[:, 2:3]
+        table = (packed[:, INPUT_COLUMNS:], W)
+        steps = [tok]
+        for _ in range(1, k):
+            logits, g = self._run(tok, hid, pos, (), (), table=table)
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            steps.append(tok)
+            hid, pos = g, pos + 1
+        return torch.cat(steps, 1)
+
+    def _first_rows(self, lanes, pos: Sequence[int], last: Sequence[int]) -> tuple[list[list[int]], int]:
+        """:meth:`_steps_first`'s packed rows (step 2 at ``pos``, the table reaching ``last``) and
+        their table width."""
+        attn = self.mtp.layers[0].self_attn
+        table, W = page_rows(attn, self.storage, [l.pages for l in lanes], last, 1)
+        return [[0, l.state_slot, p, 0, *row] for l, p, row in zip(lanes, pos, table)], W
+
+    def _propose_first(self, lanes, k: int, states) -> torch.Tensor:
+        """:meth:`propose_device` for lanes whose slots hold their first draft."""
+        rows, W = self._first_rows(lanes, [l.pos for l in lanes], [max(l.pos + k - 2, 0) for l in lanes])
+        if self.graphs is None:
+            return self._steps_first(torch.tensor(rows, dtype=torch.long, device=self.model.device), W, k, states)
+        return self.graphs.run((*self._key(len(lanes), W, k, states), "first"), self.graphs.pack(rows),
+                               lambda p: self._steps_first(p, W, k, states))
+
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
     def propose(self, lanes, k: int, states) -> list[list[int]]:
@@ -162,7 +287,11 @@ class MTPDrafter:
     @torch.inference_mode()
     def propose_device(self, lanes, k: int, states) -> torch.Tensor:
         """:meth:`propose`'s drafts ``[B, k]`` left on the device (the k steps and the verify
-        pass queue without a wait; a graph's static buffer: read it within the round)."""
+        pass queue without a wait; a graph's static buffer: read it within the round). Lanes
+        whose slots hold their first draft (:meth:`first_drafts`) start from it."""
+        if k > 0 and self._has_first(lanes):
+            self.proposals_from_first += 1
+            return self._propose_first(lanes, k, states)
         if self.graphs is not None:
             return self._propose_packed(lanes, k, states)
         dev = self.model.device
@@ -231,28 +360,28 @@ class MTPDrafter:
     @torch.inference_mode()
     def propose_ahead(self, lanes, k: int, verdict: torch.Tensor, states) -> torch.Tensor | None:
         """The next round's drafts ``[B, k]``, proposed on the device behind this round's verify
-        pass and tail (which counted the accepted drafts and caught the MTP K/V up to them), before
-        the host reads the verdict: each lane's next token and position come from ``verdict``
-        (:func:`~hpc_cli.speculative.draft_graphs.ahead_inputs`), so they are what
-        :meth:`propose_device` reads after a round whose lanes all stop where the device counted
-        (the runtime uses the drafts only then, and calls :meth:`took_ahead`). Its page table reaches
-        as far as a round accepting every draft, in the width of one accepting none (the drafts
-        are those of :meth:`propose_device` bit for bit); None where those widths differ or a
-        lane lacks the pages."""
-        attn = self.mtp.layers[0].self_attn
+        pass and tail (which counted the accepted drafts, caught the MTP K/V up to them and
+        computed each lane's bridge and first draft, :meth:`catch_up_and_bridge`), before the host
+        reads the verdict: steps 2..k from the slots' first drafts, each lane's position from
+        ``verdict`` (:func:`~hpc_cli.speculative.draft_graphs.ahead_inputs`), so they are the
+        drafts :meth:`propose_device` makes after a round whose lanes all stop where the device
+        counted (the runtime uses them only then, and calls :meth:`took_ahead`). Its page table
+        reaches as far as a round accepting every draft, in the width of one accepting none;
+        None where those widths differ or a lane lacks the pages."""
         last = [l.pos + 2 * k - 1 for l in lanes]  # the last step's position after k accepted drafts
         if any(len(l.pages) * PAGE_TOKENS <= p for l, p in zip(lanes, last)):
             return None
-        table, W = page_rows(attn, self.storage, [l.pages for l in lanes], last, 1)
-        if page_rows(attn, self.storage, [l.pages for l in lanes], [p - k for p in last], 1)[1] != W:
+        # the rows at no accepted draft: step 2 at pos + 1 (then pos + 1 + count)
+        pos = [l.pos + 1 for l in lanes]
+        rows, W = self._first_rows(lanes, pos, last)
+        if self._first_rows(lanes, pos, [p - k for p in last])[1] != W:
             return None
-        # the rows at no accepted draft: the bridge at pos (then pos + count), written
-        rows = [[0, l.state_slot, l.pos, 1, *row] for l, row in zip(lanes, table)]
+        self.proposals_from_first += 1
         if self.graphs is None:
             packed = torch.tensor(rows, dtype=torch.long, device=self.model.device)
-            return self._steps(ahead_inputs(packed, verdict), W, k, states)
-        return self.graphs.run_ahead(self._key(len(lanes), W, k, states), self.graphs.pack(rows), verdict,
-                                     lambda p: self._steps(p, W, k, states))
+            return self._steps_first(ahead_inputs(packed, verdict), W, k, states)
+        return self.graphs.run_ahead((*self._key(len(lanes), W, k, states), "first"), self.graphs.pack(rows),
+                                     verdict, lambda p: self._steps_first(p, W, k, states))
 
     def took_ahead(self, lanes) -> None:
         """A round takes the proposal made ahead for it: its bridge's K/V is written."""
@@ -268,8 +397,9 @@ class MTPDrafter:
         """Compile and capture the proposal of every ``batches`` x ``widths`` x ``1..k`` drafts
         (a round near ``max_tokens`` drafts fewer) before serving: the engine's warm-up, on its
         worker thread, while the pool holds no cached block (the steps write the MTP K/V of the
-        pages they name and read the slots' hidden). Returns the shapes warmed (none without
-        graphs)."""
+        pages they name and read the slots' hidden), twice: from the bridge, and from a tail's
+        first drafts (at a round's start, and made ahead for every lanes x width at ``k``).
+        Returns the shapes warmed (none without graphs)."""
         if self.graphs is None:
             return 0
 
@@ -277,8 +407,13 @@ class MTPDrafter:
             last = min(W * PAGE_TOKENS, max_model_len) - 1  # the last step's position
             return max(1, last + 2 - drafts), last // PAGE_TOKENS + 1
 
-        return warm_proposals(lambda lanes, drafts: self._propose_packed(lanes, drafts, states), batches, widths, k,
-                              num_pages, place,
-                              lambda lanes, drafts: self.propose_ahead(
-                                  lanes, drafts, no_draft_accepted(len(lanes), drafts, self.model.device), states))
+        done = warm_proposals(lambda lanes, drafts: self._propose_packed(lanes, drafts, states), batches, widths, k,
+                              num_pages, place)
+        # the proposals that start from a tail's first drafts, at a round's start and made ahead
+        done += warm_proposals(lambda lanes, drafts: self._propose_first(lanes, drafts, states), batches, widths, k,
+                               num_pages, place,
+                               lambda lanes, drafts: self.propose_ahead(
+                                   lanes, drafts, no_draft_accepted(len(lanes), drafts, self.model.device), states))
+        self.proposals_from_first = 0
+        return done
 

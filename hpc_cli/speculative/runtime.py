@@ -244,7 +244,9 @@ class SpecRuntime:
         # right behind the verify pass, before the host reads it (round_tail's greedy counts)
         device_tail = (self.count_on_device and keep_all and k > 0 and self.tails.use_graphs and out.verdict is not None
                        and greedy_lanes == len(lanes))
-        saved = self._run_tail(out, None, tail_catch_up) if device_tail else None
+        # (MTP: with the next round's bridge and first draft in the same pass of its layer)
+        bridge = device_tail and tail_catch_up and getattr(self.drafter, "bridges_in_tail", False)
+        saved = self._run_tail(out, None, tail_catch_up, bridge) if device_tail else None
         # and, where that tail caught the drafter up too, the next round's proposal behind it: the
         # verdict's copy to the host is queued first, so the host waits for that alone
         read = None
@@ -278,6 +280,7 @@ class SpecRuntime:
         if device_tail:
             if self._settle_device_tail(out, drafts, greedy, accepted, slots, saved):
                 pending = None  # proposed from the device's counts, which this round did not keep
+                bridge = False
         elif keep_all and k:
             self._run_tail(out, accepted, tail_catch_up)
         elif keep_all:
@@ -316,6 +319,9 @@ class SpecRuntime:
                 pre = pre_hid[b] if pre_hid is not None else None
                 self.drafter.observe(lane, starts[b], n, out.hidden[b], feats, pre, extend=False)
             engine.commit_blocks(lane)
+        first_drafts = getattr(self.drafter, "first_drafts", None)
+        if first_drafts is not None:
+            first_drafts(lanes, bridge)
         if pending is not None:
             self._ahead = pending.made_for(lanes)
         t4 = time.monotonic()
@@ -334,19 +340,22 @@ class SpecRuntime:
         c["rollback_us"] += int((t3 - t2) * 1e6)
         c["catch_up_us"] += int((t4 - t3) * 1e6)
 
-    def _run_tail(self, out, accepted: list[int] | None, catch_up: bool) -> object:
+    def _run_tail(self, out, accepted: list[int] | None, catch_up: bool, bridge: bool = False) -> object:
         """The round's tail after the verify pass ``out`` (:mod:`~hpc_cli.speculative.round_tail`):
         each lane's state after its last accepted column into its slot and, with ``catch_up``,
-        the drafter's K/V of the accepted positions. ``accepted`` None: the greedy counts, on the
-        device. Returns what the drafter's catch-up saved (for :meth:`_settle_device_tail`)."""
+        the drafter's K/V of the accepted positions; with ``bridge`` (greedy counts, a drafter
+        with ``catch_up_and_bridge``) also the next round's bridge and first draft. ``accepted``
+        None: the greedy counts, on the device. Returns what the drafter's catch-up saved (for
+        :meth:`_settle_device_tail`)."""
         states = self.states
-        step = self.drafter.catch_up_columns if catch_up else None
+        step = (self.drafter.catch_up_and_bridge if bridge else self.drafter.catch_up_columns) if catch_up else None
 
         def tail(o, acc):
             commit_columns(states, o, o.index.slots, acc)
             return step(o, acc) if step is not None else None
 
-        return self.tails.run(out, accepted, "commit+catch-up" if catch_up else "commit", tail)
+        variant = ("commit+catch-up+bridge" if bridge else "commit+catch-up") if catch_up else "commit"
+        return self.tails.run(out, accepted, variant, tail)
 
     def _looks_ahead(self, lanes, k: int) -> bool:
         """Whether a round of ``lanes`` drafting ``k`` proposes the next round ahead: the drafter
@@ -391,10 +400,11 @@ class SpecRuntime:
             else [False]
         # and each with the greedy counts on the device, where rounds take that tail
         counted = [None] if self.tails.use_graphs and out.verdict is not None else []
+        bridges = getattr(self.drafter, "bridges_in_tail", False)
         for catch_up in variants:
             for accepted in [[0] * out.index.B] + counted:
                 for _ in range(2 if out.static else 1):
-                    self._run_tail(out, accepted, catch_up)
+                    self._run_tail(out, accepted, catch_up, catch_up and accepted is None and bridges)
         return len(variants) * (1 + len(counted))
 
     def _accept(self, engine: "RoundHost", lane, logits: torch.Tensor, drafts: list[int],

@@ -273,8 +273,11 @@ def test_rounds_with_the_tail_catch_up_propose_what_lane_by_lane_rounds_propose(
         drafter = e.spec.drafter
         e.spec.tails.use_graphs = mode == "tail"
         calls = []
-        inner = drafter.catch_up_columns
-        drafter.catch_up_columns = lambda out, acc: (calls.append(acc.tolist()), inner(out, acc))
+        # MTP's greedy rounds catch up with the next round's bridge (catch_up_and_bridge)
+        for step in ("catch_up_columns", "catch_up_and_bridge"):
+            if hasattr(drafter, step):
+                inner = getattr(drafter, step)
+                setattr(drafter, step, lambda out, acc, inner=inner: (calls.append(acc.tolist()), inner(out, acc)))
         proposed[mode] = record_proposals(drafter)
         try:
             handles = [e.submit(GenerationRequest(p, greedy(13))) for p in prompts]
@@ -283,6 +286,8 @@ def test_rounds_with_the_tail_catch_up_propose_what_lane_by_lane_rounds_propose(
             if mode == "tail":
                 assert any(len(c) == 2 for c in calls), "no round of two lanes"
                 assert any(a > 0 for c in calls for a in c), "no round accepted a draft: nothing caught up"
+                # MTP's rounds after a greedy tail start from the first drafts that tail computed
+                assert getattr(drafter, "proposals_from_first", 1) > 0, "no round started from a tail's first drafts"
         finally:
             settle(e)
     assert proposed["tail"] and proposed["tail"] == proposed["lane by lane"]
@@ -333,9 +338,10 @@ def test_packed_steps_draft_what_the_eager_steps_draft(model, caplog, name, tmp_
 @pytest.mark.parametrize("name,widths", [("mtp", 2), ("dflash", 2), ("dflash2", 1)])
 def test_warm_runs_every_lanes_width_and_draft_count(model, name, widths):
     """The warm-up's proposal shapes: every lanes x table width (DFlash2 reads its rings, no
-    table) x 1..k drafts, and the proposal ahead of every lanes x width at k, through the packed steps (forced on the CPU, where no graph is captured),
-    on the worker thread of an engine whose pool holds nothing yet; the engine then answers as
-    plain greedy decoding does."""
+    table) x 1..k drafts (MTP's from the bridge and from a tail's first drafts), and the proposal
+    ahead of every lanes x width at k, through the packed steps (forced on the CPU, where no graph
+    is captured), on the worker thread of an engine whose pool holds nothing yet; the engine then
+    answers as plain greedy decoding does."""
     from helpers import make, run, settle, tokens
 
     from hpc_cli.speculative.draft_graphs import DraftGraphs
@@ -348,12 +354,17 @@ def test_warm_runs_every_lanes_width_and_draft_count(model, name, widths):
     drafter.graphs = DraftGraphs(model.device)
     try:
         done = e.call(lambda: drafter.warm([1, 2], [8, 16], 3, e.states, e.storage.num_pages, 1024))
-        assert done == 2 * widths * 3
-        plain = [key for key in drafter.graphs.seen if key[-1] != "ahead"]
-        ahead = [key for key in drafter.graphs.seen if key[-1] == "ahead"]
-        assert len(plain) == done  # one key a shape
+        # MTP twice: from the bridge, and from the first drafts a greedy round's tail computes
+        shapes = 2 * widths * 3
+        assert done == (2 * shapes if name == "mtp" else shapes)
+        seen = drafter.graphs.seen
+        plain = [key for key in seen if key[-1] != "ahead" and "first" not in key]
+        first = [key for key in seen if key[-1] == "first"]
+        ahead = [key for key in seen if key[-1] == "ahead"]
+        assert len(plain) == shapes and len(first) == (shapes if name == "mtp" else 0)  # one key a shape
         # and the next round's proposal made ahead: one key a lanes x width, at k drafts
         assert len(ahead) == 2 * widths and all(key[2] == 3 for key in ahead), sorted(ahead)
+        assert len(seen) == len(plain) + len(first) + len(ahead)
         for s in range(2):
             e.states.reset(s)
         assert run(e, tokens(120, 51), 9)[0] == ref
@@ -520,6 +531,8 @@ def test_the_next_rounds_mtp_proposal_and_verify_pass_made_ahead_are_the_rounds_
                     outs = [[t.token_id for t in h.result(timeout=300)[0]] for h in handles[-2:]]
                     assert outs == answers[i - 1:i + 1], "speculative output is not greedy decoding's"
             results[ahead] = (sorted(proposed), images, e.spec.stats(), e.spec.counters["verify_ahead_used"])
+            # every mode's rounds after a greedy tail start from the first drafts that tail computed
+            assert e.spec.drafter.proposals_from_first > 0, ahead
         finally:
             settle(e)
     off_ = results["off"]
