@@ -107,3 +107,20 @@ def record_proposals(drafter) -> list[tuple[int, list[list[int]]]]:
 
         drafter.propose_ahead, drafter.took_ahead = propose_ahead, took_ahead
     return seen
+
+
+def record_end_images(engine, key=lambda lane: tuple(lane.request.prompt_tokens)) -> dict:
+    """Wrap the engine's cache finish so that each lane's state image at its end (conv, recurrent,
+    hidden and the backend's extra parts, cloned) is recorded under ``key(lane)``; returns the
+    dict they go into."""
+    images: dict = {}
+    inner, st = engine.cache.finish, engine.states
+
+    def finish(lane, *, publish=True):
+        s = lane.state_slot
+        images[key(lane)] = [st.conv_all[:, s].clone(), st.recurrent_all[:, s].clone(), st.hidden[s].clone(),
+                             *(x[s].clone() for x in st.extra.values())]
+        inner(lane, publish=publish)
+
+    engine.cache.finish = finish
+    return images

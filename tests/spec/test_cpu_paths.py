@@ -428,7 +428,7 @@ def test_a_lane_stopping_inside_its_accepted_drafts_keeps_the_state_of_its_last_
     overwrote past it. Checked against rounds whose tail takes the host's counts: the same
     answers, the same drafts proposed round by round, and at each request's end (where the cache
     takes its endpoint snapshot) the same state image in the lane's slot, bit for bit."""
-    from helpers import make, record_proposals, settle
+    from helpers import make, record_end_images, record_proposals, settle
 
     from hpc_cli.engine.api import GenerationRequest, SamplingParams
     from hpc_cli.model.model import HybridModel
@@ -452,17 +452,8 @@ def test_a_lane_stopping_inside_its_accepted_drafts_keeps_the_state_of_its_last_
         e.spec.tails.use_graphs = True  # the tail catches the drafter up in both
         e.spec.count_on_device = on_device
         proposed = record_proposals(e.spec.drafter)
-        images: dict[tuple, list[torch.Tensor]] = {}
-        inner, st = e.cache.finish, e.states
-
-        def finish(lane, *, publish=True, inner=inner, st=st, images=images):
-            s = lane.state_slot
-            images[(tuple(lane.request.prompt_tokens), lane.request.sampling.stop_token_ids)] = [
-                st.conv_all[:, s].clone(), st.recurrent_all[:, s].clone(), st.hidden[s].clone(),
-                *(x[s].clone() for x in st.extra.values())]
-            inner(lane, publish=publish)
-
-        e.cache.finish = finish
+        images = record_end_images(e, lambda lane: (tuple(lane.request.prompt_tokens),
+                                                    lane.request.sampling.stop_token_ids))
         try:
             handles = [e.submit(GenerationRequest(p, SamplingParams(max_tokens=24, temperature=0.0,
                                                                     stop_token_ids=(s,))))
@@ -491,7 +482,7 @@ def test_the_next_rounds_mtp_proposal_and_verify_pass_made_ahead_are_the_rounds_
     decoding's, the drafts each round verifies are those of rounds that propose for themselves,
     round by round, and at each request's end the lane's state image is the same, bit for bit.
     And what is made ahead is used where the lanes go on, dropped where not."""
-    from helpers import make, record_proposals, settle
+    from helpers import make, record_end_images, record_proposals, settle
 
     from hpc_cli.engine.api import GenerationRequest, SamplingParams
     from hpc_cli.model.model import HybridModel
@@ -513,16 +504,7 @@ def test_the_next_rounds_mtp_proposal_and_verify_pass_made_ahead_are_the_rounds_
         e.spec.tails.use_graphs = True  # the tail counts and catches MTP up on the device
         e.spec.look_ahead = ahead
         proposed = record_proposals(e.spec.drafter)
-        images: dict[tuple, list[torch.Tensor]] = {}
-        inner, st = e.cache.finish, e.states
-
-        def finish(lane, *, publish=True, inner=inner, st=st, images=images):
-            s = lane.state_slot
-            images[tuple(lane.request.prompt_tokens)] = [st.conv_all[:, s].clone(), st.recurrent_all[:, s].clone(),
-                                                         st.hidden[s].clone()]
-            inner(lane, publish=publish)
-
-        e.cache.finish = finish
+        images = record_end_images(e)
         try:
             handles = []
             for i, (p, n) in enumerate(zip(prompts, lengths)):  # two at a time: the same batches both ways
