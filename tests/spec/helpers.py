@@ -124,3 +124,15 @@ def record_end_images(engine, key=lambda lane: tuple(lane.request.prompt_tokens)
 
     engine.cache.finish = finish
     return images
+
+
+#: chat questions builtin:tiny answers (its drafters accept drafts on them)
+CHAT_QUESTIONS = ("What does json.dumps do?", "What is functools.partial?", "Explain datetime.timedelta.",
+                  "How do I read a file line by line?")
+
+
+def chat_prompts(model, questions=CHAT_QUESTIONS) -> list[list[int]]:
+    """``questions`` rendered with the model's chat template (thinking off), tokenized."""
+    tok = model.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               enable_thinking=False)) for q in questions]

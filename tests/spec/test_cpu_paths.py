@@ -428,17 +428,13 @@ def test_a_lane_stopping_inside_its_accepted_drafts_keeps_the_state_of_its_last_
     overwrote past it. Checked against rounds whose tail takes the host's counts: the same
     answers, the same drafts proposed round by round, and at each request's end (where the cache
     takes its endpoint snapshot) the same state image in the lane's slot, bit for bit."""
-    from helpers import make, record_end_images, record_proposals, settle
+    from helpers import chat_prompts, make, record_end_images, record_proposals, settle
 
     from hpc_cli.engine.api import GenerationRequest, SamplingParams
     from hpc_cli.model.model import HybridModel
 
     model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
-    tok = model.tokenizer
-    questions = ("What does json.dumps do?", "What is functools.partial?", "Explain datetime.timedelta.",
-                 "How do I read a file line by line?")
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                  enable_thinking=False)) for q in questions]
+    prompts = chat_prompts(model)
     off = make(model, reuse=False)
     until_eos = SamplingParams(max_tokens=24, temperature=0.0)
     answers = [off.generate(GenerationRequest(p, until_eos), timeout=300)[0] for p in prompts]
@@ -482,17 +478,13 @@ def test_the_next_rounds_mtp_proposal_and_verify_pass_made_ahead_are_the_rounds_
     decoding's, the drafts each round verifies are those of rounds that propose for themselves,
     round by round, and at each request's end the lane's state image is the same, bit for bit.
     And what is made ahead is used where the lanes go on, dropped where not."""
-    from helpers import make, record_end_images, record_proposals, settle
+    from helpers import chat_prompts, make, record_end_images, record_proposals, settle
 
     from hpc_cli.engine.api import GenerationRequest, SamplingParams
     from hpc_cli.model.model import HybridModel
 
     model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32)
-    tok = model.tokenizer
-    questions = ("What does json.dumps do?", "What is functools.partial?", "Explain datetime.timedelta.",
-                 "How do I read a file line by line?")
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                  enable_thinking=False)) for q in questions]
+    prompts = chat_prompts(model)
     lengths = (40, 17, 29, 40)
     off = make(model, reuse=False)
     answers = [off.generate(GenerationRequest(p, SamplingParams(max_tokens=n, temperature=0.0)), timeout=300)[0]
