@@ -363,7 +363,8 @@ class MTPDrafter:
         pass and tail (which counted the accepted drafts, caught the MTP K/V up to them and
         computed each lane's bridge and first draft, :meth:`catch_up_and_bridge`), before the host
         reads the verdict: steps 2..k from the slots' first drafts, each lane's position from
-        ``verdict`` (:func:`~hpc_cli.speculative.draft_graphs.ahead_inputs`), so they are the
+        ``verdict`` (:func:`~hpc_cli.speculative.draft_graphs.ahead_inputs`; at ``k = 1`` the
+        first draft alone, as a round's own proposal gathers it), so they are the
         drafts :meth:`propose_device` makes after a round whose lanes all stop where the device
         counted (the runtime uses them only then, and calls :meth:`took_ahead`). Its page table
         reaches as far as a round accepting every draft, in the width of one accepting none;
@@ -371,6 +372,9 @@ class MTPDrafter:
         last = [l.pos + 2 * k - 1 for l in lanes]  # the last step's position after k accepted drafts
         if any(len(l.pages) * PAGE_TOKENS <= p for l, p in zip(lanes, last)):
             return None
+        if k == 1:  # the first draft alone, which no count moves: the proposal at a round's start
+            self.proposals_from_first += 1
+            return self._propose_first(lanes, 1, states)
         # the rows at no accepted draft: step 2 at pos + 1 (then pos + 1 + count)
         pos = [l.pos + 1 for l in lanes]
         rows, W = self._first_rows(lanes, pos, last)

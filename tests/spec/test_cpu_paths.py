@@ -469,7 +469,8 @@ def test_a_lane_stopping_inside_its_accepted_drafts_keeps_the_state_of_its_last_
         assert all(torch.equal(a, b) for a, b in zip(image, host[2][key])), "a lane's state at its end differs"
 
 
-def test_the_next_rounds_mtp_proposal_and_verify_pass_made_ahead_are_the_rounds_own():
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_next_rounds_mtp_proposal_and_verify_pass_made_ahead_are_the_rounds_own(k):
     """A greedy round whose tail counts on the device and catches MTP up launches the next
     round's proposal behind it, before the host reads the verify pass, and (``round``) the next
     round's verify pass once the host has accepted it (forced on the CPU, where they run
@@ -492,7 +493,8 @@ def test_the_next_rounds_mtp_proposal_and_verify_pass_made_ahead_are_the_rounds_
     settle(off)
     results: dict[str, tuple] = {}
     for ahead in ("round", "propose", "off"):
-        e = make(model, "mtp")
+        e = make(model, "mtp", num_draft_tokens=k)
+        assert e.spec.k == k
         e.spec.tails.use_graphs = True  # the tail counts and catches MTP up on the device
         e.spec.look_ahead = ahead
         proposed = record_proposals(e.spec.drafter)
