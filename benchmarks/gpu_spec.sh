@@ -14,8 +14,8 @@
 # whose spec_decode runs at the first k too (on PYTHONPATH: before and after on one machine);
 # AHEAD: spec_decode's --ahead (default all: each backend with the round ahead, the proposal
 # ahead, neither);
-# SERVE=0 skips the HTTP step; TESTS: 1 (default) the draft-graph, verify-column, rotary-table and
-# proposal-ahead tests, all the whole GPU file of speculative tests, 0 none. About 6 minutes on an H200 with the
+# SERVE=0 skips the HTTP step; TESTS: 1 (default) the draft-graph, verify-column, rotary-table,
+# made-ahead and compiled fused-kernel tests, all the whole GPU file of speculative tests, 0 none. About 6 minutes on an H200 with the
 # defaults.
 set -u
 cd "$(dirname "$0")/.."
@@ -27,7 +27,8 @@ case "${TESTS:-1}" in
     0) ;;
     all) step test 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests/spec/test_bf16_gpu.py ;;
     *) step test 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/spec/test_bf16_gpu.py \
-        tests/model/test_rotary_table.py -k "graph_drafts or warmup_covers_serving or verify_columns or rotary or ahead" ;;
+        tests/model/test_rotary_table.py tests/model/test_fused_kernels.py \
+        -k "graph_drafts or warmup_covers_serving or verify_columns or rotary or ahead or compiled" ;;
 esac
 extra=()
 for d in ${DRAFTERS:-}; do extra+=(--drafters "$d"); done
