@@ -20,7 +20,9 @@ neither the model nor its drafters were trained on; 64 prompts give about 1,100 
 Every backend's engine is built and warmed up first; then ``--repeat`` timed passes run
 interleaved over the backends (none, mtp, ..., none, mtp, ...) and each backend reports its
 fastest pass, so the ratios to none come from the same run and the same spells of a shared
-machine. ``--k-for mtp=2,dflash=1`` gives a backend its own k. ``--drafters new=DIR`` runs dflash
+machine. ``--k-for mtp=2,dflash=1`` gives a backend its own k. ``--tail both`` runs each backend a second
+time with the round's catch-up lane by lane instead of in one call for every lane (the tail of
+``hpc_cli.speculative.round_tail``), reported as ``BACKEND/lane-catch-up``. ``--drafters new=DIR`` runs dflash
 and dflash2 a second time with the drafters in ``DIR/dflash`` and ``DIR/dflash2`` (keys
 ``dflash@new``, ``dflash2@new``), to compare drafters in one run.
 
@@ -173,6 +175,10 @@ def main(argv=None) -> dict:
                     help="what a greedy round launches of the next before the host reads it: the proposal and "
                          "the verify pass (round, the default), the proposal, nothing; all: each backend in "
                          "the three ways (reported as BACKEND, BACKEND/propose-ahead, BACKEND/no-ahead)")
+    ap.add_argument("--tail", default="batched", choices=["batched", "lanes", "both"],
+                    help="a round's tail: one call for every lane (commit, catch-up, greedy counts on the "
+                         "device; the default, captured on CUDA), or the catch-up lane by lane; both: each "
+                         "backend both ways (the second reported as BACKEND/lane-catch-up)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.chat_data and args.traffic != "chat":
@@ -206,6 +212,15 @@ def main(argv=None) -> dict:
                     engines[f"{key}/{label}"] = e = warmed_engine(model, spec, prompts, args, rollback=mode,
                                                                   k=ks.get(b, args.k))
                     e.spec.look_ahead = ahead
+            if args.tail != "batched":
+                tail_engines = [key] if args.tail == "lanes" else []
+                if args.tail == "both" and mode == "per_token":
+                    tail_engines.append(f"{key}/lane-catch-up")
+                    engines[tail_engines[-1]] = e = warmed_engine(model, spec, prompts, args, rollback=mode,
+                                                                  k=ks.get(b, args.k))
+                    e.spec.look_ahead = engines[key].spec.look_ahead
+                for tk in tail_engines:
+                    engines[tk].spec.tails.batched = False
         if b in ("dflash", "dflash2"):  # the same backend with other drafters, in the same run
             for label, path in others:
                 engines[f"{b}@{label}"] = warmed_engine(model, b, prompts, args, k=ks.get(b, args.k),

@@ -22,6 +22,8 @@ model, more than the verify pass's replay); captured, it is one launch.
   (:meth:`~hpc_cli.speculative.runtime.SpecRuntime`'s round does it).
 * As with the other graph sets, the first tail of a key runs eagerly and the second captures it;
   a verify pass that ran eagerly (its first pass, graphs off, the CPU) has its tail run eagerly.
+  On the CPU MTP's rounds take the tail too (``RoundTails.batched``), eagerly: the bridge in the
+  catch-up's pass costs fewer ops than the lane-by-lane catch-up and the bridge's own step.
   Eager or replayed, the tail runs the same function on the same shapes: the same bits.
 """
 
@@ -68,6 +70,11 @@ class RoundTails(CapturedGraphs):
         super().__init__()
         self.device = device
         self.use_graphs = use_graphs and device.type == "cuda"
+        #: whether rounds run their tail as one call for every lane (commit, catch-up, greedy counts
+        #: on the device): where it is captured; elsewhere the runtime turns it on for a drafter
+        #: whose tail saves it a step (MTP's bridge, on the CPU); else lanes catch up one by one,
+        #: skipping the lanes that accepted nothing
+        self.batched = self.use_graphs
         self.graphs: OrderedDict[tuple, _TailGraph] = OrderedDict()
         self.seen: set[tuple] = set()
         self.staging = HostStaging(device)

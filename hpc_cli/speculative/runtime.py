@@ -125,11 +125,13 @@ class SpecRuntime:
         self.counters = collections.Counter()
         self.accept_hist = collections.Counter()  # accepted drafts per lane-round
         #: rounds whose lanes are all greedy count their accepted drafts on the device, in a tail
-        #: launched before the host reads the verify pass (where tails run as graphs)
+        #: launched before the host reads the verify pass (where tails run for every lane at once:
+        #: ``RoundTails.batched``)
         self.count_on_device = True
-        #: such a round, where its tail catches the drafter up, also launches the next round's
-        #: proposal before the host reads it (:meth:`_propose_ahead`) and, once the host has
-        #: accepted it and every lane goes on, the next round's verify pass (one of :data:`AHEAD`)
+        #: such a round, where its tail catches the drafter up and is captured, also launches the
+        #: next round's proposal before the host reads it (:meth:`_propose_ahead`) and, once the
+        #: host has accepted it and every lane goes on, the next round's verify pass (one of
+        #: :data:`AHEAD`)
         self.look_ahead = "round"
         self._ahead: _Ahead | None = None
 
@@ -155,6 +157,10 @@ class SpecRuntime:
         self._ahead = None
         self.drafter.bind(storage, backend_storage, states)
         self.tails = RoundTails(self.model.device, self.model.column_graphs(storage) is not None)
+        if self.model.device.type == "cpu" and getattr(self.drafter, "bridges_in_tail", False):
+            # one eager call for every lane, with MTP's next bridge in the catch-up's pass: fewer ops
+            # than the lane-by-lane catch-up and the bridge's own step (docs/speculative.md)
+            self.tails.batched = True
 
     # ------------------------------------------------------------------ prefill side
     def prefill_kwargs(self) -> dict[str, Any]:
@@ -224,10 +230,11 @@ class SpecRuntime:
         tables = [l.pages[:math.ceil((l.pos + T) / PAGE_TOKENS)] for l in lanes]
         slots = [l.state_slot for l in lanes]
         snap = Snapshot(states, slots) if not keep_all and k else None
-        # the catch-up runs with the commit in the tail's graph where the drafter can and every
-        # lane's frontier is the round's start; else (and without graphs, where the lane-by-lane
-        # catch-up skips the lanes that accepted nothing and costs less) lane by lane
-        tail_catch_up = (keep_all and k > 0 and self.tails.use_graphs
+        # the catch-up runs with the commit in the tail (a graph on CUDA; one eager call on the
+        # CPU for MTP) where the drafter can and every lane's frontier is the round's start; else
+        # (where the lane-by-lane catch-up skips the lanes that accepted nothing and costs less)
+        # lane by lane
+        tail_catch_up = (keep_all and k > 0 and self.tails.batched
                          and getattr(self.drafter, "catches_up_columns", False)
                          and all(l.backend_frontier == l.pos for l in lanes))
         pre_hid = (states.hidden.index_select(0, torch.tensor(slots, device=states.hidden.device))
@@ -242,7 +249,7 @@ class SpecRuntime:
         any_greedy = greedy_lanes > 0
         # every lane greedy: the tail counts the accepted drafts on the device and is launched
         # right behind the verify pass, before the host reads it (round_tail's greedy counts)
-        device_tail = (self.count_on_device and keep_all and k > 0 and self.tails.use_graphs and out.verdict is not None
+        device_tail = (self.count_on_device and keep_all and k > 0 and self.tails.batched and out.verdict is not None
                        and greedy_lanes == len(lanes))
         # (MTP: with the next round's bridge and first draft in the same pass of its layer)
         bridge = device_tail and tail_catch_up and getattr(self.drafter, "bridges_in_tail", False)
@@ -358,9 +365,11 @@ class SpecRuntime:
         return self.tails.run(out, accepted, variant, tail)
 
     def _looks_ahead(self, lanes, k: int) -> bool:
-        """Whether a round of ``lanes`` drafting ``k`` proposes the next round ahead: the drafter
-        can, and every lane drafts ``k`` again next round whatever it accepts now."""
-        return (self.look_ahead != "off" and k > 0 and hasattr(self.drafter, "propose_ahead")
+        """Whether a round of ``lanes`` drafting ``k`` proposes the next round ahead: its tail is
+        captured (the device runs behind the host: on the CPU the work ahead would only hold the
+        round's tokens back), the drafter can, and every lane drafts ``k`` again next round
+        whatever it accepts now."""
+        return (self.look_ahead != "off" and k > 0 and self.tails.use_graphs and hasattr(self.drafter, "propose_ahead")
                 and all(l.request.sampling.max_tokens - len(l.generated) >= 2 * k + 2 for l in lanes))
 
     def _propose_ahead(self, lanes, k: int, verdict: torch.Tensor, slots: list[int]) -> "_Ahead | None":
@@ -396,10 +405,10 @@ class SpecRuntime:
         and with the drafter's catch-up where it has one. Returns the tails run."""
         if self.rollback != "per_token" or out.index is None or out.index.T < 2:
             return 0
-        variants = [False, True] if self.tails.use_graphs and getattr(self.drafter, "catches_up_columns", False) \
+        variants = [False, True] if self.tails.batched and getattr(self.drafter, "catches_up_columns", False) \
             else [False]
         # and each with the greedy counts on the device, where rounds take that tail
-        counted = [None] if self.tails.use_graphs and out.verdict is not None else []
+        counted = [None] if self.tails.batched and out.verdict is not None else []
         bridges = getattr(self.drafter, "bridges_in_tail", False)
         for catch_up in variants:
             for accepted in [[0] * out.index.B] + counted:

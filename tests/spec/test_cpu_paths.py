@@ -271,7 +271,9 @@ def test_rounds_with_the_tail_catch_up_propose_what_lane_by_lane_rounds_propose(
     for mode in ("tail", "lane by lane"):
         e = make(model, name)
         drafter = e.spec.drafter
-        e.spec.tails.use_graphs = mode == "tail"
+        # on the CPU MTP's rounds take the tail by default (its bridge in the catch-up's pass)
+        assert e.spec.tails.batched == (name == "mtp"), (name, e.spec.tails.batched)
+        e.spec.tails.batched = mode == "tail"
         calls = []
         # MTP's greedy rounds catch up with the next round's bridge (catch_up_and_bridge)
         for step in ("catch_up_columns", "catch_up_and_bridge"):
@@ -445,7 +447,7 @@ def test_a_lane_stopping_inside_its_accepted_drafts_keeps_the_state_of_its_last_
     results: dict[bool, tuple] = {}
     for on_device in (True, False):
         e = make(model, name)
-        e.spec.tails.use_graphs = True  # the tail catches the drafter up in both
+        e.spec.tails.use_graphs = e.spec.tails.batched = True  # the tail catches the drafter up in both
         e.spec.count_on_device = on_device
         proposed = record_proposals(e.spec.drafter)
         images = record_end_images(e, lambda lane: (tuple(lane.request.prompt_tokens),
@@ -495,7 +497,7 @@ def test_the_next_rounds_mtp_proposal_and_verify_pass_made_ahead_are_the_rounds_
     for ahead in ("round", "propose", "off"):
         e = make(model, "mtp", num_draft_tokens=k)
         assert e.spec.k == k
-        e.spec.tails.use_graphs = True  # the tail counts and catches MTP up on the device
+        e.spec.tails.use_graphs = e.spec.tails.batched = True  # the tail counts, catches MTP up, looks ahead
         e.spec.look_ahead = ahead
         proposed = record_proposals(e.spec.drafter)
         images = record_end_images(e)
