@@ -290,6 +290,8 @@ def test_rounds_with_the_tail_catch_up_propose_what_lane_by_lane_rounds_propose(
                 assert any(a > 0 for c in calls for a in c), "no round accepted a draft: nothing caught up"
                 # MTP's rounds after a greedy tail start from the first drafts that tail computed
                 assert getattr(drafter, "proposals_from_first", 1) > 0, "no round started from a tail's first drafts"
+                # and nothing is made ahead where the tail is not captured (the CPU's tail is eager)
+                assert e.spec.stats().proposals_ahead == 0 and e.spec.counters["verify_ahead_used"] == 0
         finally:
             settle(e)
     assert proposed["tail"] and proposed["tail"] == proposed["lane by lane"]
