@@ -74,7 +74,9 @@ class MTPDrafter:
                   and reads_in_place(self.mtp.layers[0].self_attn, storage, 1))
         self.graphs = DraftGraphs(self.model.device) if wanted else None
         self._first_for = {}
-        if states is None:  # a drafter bound to a pool alone (no slots: no first drafts kept)
+        # the bridge runs the layer's MLP inside the round's tail, which may be captured: a
+        # routed (MoE) MLP picks its experts from values, so such a head bridges in its own step
+        if states is None or not dense:  # (a drafter bound to a pool alone keeps no slots either)
             self._first_token = self._first_hidden = None
             return
         n, dev = states.hidden.shape[0], self.model.device

@@ -560,3 +560,30 @@ def test_ahead_inputs_take_each_lanes_next_token_and_position_from_the_verdict()
     assert got.tolist() == [[9, 11, 102, 1, 7, 8], [6, 12, 201, 1, 9, 9], [3, 13, 300, 1, 4, 4]]
     none = no_draft_accepted(2, 3, torch.device("cpu"))
     assert ahead_inputs(packed[:2], none)[:, 2].tolist() == [100, 200]
+
+
+def test_a_routed_mtp_head_bridges_in_its_own_step():
+    """A head whose MLP routes tokens to experts (builtin:tiny-moe) does not run its bridge inside
+    the round's tail, which may be captured while the routing depends on values: its rounds keep
+    the lane-by-lane catch-up and the bridge step, and answer as plain greedy decoding does. The
+    dense head of builtin:tiny does bridge there."""
+    from helpers import make, run, settle, tokens
+
+    from hpc_cli.model.model import HybridModel
+
+    moe = HybridModel.from_name_or_path("builtin:tiny-moe", dtype=torch.float32)
+    off = make(moe, reuse=False)
+    ref = run(off, tokens(100, 3), 9)[0]
+    settle(off)
+    e = make(moe, "mtp")
+    try:
+        assert not e.spec.drafter.bridges_in_tail and not e.spec.tails.batched
+        assert run(e, tokens(100, 3), 9)[0] == ref
+        assert e.spec.drafter.proposals_from_first == 0
+    finally:
+        settle(e)
+    dense = make(HybridModel.from_name_or_path("builtin:tiny", dtype=torch.float32), "mtp")
+    try:
+        assert dense.spec.drafter.bridges_in_tail and dense.spec.tails.batched
+    finally:
+        settle(dense)
