@@ -214,7 +214,8 @@ def uvicorn_config(app: ASGIApp, server: "ServerSettings", **kwargs: object) -> 
 
     kwargs.setdefault("host", server.host)
     kwargs.setdefault("port", server.port)
-    kwargs.setdefault("loop", event_loop(server.event_loop))
+    if "loop" not in kwargs:  # (run_server resolves it before the model loads and passes it)
+        kwargs["loop"] = event_loop(server.event_loop)
     return uvicorn.Config(app, http=guarded_h11(server.header_timeout_s),
                           timeout_keep_alive=max(1, round(server.keep_alive_timeout_s)), **kwargs)
 

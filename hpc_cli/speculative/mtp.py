@@ -34,7 +34,8 @@ import torch
 from hpc_cli.kv_profile import PAGE_TOKENS
 from hpc_cli.speculative.draft_graphs import (INPUT_COLUMNS, DraftGraphs, ahead_inputs, no_draft_accepted,
                                               warm_proposals)
-from hpc_cli.speculative.ops import column_writes, page_rows, page_table, paged_attention, reads_in_place, write_kv
+from hpc_cli.speculative.ops import (column_writes, page_rows, page_table, paged_attention, reads_in_place,
+                                     span_attention, write_kv)
 
 
 class MTPDrafter:
@@ -193,39 +194,22 @@ class MTPDrafter:
         Device values only (``accepted`` on the device): captured in the round's tail."""
         idx = out.index
         B, T = idx.B, idx.T
-        dev = accepted.device
         tokens = out.verdict[:, T - 1:]  # every column's argmax: the token after its position
-        pos = idx.seqlens - 1  # the lengths are positions + 1
-        keep = torch.arange(T, device=dev)[None, :] <= accepted[:, None]
+        pos, _, slots = column_writes(idx, T, accepted + 1)  # the rows up to the count write
         x, cos, sin = self._input(tokens, out.hidden, pos)
         layer = self.mtp.layers[0]
         attn = layer.self_attn
         q, gate, kk, vv = attn.qkv(layer.input_layernorm(x), cos, sin)
-        self.storage.write(self.base_layer, torch.where(keep, idx.write, -1).reshape(-1), kk, vv)
-        x = x + attn.finish(self._rows_attention(attn, q, idx), gate)
+        self.storage.write(self.base_layer, slots.reshape(-1), kk, vv)
+        if self.storage.paged_attention_supported(attn.n_heads):  # every row in one launch, as verify's
+            o = self.storage.decode_attention(self.base_layer, q, idx.row_tables, idx.seqlens.reshape(-1), attn.scale)
+        else:
+            o = span_attention(attn, q, pos, idx.tables, idx.tables.shape[1], self.storage, self.base_layer)
+        x = x + attn.finish(o, gate)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-        g = self.mtp.norm(x.index_select(0, torch.arange(0, B * T, T, device=dev) + accepted))
+        g = self.mtp.norm(x.index_select(0, torch.arange(0, B * T, T, device=accepted.device) + accepted))
         self._first_token.index_copy_(0, idx.slots, self.model.lm_head(g).argmax(-1))
         self._first_hidden.index_copy_(0, idx.slots, g)
-
-    def _rows_attention(self, attn, q: torch.Tensor, idx) -> torch.Tensor:
-        """The MTP layer's attention for the verify index ``idx``'s rows (``q`` ``[B * T, H,
-        D]``): each row over its lane's pages up to its own position, its K/V written. The
-        paged decode kernel over every row where it reads the pool (the verify pass's own
-        launch), else the lanes' spans gathered and masked."""
-        kv, layer = self.storage, self.base_layer
-        if kv.paged_attention_supported(attn.n_heads):
-            return kv.decode_attention(layer, q, idx.row_tables, idx.seqlens.reshape(-1), attn.scale)
-        B, T = idx.B, idx.T
-        span = idx.tables.shape[1] * kv.page_tokens
-        keys, values = kv.gather(layer, idx.tables.reshape(-1), B * span, q.dtype)
-        keys = keys.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
-        values = values.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
-        pos = idx.seqlens - 1
-        mask = (torch.arange(span, device=q.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,S]
-        qh = q.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
-        o = attn.attend(qh, keys, values, mask)  # [B, H, T, d]
-        return o.transpose(1, 2).reshape(B * T, attn.n_heads, attn.head_dim)
 
     def first_drafts(self, lanes, made: bool) -> None:
         """After a round of ``lanes`` (their positions moved on): ``made``, its tail computed each
@@ -371,12 +355,12 @@ class MTPDrafter:
         counted (the runtime uses them only then, and calls :meth:`took_ahead`). Its page table
         reaches as far as a round accepting every draft, in the width of one accepting none;
         None where those widths differ or a lane lacks the pages."""
-        last = [l.pos + 2 * k - 1 for l in lanes]  # the last step's position after k accepted drafts
-        if any(len(l.pages) * PAGE_TOKENS <= p for l, p in zip(lanes, last)):
-            return None
         if k == 1:  # the first draft alone, which no count moves: the proposal at a round's start
             self.proposals_from_first += 1
             return self._propose_first(lanes, 1, states)
+        last = [l.pos + 2 * k - 1 for l in lanes]  # the last step's position after k accepted drafts
+        if any(len(l.pages) * PAGE_TOKENS <= p for l, p in zip(lanes, last)):
+            return None
         # the rows at no accepted draft: step 2 at pos + 1 (then pos + 1 + count)
         pos = [l.pos + 1 for l in lanes]
         rows, W = self._first_rows(lanes, pos, last)

@@ -98,8 +98,7 @@ def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int
     ``table``: the padded page table and its width, built once by the caller for several calls
     (:func:`page_table`). One query per lane (``T == 1``) on a pool the paged decode kernel reads
     goes through that kernel; otherwise the span is gathered and SDPA runs with a causal mask."""
-    B, T = pos.shape
-    page = kv.page_tokens
+    T = pos.shape[1]
     q, gate, k, v = attn.qkv(h, cos, sin)
     in_place = reads_in_place(attn, kv, T)
     table, width = table if table is not None else page_table(attn, kv, tables, last, T, h.device)
@@ -107,14 +106,24 @@ def paged_attention(attn, h: torch.Tensor, pos: torch.Tensor, last: Sequence[int
     if in_place:
         o = kv.decode_attention(layer, q, table, pos[:, 0] + 1, attn.scale)
         return attn.finish(o, gate)
-    span = width * page
-    keys, values = kv.gather(layer, table.reshape(-1), B * span, q.dtype)
+    return attn.finish(span_attention(attn, q, pos, table, width, kv, layer), gate)
+
+
+def span_attention(attn, q: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, width: int, kv,
+                   layer: int) -> torch.Tensor:
+    """Each lane's ``T`` queries (``q`` ``[B * T, heads, head_dim]`` at positions ``pos`` ``[B,
+    T]``) over its ``width`` pages of ``table`` ``[B, >= width]``, gathered from ``kv`` layer
+    ``layer`` and masked causally (keys up to each query's own position): ``[B * T, heads,
+    head_dim]``, before the output gate."""
+    B, T = pos.shape
+    span = width * kv.page_tokens
+    keys, values = kv.gather(layer, table[:, :width].reshape(-1), B * span, q.dtype)
     keys = keys.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
     values = values.view(B, span, attn.n_kv, attn.head_dim).transpose(1, 2)
-    mask = (torch.arange(span, device=h.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,S]
+    mask = (torch.arange(span, device=q.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,S]
     qh = q.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
     o = attn.attend(qh, keys, values, mask)  # [B, H, T, d]
-    return attn.finish(o.transpose(1, 2).reshape(B * T, attn.n_heads, attn.head_dim), gate)
+    return o.transpose(1, 2).reshape(B * T, attn.n_heads, attn.head_dim)
 
 
 def reads_in_place(attn, kv, T: int) -> bool:

@@ -251,9 +251,8 @@ class SpecRuntime:
         # right behind the verify pass, before the host reads it (round_tail's greedy counts)
         device_tail = (self.count_on_device and keep_all and k > 0 and self.tails.batched and out.verdict is not None
                        and greedy_lanes == len(lanes))
-        # (MTP: with the next round's bridge and first draft in the same pass of its layer)
-        bridge = device_tail and tail_catch_up and getattr(self.drafter, "bridges_in_tail", False)
-        saved = self._run_tail(out, None, tail_catch_up, bridge) if device_tail else None
+        saved = self._run_tail(out, None, tail_catch_up) if device_tail else None
+        bridge = device_tail and self._bridges(tail_catch_up, None)  # the tail made the next first drafts
         # and, where that tail caught the drafter up too, the next round's proposal behind it: the
         # verdict's copy to the host is queued first, so the host waits for that alone
         read = None
@@ -347,14 +346,20 @@ class SpecRuntime:
         c["rollback_us"] += int((t3 - t2) * 1e6)
         c["catch_up_us"] += int((t4 - t3) * 1e6)
 
-    def _run_tail(self, out, accepted: list[int] | None, catch_up: bool, bridge: bool = False) -> object:
+    def _bridges(self, catch_up: bool, accepted: list[int] | None) -> bool:
+        """Whether a tail catching up (``catch_up``) with ``accepted`` (None: the greedy counts, on
+        the device) also computes the next round's bridge and first draft: a drafter that can
+        (MTP's ``catch_up_and_bridge``), the counts greedy (the bonus is the argmax)."""
+        return catch_up and accepted is None and getattr(self.drafter, "bridges_in_tail", False)
+
+    def _run_tail(self, out, accepted: list[int] | None, catch_up: bool) -> object:
         """The round's tail after the verify pass ``out`` (:mod:`~hpc_cli.speculative.round_tail`):
         each lane's state after its last accepted column into its slot and, with ``catch_up``,
-        the drafter's K/V of the accepted positions; with ``bridge`` (greedy counts, a drafter
-        with ``catch_up_and_bridge``) also the next round's bridge and first draft. ``accepted``
-        None: the greedy counts, on the device. Returns what the drafter's catch-up saved (for
-        :meth:`_settle_device_tail`)."""
+        the drafter's K/V of the accepted positions (and, :meth:`_bridges`, the next round's
+        bridge and first draft). ``accepted`` None: the greedy counts, on the device. Returns what
+        the drafter's catch-up saved (for :meth:`_settle_device_tail`)."""
         states = self.states
+        bridge = self._bridges(catch_up, accepted)
         step = (self.drafter.catch_up_and_bridge if bridge else self.drafter.catch_up_columns) if catch_up else None
 
         def tail(o, acc):
@@ -409,11 +414,10 @@ class SpecRuntime:
             else [False]
         # and each with the greedy counts on the device, where rounds take that tail
         counted = [None] if self.tails.batched and out.verdict is not None else []
-        bridges = getattr(self.drafter, "bridges_in_tail", False)
         for catch_up in variants:
             for accepted in [[0] * out.index.B] + counted:
                 for _ in range(2 if out.static else 1):
-                    self._run_tail(out, accepted, catch_up, catch_up and accepted is None and bridges)
+                    self._run_tail(out, accepted, catch_up)
         return len(variants) * (1 + len(counted))
 
     def _accept(self, engine: "RoundHost", lane, logits: torch.Tensor, drafts: list[int],
