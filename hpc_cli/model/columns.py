@@ -130,6 +130,9 @@ class ColumnIndex:
     tables: torch.Tensor
     row_tables: torch.Tensor
     host: tuple | None = None
+    #: the draft columns ``1..T-1`` of ``tokens`` as ``[B, T - 1]`` (a view, made once: a
+    #: round's :meth:`put_drafts` writes it), None for one column
+    draft_columns: torch.Tensor | None = None
 
     @staticmethod
     def pack(tokens: torch.Tensor | Sequence[Sequence[int]], starts: Sequence[int], tables: Sequence[Sequence[int]],
@@ -198,13 +201,15 @@ class ColumnIndex:
         parts = torch.split(packed, [n, n, B, n, n, B * W] + ([n * W] if T > 1 else []))
         tables = parts[5].view(B, W)
         return cls(B, T, W, packed, parts[0], parts[1], parts[2], parts[3].view(B, T), parts[4].view(B, T),
-                   tables, parts[6].view(n, W) if T > 1 else tables, host)
+                   tables, parts[6].view(n, W) if T > 1 else tables, host,
+                   parts[0].view(B, T)[:, 1:] if T > 1 else None)
 
     def put_drafts(self, drafts: torch.Tensor) -> None:
         """Columns ``1..T-1`` of the tokens from ``drafts`` ``[B, T - 1]`` on the device (one
         device copy into the packed buffer, no read by the host)."""
-        assert tuple(drafts.shape) == (self.B, self.T - 1), f"drafts {tuple(drafts.shape)} for {self.B} x {self.T} columns"
-        self.tokens.view(self.B, self.T)[:, 1:].copy_(drafts, non_blocking=True)
+        assert self.draft_columns is not None and drafts.shape == self.draft_columns.shape, \
+            f"drafts {tuple(drafts.shape)} for {self.B} x {self.T} columns"
+        self.draft_columns.copy_(drafts, non_blocking=True)
 
     @classmethod
     def build(cls, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],

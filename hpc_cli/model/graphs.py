@@ -239,17 +239,17 @@ class ColumnGraphs(CapturedGraphs):
         self.replays += 1
         return entry.out
 
-    def run(self, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
+    def run(self, tokens: torch.Tensor | Sequence[Sequence[int]], starts: Sequence[int], tables: Sequence[Sequence[int]],
             slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = (),
             logits: bool = True, rope_offsets: Sequence[int] | None = None,
             drafts: torch.Tensor | None = None) -> ColumnsOut:
-        """The column pass of ``tokens`` ``[B, T]`` (on the host) through a graph. The result's
+        """The column pass of ``tokens`` ``[B, T]`` (on the host: a tensor or rows) through a graph. The result's
         tensors are the graph's static outputs: valid until the next run with the same shape
         (decode clones its logits; the speculative round consumes its verify result at once).
         ``drafts``: columns ``1..T-1`` of the tokens on the device (copied into the packed index
         after the host's part, before the replay)."""
         model = self.model
-        B, T = tokens.shape
+        B, T = (tokens.shape if torch.is_tensor(tokens) else (len(tokens), len(tokens[0])))
         page = kv.page_tokens
         W = table_width(tables, starts, T, page)
         packed = self.staging.stage(ColumnIndex.pack_values(tokens, starts, tables, slots, page, W, rope_offsets))

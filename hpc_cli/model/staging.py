@@ -7,6 +7,10 @@ pinned buffers instead and writes a buffer again only once the copy that last re
 CUDA event per buffer, recorded by :meth:`HostStaging.send`): the wait is never taken in a round,
 whose copies ran long before it reads the device. On the CPU the buffers are plain tensors and
 :meth:`~HostStaging.send` returns them as they are.
+
+A ring serves one thread's copies on one stream: the stream current when it first sends (the
+engine thread's), on which its events are recorded without asking torch for the current stream
+at every copy (that lookup costs more host time than the copy's own launch).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class HostStaging:
         self._bufs: list[torch.Tensor | None] = [None] * ring
         self._events: list[torch.cuda.Event | None] = [None] * ring  # made once a buffer is first sent
         self._pending = [False] * ring  # a copy reading the buffer was queued since its last wait
+        self._views: list[np.ndarray | None] = [None] * ring  # each buffer's numpy view
+        self._stream: torch.cuda.Stream | None = None  # where the copies are queued (the first send's)
         self._at = 0
 
     def stage(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
@@ -47,15 +53,17 @@ class HostStaging:
             size = max(64, 1 << max(n - 1, 0).bit_length())
             buf = torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
             self._bufs[self._at] = buf
-        out = buf[:n]
-        out.numpy()[:] = values
-        return out
+            self._views[self._at] = buf.numpy()
+        self._views[self._at][:n] = values
+        return buf[:n]
 
     def _sent(self) -> None:
         if self.cuda:
             if self._events[self._at] is None:
                 self._events[self._at] = torch.cuda.Event()
-            self._events[self._at].record()
+            if self._stream is None:
+                self._stream = torch.cuda.current_stream(self.device)
+            self._events[self._at].record(self._stream)
             self._pending[self._at] = True
 
     def send(self, staged: torch.Tensor) -> torch.Tensor:

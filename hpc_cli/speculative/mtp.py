@@ -59,6 +59,7 @@ class MTPDrafter:
         self._first_token: torch.Tensor | None = None
         self._first_hidden: torch.Tensor | None = None
         self._first_for: dict[int, tuple[object, int]] = {}
+        self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}  # :meth:`_slot_index`
         #: proposals that started from a tail's first drafts (made ahead, or at a round's start)
         self.proposals_from_first = 0
 
@@ -223,6 +224,17 @@ class MTPDrafter:
         if made:
             self._bridged(lanes)
 
+    def _slot_index(self, lanes) -> torch.Tensor:
+        """The lanes' state slots as a device tensor, kept per set of slots (a few at any time:
+        the running lanes'), so a round does not copy them again."""
+        key = tuple(l.state_slot for l in lanes)
+        t = self._slot_tensors.get(key)
+        if t is None:
+            if len(self._slot_tensors) >= 256:
+                self._slot_tensors.clear()
+            t = self._slot_tensors[key] = torch.tensor(key, dtype=torch.long, device=self.model.device)
+        return t
+
     def _has_first(self, lanes) -> bool:
         return all((f := self._first_for.get(l.state_slot)) is not None and f[0] is l and f[1] == l.pos
                    for l in lanes)
@@ -258,7 +270,11 @@ class MTPDrafter:
         return [[0, l.state_slot, p, 0, *row] for l, p, row in zip(lanes, pos, table)], W
 
     def _propose_first(self, lanes, k: int, states) -> torch.Tensor:
-        """:meth:`propose_device` for lanes whose slots hold their first draft."""
+        """:meth:`propose_device` for lanes whose slots hold their first draft. One draft is the
+        slots' first drafts as they are: one gather by a slot index kept on the device, with no
+        packed rows, copy or graph (the host part of a round at k = 1 is most of its time)."""
+        if k == 1:
+            return self._first_token.index_select(0, self._slot_index(lanes))[:, None]
         rows, W = self._first_rows(lanes, [l.pos for l in lanes], [max(l.pos + k - 2, 0) for l in lanes])
         if self.graphs is None:
             return self._steps_first(torch.tensor(rows, dtype=torch.long, device=self.model.device), W, k, states)

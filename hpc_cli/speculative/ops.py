@@ -152,10 +152,10 @@ VerifyOut = ColumnsOut
 
 
 @torch.inference_mode()
-def verify_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Sequence[Sequence[int]],
+def verify_pass(model, tokens: torch.Tensor | Sequence[Sequence[int]], starts: Sequence[int], tables: Sequence[Sequence[int]],
                 slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = (),
                 drafts: torch.Tensor | None = None) -> VerifyOut:
-    """Score ``tokens`` ``[B, T]`` at ``starts[b] + t``: the column pass that
+    """Score ``tokens`` ``[B, T]`` (a tensor or host rows) at ``starts[b] + t``: the column pass that
     :meth:`HybridModel.decode` runs with one column, so column ``t`` is bit-identical to decoding
     that token (hpc_cli.model.columns). With ``keep_all`` the slots are left untouched and the
     per-column states come back (commit with :func:`commit_states`); without it the final state
@@ -165,9 +165,9 @@ def verify_pass(model, tokens: torch.Tensor, starts: Sequence[int], tables: Sequ
     the draft columns of ``tokens``, read there (a proposal the host has not waited for)."""
     graphs = model.column_graphs(kv)
     if graphs is not None:
-        return graphs.run(torch.as_tensor(tokens).cpu(), starts, tables, slots, kv, states, keep_all=keep_all,
-                          capture=capture, drafts=drafts)
-    return columns_pass(model, tokens, starts, tables, slots, kv, states, keep_all=keep_all, capture=capture,
+        return graphs.run(tokens.cpu() if torch.is_tensor(tokens) else tokens, starts, tables, slots, kv, states,
+                          keep_all=keep_all, capture=capture, drafts=drafts)
+    return columns_pass(model, torch.as_tensor(tokens, dtype=torch.long), starts, tables, slots, kv, states, keep_all=keep_all, capture=capture,
                         drafts=drafts)
 
 

@@ -223,12 +223,14 @@ class SpecRuntime:
             drafts = self.drafter.propose(lanes, k, states) if k else [[] for _ in lanes]
         t1 = time.monotonic()
         T = k + 1
-        # drafts left on the device are placeholders here: the verify pass reads them there
-        tokens = torch.tensor([[l.next_token] + (list(drafts[b]) if drafts is not None else [0] * k)
-                               for b, l in enumerate(lanes)], dtype=torch.long)
         starts = [l.pos for l in lanes]
-        tables = [l.pages[:math.ceil((l.pos + T) / PAGE_TOKENS)] for l in lanes]
         slots = [l.state_slot for l in lanes]
+        verified = ahead.verify if ahead is not None else None  # the verify pass launched last round
+        if verified is None or not keep_all:
+            # drafts left on the device are placeholders here: the verify pass reads them there
+            tokens = torch.tensor([[l.next_token] + (list(drafts[b]) if drafts is not None else [0] * k)
+                                   for b, l in enumerate(lanes)], dtype=torch.long)
+            tables = [l.pages[:math.ceil((l.pos + T) / PAGE_TOKENS)] for l in lanes]
         snap = Snapshot(states, slots) if not keep_all and k else None
         # the catch-up runs with the commit in the tail (a graph on CUDA; one eager call on the
         # CPU for MTP) where the drafter can and every lane's frontier is the round's start; else
@@ -239,8 +241,8 @@ class SpecRuntime:
                          and all(l.backend_frontier == l.pos for l in lanes))
         pre_hid = (states.hidden.index_select(0, torch.tensor(slots, device=states.hidden.device))
                    if self.drafter.needs_hidden and not tail_catch_up else None)
-        if ahead is not None and ahead.verify is not None:
-            out = ahead.verify
+        if verified is not None:
+            out = verified
             self.counters["verify_ahead_used"] += 1
         else:
             out = verify_pass(model, tokens, starts, tables, slots, engine.storage, states, keep_all=keep_all,
@@ -310,7 +312,7 @@ class SpecRuntime:
             # now (the device runs it behind that proposal while the host finishes this round)
             starts_next = [s + a + 1 for s, a in zip(starts, accepted)]
             pending.verify = verify_pass(
-                model, torch.tensor([[l.next_token] + [0] * k for l in lanes], dtype=torch.long), starts_next,
+                model, [[l.next_token] + [0] * k for l in lanes], starts_next,
                 [l.pages[:math.ceil((p + T) / PAGE_TOKENS)] for l, p in zip(lanes, starts_next)], slots,
                 engine.storage, states, keep_all=True, capture=self.drafter.capture, drafts=pending.drafts)
             engine.send_held()  # this round's tokens, while the device verifies the next round's drafts

@@ -365,7 +365,8 @@ def test_warm_runs_every_lanes_width_and_draft_count(model, name, widths):
         plain = [key for key in seen if key[-1] != "ahead" and "first" not in key]
         first = [key for key in seen if key[-1] == "first"]
         ahead = [key for key in seen if key[-1] == "ahead"]
-        assert len(plain) == shapes and len(first) == (shapes if name == "mtp" else 0)  # one key a shape
+        # one key a shape; from the first drafts, 2..k drafts (one draft is a gather of them, no graph)
+        assert len(plain) == shapes and len(first) == (2 * widths * 2 if name == "mtp" else 0)
         # and the next round's proposal made ahead: one key a lanes x width, at k drafts
         assert len(ahead) == 2 * widths and all(key[2] == 3 for key in ahead), sorted(ahead)
         assert len(seen) == len(plain) + len(first) + len(ahead)
