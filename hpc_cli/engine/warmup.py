@@ -156,8 +156,11 @@ def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
     by the round's tail (the commit, and the drafter's catch-up), eager then captured. A graph is
     captured only while the kept graphs' outputs fit their budget (a verify graph keeps every
     column's GDN states): past it a shape runs once, which compiles its kernels, and its graph is
-    captured when serving meets it twice. Returns the steps done."""
-    from hpc_cli.speculative.ops import verify_pass
+    captured when serving meets it twice. Where rounds chain their verify passes (the runtime's
+    ``chains``), a shape of ``k + 1`` columns gets a second graph and its tails too (a chained pass
+    must not overwrite the outputs of the pass before it, which the host is still reading).
+    Returns the steps done."""
+    from hpc_cli.speculative.ops import lanes_of, verify_pass
 
     spec = engine.spec
     if spec is None or not shapes.verify_batches:
@@ -182,6 +185,13 @@ def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
                     if graphs is not None and graphs.held > held and not per_column:
                         per_column = (graphs.held - held) // (B * T)
                 spec.warm_tails(out)  # the round's commit (and catch-up) after this verify graph
+                # the shape's second graph, for rounds chaining their verify passes (within the budget)
+                if fits and spec.chains(T) and graphs.held + per_column * B * T <= graphs.budget:
+                    for _ in range(2):
+                        out = verify_pass(model, tokens, [last - T + 1] * B, tables, list(range(B)), kv, states,
+                                          keep_all=keep_all, capture=capture, second=True)
+                    spec.warm_tails(out)
+                    lanes_of(B, T, out.index.W, model.device)
                 for s in range(B):
                     states.reset(s)
                 done += 1

@@ -204,6 +204,22 @@ class ColumnIndex:
                    tables, parts[6].view(n, W) if T > 1 else tables, host,
                    parts[0].view(B, T)[:, 1:] if T > 1 else None)
 
+    @staticmethod
+    def lanes_of(B: int, T: int, W: int) -> list[int]:
+        """The lane each value of a packed buffer of ``B`` lanes x ``T`` columns x ``W`` pages
+        belongs to, in :meth:`view`'s order (for :meth:`choose`)."""
+        per_column = [i // T for i in range(B * T)]
+        lanes = per_column * 2 + list(range(B)) + per_column * 2 + [i // W for i in range(B * W)]
+        if T > 1:
+            lanes += [i // (T * W) for i in range(B * T * W)]
+        return lanes
+
+    def choose(self, variants: torch.Tensor, counts: torch.Tensor, lanes_of: torch.Tensor) -> None:
+        """This index from ``variants`` ``[C, L]`` (packed buffers of this shape, on the device):
+        each lane's values from variant ``counts[b]`` (``lanes_of``: :meth:`lanes_of` on the
+        device). Device values only, no host read."""
+        self.packed.copy_(variants.gather(0, counts.index_select(0, lanes_of)[None])[0])
+
     def put_drafts(self, drafts: torch.Tensor) -> None:
         """Columns ``1..T-1`` of the tokens from ``drafts`` ``[B, T - 1]`` on the device (one
         device copy into the packed buffer, no read by the host)."""

@@ -151,6 +151,7 @@ class ColumnGraphs(CapturedGraphs):
         self.held = 0  # static output bytes of the kept graphs
         self.evictions = 0
         self.prepared_replays = 0  # decode steps whose packed index was built ahead
+        self.filled_replays = 0  # passes whose index the device wrote (:meth:`replay_filled`)
         self.bound: tuple | None = None  # serials of the pools the kept graphs write
         self.staging = HostStaging(model.device)  # the passes' packed indices on their way to the device
         total = torch.cuda.get_device_properties(model.device).total_memory if model.device.type == "cuda" else 0
@@ -242,12 +243,13 @@ class ColumnGraphs(CapturedGraphs):
     def run(self, tokens: torch.Tensor | Sequence[Sequence[int]], starts: Sequence[int], tables: Sequence[Sequence[int]],
             slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = (),
             logits: bool = True, rope_offsets: Sequence[int] | None = None,
-            drafts: torch.Tensor | None = None) -> ColumnsOut:
+            drafts: torch.Tensor | None = None, second: bool = False) -> ColumnsOut:
         """The column pass of ``tokens`` ``[B, T]`` (on the host: a tensor or rows) through a graph. The result's
         tensors are the graph's static outputs: valid until the next run with the same shape
         (decode clones its logits; the speculative round consumes its verify result at once).
         ``drafts``: columns ``1..T-1`` of the tokens on the device (copied into the packed index
-        after the host's part, before the replay)."""
+        after the host's part, before the replay). ``second``: the key's second graph (its own
+        static outputs: :meth:`replay_filled` runs a pass while the first's are still read)."""
         model = self.model
         B, T = (tokens.shape if torch.is_tensor(tokens) else (len(tokens), len(tokens[0])))
         page = kv.page_tokens
@@ -255,6 +257,8 @@ class ColumnGraphs(CapturedGraphs):
         packed = self.staging.stage(ColumnIndex.pack_values(tokens, starts, tables, slots, page, W, rope_offsets))
         capture = tuple(sorted(set(capture)))
         key = self._key(B, T, W, kv, states, keep_all, capture, logits)
+        if second:
+            key = (*key, "second")
         entry = self.graphs.get(key)
         if entry is None and key in self.seen and key not in self.eager:
             entry = self._capture(key, packed, B, T, W, kv, states, keep_all, capture, logits)
@@ -265,6 +269,24 @@ class ColumnGraphs(CapturedGraphs):
                 idx.put_drafts(drafts)
             return columns_core(model, idx, kv, states, keep_all=keep_all, capture=capture, logits=logits)
         return self._replay(key, entry, packed, drafts, staged=True)
+
+    def replay_filled(self, B: int, T: int, W: int, kv, states, *, keep_all: bool, capture: Sequence[int],
+                      fill: Callable[[ColumnIndex], None], avoid: int) -> ColumnsOut | None:
+        """A captured pass of ``B`` x ``T`` x ``W`` whose index ``fill`` writes on the device
+        (values the host has not read: a speculative round's next verify pass, chosen by the
+        device's counts), replayed from the key's first or second graph, whichever's outputs are
+        not ``avoid`` (a pass's ``static``, still to be read). None where neither is captured."""
+        base = self._key(B, T, W, kv, states, keep_all, tuple(sorted(set(capture))), True)
+        for key in (base, (*base, "second")):
+            entry = self.graphs.get(key)
+            if entry is not None and entry.out.static != avoid:
+                self.graphs.move_to_end(key)
+                fill(entry.index)
+                entry.graph.replay()
+                self.replays += 1
+                self.filled_replays += 1
+                return entry.out
+        return None
 
     def _capture(self, key, packed: torch.Tensor, B: int, T: int, W: int, kv, states, keep_all: bool,
                  capture: tuple, logits: bool) -> _Graph | None:

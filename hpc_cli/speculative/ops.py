@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from hpc_cli.model.columns import ColumnsOut, columns_pass, graph_width
+from hpc_cli.model.columns import ColumnIndex, ColumnsOut, columns_pass, graph_width, table_width
+from hpc_cli.speculative.round_tail import greedy_counts
 
 
 def padded_rows(tables: Sequence[Sequence[int]], last_pos: Sequence[int], page: int,
@@ -154,7 +156,7 @@ VerifyOut = ColumnsOut
 @torch.inference_mode()
 def verify_pass(model, tokens: torch.Tensor | Sequence[Sequence[int]], starts: Sequence[int], tables: Sequence[Sequence[int]],
                 slots: Sequence[int], kv, states, *, keep_all: bool, capture: Sequence[int] = (),
-                drafts: torch.Tensor | None = None) -> VerifyOut:
+                drafts: torch.Tensor | None = None, second: bool = False) -> VerifyOut:
     """Score ``tokens`` ``[B, T]`` (a tensor or host rows) at ``starts[b] + t``: the column pass that
     :meth:`HybridModel.decode` runs with one column, so column ``t`` is bit-identical to decoding
     that token (hpc_cli.model.columns). With ``keep_all`` the slots are left untouched and the
@@ -162,13 +164,74 @@ def verify_pass(model, tokens: torch.Tensor | Sequence[Sequence[int]], starts: S
     of every lane is written to its slot (the ``recompute`` rollback). On CUDA the pass runs
     through the model's graphs (hpc_cli.model.graphs), whose outputs live until the next pass of
     the same shape: consume them within the round. ``drafts`` ``[B, T - 1]`` on the device:
-    the draft columns of ``tokens``, read there (a proposal the host has not waited for)."""
+    the draft columns of ``tokens``, read there (a proposal the host has not waited for).
+    ``second``: through the shape's second graph (the warm-up's, for :func:`chained_verify`)."""
     graphs = model.column_graphs(kv)
     if graphs is not None:
         return graphs.run(tokens.cpu() if torch.is_tensor(tokens) else tokens, starts, tables, slots, kv, states,
-                          keep_all=keep_all, capture=capture, drafts=drafts)
+                          keep_all=keep_all, capture=capture, drafts=drafts, second=second)
     return columns_pass(model, torch.as_tensor(tokens, dtype=torch.long), starts, tables, slots, kv, states, keep_all=keep_all, capture=capture,
                         drafts=drafts)
+
+
+#: :meth:`ColumnIndex.lanes_of` on the device, by shape and device (a few shapes: the warm-up's)
+_LANES_OF: dict[tuple, torch.Tensor] = {}
+
+
+def lanes_of(B: int, T: int, W: int, device: torch.device) -> torch.Tensor:
+    """:meth:`ColumnIndex.lanes_of` on ``device``, made once a shape."""
+    key = (B, T, W, str(device))
+    t = _LANES_OF.get(key)
+    if t is None:
+        t = _LANES_OF[key] = torch.tensor(ColumnIndex.lanes_of(B, T, W), dtype=torch.long, device=device)
+    return t
+
+
+def fill_chained(idx: ColumnIndex, variants: torch.Tensor, lanes: torch.Tensor, verdict: torch.Tensor,
+                 drafts: torch.Tensor) -> None:
+    """The next round's verify index on the device, from a greedy round's ``verdict`` ``[B, 2T -
+    1]`` (no host read, capturable): each lane's positions, write slots, lengths and page table
+    are those of variant ``c`` of ``variants`` ``[T, L]`` (the packed index of the next round
+    after ``c`` accepted drafts) at its count ``c`` of accepted drafts; its first token the
+    argmax at column ``c`` (the token the host emits there); its drafts ``drafts`` ``[B, T - 1]``
+    (the proposal made ahead)."""
+    k = idx.T - 1
+    counts = greedy_counts(verdict)
+    idx.choose(variants, counts, lanes)
+    idx.tokens.view(idx.B, idx.T)[:, 0].copy_(verdict[:, k:].gather(1, counts[:, None])[:, 0])
+    idx.put_drafts(drafts)
+
+
+@torch.inference_mode()
+def chained_verify(model, kv, states, starts: Sequence[Sequence[int]], tables: Sequence[Sequence[Sequence[int]]],
+               slots: Sequence[int], *, capture: Sequence[int], verdict: torch.Tensor, drafts: torch.Tensor,
+               avoid: int) -> VerifyOut | None:
+    """The next round's verify pass, launched before the host reads this round's ``verdict``:
+    ``starts[c]`` and ``tables[c]`` are the lanes' next starts and page tables after ``c``
+    accepted drafts (``c`` = 0..k), and each lane takes its own count's
+    (:func:`fill_chained`), all in one host-to-device copy and a captured pass. The pass is
+    the one the host would launch after accepting, bit for bit, where every lane accepts what
+    the device counted. None where the lanes' variants need other table widths or no graph of
+    the shape is captured whose outputs are not ``avoid`` (this round's, still to be read)."""
+    graphs = model.column_graphs(kv)
+    if graphs is None:
+        return None
+    B, T, page = len(slots), len(starts), kv.page_tokens
+    widths = {table_width(tb, st, T, page) for st, tb in zip(starts, tables)}
+    if len(widths) != 1:
+        return None
+    W = widths.pop()
+    rows = [[0] * T for _ in range(B)]
+    values = [ColumnIndex.pack_values(rows, st, tb, slots, page, W) for st, tb in zip(starts, tables)]
+    flat = np.concatenate([np.asarray(v, dtype=np.int64) for v in values]) \
+        if any(isinstance(v, np.ndarray) for v in values) else [x for v in values for x in v]
+    staged = graphs.staging.stage(flat)
+    lanes = lanes_of(B, T, W, model.device)
+
+    def fill(idx: ColumnIndex) -> None:
+        fill_chained(idx, graphs.staging.send(staged).view(T, -1), lanes, verdict, drafts)
+
+    return graphs.replay_filled(B, T, W, kv, states, keep_all=True, capture=capture, fill=fill, avoid=avoid)
 
 
 @torch.inference_mode()

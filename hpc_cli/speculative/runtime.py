@@ -28,7 +28,7 @@ import torch
 
 from hpc_cli.engine.sampling import event_for, target_probs
 from hpc_cli.kv_profile import PAGE_TOKENS
-from hpc_cli.speculative.ops import Snapshot, commit_columns, commit_states, verify_pass
+from hpc_cli.speculative.ops import Snapshot, chained_verify, commit_columns, commit_states, verify_pass
 from hpc_cli.speculative.round_tail import RoundTails
 
 if TYPE_CHECKING:
@@ -129,9 +129,10 @@ class SpecRuntime:
         #: ``RoundTails.batched``)
         self.count_on_device = True
         #: such a round, where its tail catches the drafter up and is captured, also launches the
-        #: next round's proposal before the host reads it (:meth:`_propose_ahead`) and, once the
-        #: host has accepted it and every lane goes on, the next round's verify pass (one of
-        #: :data:`AHEAD`)
+        #: next round's proposal before the host reads it (:meth:`_propose_ahead`) and ("round")
+        #: the next round's verify pass behind it, chosen by the device's counts
+        #: (:meth:`_verify_chained`; where it cannot be, once the host has accepted and every
+        #: lane goes on); one of :data:`AHEAD`
         self.look_ahead = "round"
         self._ahead: _Ahead | None = None
 
@@ -262,6 +263,10 @@ class SpecRuntime:
         if device_tail and tail_catch_up and self._looks_ahead(lanes, k):
             read = self.tails.read_later(out.verdict)
             pending = self._propose_ahead(lanes, k, out.verdict, slots)
+            if pending is not None and self.look_ahead == "round":
+                # and the next round's verify pass of those drafts behind it, chosen by the same
+                # counts: the device runs round after round while the host accepts behind it
+                pending.verify = self._verify_chained(lanes, k, out, pending.drafts, engine.storage, slots)
         t2 = time.monotonic()
         engine.send_held()  # the last round's tokens, while the device verifies (in rollback_s's wait)
         logits = out.logits  # in place: event_for and target_probs take float32 of what they read
@@ -307,9 +312,9 @@ class SpecRuntime:
         if pending is not None and any(lane.finish_reason for lane in lanes):
             self.counters["proposals_ahead_dropped"] += 1
             pending = None
-        if pending is not None and self.look_ahead == "round":
-            # every lane goes on: the next round's verify pass of the drafts proposed ahead, launched
-            # now (the device runs it behind that proposal while the host finishes this round)
+        if pending is not None and self.look_ahead == "round" and pending.verify is None:
+            # every lane goes on and it could not be chained: the next round's verify pass of the
+            # drafts proposed ahead, launched now (behind that proposal, while the host finishes)
             starts_next = [s + a + 1 for s, a in zip(starts, accepted)]
             pending.verify = verify_pass(
                 model, [[l.next_token] + [0] * k for l in lanes], starts_next,
@@ -378,6 +383,29 @@ class SpecRuntime:
         whatever it accepts now."""
         return (self.look_ahead != "off" and k > 0 and self.tails.use_graphs and hasattr(self.drafter, "propose_ahead")
                 and all(l.request.sampling.max_tokens - len(l.generated) >= 2 * k + 2 for l in lanes))
+
+    def _verify_chained(self, lanes, k: int, out, drafts: torch.Tensor, storage, slots: list[int]):
+        """The next round's verify pass of ``drafts`` (proposed ahead), launched behind them before
+        the host reads this round's verdict (:func:`~hpc_cli.speculative.ops.chained_verify`: each
+        lane's next start, table and first token chosen on the device by its count); None where
+        a lane lacks the pages of a round after k accepted drafts, or it cannot be chained."""
+        T = k + 1
+        if any(len(l.pages) * PAGE_TOKENS <= l.pos + 2 * k + 1 for l in lanes):
+            return None
+        starts = [[l.pos + c + 1 for l in lanes] for c in range(T)]
+        tables = [[l.pages[:math.ceil((s + T) / PAGE_TOKENS)] for l, s in zip(lanes, row)] for row in starts]
+        verify = chained_verify(self.model, storage, self.states, starts, tables, slots, capture=self.drafter.capture,
+                                verdict=out.verdict, drafts=drafts, avoid=out.static)
+        if verify is not None:
+            self.counters["verify_chained"] += 1
+        return verify
+
+    def chains(self, T: int) -> bool:
+        """Whether rounds of ``T`` columns may chain their verify passes (:meth:`_verify_chained`),
+        so the warm-up captures a second graph of each such verify shape."""
+        return (self.look_ahead == "round" and self.rollback == "per_token" and T == self.k + 1 and T > 1
+                and self.tails.use_graphs and self.tails.batched and hasattr(self.drafter, "propose_ahead")
+                and getattr(self.drafter, "catches_up_columns", False))
 
     def _propose_ahead(self, lanes, k: int, verdict: torch.Tensor, slots: list[int]) -> "_Ahead | None":
         """The next round's proposal, launched behind this round's verify pass and tail from the

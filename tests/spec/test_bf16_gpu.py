@@ -161,11 +161,60 @@ def test_cuda_rounds_made_ahead_equal_the_rounds_own(name):
                 assert drafter.graphs.captures == captures, f"{name}: proposals ahead captured while serving"
                 assert m.column_graphs(e.storage).captures == verify_captures, f"{name}: verify graphs captured"
                 assert (e.spec.counters["verify_ahead_used"] > 0) == (ahead == "round"), e.spec.counters
+                # "round" chains the verify pass behind the proposal, before the host reads the round
+                assert (e.spec.counters["verify_chained"] > 0) == (ahead == "round"), e.spec.counters
             else:
                 assert st.proposals_ahead == 0, st
         finally:
             settle(e)
     assert proposed["off"] and sorted(proposed["round"]) == sorted(proposed["propose"]) == sorted(proposed["off"])
+
+
+@pytest.mark.parametrize("name", ["mtp", "dflash", "dflash2"])
+def test_cuda_chained_rounds_of_lanes_stopping_inside_their_drafts(name):
+    """With graphs, rounds chain their verify passes (the next round's launched before the host
+    reads this one's, chosen by the device's counts, from the shape's second graph). Requests that
+    stop on a token inside their accepted drafts (the chained pass is dropped, the lane's state
+    committed again at the host's count from the verify pass the chained one must not overwrite)
+    answer as with nothing made ahead, and end with the same state image in their slot, bit for
+    bit; nothing is captured while serving."""
+    from helpers import chat_prompts, record_end_images
+
+    from hpc_cli.engine.api import SamplingParams
+
+    m = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.bfloat16, device="cuda")
+    prompts = chat_prompts(m)
+    off = make(m, reuse=False)
+    answers = [off.generate(GenerationRequest(p, SamplingParams(max_tokens=24, temperature=0.0)), timeout=300)[0]
+               for p in prompts]
+    settle(off)
+    cases = [(p, a, a[j]) for p, a in zip(prompts, answers) for j in (2, 4, 6, 8, 10) if j < len(a)]
+    prompts, answers, stops = (list(x) for x in zip(*cases))
+    results = {}
+    for ahead in ("round", "off"):
+        e = make(m, name, max_model_len=1024)
+        e.warmup()
+        e.spec.look_ahead = ahead
+        captures = m.column_graphs(e.storage).captures
+        images = record_end_images(e, lambda lane: (tuple(lane.request.prompt_tokens),
+                                                    lane.request.sampling.stop_token_ids))
+        try:
+            firsts = []
+            for p, s in zip(prompts, stops):  # one at a time: every round greedy, one lane
+                h = e.submit(GenerationRequest(p, SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(s,))))
+                firsts.append([t.token_id for t in h.result(timeout=300)[0]])
+            results[ahead] = (firsts, images, dict(e.spec.counters))
+            assert m.column_graphs(e.storage).captures == captures, f"{name}: verify graphs captured while serving"
+        finally:
+            settle(e)
+    chained, plain = results["round"], results["off"]
+    assert chained[2]["verify_chained"] > 0 and chained[2].get("device_tail_fixes", 0) > 0, chained[2]
+    for first, answer, stop in zip(chained[0], answers, stops):
+        assert first == answer[:answer.index(stop)], "a stopped answer is not greedy decoding's up to its stop"
+    assert chained[0] == plain[0]
+    assert chained[1].keys() == plain[1].keys() and len(chained[1]) == len(prompts)
+    for key, image in chained[1].items():
+        assert all(torch.equal(a, b) for a, b in zip(image, plain[1][key])), "a lane's state at its end differs"
 
 
 def test_cuda_backend_passes_take_their_taps_from_warm_graphs():
