@@ -19,6 +19,10 @@ page tables) into the graph's static buffer, in one host-to-device copy.
 * The speculative verify pass (``T = k + 1`` columns, per-column states kept) runs through the
   same graphs; its static outputs are consumed within the round. Each such graph holds its
   per-column recurrent states (``B * T`` images of every GDN layer's fp32 state) for its lifetime.
+* A speculative round may launch the next round's verify pass before reading its own
+  (:meth:`ColumnGraphs.replay_filled`): that pass replays the shape's second graph, captured in a
+  memory pool of its own, wherever the pass still to be read is a first graph's, and a first
+  graph wherever it is a second's, so neither writes where the other's outputs live.
 * Kept graphs are bounded: at most ``MAX_GRAPHS`` and ``OUTPUT_BUDGET_SHARE`` of the device's
   memory (at most 4 GiB) of static outputs, least recently used dropped first; a pass whose
   outputs alone exceed the budget (a wide verify of a big model) runs eagerly.
@@ -32,6 +36,7 @@ page tables) into the graph's static buffer, in one host-to-device copy.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from collections import OrderedDict
@@ -99,8 +104,16 @@ def capture_graph(pool, fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
     invalidate a capture."""
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = fn()
+    # no garbage collection inside the capture: collecting an old graph (a dropped engine's) there
+    # destroys it mid-capture, which CUDA forbids and which invalidates the capture
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 
 
@@ -114,14 +127,15 @@ class CapturedGraphs:
         self.replays = 0
         self.captures = 0
 
-    def try_capture(self, fn: Callable[[], T], what: str) -> tuple[torch.cuda.CUDAGraph, T] | None:
+    def try_capture(self, fn: Callable[[], T], what: str, pool=None) -> tuple[torch.cuda.CUDAGraph, T] | None:
         """:func:`capture_graph` of ``fn`` into this set's pool (made on first use); None when it
         fails: a kernel or library that cannot be captured turns capturing off for the set
-        (:attr:`disabled`), with one warning naming ``what`` runs without graphs from now on."""
+        (:attr:`disabled`), with one warning naming ``what`` runs without graphs from now on.
+        ``pool``: another memory pool than the set's."""
         try:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            captured = capture_graph(self.pool, fn)
+            captured = capture_graph(pool if pool is not None else self.pool, fn)
         except Exception as exc:
             self.disabled = f"{type(exc).__name__}: {exc}"
             log.warning("CUDA graph capture failed, %s without graphs: %s", what, self.disabled)
@@ -152,6 +166,9 @@ class ColumnGraphs(CapturedGraphs):
         self.evictions = 0
         self.prepared_replays = 0  # decode steps whose packed index was built ahead
         self.filled_replays = 0  # passes whose index the device wrote (:meth:`replay_filled`)
+        #: the second graphs' memory pool and their outputs' serials (:meth:`replay_filled`)
+        self.second_pool = None
+        self.second_serials: set[int] = set()
         self.bound: tuple | None = None  # serials of the pools the kept graphs write
         self.staging = HostStaging(model.device)  # the passes' packed indices on their way to the device
         total = torch.cuda.get_device_properties(model.device).total_memory if model.device.type == "cuda" else 0
@@ -179,7 +196,8 @@ class ColumnGraphs(CapturedGraphs):
             self.seen.clear()
             self.eager.clear()
             self.held = 0
-            self.pool = None  # a pool whose graphs are all gone cannot take a capture again
+            self.pool = self.second_pool = None  # a pool whose graphs are all gone cannot take a capture again
+            self.second_serials.clear()
             self.bound = bound
 
     def _key(self, B: int, T: int, W: int, kv, states, keep_all: bool, capture: tuple, logits: bool) -> tuple:
@@ -274,31 +292,42 @@ class ColumnGraphs(CapturedGraphs):
                       fill: Callable[[ColumnIndex], None], avoid: int) -> ColumnsOut | None:
         """A captured pass of ``B`` x ``T`` x ``W`` whose index ``fill`` writes on the device
         (values the host has not read: a speculative round's next verify pass, chosen by the
-        device's counts), replayed from the key's first or second graph, whichever's outputs are
-        not ``avoid`` (a pass's ``static``, still to be read). None where neither is captured."""
+        device's counts), replayed from a graph of the other set than the one whose outputs are
+        ``avoid`` (a pass's ``static``, still to be read): the second graphs where it is a first
+        graph's or a pass's own, else the first. The two sets have memory pools of their own, so
+        neither overwrites the other's outputs with its intermediates. None where that graph is
+        not captured."""
         base = self._key(B, T, W, kv, states, keep_all, tuple(sorted(set(capture))), True)
-        for key in (base, (*base, "second")):
-            entry = self.graphs.get(key)
-            if entry is not None and entry.out.static != avoid:
-                self.graphs.move_to_end(key)
-                fill(entry.index)
-                entry.graph.replay()
-                self.replays += 1
-                self.filled_replays += 1
-                return entry.out
-        return None
+        # the other set's graph than the one whose outputs are still to be read: a graph of the
+        # same memory pool may hold its intermediates where they live
+        key = base if avoid in self.second_serials else (*base, "second")
+        entry = self.graphs.get(key)
+        if entry is None or entry.out.static == avoid:
+            return None
+        self.graphs.move_to_end(key)
+        fill(entry.index)
+        entry.graph.replay()
+        self.replays += 1
+        self.filled_replays += 1
+        return entry.out
 
     def _capture(self, key, packed: torch.Tensor, B: int, T: int, W: int, kv, states, keep_all: bool,
                  capture: tuple, logits: bool) -> _Graph | None:
         model = self.model
         static = packed.to(model.device)  # a copy the host waits for: the staged buffer is free after it
         idx = ColumnIndex.view(static, B, T, W)
+        second = key[-1] == "second"
+        if second and self.second_pool is None:
+            self.second_pool = torch.cuda.graph_pool_handle()
         captured = self.try_capture(lambda: columns_core(model, idx, kv, states, keep_all=keep_all,
-                                                         capture=capture, logits=logits), "decoding")
+                                                         capture=capture, logits=logits), "decoding",
+                                    pool=self.second_pool if second else None)
         if captured is None:
             return None
         graph, out = captured
         out.static = next(_SERIALS)
+        if second:
+            self.second_serials.add(out.static)
         return self._keep(key, _Graph(graph, idx, out, _out_bytes(out)))
 
     def _keep(self, key, entry: _Graph) -> _Graph | None:
