@@ -249,7 +249,8 @@ def main(argv=None) -> dict:
                      "recomputed_columns": st.recomputed_columns,
                      # (an earlier tree on PYTHONPATH, before and after on one machine, has none)
                      "proposals_ahead": getattr(st, "proposals_ahead", 0),
-                     "proposals_ahead_used": getattr(st, "proposals_ahead_used", 0)}
+                     "proposals_ahead_used": getattr(st, "proposals_ahead_used", 0),
+                     "verify_chained": getattr(st, "verify_chained", 0)}
     doc = {"benchmark": "spec_decode", "model": name, "dtype": dtype,
            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "model_load_s": load_s,

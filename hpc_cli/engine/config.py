@@ -48,6 +48,8 @@ class EngineConfig:
     spec_rollback: str = "per_token"
     cuda_graphs: bool = True
     fused_kernels: bool = True
+    #: on the CPU, keep freed memory in the process (``[engine] cpu_keep_memory``, hpc_cli.engine.cpu_memory)
+    cpu_keep_memory: bool = True
     #: build each decode step's index while the device runs the step before (``[engine] decode_ahead``)
     decode_ahead: bool = True
     #: hand a decode step's tokens to the server once the next step is launched (``[engine]
@@ -83,5 +85,6 @@ class EngineConfig:
                    speculative=s.speculative.backend, num_draft_tokens=s.speculative.num_draft_tokens,
                    drafter=s.speculative.drafter, cuda_graphs=s.engine.cuda_graphs,
                    fused_kernels=s.engine.fused_kernels, decode_ahead=s.engine.decode_ahead,
+                   cpu_keep_memory=s.engine.cpu_keep_memory,
                    send_after_launch=None if s.engine.send_after_launch else False,
                    transfer_copy=s.cache.transfer_copy, seed=s.engine.seed)

@@ -30,6 +30,7 @@ from hpc_cli.engine.admission import Admission
 from hpc_cli.engine.api import FinishEvent, GenerationRequest, RequestHandle, SamplingParams
 from hpc_cli.engine.binding import BindingContext, CacheBinding, mode_options
 from hpc_cli.engine.config import EngineConfig
+from hpc_cli.engine.cpu_memory import keep_freed_memory
 from hpc_cli.engine.cpu_threads import release_thread_team
 from hpc_cli.engine.decode_step import DecodeStep
 from hpc_cli.engine.finish import Finish
@@ -233,6 +234,8 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         if self._thread is None:
             if self.model.device.type == "cpu":  # the worker computes: this thread's CPU team goes
                 release_thread_team()
+                if self.config.cpu_keep_memory:  # passes do not fault their buffers in again
+                    keep_freed_memory()
             self._thread = threading.Thread(target=self._run, name="hpc-engine", daemon=True)
             self._thread.start()
         return self

@@ -47,6 +47,9 @@ class EngineSettings(_Section):
     cuda_graphs: bool = Field(True, description="replay decode and verify passes as CUDA graphs (dense models)")
     fused_kernels: bool = Field(True, description="run the norms, the MLP gate, the GDN conv and the GDN decode step "
                                                   "as fused Triton kernels on CUDA (false: torch's ops)")
+    cpu_keep_memory: bool = Field(True, description="on the CPU, keep freed memory in the process (glibc: no trimming, "
+                                                     "no mmap for blocks under 1 GiB), so passes do not fault their "
+                                                     "buffers in again")
     decode_ahead: bool = Field(True, description="build each decode step's index while the device runs the step "
                                                  "before (CUDA graphs; false: each step builds its own)")
     send_after_launch: bool = Field(True, description="on CUDA, hand a decode step's tokens to the server once the "

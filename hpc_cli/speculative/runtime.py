@@ -69,6 +69,9 @@ class SpeculativeStats:
     #: and those a round used (the rest: a lane finished, or the lanes changed)
     proposals_ahead: int
     proposals_ahead_used: int
+    #: verify passes launched behind a proposal ahead before the host read the round
+    #: (:meth:`SpecRuntime._verify_chained`); those a round used are within proposals_ahead_used
+    verify_chained: int = 0
 
 
 @dataclass(frozen=True)
@@ -384,7 +387,8 @@ class SpecRuntime:
         return (self.look_ahead != "off" and k > 0 and self.tails.use_graphs and hasattr(self.drafter, "propose_ahead")
                 and all(l.request.sampling.max_tokens - len(l.generated) >= 2 * k + 2 for l in lanes))
 
-    def _verify_chained(self, lanes, k: int, out, drafts: torch.Tensor, storage, slots: list[int]):
+    def _verify_chained(self, lanes, k: int, out: "ColumnsOut", drafts: torch.Tensor, storage,
+                        slots: list[int]) -> "ColumnsOut | None":
         """The next round's verify pass of ``drafts`` (proposed ahead), launched behind them before
         the host reads this round's verdict (:func:`~hpc_cli.speculative.ops.chained_verify`: each
         lane's next start, table and first token chosen on the device by its count); None where
@@ -492,4 +496,4 @@ class SpecRuntime:
             propose_s=c["propose_us"] / 1e6, verify_s=c["verify_us"] / 1e6,
             rollback_s=c["rollback_us"] / 1e6, catch_up_s=c["catch_up_us"] / 1e6,
             recomputed_columns=c["recomputed_columns"], proposals_ahead=c["proposals_ahead"],
-            proposals_ahead_used=c["proposals_ahead_used"])
+            proposals_ahead_used=c["proposals_ahead_used"], verify_chained=c["verify_chained"])
