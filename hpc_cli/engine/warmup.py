@@ -158,7 +158,8 @@ def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
     column's GDN states): past it a shape runs once, which compiles its kernels, and its graph is
     captured when serving meets it twice. Where rounds chain their verify passes (the runtime's
     ``chains``), a shape of ``k + 1`` columns gets a second graph and its tails too (a chained pass
-    must not overwrite the outputs of the pass before it, which the host is still reading).
+    must not overwrite the outputs of the pass before it, which the host is still reading), after
+    every shape's first graph and within the budget.
     Returns the steps done."""
     from hpc_cli.speculative.ops import lanes_of, verify_pass
 
@@ -170,6 +171,7 @@ def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
     keep_all = spec.rollback == "per_token"
     capture = tuple(spec.drafter.capture or ())
     per_column = 0  # static output bytes of a captured graph per lane and column
+    chained: list[tuple] = []  # shapes whose second graph rounds chaining their verify passes replay
     for B in shapes.verify_batches:
         for T in shapes.verify_columns:
             for W in shapes.decode_widths:
@@ -185,18 +187,25 @@ def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
                     if graphs is not None and graphs.held > held and not per_column:
                         per_column = (graphs.held - held) // (B * T)
                 spec.warm_tails(out)  # the round's commit (and catch-up) after this verify graph
-                # the shape's second graph, for rounds chaining their verify passes (within the budget)
-                if fits and spec.chains(T) and graphs.held + per_column * B * T <= graphs.budget:
-                    for _ in range(2):
-                        out = verify_pass(model, tokens, [last - T + 1] * B, tables, list(range(B)), kv, states,
-                                          keep_all=keep_all, capture=capture, second=True)
-                    spec.warm_tails(out)
-                    lanes_of(B, T, out.index.W, model.device)
+                if fits and spec.chains(T):
+                    chained.append((B, T, tokens, last, tables))
                 for s in range(B):
                     states.reset(s)
                 done += 1
                 if progress is not None:
                     progress(done, shapes.steps)
+    # the second graphs of the shapes rounds chain (k + 1 columns), fewest lanes first, once every
+    # shape has its first graph and only while the budget holds them (a chained round needs both)
+    for B, T, tokens, last, tables in sorted(chained, key=lambda c: c[0]):
+        if graphs.held + per_column * B * T > graphs.budget:
+            break
+        for _ in range(2):  # eager, then the capture
+            out = verify_pass(model, tokens, [last - T + 1] * B, tables, list(range(B)), kv, states,
+                              keep_all=keep_all, capture=capture, second=True)
+        spec.warm_tails(out)
+        lanes_of(B, T, out.index.W, model.device)
+        for s in range(B):
+            states.reset(s)
     return done
 
 
