@@ -170,6 +170,11 @@ def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
     graphs = model.column_graphs(kv)
     keep_all = spec.rollback == "per_token"
     capture = tuple(spec.drafter.capture or ())
+
+    def verify(B: int, T: int, tokens: torch.Tensor, last: int, tables: list[list[int]], second: bool = False):
+        return verify_pass(model, tokens, [last - T + 1] * B, tables, list(range(B)), kv, states, keep_all=keep_all,
+                           capture=capture, second=second)
+
     per_column = 0  # static output bytes of a captured graph per lane and column
     chained: list[tuple] = []  # shapes whose second graph rounds chaining their verify passes replay
     for B in shapes.verify_batches:
@@ -182,8 +187,7 @@ def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
                 fits = graphs is not None and graphs.held + per_column * B * T <= graphs.budget
                 for _ in range(2 if fits else 1):  # eager, then the capture of its graph
                     held = graphs.held if graphs is not None else 0
-                    out = verify_pass(model, tokens, [last - T + 1] * B, tables, list(range(B)), kv, states,
-                                      keep_all=keep_all, capture=capture)
+                    out = verify(B, T, tokens, last, tables)
                     if graphs is not None and graphs.held > held and not per_column:
                         per_column = (graphs.held - held) // (B * T)
                 spec.warm_tails(out)  # the round's commit (and catch-up) after this verify graph
@@ -200,8 +204,7 @@ def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
         if graphs.held + per_column * B * T > graphs.budget:
             break
         for _ in range(2):  # eager, then the capture
-            out = verify_pass(model, tokens, [last - T + 1] * B, tables, list(range(B)), kv, states,
-                              keep_all=keep_all, capture=capture, second=True)
+            out = verify(B, T, tokens, last, tables, second=True)
         spec.warm_tails(out)
         lanes_of(B, T, out.index.W, model.device)
         for s in range(B):

@@ -57,13 +57,17 @@ class HostStaging:
         self._views[self._at][:n] = values
         return buf[:n]
 
+    def record(self, event: torch.cuda.Event) -> None:
+        """Record ``event`` on the ring's stream (CUDA): where its copies are queued."""
+        if self._stream is None:
+            self._stream = torch.cuda.current_stream(self.device)
+        event.record(self._stream)
+
     def _sent(self) -> None:
         if self.cuda:
             if self._events[self._at] is None:
                 self._events[self._at] = torch.cuda.Event()
-            if self._stream is None:
-                self._stream = torch.cuda.current_stream(self.device)
-            self._events[self._at].record(self._stream)
+            self.record(self._events[self._at])
             self._pending[self._at] = True
 
     def send(self, staged: torch.Tensor) -> torch.Tensor:

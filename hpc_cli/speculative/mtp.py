@@ -226,13 +226,17 @@ class MTPDrafter:
 
     def _slot_index(self, lanes) -> torch.Tensor:
         """The lanes' state slots as a device tensor, kept per set of slots (a few at any time:
-        the running lanes'), so a round does not copy them again."""
+        the running lanes'), so a round does not copy them again; a new set's copy is queued
+        without a wait."""
         key = tuple(l.state_slot for l in lanes)
         t = self._slot_tensors.get(key)
         if t is None:
             if len(self._slot_tensors) >= 256:
                 self._slot_tensors.clear()
-            t = self._slot_tensors[key] = torch.tensor(key, dtype=torch.long, device=self.model.device)
+            host = torch.tensor(key, dtype=torch.long)
+            if self.model.device.type == "cuda":
+                host = host.pin_memory()
+            t = self._slot_tensors[key] = host.to(self.model.device, non_blocking=True)
         return t
 
     def _has_first(self, lanes) -> bool:

@@ -80,7 +80,6 @@ class RoundTails(CapturedGraphs):
         self.staging = HostStaging(device)
         self._reads: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}  # pinned, by shape
         self._read_done = torch.cuda.Event() if device.type == "cuda" else None
-        self._stream: torch.cuda.Stream | None = None  # the rounds' (the first read's), as HostStaging's
 
     def read_later(self, t: torch.Tensor) -> Callable[[], list]:
         """``t.tolist()``, its copy to the host queued behind the work queued so far: the call
@@ -95,9 +94,7 @@ class RoundTails(CapturedGraphs):
             buf = self._reads[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         buf.copy_(t, non_blocking=True)
         done = self._read_done
-        if self._stream is None:
-            self._stream = torch.cuda.current_stream(self.device)
-        done.record(self._stream)
+        self.staging.record(done)  # on the rounds' stream
 
         def wait() -> list:
             done.synchronize()

@@ -116,6 +116,11 @@ class _Ahead:
                 and self.positions == [l.pos for l in lanes] and self.slots == [l.state_slot for l in lanes])
 
 
+def verify_tables(lanes, starts: list[int], T: int) -> list[list[int]]:
+    """Each lane's pages covering a verify pass of ``T`` columns from ``starts[b]``."""
+    return [l.pages[:math.ceil((s + T) / PAGE_TOKENS)] for l, s in zip(lanes, starts)]
+
+
 class SpecRuntime:
     def __init__(self, backend, model, *, k: int = 3, rollback: str = "per_token", drafter_path: str | None = None,
                  seed: int | None = None) -> None:
@@ -234,7 +239,7 @@ class SpecRuntime:
             # drafts left on the device are placeholders here: the verify pass reads them there
             tokens = torch.tensor([[l.next_token] + (list(drafts[b]) if drafts is not None else [0] * k)
                                    for b, l in enumerate(lanes)], dtype=torch.long)
-            tables = [l.pages[:math.ceil((l.pos + T) / PAGE_TOKENS)] for l in lanes]
+            tables = verify_tables(lanes, starts, T)
         snap = Snapshot(states, slots) if not keep_all and k else None
         # the catch-up runs with the commit in the tail (a graph on CUDA; one eager call on the
         # CPU for MTP) where the drafter can and every lane's frontier is the round's start; else
@@ -321,7 +326,7 @@ class SpecRuntime:
             starts_next = [s + a + 1 for s, a in zip(starts, accepted)]
             pending.verify = verify_pass(
                 model, [[l.next_token] + [0] * k for l in lanes], starts_next,
-                [l.pages[:math.ceil((p + T) / PAGE_TOKENS)] for l, p in zip(lanes, starts_next)], slots,
+                verify_tables(lanes, starts_next, T), slots,
                 engine.storage, states, keep_all=True, capture=self.drafter.capture, drafts=pending.drafts)
             engine.send_held()  # this round's tokens, while the device verifies the next round's drafts
         t3 = time.monotonic()
@@ -384,7 +389,7 @@ class SpecRuntime:
         captured (the device runs behind the host: on the CPU the work ahead would only hold the
         round's tokens back), the drafter can, and every lane drafts ``k`` again next round
         whatever it accepts now."""
-        return (self.look_ahead != "off" and k > 0 and self.tails.use_graphs and hasattr(self.drafter, "propose_ahead")
+        return (k > 0 and self._may_look_ahead()
                 and all(l.request.sampling.max_tokens - len(l.generated) >= 2 * k + 2 for l in lanes))
 
     def _verify_chained(self, lanes, k: int, out: "ColumnsOut", drafts: torch.Tensor, storage,
@@ -397,7 +402,7 @@ class SpecRuntime:
         if any(len(l.pages) * PAGE_TOKENS <= l.pos + 2 * k + 1 for l in lanes):
             return None
         starts = [[l.pos + c + 1 for l in lanes] for c in range(T)]
-        tables = [[l.pages[:math.ceil((s + T) / PAGE_TOKENS)] for l, s in zip(lanes, row)] for row in starts]
+        tables = [verify_tables(lanes, row, T) for row in starts]
         verify = chained_verify(self.model, storage, self.states, starts, tables, slots, capture=self.drafter.capture,
                                 verdict=out.verdict, drafts=drafts, avoid=out.static)
         if verify is not None:
@@ -407,9 +412,13 @@ class SpecRuntime:
     def chains(self, T: int) -> bool:
         """Whether rounds of ``T`` columns may chain their verify passes (:meth:`_verify_chained`),
         so the warm-up captures a second graph of each such verify shape."""
-        return (self.look_ahead == "round" and self.rollback == "per_token" and T == self.k + 1 and T > 1
-                and self.tails.use_graphs and self.tails.batched and hasattr(self.drafter, "propose_ahead")
-                and getattr(self.drafter, "catches_up_columns", False))
+        return (self.look_ahead == "round" and self._may_look_ahead() and self.rollback == "per_token"
+                and T == self.k + 1 > 1 and self.tails.batched and getattr(self.drafter, "catches_up_columns", False))
+
+    def _may_look_ahead(self) -> bool:
+        """Whether rounds may make anything ahead at all: asked to, their tails captured (the
+        device runs behind the host), a drafter that proposes ahead."""
+        return self.look_ahead != "off" and self.tails.use_graphs and hasattr(self.drafter, "propose_ahead")
 
     def _propose_ahead(self, lanes, k: int, verdict: torch.Tensor, slots: list[int]) -> "_Ahead | None":
         """The next round's proposal, launched behind this round's verify pass and tail from the

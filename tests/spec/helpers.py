@@ -136,3 +136,10 @@ def chat_prompts(model, questions=CHAT_QUESTIONS) -> list[list[int]]:
     tok = model.tokenizer
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                enable_thinking=False)) for q in questions]
+
+
+def stopping_cases(prompts, answers) -> tuple[list, list, list]:
+    """Requests that stop on their greedy answer's 3rd, 5th, ... 11th token (some of them inside
+    accepted drafts): the prompts, the answers and the stop tokens, one entry a case."""
+    cases = [(p, a, a[j]) for p, a in zip(prompts, answers) for j in (2, 4, 6, 8, 10) if j < len(a)]
+    return tuple(list(x) for x in zip(*cases))

@@ -178,7 +178,7 @@ def test_cuda_chained_rounds_of_lanes_stopping_inside_their_drafts(name):
     committed again at the host's count from the verify pass the chained one must not overwrite)
     answer as with nothing made ahead, and end with the same state image in their slot, bit for
     bit; nothing is captured while serving."""
-    from helpers import chat_prompts, record_end_images
+    from helpers import chat_prompts, record_end_images, stopping_cases
 
     from hpc_cli.engine.api import SamplingParams
 
@@ -188,8 +188,7 @@ def test_cuda_chained_rounds_of_lanes_stopping_inside_their_drafts(name):
     answers = [off.generate(GenerationRequest(p, SamplingParams(max_tokens=24, temperature=0.0)), timeout=300)[0]
                for p in prompts]
     settle(off)
-    cases = [(p, a, a[j]) for p, a in zip(prompts, answers) for j in (2, 4, 6, 8, 10) if j < len(a)]
-    prompts, answers, stops = (list(x) for x in zip(*cases))
+    prompts, answers, stops = stopping_cases(prompts, answers)
     results = {}
     for ahead in ("round", "off"):
         e = make(m, name, max_model_len=1024)

@@ -433,7 +433,7 @@ def test_a_lane_stopping_inside_its_accepted_drafts_keeps_the_state_of_its_last_
     overwrote past it. Checked against rounds whose tail takes the host's counts: the same
     answers, the same drafts proposed round by round, and at each request's end (where the cache
     takes its endpoint snapshot) the same state image in the lane's slot, bit for bit."""
-    from helpers import chat_prompts, make, record_end_images, record_proposals, settle
+    from helpers import chat_prompts, make, record_end_images, record_proposals, settle, stopping_cases
 
     from hpc_cli.engine.api import GenerationRequest, SamplingParams
     from hpc_cli.model.model import HybridModel
@@ -445,8 +445,7 @@ def test_a_lane_stopping_inside_its_accepted_drafts_keeps_the_state_of_its_last_
     answers = [off.generate(GenerationRequest(p, until_eos), timeout=300)[0] for p in prompts]
     settle(off)
     # requests that stop on their answer's 3rd, 5th, ... token: some of them drafted right
-    cases = [(p, a, a[j]) for p, a in zip(prompts, answers) for j in (2, 4, 6, 8, 10) if j < len(a)]
-    prompts, answers, stops = (list(x) for x in zip(*cases))
+    prompts, answers, stops = stopping_cases(prompts, answers)
     results: dict[bool, tuple] = {}
     for on_device in (True, False):
         e = make(model, name)
