@@ -34,6 +34,7 @@ and dflash2 a second time with the drafters in ``DIR/dflash`` and ``DIR/dflash2`
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import platform
 import random
@@ -133,17 +134,33 @@ def _timed(engines: dict[str, Engine], prompts, args) -> dict[str, tuple[list[li
             e.spec.counters.clear()
             e.spec.accept_hist.clear()
     best: dict[str, tuple[list[list[int]], float]] = {}
+    decode_s: dict[str, float] = collections.Counter()  # every timed pass's, for the time outside rounds
     for _ in range(max(1, args.repeat)):
         for key, e in engines.items():
             outs, n, s = _pass(e, prompts, args)
+            decode_s[key] += s
             assert key not in best or outs == best[key][0], f"{key}: greedy output changed between passes"
             if key not in best or n / s > best[key][1]:
                 best[key] = (outs, n / s)
     result = {}
     for key, e in engines.items():
-        result[key] = (*best[key], e.spec.stats() if e.spec is not None else None)
+        result[key] = (*best[key], e.spec.stats() if e.spec is not None else None, decode_s[key])
         e.stop()
     return result
+
+
+def round_split(st, decode_s: float, requests: int) -> dict:
+    """Where a backend's decode time went over the timed passes: the mean round whose verify pass
+    the round before launched (the device ahead of the host) and the mean other round (a request's
+    first, rounds after the lanes changed), in ms on the engine thread, and the decode time outside
+    rounds a request (its first token's hand-off, its end)."""
+    ahead_n = getattr(st, "verify_ahead_used", 0)
+    ahead_s = getattr(st, "verify_ahead_round_s", 0.0)
+    rounds_s = st.propose_s + st.verify_s + st.rollback_s + st.catch_up_s
+    return {"verify_ahead_rounds": ahead_n,
+            "round_ms_verified_ahead": round(1e3 * ahead_s / ahead_n, 4) if ahead_n else None,
+            "round_ms_other": round(1e3 * (rounds_s - ahead_s) / max(1, st.rounds - ahead_n), 4),
+            "outside_rounds_ms_per_request": round(1e3 * (decode_s - rounds_s) / max(1, requests), 4)}
 
 
 def main(argv=None) -> dict:
@@ -231,10 +248,10 @@ def main(argv=None) -> dict:
     compiled = counts.compilations + counts.autotunes
     timed = _timed(engines, prompts, args)
     compiled = counts.compilations + counts.autotunes - compiled
-    ref, none_tps, _ = timed.pop("none")
+    ref, none_tps, _, _ = timed.pop("none")
     runs = {"none": {"decode_tok_s": none_tps, "speedup": 1.0, "mean_acceptance_length": 1.0,
                      "generated_tokens": sum(len(o) for o in ref)}}
-    for key, (outs, tps, st) in timed.items():
+    for key, (outs, tps, st, spent) in timed.items():
         runs[key] = {"decode_tok_s": tps, "speedup": tps / none_tps, "k": st.k,
                      "mean_acceptance_length": st.mean_acceptance_length,
                      "acceptance_rate": st.acceptance_rate, "rollback": st.rollback,
@@ -250,7 +267,8 @@ def main(argv=None) -> dict:
                      # (an earlier tree on PYTHONPATH, before and after on one machine, has none)
                      "proposals_ahead": getattr(st, "proposals_ahead", 0),
                      "proposals_ahead_used": getattr(st, "proposals_ahead_used", 0),
-                     "verify_chained": getattr(st, "verify_chained", 0)}
+                     "verify_chained": getattr(st, "verify_chained", 0),
+                     **round_split(st, spent, len(prompts) * max(1, args.repeat))}
     doc = {"benchmark": "spec_decode", "model": name, "dtype": dtype,
            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "model_load_s": load_s,

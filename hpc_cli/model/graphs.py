@@ -27,7 +27,8 @@ page tables) into the graph's static buffer, in one host-to-device copy.
   memory (at most 4 GiB) of static outputs, least recently used dropped first; a pass whose
   outputs alone exceed the budget (a wide verify of a big model) runs eagerly.
 * Graphs bake in the KV pool's and the state slots' storage and the NVFP4 global scales (in the
-  key); a model used with other pools drops its graphs.
+  key, with the pools' serial numbers): a model several engines use in turn keeps each one's
+  graphs (the last :data:`MAX_BINDINGS` bindings'), and never replays one for other pools.
 * Used for dense models on CUDA with a pool the paged kernel reads; MoE layers route on values
   (and the expert tier reads the host), so MoE models decode eagerly. ``[engine] cuda_graphs =
   false`` (or, for a model used without an engine, ``HPC_CUDA_GRAPHS=0``) turns graphs off; a
@@ -60,6 +61,12 @@ MAX_GRAPHS = 128
 #: exceed it runs eagerly
 OUTPUT_BUDGET_SHARE = 0.05
 OUTPUT_BUDGET_MAX = 4 << 30
+#: pool bindings whose graphs a set keeps: a model that several engines use in turn (a benchmark's
+#: backends side by side, the tests) keeps each engine's graphs, keyed by its pools' serials,
+#: instead of dropping them at every switch (and capturing them again while serving, without the
+#: second verify graphs only the warm-up captures); past this many the least recently bound
+#: pools' graphs are dropped
+MAX_BINDINGS = 16
 _SERIALS = itertools.count(1)
 
 
@@ -126,6 +133,17 @@ class CapturedGraphs:
         self.disabled: str | None = None
         self.replays = 0
         self.captures = 0
+        self.bindings: OrderedDict[tuple, None] = OrderedDict()  # pool serials, least recently bound first
+
+    def rebind(self, bound: tuple) -> list[tuple]:
+        """``bound`` (:func:`pool_serials`) the pools bound now; returns the bindings whose graphs
+        are to be dropped (the least recently bound past :data:`MAX_BINDINGS`)."""
+        self.bindings[bound] = None
+        self.bindings.move_to_end(bound)
+        dropped = []
+        while len(self.bindings) > MAX_BINDINGS:
+            dropped.append(self.bindings.popitem(last=False)[0])
+        return dropped
 
     def try_capture(self, fn: Callable[[], T], what: str, pool=None) -> tuple[torch.cuda.CUDAGraph, T] | None:
         """:func:`capture_graph` of ``fn`` into this set's pool (made on first use); None when it
@@ -187,23 +205,36 @@ class ColumnGraphs(CapturedGraphs):
         return kv.paged_attention_supported(model.config.num_attention_heads)
 
     def _bind(self, kv, states) -> None:
-        """Graphs hold raw addresses of one KV pool's and one state pool's storage: when the model
-        is used with other pools (a new engine), the old graphs are dropped, never replayed (an
-        object id can be reused after its pool is freed, so pools get a serial number here)."""
+        """Graphs hold raw addresses of one KV pool's and one state pool's storage, so their keys
+        carry the pools' serial numbers (an object id can be reused after its pool is freed): a
+        graph is replayed only for the pools it was captured with. The graphs of the last
+        :data:`MAX_BINDINGS` pool bindings are kept (a model several engines use in turn); older
+        ones are dropped, never replayed."""
         bound = pool_serials(kv, states)
-        if bound != self.bound:
-            self.graphs.clear()
-            self.seen.clear()
-            self.eager.clear()
-            self.held = 0
-            self.pool = self.second_pool = None  # a pool whose graphs are all gone cannot take a capture again
-            self.second_serials.clear()
-            self.bound = bound
+        if bound == self.bound:
+            return
+        self.bound = bound
+        for old in self.rebind(bound):
+            for key in [k for k in self.graphs if k[0] == old]:
+                entry = self.graphs.pop(key)
+                self.held -= entry.nbytes
+                self.second_serials.discard(entry.out.static)
+            self.seen = {k for k in self.seen if k[0] != old}
+            self.eager = {k for k in self.eager if k[0] != old}
+        self._forget_empty_pools()
+
+    def _forget_empty_pools(self) -> None:
+        """A memory pool whose graphs are all gone cannot take a capture again: the next capture of
+        its set makes a new one."""
+        if not self.second_serials:
+            self.second_pool = None
+        if all(key[-1] == "second" for key in self.graphs):
+            self.pool = None
 
     def _key(self, B: int, T: int, W: int, kv, states, keep_all: bool, capture: tuple, logits: bool) -> tuple:
         self._bind(kv, states)
         scales = tuple(kv.global_scales.flatten().tolist()) if kv.profile.uses_global_scale else ()
-        return (B, T, W, keep_all, capture, logits, self.bound, scales,
+        return (self.bound, B, T, W, keep_all, capture, logits, scales,
                 int(getattr(self.model, "row_block", None) or 0))
 
     def decode(self, tokens: torch.Tensor, positions: Sequence[int], tables: Sequence[Sequence[int]],
@@ -341,5 +372,7 @@ class ColumnGraphs(CapturedGraphs):
         while len(self.graphs) > 1 and (self.held > self.budget or len(self.graphs) > MAX_GRAPHS):
             _, old = self.graphs.popitem(last=False)  # its memory returns to the pool once unused
             self.held -= old.nbytes
+            self.second_serials.discard(old.out.static)
             self.evictions += 1
+        self._forget_empty_pools()
         return entry

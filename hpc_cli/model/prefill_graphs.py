@@ -14,8 +14,9 @@ device indices only, so its kernels can be captured once per shape and replayed:
 * A replay copies the pass's packed index into the graph's static buffer (one host-to-device
   copy) and launches the graph; its logits and hidden are cloned out, so the static outputs are
   free for the next replay.
-* Graphs bake in the KV pool's and the state slots' storage (and NVFP4 global scales): a model
-  used with other pools drops its graphs, as its decode graphs do (:mod:`hpc_cli.model.graphs`).
+* Graphs bake in the KV pool's and the state slots' storage (and NVFP4 global scales): the key
+  carries the pools' serial numbers, and a model several engines use in turn keeps each one's
+  graphs, as its decode graphs do (:mod:`hpc_cli.model.graphs`).
 * A pass with exact taps inside it (the zero-split tap, :mod:`hpc_cli.model.gdn_taps`) runs a
   graph of the same length with :data:`~hpc_cli.model.gdn_taps.TAP_SLOTS` tap slots (key
   ``slots``): the taps' offsets and state slots are read from the index, and the pass writes
@@ -100,13 +101,15 @@ class PrefillGraphs(CapturedGraphs):
     def _key(self, L: int, W: int, slots: int, kv: "PagedKVStorage", states: "StateSlots") -> tuple:
 
         bound = pool_serials(kv, states)
-        if bound != self.bound:  # other pools: the old graphs write storage that is not ours
-            self.graphs.clear()
-            self.seen.clear()
-            self.pool = None  # a pool whose graphs are all gone cannot take a capture again
+        if bound != self.bound:  # other pools: their own graphs (the last MAX_BINDINGS bindings' are kept)
             self.bound = bound
+            for old in self.rebind(bound):
+                self.graphs = {k: g for k, g in self.graphs.items() if k[0] != old}
+                self.seen = {k for k in self.seen if k[0] != old}
+            if not self.graphs:
+                self.pool = None  # a pool whose graphs are all gone cannot take a capture again
         scales = tuple(kv.global_scales.flatten().tolist()) if kv.profile.uses_global_scale else ()
-        return (L, W, slots, bound, scales)
+        return (bound, L, W, slots, scales)
 
     def run(self, tokens: Sequence[int] | torch.Tensor, start: int, block_table: Sequence[int], state_slot: int,
             kv: "PagedKVStorage", states: "StateSlots", taps: Sequence[tuple[int, int]] = (), *,

@@ -72,6 +72,12 @@ class SpeculativeStats:
     #: verify passes launched behind a proposal ahead before the host read the round
     #: (:meth:`SpecRuntime._verify_chained`); those a round used are within proposals_ahead_used
     verify_chained: int = 0
+    #: rounds whose verify pass the round before launched (chained, or after accepting), and their
+    #: wall time on the engine thread: set against the other rounds' (a request's first round,
+    #: rounds after a lane joined or left) it shows what a round costs the host with the device
+    #: ahead and without
+    verify_ahead_used: int = 0
+    verify_ahead_round_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -360,6 +366,8 @@ class SpecRuntime:
         c["verify_us"] += int((t2 - t1) * 1e6)
         c["rollback_us"] += int((t3 - t2) * 1e6)
         c["catch_up_us"] += int((t4 - t3) * 1e6)
+        if verified is not None:
+            c["verify_ahead_round_us"] += int(dt * 1e6)
 
     def _bridges(self, catch_up: bool, accepted: list[int] | None) -> bool:
         """Whether a tail catching up (``catch_up``) with ``accepted`` (None: the greedy counts, on
@@ -505,4 +513,5 @@ class SpecRuntime:
             propose_s=c["propose_us"] / 1e6, verify_s=c["verify_us"] / 1e6,
             rollback_s=c["rollback_us"] / 1e6, catch_up_s=c["catch_up_us"] / 1e6,
             recomputed_columns=c["recomputed_columns"], proposals_ahead=c["proposals_ahead"],
-            proposals_ahead_used=c["proposals_ahead_used"], verify_chained=c["verify_chained"])
+            proposals_ahead_used=c["proposals_ahead_used"], verify_chained=c["verify_chained"],
+            verify_ahead_used=c["verify_ahead_used"], verify_ahead_round_s=c["verify_ahead_round_us"] / 1e6)

@@ -44,7 +44,8 @@ CATALOG_COUNTERS = {"matches", "misses", "published_endpoints", "published_ancho
 SNAPSHOT_ROW = {"id", "frontier", "kind", "residency", "tail", "hits", "gdsf", "superseded"}
 SPECULATIVE = {"backend", "k", "rollback", "rounds", "draft_tokens", "accepted_draft_tokens", "acceptance_rate",
                "mean_acceptance_length", "accepted_histogram", "propose_s", "verify_s", "rollback_s",
-               "catch_up_s", "recomputed_columns", "proposals_ahead", "proposals_ahead_used", "verify_chained"}
+               "catch_up_s", "recomputed_columns", "proposals_ahead", "proposals_ahead_used", "verify_chained",
+               "verify_ahead_used", "verify_ahead_round_s"}
 EXPERTS = {"offload", "admission", "slots", "resident", "slot_bytes", "fills", "expert_bytes", "hit_rate",
            "hit_rate_per_layer", "tokens", "host_bytes", "host_bytes_per_token", "recording", "syncs", "miss_calls"}
 
@@ -134,7 +135,7 @@ def test_speculative_section(model):
     assert list(spec) == ["backend", "k", "rollback", "rounds", "draft_tokens", "accepted_draft_tokens",
                           "acceptance_rate", "mean_acceptance_length", "accepted_histogram", "propose_s", "verify_s",
                           "rollback_s", "catch_up_s", "recomputed_columns", "proposals_ahead",
-                          "proposals_ahead_used", "verify_chained"]
+                          "proposals_ahead_used", "verify_chained", "verify_ahead_used", "verify_ahead_round_s"]
     assert spec["backend"] == "mtp" and spec["rounds"] > 0
     assert all(k.isdigit() for k in spec["accepted_histogram"])
 

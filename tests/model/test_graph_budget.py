@@ -17,7 +17,7 @@ def _cache(budget: int) -> G.ColumnGraphs:
 
 
 def _entry(nbytes: int) -> G._Graph:
-    return G._Graph(graph=None, index=None, out=None, nbytes=nbytes)
+    return G._Graph(graph=None, index=None, out=types.SimpleNamespace(static=0), nbytes=nbytes)
 
 
 def test_least_recently_used_graphs_leave_past_the_budget():
@@ -40,19 +40,44 @@ def test_count_limit(monkeypatch):
     monkeypatch.setattr(G, "MAX_GRAPHS", 3)
     cg = _cache(1 << 40)
     for k in range(5):
-        cg._keep(k, _entry(1))
-    assert list(cg.graphs) == [2, 3, 4] and cg.held == 3
+        cg._keep((k,), _entry(1))
+    assert list(cg.graphs) == [(2,), (3,), (4,)] and cg.held == 3
 
 
-def test_other_pools_drop_the_graphs():
-    cg = _cache(1 << 30)
-    kv1, st1 = types.SimpleNamespace(), types.SimpleNamespace()
-    cg._bind(kv1, st1)
-    cg._keep("a", _entry(10))
-    cg.seen.add("a")
-    cg._bind(kv1, st1)
-    assert "a" in cg.graphs, "the same pools keep their graphs"
-    kv2 = types.SimpleNamespace()
-    cg._bind(kv2, st1)
-    assert not cg.graphs and not cg.seen and cg.held == 0
-    assert kv1._graph_serial != kv2._graph_serial
+def test_graphs_of_the_last_bindings_are_kept_past_them_dropped():
+    """A model several engines use in turn keeps each binding's graphs (keyed by its pools'
+    serials, so never replayed for other pools) and drops the least recently bound's past
+    MAX_BINDINGS, with their bytes."""
+    cg = _cache(10 ** 6)
+    pools = [(types.SimpleNamespace(), types.SimpleNamespace()) for _ in range(G.MAX_BINDINGS + 1)]
+
+    def keep(i: int) -> tuple:
+        cg._bind(*pools[i])
+        key = (cg.bound, 1, 1, 8)
+        cg._keep(key, _entry(10))
+        return key
+
+    first, second = keep(0), keep(1)
+    cg._bind(*pools[0])  # back to the first engine: its graph is still there
+    assert first in cg.graphs and second in cg.graphs and first[0] != second[0]
+    for i in range(2, G.MAX_BINDINGS + 1):
+        keep(i)
+    # the first was bound again after the second, so the second is the least recently bound
+    assert second not in cg.graphs and first in cg.graphs, "the least recently bound pools' graphs go"
+    assert len(cg.graphs) == G.MAX_BINDINGS and cg.held == 10 * G.MAX_BINDINGS, (len(cg.graphs), cg.held)
+
+
+def test_a_pool_whose_graphs_are_all_gone_is_not_captured_into_again():
+    """Once every graph of a memory pool is dropped (past the budget, or with its pools'
+    binding), the next capture of that set makes a new pool: a pool without graphs cannot take a
+    capture again."""
+    cg = _cache(100)
+    cg.pool, cg.second_pool = "first pool", "second pool"
+    second = G._Graph(graph=None, index=None, out=types.SimpleNamespace(static=7), nbytes=60)
+    cg.second_serials.add(7)
+    cg._keep(("a", "second"), second)
+    assert cg.pool is None and cg.second_pool == "second pool", "no first graph is left: its pool goes"
+    cg.pool = "first pool"
+    cg._keep(("b",), _entry(60))  # past the budget: the second graph goes, and with it its pool
+    assert list(cg.graphs) == [("b",)] and not cg.second_serials
+    assert cg.second_pool is None and cg.pool == "first pool", (cg.pool, cg.second_pool)

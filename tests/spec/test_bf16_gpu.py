@@ -55,8 +55,7 @@ def test_cuda_oracle_greedy_equals_plain(cuda_model):
 def test_cuda_spec_warmup_covers_serving():
     """After the warm-up, speculative rounds of one and two lanes, rounds that draft fewer than k
     near max_tokens, and contexts of several table widths compile nothing and capture no graph;
-    and a second engine on the same model (other pools: the first one's graphs are dropped)
-    captures its own graphs again."""
+    and a second engine on the same model (other pools) captures its own graphs."""
     from hpc_cli.model.compile_watch import watch
 
     m = HybridModel.from_name_or_path("builtin:random", dtype=torch.bfloat16, device="cuda")
@@ -92,6 +91,30 @@ def test_cuda_spec_warmup_covers_serving():
             assert prefill.replays > 0 and prefill.captures == prefill_captures, \
                 f"{name}: {prefill.captures - prefill_captures} prefill graphs captured while serving"
         finally:
+            settle(e)
+
+
+def test_cuda_engines_taking_turns_on_one_model_keep_their_graphs():
+    """Two engines on one model (a benchmark's backends side by side), each warmed up, then
+    serving in turn: neither captures a graph while serving (each one's column, prefill and
+    second verify graphs are kept under its pools' serials, not dropped when the other runs), and
+    their rounds chain their verify passes."""
+    m = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.bfloat16, device="cuda")
+    engines = [make(m, "mtp", max_model_len=1024) for _ in range(2)]
+    try:
+        for e in engines:
+            e.warmup()
+        graphs = [m.column_graphs(e.storage) for e in engines]
+        assert graphs[0] is graphs[1], "one model, one set of column graphs"
+        captures, prefill = graphs[0].captures, m.prefill_graphs(engines[0].storage).captures
+        prompt = tokens(90, 7)
+        answers = [run(e, prompt, 24)[0] for e in engines + engines]
+        assert all(a == answers[0] for a in answers), "engines taking turns answer alike"
+        assert graphs[0].captures == captures, f"{graphs[0].captures - captures} column graphs captured while serving"
+        assert m.prefill_graphs(engines[0].storage).captures == prefill, "prefill graphs captured while serving"
+        assert all(e.spec.counters["verify_chained"] > 0 for e in engines), [dict(e.spec.counters) for e in engines]
+    finally:
+        for e in engines:
             settle(e)
 
 
