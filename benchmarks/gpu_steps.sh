@@ -40,7 +40,12 @@ for f in sorted(Path(sys.argv[1]).glob("*-k*.json")):
     if "runs" not in doc:
         continue
     for key, r in doc["runs"].items():
+        split = ""
+        if r.get("rounds"):  # chained rounds and the round split (an earlier tree's JSON may lack them)
+            split = (f"  chained {r.get('verify_chained', 0)}/{r['rounds']}"
+                     f"  round ahead {r.get('round_ms_verified_ahead')} ms, other {r.get('round_ms_other')} ms,"
+                     f" outside rounds {r.get('outside_rounds_ms_per_request')} ms a request")
         print(f"{f.stem:10} k={doc['k']}  {key:18} {r['decode_tok_s']:8.1f} tok/s  {r['speedup']:5.2f}x none"
-              f"  {r['mean_acceptance_length']:5.3f} tokens a round  same as none: {r.get('matches_none', True)}")
+              f"  {r['mean_acceptance_length']:5.3f} tokens a round  same as none: {r.get('matches_none', True)}{split}")
 PY
 }
