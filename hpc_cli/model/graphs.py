@@ -133,17 +133,28 @@ class CapturedGraphs:
         self.disabled: str | None = None
         self.replays = 0
         self.captures = 0
+        self.bound: tuple | None = None  # serials of the pools bound now (:meth:`bind`)
         self.bindings: OrderedDict[tuple, None] = OrderedDict()  # pool serials, least recently bound first
 
-    def rebind(self, bound: tuple) -> list[tuple]:
-        """``bound`` (:func:`pool_serials`) the pools bound now; returns the bindings whose graphs
-        are to be dropped (the least recently bound past :data:`MAX_BINDINGS`)."""
-        self.bindings[bound] = None
-        self.bindings.move_to_end(bound)
-        dropped = []
-        while len(self.bindings) > MAX_BINDINGS:
-            dropped.append(self.bindings.popitem(last=False)[0])
-        return dropped
+    def bind(self, kv, states) -> tuple:
+        """The serials of the pools ``kv`` and ``states`` (:func:`pool_serials`), bound now. Graphs
+        hold raw addresses of their pools' storage, so their keys start with these serials (an
+        object id can be reused after its pool is freed) and a graph is replayed only for the pools
+        it was captured with. The graphs of the last :data:`MAX_BINDINGS` bindings are kept (a
+        model several engines use in turn); a binding's past them are dropped
+        (:meth:`_drop_binding`), never replayed."""
+        bound = pool_serials(kv, states)
+        if bound != self.bound:
+            self.bound = bound
+            self.bindings[bound] = None
+            self.bindings.move_to_end(bound)
+            while len(self.bindings) > MAX_BINDINGS:
+                self._drop_binding(self.bindings.popitem(last=False)[0])
+        return bound
+
+    def _drop_binding(self, bound: tuple) -> None:
+        """Drop the graphs captured for the pools ``bound`` (their keys start with it)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps graphs by binding but cannot drop them")
 
     def try_capture(self, fn: Callable[[], T], what: str, pool=None) -> tuple[torch.cuda.CUDAGraph, T] | None:
         """:func:`capture_graph` of ``fn`` into this set's pool (made on first use); None when it
@@ -187,7 +198,6 @@ class ColumnGraphs(CapturedGraphs):
         #: the second graphs' memory pool and their outputs' serials (:meth:`replay_filled`)
         self.second_pool = None
         self.second_serials: set[int] = set()
-        self.bound: tuple | None = None  # serials of the pools the kept graphs write
         self.staging = HostStaging(model.device)  # the passes' packed indices on their way to the device
         total = torch.cuda.get_device_properties(model.device).total_memory if model.device.type == "cuda" else 0
         self.budget = min(OUTPUT_BUDGET_MAX, int(OUTPUT_BUDGET_SHARE * total))
@@ -204,23 +214,13 @@ class ColumnGraphs(CapturedGraphs):
             return False
         return kv.paged_attention_supported(model.config.num_attention_heads)
 
-    def _bind(self, kv, states) -> None:
-        """Graphs hold raw addresses of one KV pool's and one state pool's storage, so their keys
-        carry the pools' serial numbers (an object id can be reused after its pool is freed): a
-        graph is replayed only for the pools it was captured with. The graphs of the last
-        :data:`MAX_BINDINGS` pool bindings are kept (a model several engines use in turn); older
-        ones are dropped, never replayed."""
-        bound = pool_serials(kv, states)
-        if bound == self.bound:
-            return
-        self.bound = bound
-        for old in self.rebind(bound):
-            for key in [k for k in self.graphs if k[0] == old]:
-                entry = self.graphs.pop(key)
-                self.held -= entry.nbytes
-                self.second_serials.discard(entry.out.static)
-            self.seen = {k for k in self.seen if k[0] != old}
-            self.eager = {k for k in self.eager if k[0] != old}
+    def _drop_binding(self, bound: tuple) -> None:
+        for key in [k for k in self.graphs if k[0] == bound]:
+            entry = self.graphs.pop(key)
+            self.held -= entry.nbytes
+            self.second_serials.discard(entry.out.static)
+        self.seen = {k for k in self.seen if k[0] != bound}
+        self.eager = {k for k in self.eager if k[0] != bound}
         self._forget_empty_pools()
 
     def _forget_empty_pools(self) -> None:
@@ -232,9 +232,9 @@ class ColumnGraphs(CapturedGraphs):
             self.pool = None
 
     def _key(self, B: int, T: int, W: int, kv, states, keep_all: bool, capture: tuple, logits: bool) -> tuple:
-        self._bind(kv, states)
+        bound = self.bind(kv, states)
         scales = tuple(kv.global_scales.flatten().tolist()) if kv.profile.uses_global_scale else ()
-        return (self.bound, B, T, W, keep_all, capture, logits, scales,
+        return (bound, B, T, W, keep_all, capture, logits, scales,
                 int(getattr(self.model, "row_block", None) or 0))
 
     def decode(self, tokens: torch.Tensor, positions: Sequence[int], tables: Sequence[Sequence[int]],

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from hpc_cli.model.graphs import CapturedGraphs, pool_serials
+from hpc_cli.model.graphs import CapturedGraphs
 from hpc_cli.model.gdn_taps import tap_capacity
 from hpc_cli.model.prefill_core import PrefillCoreOut, PrefillIndex, prefill_core, table_width
 
@@ -64,7 +64,6 @@ class PrefillGraphs(CapturedGraphs):
         self.model = model
         self.graphs: dict[tuple, _PrefillGraph] = {}
         self.seen: set[tuple] = set()
-        self.bound: tuple | None = None
         self.eager = 0
         #: taps a pass takes itself (0 where fla's kernels or the tap recurrence do not take the
         #: model: the pass splits at each)
@@ -98,16 +97,14 @@ class PrefillGraphs(CapturedGraphs):
             kw["capture"] = capture
         return kw
 
-    def _key(self, L: int, W: int, slots: int, kv: "PagedKVStorage", states: "StateSlots") -> tuple:
+    def _drop_binding(self, bound: tuple) -> None:
+        self.graphs = {k: g for k, g in self.graphs.items() if k[0] != bound}
+        self.seen = {k for k in self.seen if k[0] != bound}
+        if not self.graphs:
+            self.pool = None  # a pool whose graphs are all gone cannot take a capture again
 
-        bound = pool_serials(kv, states)
-        if bound != self.bound:  # other pools: their own graphs (the last MAX_BINDINGS bindings' are kept)
-            self.bound = bound
-            for old in self.rebind(bound):
-                self.graphs = {k: g for k, g in self.graphs.items() if k[0] != old}
-                self.seen = {k for k in self.seen if k[0] != old}
-            if not self.graphs:
-                self.pool = None  # a pool whose graphs are all gone cannot take a capture again
+    def _key(self, L: int, W: int, slots: int, kv: "PagedKVStorage", states: "StateSlots") -> tuple:
+        bound = self.bind(kv, states)
         scales = tuple(kv.global_scales.flatten().tolist()) if kv.profile.uses_global_scale else ()
         return (bound, L, W, slots, scales)
 

@@ -52,13 +52,13 @@ def test_graphs_of_the_last_bindings_are_kept_past_them_dropped():
     pools = [(types.SimpleNamespace(), types.SimpleNamespace()) for _ in range(G.MAX_BINDINGS + 1)]
 
     def keep(i: int) -> tuple:
-        cg._bind(*pools[i])
+        cg.bind(*pools[i])
         key = (cg.bound, 1, 1, 8)
         cg._keep(key, _entry(10))
         return key
 
     first, second = keep(0), keep(1)
-    cg._bind(*pools[0])  # back to the first engine: its graph is still there
+    cg.bind(*pools[0])  # back to the first engine: its graph is still there
     assert first in cg.graphs and second in cg.graphs and first[0] != second[0]
     for i in range(2, G.MAX_BINDINGS + 1):
         keep(i)
