@@ -390,8 +390,8 @@ def drafter_forward(net: DFlashNet, model: HybridModel, rotary: Rotary, feats: t
         h = layer.input_layernorm(x)
         attn = layer.self_attn
         kc, vc = attn.kv(ctx.reshape(B * T, -1), cos_c, sin_c)
-        q = attn.q(h.reshape(B * Q, -1), cos_b, sin_b).view(B, Q, attn.n_heads, attn.head_dim).transpose(1, 2)
-        kb, vb = attn.kv(h.reshape(B * Q, -1), cos_b, sin_b)
+        q, kb, vb = attn.qkv(h.reshape(B * Q, -1), cos_b, sin_b)
+        q = q.view(B, Q, attn.n_heads, attn.head_dim).transpose(1, 2)
         keys = torch.cat([kc.view(B, T, attn.n_kv, -1), kb.view(B, Q, attn.n_kv, -1)], dim=1).transpose(1, 2)
         vals = torch.cat([vc.view(B, T, attn.n_kv, -1), vb.view(B, Q, attn.n_kv, -1)], dim=1).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,

@@ -16,20 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc_cli.model.layers import Linear, RMSNorm, apply_rotary, fused
-from hpc_kernels import rms_norm as norm_kernels
+from hpc_cli.model.layers import Linear, RMSNorm, norm_rope
 
 if TYPE_CHECKING:
     from hpc_cli.model.merged import MergedProjection
     from hpc_kernels.split_sums import SplitSums
-
-
-def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary(norm(x), cos, sin)`` for heads ``x`` ``[N, H, d]``: one launch where the
-    fused kernels run (:func:`hpc_kernels.rms_norm.rms_norm_rope`)."""
-    if fused(x, norm.weight) and cos.dim() == 2 and cos.shape[0] == x.shape[0]:
-        return norm_kernels.rms_norm_rope(x, norm.weight, norm.eps, cos.contiguous(), sin.contiguous())
-    return apply_rotary(norm(x), cos, sin)
 
 
 class GatedAttention(nn.Module):
@@ -53,19 +44,19 @@ class GatedAttention(nn.Module):
         n = x.shape[0]
         if self.merged is not None:
             qg, k, v = self.merged(x)
-            k = _norm_rope(self.k_norm, k.view(n, self.n_kv, self.head_dim), cos, sin)
+            k = norm_rope(self.k_norm, k.view(n, self.n_kv, self.head_dim), cos, sin)
             v = v.view(n, self.n_kv, self.head_dim)
         else:
             qg = self.q_proj(x)
             k, v = self.kv(x, cos, sin)
         q, gate = torch.chunk(qg.view(n, self.n_heads, 2 * self.head_dim), 2, dim=-1)
         gate = gate.reshape(n, -1)
-        return _norm_rope(self.q_norm, q, cos, sin), gate, k, v
+        return norm_rope(self.q_norm, q, cos, sin), gate, k, v
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[N, hidden]`` -> the K (normed, rotated) and V ``[N, H_kv, d]`` that :meth:`qkv` gives."""
         n = x.shape[0]
-        k = _norm_rope(self.k_norm, self.k_proj(x).view(n, self.n_kv, self.head_dim), cos, sin)
+        k = norm_rope(self.k_norm, self.k_proj(x).view(n, self.n_kv, self.head_dim), cos, sin)
         return k, self.v_proj(x).view(n, self.n_kv, self.head_dim)
 
     def finish(self, attn: torch.Tensor, gate: torch.Tensor, unsummed: bool = False) -> "torch.Tensor | SplitSums":

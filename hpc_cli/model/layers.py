@@ -257,3 +257,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = r // 2
     rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
     return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+def norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary(norm(x), cos, sin)`` for heads ``x`` ``[N, H, d]``: one launch where the
+    fused kernels run (:func:`hpc_kernels.rms_norm.rms_norm_rope`; the attention layers' and the
+    drafters' q and k)."""
+    if fused(x, norm.weight) and cos.dim() == 2 and cos.shape[0] == x.shape[0]:
+        return norm_kernels.rms_norm_rope(x, norm.weight, norm.eps, cos.contiguous(), sin.contiguous())
+    return apply_rotary(norm(x), cos, sin)

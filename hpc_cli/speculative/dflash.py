@@ -34,16 +34,20 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hpc_cli.kv_profile import PAGE_TOKENS
-from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, apply_rotary
+from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, norm_rope
 from hpc_cli.spec_backend import BackendPoolSpec
 from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, no_draft_accepted, warm_proposals
 from hpc_cli.speculative.ops import column_writes, padded_rows, padded_table
+
+if TYPE_CHECKING:
+    from hpc_cli.model.merged import MergedProjection
 
 RING_PART = "dflash2_ring"
 
@@ -95,6 +99,11 @@ def default_config(kind: str, model, layers: int, window: int = 2048) -> Drafter
                          rms_norm_eps=c.rms_norm_eps, **extra)
 
 
+def _add_norm(norm: RMSNorm, x: torch.Tensor, r: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + r, norm(x + r))`` in one launch where the fused kernels run; ``(x, norm(x))`` with no ``r``."""
+    return (x, norm(x)) if r is None else norm.add(x, r)
+
+
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig, device=None, dtype=None) -> None:
         super().__init__()
@@ -106,15 +115,23 @@ class DraftAttention(nn.Module):
         self.o_proj = Linear(self.n_heads * self.head_dim, h, **fk)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, **fk)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, **fk)
+        #: q, k and v as one product (:mod:`hpc_cli.model.merged`), set by :meth:`DFlashNet.merge`
+        self.merged: "MergedProjection | None" = None
+
+    def qkv(self, x: torch.Tensor, cos, sin):
+        """``x`` ``[N, hidden]`` -> q ``[N, heads, d]``, k and v ``[N, kv heads, d]`` (q and k normed
+        and rotated, one launch each where the fused kernels run)."""
+        n = x.shape[0]
+        q, k, v = self.merged(x) if self.merged is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        return (norm_rope(self.q_norm, q.view(n, self.n_heads, self.head_dim), cos, sin),
+                norm_rope(self.k_norm, k.view(n, self.n_kv, self.head_dim), cos, sin),
+                v.view(n, self.n_kv, self.head_dim))
 
     def kv(self, x: torch.Tensor, cos, sin):
+        """The context K and V of :meth:`qkv` (merged, the one product also yields q, unused)."""
         n = x.shape[0]
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.n_kv, self.head_dim)), cos, sin)
-        return k, self.v_proj(x).view(n, self.n_kv, self.head_dim)
-
-    def q(self, x: torch.Tensor, cos, sin):
-        n = x.shape[0]
-        return apply_rotary(self.q_norm(self.q_proj(x).view(n, self.n_heads, self.head_dim)), cos, sin)
+        _, k, v = self.merged(x) if self.merged is not None else (None, self.k_proj(x), self.v_proj(x))
+        return norm_rope(self.k_norm, k.view(n, self.n_kv, self.head_dim), cos, sin), v.view(n, self.n_kv, self.head_dim)
 
 
 class DynamicConv2(nn.Module):
@@ -128,6 +145,8 @@ class DynamicConv2(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
         w = torch.softmax(self.taps(x).float(), dim=-1).to(x.dtype)
+        if x.shape[1] == 1:  # one column: nothing before it (the zero tap adds exactly nothing)
+            return self.o_proj(w[..., :1] * x)
         prev = F.pad(x, (0, 0, 1, 0))[:, :-1]
         return self.o_proj(w[..., :1] * x + w[..., 1:] * prev)
 
@@ -164,6 +183,20 @@ class DFlashNet(nn.Module):
         if cfg.kind == "dflash2":
             self.selector_a = Linear(h, cfg.selector_rank, **fk)
             self.selector_b = Linear(h, cfg.selector_rank, **fk)
+
+    def merge(self) -> int:
+        """Multiply each layer's q, k and v, and its MLP's gate and up, as one product each
+        (:mod:`hpc_cli.model.merged`: the parts' weights become views of the merged rows, the
+        state dict is unchanged); returns the products saved a layer pass."""
+        from hpc_cli.model.merged import merge, merge_projections
+
+        saved = merge_projections(self)  # the MLPs
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn.merged is None:
+                attn.merged = merge((attn.q_proj, attn.k_proj, attn.v_proj))
+                saved += 2 if attn.merged is not None else 0
+        return saved
 
     def anchor_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """An anchor-drafting block's first column from its token's embedding and the target's
@@ -227,12 +260,15 @@ class DFlashDrafter:
         self.net = net
         self.cfg = net.cfg
         self.name = net.cfg.kind
+        net.merge()  # fewer products a block forward and a catch-up
         self.capture = tuple(net.cfg.target_layers)
         self.rotary = Rotary(self.cfg.head_dim, self.cfg.rope_theta, device=model.device)
         self.pool = None
         self.storage = None
         self.states = None
         self.graphs: DraftGraphs | None = None  # the captured proposals (CUDA, where decode runs graphs)
+        #: per context and block width the column index of :meth:`_read_keys`
+        self._key_columns: dict[tuple[int, int], torch.Tensor] = {}
         #: where the weights came from, for a persisted cache's fingerprint: a checkpoint directory,
         #: ``builtin:tiny/KIND`` or ``seeded:SEED`` (set by the backend that builds the drafter)
         self.source: str | None = None
@@ -391,84 +427,115 @@ class DFlashDrafter:
             self._write_ring(rings[tap.slot], ctx[:n], pos[:n], cos[:n], sin[:n])
 
     def _context(self, lanes, l: int, dtype):
-        """Context K/V ``[B, kv, S, d]`` of layer ``l`` and the mask ``[B, S]`` of valid keys for
-        ``lanes`` (the eager proposal): DFlash's pool through the lanes' own pages, DFlash2's ring
-        slots up to the longest context (a context shorter than the window neither copies nor
-        attends to the empty rest)."""
+        """Context K/V ``[B, kv, S, d]`` of layer ``l`` for ``lanes`` (the eager proposal): DFlash's
+        pool through the lanes' own pages, DFlash2's ring slots up to the longest context (a
+        context shorter than the window neither copies nor attends to the empty rest)."""
         dev = self.model.device
-        pos = torch.tensor([l_.pos for l_ in lanes], dtype=torch.long, device=dev)
         if self.cfg.kind == "dflash":
             table, _ = padded_table([l_.pages for l_ in lanes], [max(0, l_.pos - 1) for l_ in lanes],
                                     self.pool.page_tokens, dev)
-            return self._context_at(l, table, None, pos, dtype)
+            return self._context_at(l, table, None, dtype)
         slots = torch.tensor([l_.state_slot for l_ in lanes], dtype=torch.long, device=dev)
         used = min(self.cfg.window, max(1, max(l_.pos for l_ in lanes)))
-        return self._context_at(l, None, slots, pos, dtype, used)
+        return self._context_at(l, None, slots, dtype, used)
 
-    def _context_at(self, l: int, table: torch.Tensor | None, slots: torch.Tensor | None, pos: torch.Tensor,
-                    dtype, used: int | None = None):
-        """Context K/V ``[B, kv, S, d]`` of layer ``l`` and the mask ``[B, S]`` of valid keys, from
-        device indices only (what a graph captures): DFlash's pool through the padded page table
-        ``table`` ``[B, W]`` (keys at or past each lane's position ``pos`` masked), DFlash2's rings
-        of the state slots ``slots``, their first ``used`` ring slots (all by default; masked where
-        a ring slot holds no position yet)."""
-        dev = pos.device
-        B = pos.shape[0]
+    def _context_at(self, l: int, table: torch.Tensor | None, slots: torch.Tensor | None, dtype,
+                    used: int | None = None):
+        """Context K/V ``[B, kv, S, d]`` of layer ``l`` from device indices only (what a graph
+        captures): DFlash's pool through the padded page table ``table`` ``[B, W]``, DFlash2's rings
+        of the state slots ``slots``, their first ``used`` ring slots (all by default). Context slot
+        ``j`` is read where ``j`` is below the block's position (:meth:`_read_keys`): in the pool
+        that is the position itself; in a ring, slot ``j`` holds a position ``q = j`` modulo the
+        window with ``q`` below the block's, which exists exactly where ``j`` is below it."""
         if self.cfg.kind == "dflash":
+            B = table.shape[0]
             span = table.shape[1] * self.pool.page_tokens
             k, v = self.pool.gather(l, table.reshape(-1), B * span, dtype)
             k = k.view(B, span, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
             v = v.view(B, span, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
-            return k, v, torch.arange(span, device=dev)[None] < pos[:, None]
-        W = self.cfg.window
-        used = W if used is None else used
+            return k, v
+        used = self.cfg.window if used is None else used
         ring = self.states.extra[RING_PART][:, l, :, :used].index_select(0, slots)  # [B, 2, used, heads, dim]
-        k, v = ring[:, 0].transpose(1, 2).to(dtype), ring[:, 1].transpose(1, 2).to(dtype)
-        p = pos[:, None]
-        held = p - 1 - torch.remainder(p - 1 - torch.arange(used, device=dev)[None], W)  # the position slot j holds
-        return k, v, held >= 0
+        return ring[:, 0].transpose(1, 2).to(dtype), ring[:, 1].transpose(1, 2).to(dtype)
+
+    def _read_keys(self, S: int, T: int, pos: torch.Tensor) -> torch.Tensor:
+        """The keys a block's queries read ``[B, 1, 1, S + T]``: the ``S`` context slots below each
+        lane's block position ``pos`` ``[B]``, then all ``T`` of the block's own (non-causal). One
+        comparison against a column index held per shape (``-1`` at the block's columns), made
+        outside any graph capture (the warm-up's eager pass of each shape makes it first)."""
+        cols = self._key_columns.get((S, T))
+        if cols is None:
+            dev = pos.device
+            cols = torch.cat([torch.arange(S, device=dev), torch.full((T,), -1, dtype=torch.long, device=dev)])
+            if not (cols.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self._key_columns[(S, T)] = cols
+        return (cols[None] < pos[:, None])[:, None, None, :]
 
     # ------------------------------------------------------------------ drafting
     def _block(self, next_tokens: torch.Tensor, pos: torch.Tensor, k: int, context,
                slots: torch.Tensor | None = None) -> torch.Tensor:
-        """The drafts ``[B, k]`` (on the device) of one block forward: per lane ``[next_token,
+        """The drafts ``[B, k]`` (on the device) of one block forward (:meth:`_block_hidden`, then
+        :meth:`_drafts`)."""
+        return self._drafts(self._block_hidden(next_tokens, pos, k, context, slots))
+
+    def _block_hidden(self, next_tokens: torch.Tensor, pos: torch.Tensor, k: int, context,
+                      slots: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden ``[B, k, H]`` of the drafting columns of one block forward: per lane ``[next_token,
         MASK x k]`` at positions ``pos[b] ..`` (``next_tokens``, ``pos`` ``[B]`` on the device),
-        each layer reading its context K/V from ``context(layer, dtype)`` -> ``(k, v, valid)``.
-        With ``anchor_drafts`` the block is ``[next_token, MASK x (k - 1)]`` and its first column
-        also reads the lanes' last hidden from their state ``slots`` ``[B]``."""
+        each layer reading its context K/V from ``context(layer, dtype)`` -> ``(k, v)``. With
+        ``anchor_drafts`` the block is ``[next_token, MASK x (k - 1)]`` and its first column also
+        reads the lanes' last hidden from their state ``slots`` ``[B]``. A block of one column
+        (``k`` = 1, anchored) builds no token or position rows; each residual sum goes into the
+        next norm's launch (:meth:`RMSNorm.add`)."""
         m, net, cfg = self.model, self.net, self.cfg
         dev = next_tokens.device
         B, T = next_tokens.shape[0], k if cfg.anchor_drafts else k + 1
-        toks = torch.cat([next_tokens[:, None],
-                          torch.full((B, T - 1), cfg.mask_token_id, dtype=torch.long, device=dev)], 1)
-        pos = pos[:, None] + torch.arange(T, device=dev)
-        cos, sin = self.rotary.cos_sin(pos.reshape(-1), m.dtype)
-        x = m._embed(toks.reshape(-1))  # [B*T, H]
+        if T == 1:
+            toks, cols = next_tokens, pos
+        else:
+            toks = torch.cat([next_tokens[:, None],
+                              torch.full((B, T - 1), cfg.mask_token_id, dtype=torch.long, device=dev)], 1).reshape(-1)
+            cols = (pos[:, None] + torch.arange(T, device=dev)).reshape(-1)
+        cos, sin = self.rotary.cos_sin(cols, m.dtype)
+        x = m._embed(toks)  # [B*T, H]
         if cfg.anchor_drafts:
             assert slots is not None, "an anchor-drafting block reads the lanes' last hidden from their slots"
-            x = x.view(B, T, -1)
-            first = net.anchor_input(x[:, 0], self.states.hidden.index_select(0, slots))
-            x = torch.cat([first[:, None], x[:, 1:]], 1).reshape(B * T, -1)
+            hidden = self.states.hidden.index_select(0, slots)
+            if T == 1:
+                x = net.anchor_input(x, hidden)
+            else:
+                x = x.view(B, T, -1)
+                x = torch.cat([net.anchor_input(x[:, 0], hidden)[:, None], x[:, 1:]], 1).reshape(B * T, -1)
+        mask = None
+        r = None  # a residual branch not yet added to x: added in the next norm's launch
         for l, layer in enumerate(net.layers):
             if cfg.kind == "dflash2":
-                x = x + layer.dconv(layer.conv_norm(x).view(B, T, -1)).reshape(B * T, -1)
-            h = layer.input_layernorm(x)
+                x, h = _add_norm(layer.conv_norm, x, r)
+                r = layer.dconv(h.view(B, T, -1)).reshape(B * T, -1)
+            x, h = _add_norm(layer.input_layernorm, x, r)
             attn = layer.self_attn
-            q = attn.q(h, cos, sin).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
-            kb, vb = attn.kv(h, cos, sin)
+            q, kb, vb = attn.qkv(h, cos, sin)
+            q = q.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
             kb = kb.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
             vb = vb.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
-            kc, vc, valid = context(l, q.dtype)
+            kc, vc = context(l, q.dtype)
+            if mask is None:
+                mask = self._read_keys(kc.shape[2], T, pos)
             keys = torch.cat([kc, kb], dim=2)
             vals = torch.cat([vc, vb], dim=2)
-            mask = torch.cat([valid, torch.ones(B, T, dtype=torch.bool, device=dev)], dim=1)[:, None, None, :]
             # non-causal in the block; grouped queries read their K/V head in place (a repeated
             # copy of a long context would be ``num_heads / num_kv_heads`` times its size)
             o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask,
                                                enable_gqa=cfg.num_heads > cfg.num_kv_heads)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(B * T, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hid = net.norm(x).view(B, T, -1)[:, T - k:]  # [B, k, H]: the drafting columns
+            x, h = layer.post_attention_layernorm.add(x, attn.o_proj(o.transpose(1, 2).reshape(B * T, -1)))
+            r = layer.mlp(h)
+        _, hid = _add_norm(net.norm, x, r)
+        return hid.view(B, T, -1)[:, T - k:]  # [B, k, H]: the drafting columns
+
+    def _drafts(self, hid: torch.Tensor) -> torch.Tensor:
+        """The drafts ``[B, k]`` of the block's final hidden ``hid`` ``[B, k, H]``: the target's
+        ``lm_head`` argmax, or DFlash2's candidate selector over its top ``candidates``."""
+        m, net, cfg = self.model, self.net, self.cfg
         logits = m.lm_head(hid)
         if cfg.kind == "dflash2" and cfg.candidates > 1:
             top = logits.topk(min(cfg.candidates, logits.shape[-1]), dim=-1)  # [B, k, c]
@@ -504,8 +571,8 @@ class DFlashDrafter:
         :data:`~hpc_cli.speculative.draft_graphs.INPUT_COLUMNS`): the drafts ``[B, k]``, computed
         without reading anything back to the host (capturable)."""
         return self._block(packed[:, 0], packed[:, 2], k,
-                           lambda l, dtype: self._context_at(l, packed[:, INPUT_COLUMNS:], packed[:, 1], packed[:, 2],
-                                                             dtype), packed[:, 1])
+                           lambda l, dtype: self._context_at(l, packed[:, INPUT_COLUMNS:], packed[:, 1], dtype),
+                           packed[:, 1])
 
     def _propose_packed(self, lanes, k: int) -> torch.Tensor:
         """:meth:`propose` through :class:`~hpc_cli.speculative.draft_graphs.DraftGraphs`: the

@@ -295,8 +295,56 @@ def _model_case(device: str) -> dict:
             "same_top1": bool(torch.equal(dec_f.argmax(-1), dec_t.argmax(-1)))}
 
 
+def _drafter_case(device: str) -> dict:
+    """builtin:tiny's DFlash and DFlash2 block forward (merged products, the rope norms, the
+    residual sums in the norms' launches) with the fused kernels against the torch ops, at k = 1
+    (the one-column block) and k = 3, over a made-up context of 40 positions read below each
+    lane's position: the final hidden within bf16 rounding and the drafts, mostly, alike."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import hpc_cli.model
+    from hpc_cli.model import layers
+    from hpc_cli.model.model import HybridModel
+    from hpc_cli.speculative.dflash import DFlashDrafter, load_drafter
+
+    model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.bfloat16, device=device)
+    g = torch.Generator().manual_seed(5)
+    H = model.config.hidden_size
+    out = {}
+    try:
+        for kind in ("dflash", "dflash2"):
+            net = load_drafter(str(Path(hpc_cli.model.__file__).parent / "tiny" / kind), kind, device, torch.bfloat16)
+            d = DFlashDrafter(model, net)
+            c = net.cfg
+            d.states = SimpleNamespace(hidden=torch.randn(4, H, generator=g).to(torch.bfloat16).to(device))
+            ctx = [tuple(torch.randn(3, c.num_kv_heads, 40, c.head_dim, generator=g).to(torch.bfloat16).to(device)
+                         for _ in range(2)) for _ in range(c.num_layers)]
+            nxt = torch.tensor([7, 300, 41], device=device)
+            pos = torch.tensor([12, 40, 27], device=device)
+            slots = torch.tensor([2, 0, 3], device=device)
+            for k in (1, 3):
+                hid, drafts = {}, {}
+                for mode in (True, False):
+                    layers.FUSED_KERNELS = mode
+                    hid[mode] = d._block_hidden(nxt, pos, k, lambda l, dtype: ctx[l], slots)
+                    drafts[mode] = d._drafts(hid[mode])
+                out[f"{kind}_k{k}"] = {"fused_vs_torch": _rel(hid[True].float(), hid[False].float()),
+                                       "same_drafts": float((drafts[True] == drafts[False]).float().mean())}
+    finally:
+        layers.FUSED_KERNELS = True
+    return out
+
+
+def _check_drafter_case(cases: dict) -> None:
+    assert set(cases) == {"dflash_k1", "dflash_k3", "dflash2_k1", "dflash2_k3"}, cases
+    for name, c in cases.items():
+        assert c["fused_vs_torch"] < 5e-2, (name, c)
+        assert c["same_drafts"] >= 0.6, (name, c)
+
+
 def _child() -> dict:
-    return {"kernels": _kernel_cases("cpu"), "model": _model_case("cpu")}
+    return {"kernels": _kernel_cases("cpu"), "model": _model_case("cpu"), "drafter": _drafter_case("cpu")}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -306,6 +354,7 @@ def test_interpreted_kernels_equal_the_twins():
     m = got["model"]
     assert m["verify_equals_decode"], m
     assert m["fused_vs_torch"] < 5e-2 and m["prefill_fused_vs_torch"] < 5e-2 and m["same_top1"], m
+    _check_drafter_case(got["drafter"])
 
 
 @pytest.mark.gpu
@@ -313,8 +362,10 @@ def test_interpreted_kernels_equal_the_twins():
 def test_compiled_kernels_equal_the_twins():
     cases = _kernel_cases("cuda")
     m = _model_case("cuda")
-    print(json.dumps({"kernels": cases, "model": m}))
+    drafter = _drafter_case("cuda")
+    print(json.dumps({"kernels": cases, "model": m, "drafter": drafter}))
     _check_kernel_cases(cases)
+    _check_drafter_case(drafter)
     assert m["verify_equals_decode"], m
     assert m["fused_vs_torch"] < 5e-2 and m["prefill_fused_vs_torch"] < 5e-2 and m["same_top1"], m
 

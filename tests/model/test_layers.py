@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_cli.model import attention, gdn, layers
+from hpc_cli.model import gdn, layers
 from hpc_cli.model.layers import MLP, GatedRMSNorm, RMSNorm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,16 +100,16 @@ def test_a_recorded_forward_takes_the_torch_ops_and_gets_its_gradients(kernels_o
 
 def test_the_attention_norm_rope_and_conv_follow_the_same_rule(kernels_on, monkeypatch):
     calls = []
-    monkeypatch.setattr(attention.norm_kernels, "rms_norm_rope",
+    monkeypatch.setattr(layers.norm_kernels, "rms_norm_rope",
                         lambda *a, **k: calls.append("rms_norm_rope") or torch.zeros(1))
     norm = _norm(8)
     x = torch.randn(3, 2, 8)
     cos, sin = torch.ones(3, 4), torch.zeros(3, 4)
     with torch.inference_mode():
-        attention._norm_rope(norm, x, cos, sin)
+        layers.norm_rope(norm, x, cos, sin)
     assert calls == ["rms_norm_rope"]
     x.requires_grad_(True)
-    out = attention._norm_rope(norm, x, cos, sin)
+    out = layers.norm_rope(norm, x, cos, sin)
     assert calls == ["rms_norm_rope"] and out.grad_fn is not None
     assert gdn.fused is layers.fused  # the GDN layer's conv asks the same question
 

@@ -55,28 +55,36 @@ def test_dflash2_context_reads_only_held_ring_slots(model):
     drafter, states = _dflash2(model, window=16)
     ring = states.extra[RING_PART]
     lanes = [SimpleNamespace(pos=5, state_slot=2), SimpleNamespace(pos=9, state_slot=0)]
-    k, v, valid = drafter._context(lanes, 0, torch.float32)
-    assert k.shape[2] == v.shape[2] == valid.shape[1] == 9, "a short context reads max(pos) slots, not the window"
-    assert valid.tolist() == [[True] * 5 + [False] * 4, [True] * 9]
+    k, v = drafter._context(lanes, 0, torch.float32)
+    assert k.shape[2] == v.shape[2] == 9, "a short context reads max(pos) slots, not the window"
+    # the block's keys: the held context slots, then its own 2 columns
+    valid = drafter._read_keys(9, 2, torch.tensor([5, 9]))
+    assert valid.shape == (2, 1, 1, 11)
+    assert valid[:, 0, 0].tolist() == [[True] * 5 + [False] * 4 + [True] * 2, [True] * 11]
     assert torch.equal(k[0], ring[2, 0, 0, :9].transpose(0, 1).float())
     assert torch.equal(v[1], ring[0, 0, 1, :9].transpose(0, 1).float())
     # a wrapped ring holds a position in every slot
-    k, _, valid = drafter._context([SimpleNamespace(pos=40, state_slot=1)], 0, torch.float32)
-    assert k.shape[2] == 16 and bool(valid.all())
+    k, _ = drafter._context([SimpleNamespace(pos=40, state_slot=1)], 0, torch.float32)
+    assert k.shape[2] == 16 and bool(drafter._read_keys(16, 1, torch.tensor([40])).all())
     assert torch.equal(k[0], ring[1, 0, 0].transpose(0, 1).float())
 
 
 class _WholeWindow(DFlashDrafter):
-    """The reference: attention over every slot of the ring, the empty ones masked."""
+    """The reference: attention over every slot of the ring, the empty ones masked (a slot is
+    read where the position it holds, the latest below the block's equal to it modulo the window,
+    is not negative)."""
 
     def _context(self, lanes, l: int, dtype):
-        W = self.cfg.window
         slots = torch.tensor([l_.state_slot for l_ in lanes], dtype=torch.long)
         ring = self.states.extra[RING_PART].index_select(0, slots)[:, l]
-        k, v = ring[:, 0].transpose(1, 2).to(dtype), ring[:, 1].transpose(1, 2).to(dtype)
-        pos = torch.tensor([l_.pos for l_ in lanes])[:, None]
-        held = pos - 1 - torch.remainder(pos - 1 - torch.arange(W)[None], W)
-        return k, v, held >= 0
+        return ring[:, 0].transpose(1, 2).to(dtype), ring[:, 1].transpose(1, 2).to(dtype)
+
+    def _read_keys(self, S: int, T: int, pos: torch.Tensor) -> torch.Tensor:
+        W = self.cfg.window
+        assert S == W, "the reference reads the whole window"
+        p = pos[:, None]
+        held = p - 1 - torch.remainder(p - 1 - torch.arange(W)[None], W)
+        return torch.cat([held >= 0, torch.ones(pos.shape[0], T, dtype=torch.bool)], 1)[:, None, None, :]
 
 
 def test_dflash2_drafts_equal_with_and_without_the_empty_slots(model):
