@@ -144,7 +144,7 @@ class DynamicConv2(nn.Module):
         self.o_proj = Linear(h, h, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
-        w = torch.softmax(self.taps(x).float(), dim=-1).to(x.dtype)
+        w = torch.softmax(self.taps(x), dim=-1, dtype=torch.float32).to(x.dtype)  # taps upcast inside the softmax
         if x.shape[1] == 1:  # one column: nothing before it (the zero tap adds exactly nothing)
             return self.o_proj(w[..., :1] * x)
         prev = F.pad(x, (0, 0, 1, 0))[:, :-1]
@@ -354,17 +354,15 @@ class DFlashDrafter:
                 k, v = layer.self_attn.kv(ctx, cos, sin)
                 self.pool.write(l, slots.reshape(-1), k, v)
             return None
-        rings = self.states.extra[RING_PART]  # [N, layers, K|V, W, heads, dim]
+        view = self.states.extra[RING_PART].permute(0, 3, 1, 2, 4, 5)  # [N, W, layers, K|V, heads, dim]
         where = self._ring_columns(idx)
         # what the columns' ring slots hold before the writes, every layer's at once: written back
         # past each lane's count, and returned for undo_catch_up
-        old = rings.permute(0, 3, 1, 2, 4, 5)[where]  # [B, T, layers, K|V, heads, dim]
+        old = view[where]  # [B, T, layers, K|V, heads, dim]
         for l, layer in enumerate(self.net.layers):
             k, v = layer.self_attn.kv(ctx, cos, sin)
-            for j, x in enumerate((k, v)):
-                ring = rings[:, l, j]  # [N, W, heads, dim]
-                new = x.view(B, T, *x.shape[1:]).to(ring.dtype)
-                ring.index_put_(where, torch.where(keep[..., None, None], new, old[:, :, l, j]))
+            new = torch.stack([k, v], 1).view(B, T, 2, *k.shape[1:]).to(view.dtype)  # K and V in one write
+            view[:, :, l].index_put_(where, torch.where(keep[..., None, None, None], new, old[:, :, l]))
         return old
 
     def _ring_columns(self, idx) -> tuple[torch.Tensor, torch.Tensor]:
@@ -541,8 +539,8 @@ class DFlashDrafter:
             top = logits.topk(min(cfg.candidates, logits.shape[-1]), dim=-1)  # [B, k, c]
             qa = net.selector_a(hid)  # [B, k, r]
             emb = m._embed(top.indices.reshape(-1)).view(*top.indices.shape, -1)
-            kb_ = net.selector_b(emb)  # [B, k, c, r]
-            score = top.values.float() + (kb_ * qa[:, :, None]).sum(-1).float() / math.sqrt(cfg.selector_rank)
+            dot = torch.matmul(net.selector_b(emb), qa[..., None])[..., 0]  # [B, k, c]: (B e_c) . (A h)
+            score = torch.add(top.values.float(), dot.float(), alpha=1 / math.sqrt(cfg.selector_rank))
             return top.indices.gather(-1, score.argmax(-1, keepdim=True))[..., 0]
         return logits.argmax(-1)
 
