@@ -161,7 +161,7 @@ def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
     must not overwrite the outputs of the pass before it, which the host is still reading), after
     every shape's first graph and within the budget.
     Returns the steps done."""
-    from hpc_cli.speculative.ops import lanes_of, verify_pass
+    from hpc_cli.speculative.ops import verify_pass, warm_chained
 
     spec = engine.spec
     if spec is None or not shapes.verify_batches:
@@ -206,7 +206,7 @@ def _verify_shapes(engine: "Engine", shapes: WarmupPlan, done: int,
         for _ in range(2):  # eager, then the capture
             out = verify(B, T, tokens, last, tables, second=True)
         spec.warm_tails(out)
-        lanes_of(B, T, out.index.W, model.device)
+        warm_chained(model, kv, states, B, T, out.index.W, capture=capture, verdict=out.verdict)
         for s in range(B):
             states.reset(s)
     return done

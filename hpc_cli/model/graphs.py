@@ -79,6 +79,16 @@ class _Graph:
 
 
 @dataclass
+class _Fill:
+    """A small graph that writes a captured pass's index on the device (:meth:`ColumnGraphs.replay_filled`)
+    from static inputs: the host's staged buffer (``staged``) and device values copied in
+    (``inputs``)."""
+    graph: torch.cuda.CUDAGraph
+    staged: torch.Tensor
+    inputs: tuple[torch.Tensor, ...]
+
+
+@dataclass
 class PreparedDecode:
     """A decode step's packed index built ahead, while the device runs the step before, with its
     tokens left to fill (``packed[:B]``), and the graph it replays. It is used only for exactly
@@ -198,6 +208,11 @@ class ColumnGraphs(CapturedGraphs):
         #: the second graphs' memory pool and their outputs' serials (:meth:`replay_filled`)
         self.second_pool = None
         self.second_serials: set[int] = set()
+        #: per captured graph (its outputs' serial) the graph that fills its index
+        #: (:meth:`warm_fill`), in a memory pool of their own (they keep no outputs)
+        self.fills: dict[int, _Fill] = {}
+        self.fill_pool = None
+        self.fill_replays = 0  # chained passes whose fill was a graph
         self.staging = HostStaging(model.device)  # the passes' packed indices on their way to the device
         total = torch.cuda.get_device_properties(model.device).total_memory if model.device.type == "cuda" else 0
         self.budget = min(OUTPUT_BUDGET_MAX, int(OUTPUT_BUDGET_SHARE * total))
@@ -219,6 +234,7 @@ class ColumnGraphs(CapturedGraphs):
             entry = self.graphs.pop(key)
             self.held -= entry.nbytes
             self.second_serials.discard(entry.out.static)
+            self.fills.pop(entry.out.static, None)
         self.seen = {k for k in self.seen if k[0] != bound}
         self.eager = {k for k in self.eager if k[0] != bound}
         self._forget_empty_pools()
@@ -319,28 +335,67 @@ class ColumnGraphs(CapturedGraphs):
             return columns_core(model, idx, kv, states, keep_all=keep_all, capture=capture, logits=logits)
         return self._replay(key, entry, packed, drafts, staged=True)
 
-    def replay_filled(self, B: int, T: int, W: int, kv, states, *, keep_all: bool, capture: Sequence[int],
-                      fill: Callable[[ColumnIndex], None], avoid: int) -> ColumnsOut | None:
-        """A captured pass of ``B`` x ``T`` x ``W`` whose index ``fill`` writes on the device
-        (values the host has not read: a speculative round's next verify pass, chosen by the
-        device's counts), replayed from a graph of the other set than the one whose outputs are
-        ``avoid`` (a pass's ``static``, still to be read): the second graphs where it is a first
-        graph's or a pass's own, else the first. The two sets have memory pools of their own, so
-        neither overwrites the other's outputs with its intermediates. None where that graph is
-        not captured."""
-        base = self._key(B, T, W, kv, states, keep_all, tuple(sorted(set(capture))), True)
-        # the other set's graph than the one whose outputs are still to be read: a graph of the
-        # same memory pool may hold its intermediates where they live
-        key = base if avoid in self.second_serials else (*base, "second")
+    FillFn = Callable[..., None]
+
+    def _filled_target(self, B: int, T: int, W: int, kv, states, keep_all: bool, capture: Sequence[int],
+                       second: bool) -> tuple[tuple, _Graph] | None:
+        key = self._key(B, T, W, kv, states, keep_all, tuple(sorted(set(capture))), True)
+        key = (*key, "second") if second else key
         entry = self.graphs.get(key)
-        if entry is None or entry.out.static == avoid:
+        return None if entry is None else (key, entry)
+
+    def replay_filled(self, B: int, T: int, W: int, kv, states, *, keep_all: bool, capture: Sequence[int],
+                      fill: "ColumnGraphs.FillFn", staged: torch.Tensor, inputs: Sequence[torch.Tensor],
+                      avoid: int) -> ColumnsOut | None:
+        """A captured pass of ``B`` x ``T`` x ``W`` whose index ``fill(index, sent, *inputs)``
+        writes on the device (``sent``: ``staged``, the last buffer of :attr:`staging`, on the
+        device), replayed from a graph of the other set than the one whose outputs are ``avoid``.
+        The fill is a graph of its own where :meth:`warm_fill` captured one for that graph (its
+        inputs copied into its static buffers), else eager. None where that graph is not captured."""
+        found = self._filled_target(B, T, W, kv, states, keep_all, capture, avoid not in self.second_serials)
+        if found is None or found[1].out.static == avoid:
             return None
+        key, entry = found
         self.graphs.move_to_end(key)
-        fill(entry.index)
+        f = self.fills.get(entry.out.static)
+        if f is not None and f.staged.numel() == staged.numel() \
+                and all(a.shape == b.shape for a, b in zip(f.inputs, inputs)):
+            self.staging.send_into(staged, f.staged)
+            for dst, src in zip(f.inputs, inputs):
+                dst.copy_(src, non_blocking=True)
+            f.graph.replay()
+            self.fill_replays += 1
+        else:
+            fill(entry.index, self.staging.send(staged), *inputs)
         entry.graph.replay()
         self.replays += 1
         self.filled_replays += 1
         return entry.out
+
+    def warm_fill(self, B: int, T: int, W: int, kv, states, *, keep_all: bool, capture: Sequence[int],
+                  fill: "ColumnGraphs.FillFn", staged: int, inputs: Sequence[torch.Tensor]) -> int:
+        """Capture the fill graphs of :meth:`replay_filled` for both graphs of a shape. Returns the
+        fills captured."""
+        done = 0
+        for second in (True, False):
+            found = self._filled_target(B, T, W, kv, states, keep_all, capture, second)
+            if found is None or found[1].out.static in self.fills:
+                continue
+            entry = found[1]
+            sent = torch.zeros(staged, dtype=torch.int64, device=self.model.device)
+            static = tuple(torch.zeros_like(t) for t in inputs)
+            if self.fill_pool is None:
+                self.fill_pool = torch.cuda.graph_pool_handle()
+            try:  # a fill that cannot be captured leaves the passes' graphs on: their fills run eagerly
+                graph, _ = capture_graph(self.fill_pool, lambda: fill(entry.index, sent, *static))
+            except Exception as exc:
+                log.warning("CUDA graph capture of a chained pass's fill failed, its fills run eagerly: %s: %s",
+                            type(exc).__name__, exc)
+                return done
+            self.captures += 1
+            self.fills[entry.out.static] = _Fill(graph, sent, static)
+            done += 1
+        return done
 
     def _capture(self, key, packed: torch.Tensor, B: int, T: int, W: int, kv, states, keep_all: bool,
                  capture: tuple, logits: bool) -> _Graph | None:
@@ -373,6 +428,7 @@ class ColumnGraphs(CapturedGraphs):
             _, old = self.graphs.popitem(last=False)  # its memory returns to the pool once unused
             self.held -= old.nbytes
             self.second_serials.discard(old.out.static)
+            self.fills.pop(old.out.static, None)
             self.evictions += 1
         self._forget_empty_pools()
         return entry

@@ -226,12 +226,32 @@ def chained_verify(model, kv, states, starts: Sequence[Sequence[int]], tables: S
     flat = np.concatenate([np.asarray(v, dtype=np.int64) for v in values]) \
         if any(isinstance(v, np.ndarray) for v in values) else [x for v in values for x in v]
     staged = graphs.staging.stage(flat)
-    lanes = lanes_of(B, T, W, model.device)
+    return graphs.replay_filled(B, T, W, kv, states, keep_all=True, capture=capture,
+                                fill=_chained_fill(B, T, W, model.device), staged=staged, inputs=(verdict, drafts),
+                                avoid=avoid)
 
-    def fill(idx: ColumnIndex) -> None:
-        fill_chained(idx, graphs.staging.send(staged).view(T, -1), lanes, verdict, drafts)
 
-    return graphs.replay_filled(B, T, W, kv, states, keep_all=True, capture=capture, fill=fill, avoid=avoid)
+def _chained_fill(B: int, T: int, W: int, device: torch.device):
+    """:func:`fill_chained` as :meth:`ColumnGraphs.replay_filled` calls it, with the shape's lane map."""
+    lanes = lanes_of(B, T, W, device)
+
+    def fill(idx: ColumnIndex, sent: torch.Tensor, verdict: torch.Tensor, drafts: torch.Tensor) -> None:
+        fill_chained(idx, sent.view(T, -1), lanes, verdict, drafts)
+
+    return fill
+
+
+@torch.inference_mode()
+def warm_chained(model, kv, states, B: int, T: int, W: int, *, capture: Sequence[int], verdict: torch.Tensor) -> int:
+    """Capture the graphs that fill a chained verify pass's index of ``B`` x ``T`` x ``W`` for both
+    graphs of the shape, at the warm-up. Returns the fills captured."""
+    graphs = model.column_graphs(kv)
+    if graphs is None:
+        return 0
+    drafts = torch.zeros(B, T - 1, dtype=torch.long, device=model.device)
+    return graphs.warm_fill(B, T, W, kv, states, keep_all=True, capture=capture,
+                            fill=_chained_fill(B, T, W, model.device),
+                            staged=len(ColumnIndex.lanes_of(B, T, W)) * T, inputs=(verdict, drafts))
 
 
 @torch.inference_mode()

@@ -217,7 +217,7 @@ def test_cuda_chained_rounds_of_lanes_stopping_inside_their_drafts(name):
         e = make(m, name, max_model_len=1024)
         e.warmup()
         e.spec.look_ahead = ahead
-        captures = m.column_graphs(e.storage).captures
+        captures, fills = m.column_graphs(e.storage).captures, m.column_graphs(e.storage).fill_replays
         images = record_end_images(e, lambda lane: (tuple(lane.request.prompt_tokens),
                                                     lane.request.sampling.stop_token_ids))
         try:
@@ -227,6 +227,9 @@ def test_cuda_chained_rounds_of_lanes_stopping_inside_their_drafts(name):
                 firsts.append([t.token_id for t in h.result(timeout=300)[0]])
             results[ahead] = (firsts, images, dict(e.spec.counters))
             assert m.column_graphs(e.storage).captures == captures, f"{name}: verify graphs captured while serving"
+            # every chained pass's index was filled by a graph the warm-up captured
+            filled = m.column_graphs(e.storage).fill_replays - fills
+            assert filled == e.spec.counters.get("verify_chained", 0), (filled, e.spec.counters)
         finally:
             settle(e)
     chained, plain = results["round"], results["off"]
