@@ -267,7 +267,7 @@ class DFlashDrafter:
         self.storage = None
         self.states = None
         self.graphs: DraftGraphs | None = None  # the captured proposals (CUDA, where decode runs graphs)
-        #: per context and block width the column index of :meth:`_read_keys`
+        #: per context and block width of a graph's proposal the column index of :meth:`_read_keys`
         self._key_columns: dict[tuple[int, int], torch.Tensor] = {}
         #: where the weights came from, for a persisted cache's fingerprint: a checkpoint directory,
         #: ``builtin:tiny/KIND`` or ``seeded:SEED`` (set by the backend that builds the drafter)
@@ -456,35 +456,38 @@ class DFlashDrafter:
         ring = self.states.extra[RING_PART][:, l, :, :used].index_select(0, slots)  # [B, 2, used, heads, dim]
         return ring[:, 0].transpose(1, 2).to(dtype), ring[:, 1].transpose(1, 2).to(dtype)
 
-    def _read_keys(self, S: int, T: int, pos: torch.Tensor) -> torch.Tensor:
+    def _read_keys(self, S: int, T: int, pos: torch.Tensor, held: bool = False) -> torch.Tensor:
         """The keys a block's queries read ``[B, 1, 1, S + T]``: the ``S`` context slots below each
-        lane's block position ``pos`` ``[B]``, then all ``T`` of the block's own (non-causal). One
-        comparison against a column index held per shape (``-1`` at the block's columns), made
-        outside any graph capture (the warm-up's eager pass of each shape makes it first)."""
-        cols = self._key_columns.get((S, T))
+        lane's block position ``pos`` ``[B]``, then all ``T`` of the block's own (non-causal): one
+        comparison against a column index (``-1`` at the block's columns). ``held``: the index is
+        kept per shape (the graphs' shapes, a bounded set; made at the warm-up's eager pass of each,
+        never inside a capture, and kept for as long as the drafter, since graphs read it), else
+        made in place (the eager path's widths follow the lanes' positions)."""
+        cols = self._key_columns.get((S, T)) if held else None
         if cols is None:
             dev = pos.device
             cols = torch.cat([torch.arange(S, device=dev), torch.full((T,), -1, dtype=torch.long, device=dev)])
-            if not (cols.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if held and not (cols.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self._key_columns[(S, T)] = cols
         return (cols[None] < pos[:, None])[:, None, None, :]
 
     # ------------------------------------------------------------------ drafting
     def _block(self, next_tokens: torch.Tensor, pos: torch.Tensor, k: int, context,
-               slots: torch.Tensor | None = None) -> torch.Tensor:
+               slots: torch.Tensor | None = None, graphed: bool = False) -> torch.Tensor:
         """The drafts ``[B, k]`` (on the device) of one block forward (:meth:`_block_hidden`, then
         :meth:`_drafts`)."""
-        return self._drafts(self._block_hidden(next_tokens, pos, k, context, slots))
+        return self._drafts(self._block_hidden(next_tokens, pos, k, context, slots, graphed))
 
     def _block_hidden(self, next_tokens: torch.Tensor, pos: torch.Tensor, k: int, context,
-                      slots: torch.Tensor | None = None) -> torch.Tensor:
+                      slots: torch.Tensor | None = None, graphed: bool = False) -> torch.Tensor:
         """The final hidden ``[B, k, H]`` of the drafting columns of one block forward: per lane ``[next_token,
         MASK x k]`` at positions ``pos[b] ..`` (``next_tokens``, ``pos`` ``[B]`` on the device),
         each layer reading its context K/V from ``context(layer, dtype)`` -> ``(k, v)``. With
         ``anchor_drafts`` the block is ``[next_token, MASK x (k - 1)]`` and its first column also
         reads the lanes' last hidden from their state ``slots`` ``[B]``. A block of one column
         (``k`` = 1, anchored) builds no token or position rows; each residual sum goes into the
-        next norm's launch (:meth:`RMSNorm.add`)."""
+        next norm's launch (:meth:`RMSNorm.add`). ``graphed``: a graph's proposal (the keys'
+        column index held, :meth:`_read_keys`)."""
         m, net, cfg = self.model, self.net, self.cfg
         dev = next_tokens.device
         B, T = next_tokens.shape[0], k if cfg.anchor_drafts else k + 1
@@ -524,7 +527,7 @@ class DFlashDrafter:
             vb = vb.view(B, T, kv, d).transpose(1, 2)
             kc, vc = context(l, q.dtype)
             if mask is None:
-                mask = self._read_keys(kc.shape[2], T, pos)
+                mask = self._read_keys(kc.shape[2], T, pos, held=graphed)
             keys = torch.cat([kc, kb], dim=2)
             vals = torch.cat([vc, vb], dim=2)
             o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)  # [B, kv, g * T, d]
@@ -574,7 +577,7 @@ class DFlashDrafter:
         without reading anything back to the host (capturable)."""
         return self._block(packed[:, 0], packed[:, 2], k,
                            lambda l, dtype: self._context_at(l, packed[:, INPUT_COLUMNS:], packed[:, 1], dtype),
-                           packed[:, 1])
+                           packed[:, 1], graphed=True)
 
     def _propose_packed(self, lanes, k: int) -> torch.Tensor:
         """:meth:`propose` through :class:`~hpc_cli.speculative.draft_graphs.DraftGraphs`: the

@@ -69,6 +69,21 @@ def test_dflash2_context_reads_only_held_ring_slots(model):
     assert torch.equal(k[0], ring[1, 0, 0].transpose(0, 1).float())
 
 
+def test_block_key_columns_are_held_only_for_graphed_shapes(model):
+    """The keys' column index is kept per shape for the graphs' proposals (a bounded set of
+    shapes, read by the graphs) and made in place for eager ones, whose context width follows the
+    lanes' positions: eager proposals hold nothing, however many widths they meet."""
+    drafter, states = _dflash2(model, window=64)
+    for pos in (5, 9, 17, 40):
+        drafter.propose([SimpleNamespace(pos=pos, state_slot=0, next_token=7)], 2, states)
+    assert drafter._key_columns == {}
+    first = drafter._read_keys(9, 1, torch.tensor([5, 12]), held=True)
+    assert list(drafter._key_columns) == [(9, 1)]
+    assert torch.equal(first, drafter._read_keys(9, 1, torch.tensor([5, 12]), held=True))
+    assert torch.equal(first, drafter._read_keys(9, 1, torch.tensor([5, 12])))
+    assert list(drafter._key_columns) == [(9, 1)]
+
+
 class _WholeWindow(DFlashDrafter):
     """The reference: attention over every slot of the ring, the empty ones masked (a slot is
     read where the position it holds, the latest below the block's equal to it modulo the window,
@@ -79,7 +94,7 @@ class _WholeWindow(DFlashDrafter):
         ring = self.states.extra[RING_PART].index_select(0, slots)[:, l]
         return ring[:, 0].transpose(1, 2).to(dtype), ring[:, 1].transpose(1, 2).to(dtype)
 
-    def _read_keys(self, S: int, T: int, pos: torch.Tensor) -> torch.Tensor:
+    def _read_keys(self, S: int, T: int, pos: torch.Tensor, held: bool = False) -> torch.Tensor:
         W = self.cfg.window
         assert S == W, "the reference reads the whole window"
         p = pos[:, None]
