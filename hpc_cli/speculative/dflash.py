@@ -516,23 +516,19 @@ class DFlashDrafter:
             x, h = _add_norm(layer.input_layernorm, x, r)
             attn = layer.self_attn
             q, kb, vb = attn.qkv(h, cos, sin)
-            kv, d = attn.n_kv, attn.head_dim
-            g = attn.n_heads // kv
-            # the queries of each K/V head's group as one head of g * T rows (head h reads K/V
-            # head h // g): the mask is every query's of a lane alike (non-causal in the block), so
-            # grouped queries read their K/V head in place, with no repeated copy of the context and
-            # no grouped-query path of the attention (at T = 1 both reshapes are views)
-            q = q.view(B, T, kv, g, d).permute(0, 2, 3, 1, 4).reshape(B, kv, g * T, d)
-            kb = kb.view(B, T, kv, d).transpose(1, 2)
-            vb = vb.view(B, T, kv, d).transpose(1, 2)
+            q = q.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
+            kb = kb.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
+            vb = vb.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
             kc, vc = context(l, q.dtype)
             if mask is None:
                 mask = self._read_keys(kc.shape[2], T, pos, held=graphed)
             keys = torch.cat([kc, kb], dim=2)
             vals = torch.cat([vc, vb], dim=2)
-            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)  # [B, kv, g * T, d]
-            o = o.view(B, kv, g, T, d).permute(0, 3, 1, 2, 4).reshape(B * T, -1)
-            x, h = layer.post_attention_layernorm.add(x, attn.o_proj(o))
+            # non-causal in the block; grouped queries read their K/V head in place (a repeated
+            # copy of a long context would be ``num_heads / num_kv_heads`` times its size)
+            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask,
+                                               enable_gqa=cfg.num_heads > cfg.num_kv_heads)
+            x, h = layer.post_attention_layernorm.add(x, attn.o_proj(o.transpose(1, 2).reshape(B * T, -1)))
             r = layer.mlp(h)
         _, hid = _add_norm(net.norm, x, r)
         return hid.view(B, T, -1)[:, T - k:]  # [B, k, H]: the drafting columns
