@@ -78,6 +78,11 @@ class _Graph:
     nbytes: int
 
 
+#: what writes a chained pass's index on the device: ``fill(index, sent, *inputs)``
+#: (:meth:`ColumnGraphs.replay_filled`)
+FillFn = Callable[..., None]
+
+
 @dataclass
 class _Fill:
     """A small graph that writes a captured pass's index on the device (:meth:`ColumnGraphs.replay_filled`)
@@ -231,19 +236,24 @@ class ColumnGraphs(CapturedGraphs):
 
     def _drop_binding(self, bound: tuple) -> None:
         for key in [k for k in self.graphs if k[0] == bound]:
-            entry = self.graphs.pop(key)
-            self.held -= entry.nbytes
-            self.second_serials.discard(entry.out.static)
-            self.fills.pop(entry.out.static, None)
+            self._forget(self.graphs.pop(key))
         self.seen = {k for k in self.seen if k[0] != bound}
         self.eager = {k for k in self.eager if k[0] != bound}
         self._forget_empty_pools()
+
+    def _forget(self, entry: _Graph) -> None:
+        """A dropped graph's bookkeeping: its bytes, its second-set serial and its fill graph."""
+        self.held -= entry.nbytes
+        self.second_serials.discard(entry.out.static)
+        self.fills.pop(entry.out.static, None)
 
     def _forget_empty_pools(self) -> None:
         """A memory pool whose graphs are all gone cannot take a capture again: the next capture of
         its set makes a new one."""
         if not self.second_serials:
             self.second_pool = None
+        if not self.fills:
+            self.fill_pool = None
         if all(key[-1] == "second" for key in self.graphs):
             self.pool = None
 
@@ -335,8 +345,6 @@ class ColumnGraphs(CapturedGraphs):
             return columns_core(model, idx, kv, states, keep_all=keep_all, capture=capture, logits=logits)
         return self._replay(key, entry, packed, drafts, staged=True)
 
-    FillFn = Callable[..., None]
-
     def _filled_target(self, B: int, T: int, W: int, kv, states, keep_all: bool, capture: Sequence[int],
                        second: bool) -> tuple[tuple, _Graph] | None:
         key = self._key(B, T, W, kv, states, keep_all, tuple(sorted(set(capture))), True)
@@ -345,7 +353,7 @@ class ColumnGraphs(CapturedGraphs):
         return None if entry is None else (key, entry)
 
     def replay_filled(self, B: int, T: int, W: int, kv, states, *, keep_all: bool, capture: Sequence[int],
-                      fill: "ColumnGraphs.FillFn", staged: torch.Tensor, inputs: Sequence[torch.Tensor],
+                      fill: FillFn, staged: torch.Tensor, inputs: Sequence[torch.Tensor],
                       avoid: int) -> ColumnsOut | None:
         """A captured pass of ``B`` x ``T`` x ``W`` whose index ``fill(index, sent, *inputs)``
         writes on the device (``sent``: ``staged``, the last buffer of :attr:`staging`, on the
@@ -373,7 +381,7 @@ class ColumnGraphs(CapturedGraphs):
         return entry.out
 
     def warm_fill(self, B: int, T: int, W: int, kv, states, *, keep_all: bool, capture: Sequence[int],
-                  fill: "ColumnGraphs.FillFn", staged: int, inputs: Sequence[torch.Tensor]) -> int:
+                  fill: FillFn, staged: int, inputs: Sequence[torch.Tensor]) -> int:
         """Capture the fill graphs of :meth:`replay_filled` for both graphs of a shape. Returns the
         fills captured."""
         done = 0
@@ -425,10 +433,7 @@ class ColumnGraphs(CapturedGraphs):
         self.graphs[key] = entry
         self.held += entry.nbytes
         while len(self.graphs) > 1 and (self.held > self.budget or len(self.graphs) > MAX_GRAPHS):
-            _, old = self.graphs.popitem(last=False)  # its memory returns to the pool once unused
-            self.held -= old.nbytes
-            self.second_serials.discard(old.out.static)
-            self.fills.pop(old.out.static, None)
+            self._forget(self.graphs.popitem(last=False)[1])  # its memory returns to the pool once unused
             self.evictions += 1
         self._forget_empty_pools()
         return entry

@@ -300,11 +300,10 @@ def _drafter_case(device: str) -> dict:
     residual sums in the norms' launches) with the fused kernels against the torch ops, at k = 1
     (the one-column block) and k = 3, over a made-up context of 40 positions read below each
     lane's position: the final hidden within bf16 rounding and the drafts, mostly, alike."""
-    from pathlib import Path
     from types import SimpleNamespace
 
-    import hpc_cli.model
     from hpc_cli.model import layers
+    from hpc_cli.model.builtin import TINY_DIR
     from hpc_cli.model.model import HybridModel
     from hpc_cli.speculative.dflash import DFlashDrafter, load_drafter
 
@@ -314,7 +313,7 @@ def _drafter_case(device: str) -> dict:
     out = {}
     try:
         for kind in ("dflash", "dflash2"):
-            net = load_drafter(str(Path(hpc_cli.model.__file__).parent / "tiny" / kind), kind, device, torch.bfloat16)
+            net = load_drafter(str(TINY_DIR / kind), kind, device, torch.bfloat16)
             d = DFlashDrafter(model, net)
             c = net.cfg
             d.states = SimpleNamespace(hidden=torch.randn(4, H, generator=g).to(torch.bfloat16).to(device))

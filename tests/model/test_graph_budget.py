@@ -72,12 +72,15 @@ def test_a_pool_whose_graphs_are_all_gone_is_not_captured_into_again():
     binding), the next capture of that set makes a new pool: a pool without graphs cannot take a
     capture again."""
     cg = _cache(100)
-    cg.pool, cg.second_pool = "first pool", "second pool"
+    cg.pool, cg.second_pool, cg.fill_pool = "first pool", "second pool", "fill pool"
     second = G._Graph(graph=None, index=None, out=types.SimpleNamespace(static=7), nbytes=60)
     cg.second_serials.add(7)
+    cg.fills[7] = "the second graph's fill"
     cg._keep(("a", "second"), second)
     assert cg.pool is None and cg.second_pool == "second pool", "no first graph is left: its pool goes"
+    assert cg.fill_pool == "fill pool"
     cg.pool = "first pool"
-    cg._keep(("b",), _entry(60))  # past the budget: the second graph goes, and with it its pool
-    assert list(cg.graphs) == [("b",)] and not cg.second_serials
+    cg._keep(("b",), _entry(60))  # past the budget: the second graph goes, and with it its pool and fill
+    assert list(cg.graphs) == [("b",)] and not cg.second_serials and not cg.fills and cg.held == 60
     assert cg.second_pool is None and cg.pool == "first pool", (cg.pool, cg.second_pool)
+    assert cg.fill_pool is None, "the fills' pool lost its last graph: a new one takes the next fill"
