@@ -6,7 +6,7 @@ tail) cost less than the tokens it commits: count them. Per backend (``none`` is
 one engine, warmed up as ``hpc-cli serve`` warms it, answers one prompt for ``--max-tokens``
 tokens (end of turn ignored) under the torch profiler (CUDA activity only); reported per decode
 step or round: wall time, device busy time (the union of the kernels' and copies' intervals),
-kernels, and the kernels by name (``--top`` of them). The prompt's prefill is inside the window,
+kernels, and the kernels by name (``--top`` of them), counted and by the device time they take. The prompt's prefill is inside the window,
 so the per-round figures carry a small share of it, the same for every backend.
 
     python benchmarks/round_kernels.py -k 1
@@ -62,9 +62,13 @@ def measure(engine, prompt: list[int], max_tokens: int, top: int) -> dict:
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = busy_us([(e.time_range.start, e.time_range.end) for e in events])
     names = collections.Counter(e.name for e in events)
+    spent = collections.Counter()
+    for e in events:
+        spent[e.name] += e.time_range.end - e.time_range.start
     return {"tokens": len(toks), "rounds": rounds, "wall_ms_a_round": 1e3 * wall / rounds,
             "busy_ms_a_round": busy / 1e3 / rounds, "kernels_a_round": len(events) / rounds,
-            "by_name": {n: round(c / rounds, 2) for n, c in names.most_common(top)}}
+            "by_name": {n: round(c / rounds, 2) for n, c in names.most_common(top)},
+            "us_a_round_by_name": {n: round(t / rounds, 2) for n, t in spent.most_common(top)}}
 
 
 def main(argv=None) -> dict:

@@ -112,6 +112,15 @@ class PagedKVStorage:
             out.append(self.profile.dequantize(parts, side, dtype, self._gs(layer, side)))
         return out[0], out[1]
 
+    def bf16_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``layer``'s K and V pages as BF16 ``[num_pages, page_tokens, kv_heads, head_dim]``
+        views of the planes, where this pool stores plain BF16 (a backend's own pool); else None."""
+        if self._formats is None or any(f.kind != "bf16" for f in self._formats.values()):
+            return None
+        planes = self.planes[layer]
+        k, v = (planes[self._side_idx[s][0]].view(torch.bfloat16) for s in ("k", "v"))
+        return k, v
+
     def paged_attention_supported(self, num_heads: int) -> bool:
         """Whether :meth:`decode_attention` can read this pool directly (CUDA, Triton, a built-in
         profile's formats, a head_dim the kernel takes)."""

@@ -41,10 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpc_cli.kv_profile import PAGE_TOKENS
-from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, norm_rope
+from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, fused, norm_rope
 from hpc_cli.spec_backend import BackendPoolSpec
 from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, no_draft_accepted, warm_proposals
 from hpc_cli.speculative.ops import column_writes, padded_rows, padded_table
+from hpc_kernels import block_attention, candidate_select
 
 if TYPE_CHECKING:
     from hpc_cli.model.merged import MergedProjection
@@ -97,6 +98,48 @@ def default_config(kind: str, model, layers: int, window: int = 2048) -> Drafter
                          head_dim=dim, intermediate_size=c.intermediate_size or 4 * c.hidden_size,
                          target_layers=targets, mask_token_id=c.vocab_size - 1, rope_theta=c.rope_theta,
                          rms_norm_eps=c.rms_norm_eps, **extra)
+
+
+@dataclass
+class DraftContext:
+    """Where one drafter layer's context K/V lies for a block's lanes: pages ``[pages,
+    rows_per_page, kv heads, head dim]`` (any page and row strides, the same for K and V) and each
+    lane's pages ``table`` ``[B, W]``, spanning ``rows`` context rows. DFlash's pool is its BF16
+    pages and the padded page table; DFlash2's rings are one page a lane (the table its state
+    slots); a dense ``[B, kv, S, d]`` context (:meth:`of_dense`) is one page a lane too."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    table: torch.Tensor
+    rows: int
+
+    @property
+    def rows_per_page(self) -> int:
+        return self.k.shape[1]
+
+    @classmethod
+    def of_dense(cls, k: torch.Tensor, v: torch.Tensor) -> "DraftContext":
+        """A dense context ``[B, kv, S, d]`` (a lane's rows as its one page)."""
+        B, S = k.shape[0], k.shape[2]
+        return cls(k.transpose(1, 2), v.transpose(1, 2), torch.arange(B, device=k.device)[:, None], S)
+
+    def attends_in_place(self, q: torch.Tensor) -> bool:
+        """Whether the block's attention reads this context in place (the fused kernel: a context
+        of at most :data:`hpc_kernels.block_attention.MAX_CONTEXT` rows, in ``q``'s dtype)."""
+        return (fused(q) and self.k.dtype == q.dtype and self.k.stride() == self.v.stride()
+                and block_attention.supports(self.rows, q.shape[-1], q.dtype))
+
+    def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context gathered ``[B, kv, rows, d]`` in ``dtype`` (torch's attention reads it)."""
+        B, W = self.table.shape
+        out = []
+        for x in (self.k, self.v):
+            if W == 1:  # a page a lane: its first rows
+                g = x[:, :self.rows].index_select(0, self.table[:, 0])
+            else:
+                g = x[self.table].flatten(1, 2)[:, :self.rows]
+            out.append(g.transpose(1, 2).to(dtype))
+        return out[0], out[1]
 
 
 def _add_norm(norm: RMSNorm, x: torch.Tensor, r: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,37 +467,35 @@ class DFlashDrafter:
             rings[tap.slot].copy_(rings[lane.state_slot])
             self._write_ring(rings[tap.slot], ctx[:n], pos[:n], cos[:n], sin[:n])
 
-    def _context(self, lanes, l: int, dtype):
-        """Context K/V ``[B, kv, S, d]`` of layer ``l`` for ``lanes`` (the eager proposal): DFlash's
-        pool through the lanes' own pages, DFlash2's ring slots up to the longest context (a
-        context shorter than the window neither copies nor attends to the empty rest)."""
+    def _context(self, lanes, l: int) -> DraftContext:
+        """Where layer ``l``'s context K/V lies for ``lanes`` (the eager proposal): DFlash's pool
+        through the lanes' own pages, DFlash2's ring slots up to the longest context (a context
+        shorter than the window neither copies nor attends to the empty rest)."""
         dev = self.model.device
         if self.cfg.kind == "dflash":
             table, _ = padded_table([l_.pages for l_ in lanes], [max(0, l_.pos - 1) for l_ in lanes],
                                     self.pool.page_tokens, dev)
-            return self._context_at(l, table, None, dtype)
+            return self._context_at(l, table, None)
         slots = torch.tensor([l_.state_slot for l_ in lanes], dtype=torch.long, device=dev)
         used = min(self.cfg.window, max(1, max(l_.pos for l_ in lanes)))
-        return self._context_at(l, None, slots, dtype, used)
+        return self._context_at(l, None, slots, used)
 
-    def _context_at(self, l: int, table: torch.Tensor | None, slots: torch.Tensor | None, dtype,
-                    used: int | None = None):
-        """Context K/V ``[B, kv, S, d]`` of layer ``l`` from device indices only (what a graph
-        captures): DFlash's pool through the padded page table ``table`` ``[B, W]``, DFlash2's rings
-        of the state slots ``slots``, their first ``used`` ring slots (all by default). Context slot
-        ``j`` is read where ``j`` is below the block's position (:meth:`_read_keys`): in the pool
-        that is the position itself; in a ring, slot ``j`` holds a position ``q = j`` modulo the
-        window with ``q`` below the block's, which exists exactly where ``j`` is below it."""
+    def _context_at(self, l: int, table: torch.Tensor | None, slots: torch.Tensor | None,
+                    used: int | None = None) -> DraftContext:
+        """Where layer ``l``'s context K/V lies, from device indices only (what a graph captures):
+        DFlash's pool pages through the padded page table ``table`` ``[B, W]``, DFlash2's rings of
+        the state slots ``slots`` (a page a lane), their first ``used`` slots (all by default).
+        Context slot ``j`` is read where ``j`` is below the block's position (:meth:`_read_keys`):
+        in the pool that is the position itself; in a ring, slot ``j`` holds a position ``q = j``
+        modulo the window with ``q`` below the block's, which exists exactly where ``j`` is below
+        it."""
         if self.cfg.kind == "dflash":
-            B = table.shape[0]
-            span = table.shape[1] * self.pool.page_tokens
-            k, v = self.pool.gather(l, table.reshape(-1), B * span, dtype)
-            k = k.view(B, span, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
-            v = v.view(B, span, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
-            return k, v
-        used = self.cfg.window if used is None else used
-        ring = self.states.extra[RING_PART][:, l, :, :used].index_select(0, slots)  # [B, 2, used, heads, dim]
-        return ring[:, 0].transpose(1, 2).to(dtype), ring[:, 1].transpose(1, 2).to(dtype)
+            pages = self.pool.bf16_pages(l)
+            assert pages is not None, "a DFlash pool stores BF16"
+            return DraftContext(*pages, table, table.shape[1] * self.pool.page_tokens)
+        rings = self.states.extra[RING_PART]
+        return DraftContext(rings[:, l, 0], rings[:, l, 1], slots[:, None],
+                            self.cfg.window if used is None else used)
 
     def _read_keys(self, S: int, T: int, pos: torch.Tensor, held: bool = False) -> torch.Tensor:
         """The keys a block's queries read ``[B, 1, 1, S + T]``: the ``S`` context slots below each
@@ -482,7 +523,9 @@ class DFlashDrafter:
                       slots: torch.Tensor | None = None, graphed: bool = False) -> torch.Tensor:
         """The final hidden ``[B, k, H]`` of the drafting columns of one block forward: per lane ``[next_token,
         MASK x k]`` at positions ``pos[b] ..`` (``next_tokens``, ``pos`` ``[B]`` on the device),
-        each layer reading its context K/V from ``context(layer, dtype)`` -> ``(k, v)``. With
+        each layer reading its context K/V where ``context(layer)`` (a :class:`DraftContext`) says
+        it lies: in place in one launch where the fused kernels run
+        (:mod:`hpc_kernels.block_attention`), else gathered for torch's attention. With
         ``anchor_drafts`` the block is ``[next_token, MASK x (k - 1)]`` and its first column also
         reads the lanes' last hidden from their state ``slots`` ``[B]``. A block of one column
         (``k`` = 1, anchored) builds no token or position rows; each residual sum goes into the
@@ -516,29 +559,42 @@ class DFlashDrafter:
             x, h = _add_norm(layer.input_layernorm, x, r)
             attn = layer.self_attn
             q, kb, vb = attn.qkv(h, cos, sin)
-            q = q.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
-            kb = kb.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
-            vb = vb.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
-            kc, vc = context(l, q.dtype)
-            if mask is None:
-                mask = self._read_keys(kc.shape[2], T, pos, held=graphed)
-            keys = torch.cat([kc, kb], dim=2)
-            vals = torch.cat([vc, vb], dim=2)
-            # non-causal in the block; grouped queries read their K/V head in place (a repeated
-            # copy of a long context would be ``num_heads / num_kv_heads`` times its size)
-            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask,
-                                               enable_gqa=cfg.num_heads > cfg.num_kv_heads)
-            x, h = layer.post_attention_layernorm.add(x, attn.o_proj(o.transpose(1, 2).reshape(B * T, -1)))
+            ctx = context(l)
+            if ctx.attends_in_place(q):  # one launch, the context read where it lies
+                o = block_attention.block_attention(q, kb, vb, ctx.k, ctx.v, ctx.table, ctx.rows_per_page, pos,
+                                                    ctx.rows)
+            else:
+                kc, vc = ctx.dense(q.dtype)
+                if mask is None:
+                    mask = self._read_keys(kc.shape[2], T, pos, held=graphed)
+                q = q.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
+                kb = kb.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
+                vb = vb.view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
+                keys = torch.cat([kc, kb], dim=2)
+                vals = torch.cat([vc, vb], dim=2)
+                # non-causal in the block; grouped queries read their K/V head in place (a repeated
+                # copy of a long context would be ``num_heads / num_kv_heads`` times its size)
+                o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask,
+                                                   enable_gqa=cfg.num_heads > cfg.num_kv_heads).transpose(1, 2)
+            x, h = layer.post_attention_layernorm.add(x, attn.o_proj(o.reshape(B * T, -1)))
             r = layer.mlp(h)
         _, hid = _add_norm(net.norm, x, r)
         return hid.view(B, T, -1)[:, T - k:]  # [B, k, H]: the drafting columns
 
     def _drafts(self, hid: torch.Tensor) -> torch.Tensor:
         """The drafts ``[B, k]`` of the block's final hidden ``hid`` ``[B, k, H]``: the target's
-        ``lm_head`` argmax, or DFlash2's candidate selector over its top ``candidates``."""
+        ``lm_head`` argmax, or DFlash2's candidate selector over its top ``candidates`` (one launch
+        after the ``lm_head`` where the fused kernels run: :mod:`hpc_kernels.candidate_select`)."""
         m, net, cfg = self.model, self.net, self.cfg
         logits = m.lm_head(hid)
         if cfg.kind == "dflash2" and cfg.candidates > 1:
+            B, k, V = logits.shape
+            c = min(cfg.candidates, V)
+            wa, wb, embed = net.selector_a.weight, net.selector_b.weight, m.embed_tokens.weight
+            if (candidate_select.supports(V, c) and embed is not None and wa is not None and wb is not None
+                    and fused(hid, wa, wb, embed)):  # the whole selector in one launch
+                return candidate_select.select(logits.view(B * k, V), hid.reshape(B * k, -1), wa, wb, embed, c,
+                                               1 / math.sqrt(cfg.selector_rank)).view(B, k)
             top = logits.topk(min(cfg.candidates, logits.shape[-1]), dim=-1)  # [B, k, c]
             qa = net.selector_a(hid)  # [B, k, r]
             emb = m._embed(top.indices.reshape(-1)).view(*top.indices.shape, -1)
@@ -563,7 +619,7 @@ class DFlashDrafter:
         pos = torch.tensor([l.pos for l in lanes], dtype=torch.long, device=dev)
         slots = (torch.tensor([l.state_slot for l in lanes], dtype=torch.long, device=dev)
                  if self.cfg.anchor_drafts else None)
-        return self._block(nxt, pos, k, lambda l, dtype: self._context(lanes, l, dtype), slots)
+        return self._block(nxt, pos, k, lambda l: self._context(lanes, l), slots)
 
     # ------------------------------------------------------------------ drafting in a graph
     def _steps(self, packed: torch.Tensor, W: int, k: int) -> torch.Tensor:
@@ -572,7 +628,7 @@ class DFlashDrafter:
         :data:`~hpc_cli.speculative.draft_graphs.INPUT_COLUMNS`): the drafts ``[B, k]``, computed
         without reading anything back to the host (capturable)."""
         return self._block(packed[:, 0], packed[:, 2], k,
-                           lambda l, dtype: self._context_at(l, packed[:, INPUT_COLUMNS:], packed[:, 1], dtype),
+                           lambda l: self._context_at(l, packed[:, INPUT_COLUMNS:], packed[:, 1]),
                            packed[:, 1], graphed=True)
 
     def _propose_packed(self, lanes, k: int) -> torch.Tensor:

@@ -100,7 +100,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _kernel_cases(device: str) -> dict:
     """Each kernel against its twin, on ``device`` (the interpreter's CPU, or CUDA)."""
-    out: dict = {"norm": [], "step": [], "conv": [], "swiglu": []}
+    out: dict = {"norm": [], "step": [], "conv": [], "swiglu": [], "select": _select_cases(device),
+                 "block": _block_cases(device)}
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
         # rows at a uniform stride inside a wider projection (q inside [query | gate])
@@ -242,7 +243,80 @@ def _kernel_cases(device: str) -> dict:
     return out
 
 
+def _select_cases(device: str) -> dict:
+    """DFlash2's candidate selector in one launch against its twin (the same candidates, the same
+    fp32 sums) and against the drafter's torch ops (a top-k, the two products in bf16): rows read
+    at a stride, a vocabulary that is not a power of two, an embedding with more rows than the
+    logits, rows whose logits all tie (the candidates are then the smallest indices)."""
+    import torch.nn.functional as F
+
+    from hpc_kernels import candidate_select
+
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for name, (N, V, H, R, C) in {"tiny": (6, 6144, 256, 64, 8), "odd": (3, 1000, 96, 20, 5)}.items():
+        wide = torch.randn(N, V + 7, generator=g).to(torch.bfloat16).to(device)
+        logits = wide[:, :V]  # rows at a stride wider than the vocabulary
+        hid = torch.randn(N, H, generator=g).to(torch.bfloat16).to(device)
+        wa = (torch.randn(R, H, generator=g) * 0.1).to(torch.bfloat16).to(device)
+        wb = (torch.randn(R, H, generator=g) * 0.1).to(torch.bfloat16).to(device)
+        emb = torch.randn(V + 5, H, generator=g).to(torch.bfloat16).to(device)
+        got = candidate_select.select(logits, hid, wa, wb, emb, C, R ** -0.5)
+        twin = candidate_select.select_ref(logits, hid, wa, wb, emb, C, R ** -0.5)
+        top = logits.topk(C, dim=-1)
+        dot = torch.matmul(F.linear(F.embedding(top.indices, emb), wb), F.linear(hid, wa)[..., None])[..., 0]
+        ops = top.indices.gather(-1, torch.add(top.values.float(), dot.float(), alpha=R ** -0.5).argmax(-1, keepdim=True))
+        tied = torch.zeros(2, V, dtype=torch.bfloat16, device=device)
+        got_tied = candidate_select.select(tied, hid[:2], wa, wb, emb, C, R ** -0.5)
+        out[name] = {"equals_twin": bool(torch.equal(got, twin)),
+                     "same_as_ops": float((got == ops[:, 0]).float().mean()),
+                     "rescored": bool((got != logits.float().argmax(-1)).any()),
+                     "tied_equals_twin": bool(torch.equal(got_tied, candidate_select.select_ref(
+                         tied, hid[:2], wa, wb, emb, C, R ** -0.5))),
+                     "tied_in_first": bool((got_tied < C).all())}
+    return out
+
+
+def _block_cases(device: str) -> list:
+    """A draft block's attention in one launch against its twin (the context gathered, masked,
+    concatenated, torch's attention): DFlash's pages through a page table (rows inside wider
+    planes), DFlash2's rings (one page a lane, lanes at, below and past the window), blocks of 1 and
+    3 columns, grouped queries, a lane at position 0 (its block alone)."""
+    from hpc_kernels import block_attention as ba
+
+    g = torch.Generator().manual_seed(4)
+    bf = torch.bfloat16
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(bf).to(device)
+
+    out = []
+    for layout, T, Hq, KV, D in (("ring", 1, 8, 4, 32), ("ring", 3, 8, 4, 32), ("pages", 1, 4, 2, 64),
+                                 ("pages", 3, 4, 2, 64)):
+        if layout == "ring":
+            rings = rnd(5, 2, 2, 96, KV, D)  # [slots, layers, K|V, window, kv, d]
+            kc, vc = rings[:, 1, 0], rings[:, 1, 1]
+            table = torch.tensor([3, 0, 4, 1], device=device)[:, None]
+            S, pos = 96, torch.tensor([10, 200, 96, 0], device=device)
+        else:
+            kc, vc = rnd(12, 16, KV, 2 * D)[..., :D], rnd(12, 16, KV, 2 * D)[..., :D]  # rows inside wider planes
+            table = torch.tensor([[3, 5, 7], [0, 1, 2], [11, 10, 9], [4, 6, 8]], device=device)
+            S, pos = 48, torch.tensor([40, 17, 0, 48], device=device)
+        B = pos.shape[0]
+        q, kb = rnd(B * T, Hq, D), rnd(B * T, KV, D)
+        vb = rnd(B * T, 3 * KV * D)[:, KV * D:2 * KV * D].view(B * T, KV, D)  # v inside a merged product
+        got = ba.block_attention(q, kb, vb, kc, vc, table, kc.shape[1], pos, S)
+        twin = ba.block_attention_ref(q, kb, vb, kc, vc, table, kc.shape[1], pos, S)
+        out.append({"layout": layout, "T": T, "rel": _rel(got, twin)})
+    return out
+
+
 def _check_kernel_cases(cases: dict) -> None:
+    for c in cases["block"]:
+        assert c["rel"] < 2e-2, c
+    for name, c in cases["select"].items():
+        assert c["equals_twin"] and c["tied_equals_twin"] and c["tied_in_first"], (name, c)
+        assert c["same_as_ops"] >= 0.6 and c["rescored"], (name, c)
     for c in cases["norm"]:
         tol = 1e-6 if "float32" in c["dtype"] else 2e-2
         assert max(c["strided"], c["wide"], c["gated"], c["rope"], c["merged_rope"], c["merged_gated"], c["add"]) < tol, c
@@ -305,7 +379,7 @@ def _drafter_case(device: str) -> dict:
     from hpc_cli.model import layers
     from hpc_cli.model.builtin import TINY_DIR
     from hpc_cli.model.model import HybridModel
-    from hpc_cli.speculative.dflash import DFlashDrafter, load_drafter
+    from hpc_cli.speculative.dflash import DFlashDrafter, DraftContext, load_drafter
 
     model = HybridModel.from_name_or_path("builtin:tiny", dtype=torch.bfloat16, device=device)
     g = torch.Generator().manual_seed(5)
@@ -326,7 +400,7 @@ def _drafter_case(device: str) -> dict:
                 hid, drafts = {}, {}
                 for mode in (True, False):
                     layers.FUSED_KERNELS = mode
-                    hid[mode] = d._block_hidden(nxt, pos, k, lambda l, dtype: ctx[l], slots)
+                    hid[mode] = d._block_hidden(nxt, pos, k, lambda l: DraftContext.of_dense(*ctx[l]), slots)
                     drafts[mode] = d._drafts(hid[mode])
                 out[f"{kind}_k{k}"] = {"fused_vs_torch": _rel(hid[True].float(), hid[False].float()),
                                        "same_drafts": float((drafts[True] == drafts[False]).float().mean())}

@@ -13,7 +13,7 @@ import torch
 
 from hpc_cli.memory.kv_pool import PagedKVStorage
 from hpc_cli.plugins import kv_profile
-from hpc_cli.speculative.dflash import RING_PART, DFlashDrafter, DFlashNet, default_config, seed_weights
+from hpc_cli.speculative.dflash import RING_PART, DFlashDrafter, DFlashNet, DraftContext, default_config, seed_weights
 from hpc_cli.speculative.mtp import MTPDrafter
 
 
@@ -55,7 +55,7 @@ def test_dflash2_context_reads_only_held_ring_slots(model):
     drafter, states = _dflash2(model, window=16)
     ring = states.extra[RING_PART]
     lanes = [SimpleNamespace(pos=5, state_slot=2), SimpleNamespace(pos=9, state_slot=0)]
-    k, v = drafter._context(lanes, 0, torch.float32)
+    k, v = drafter._context(lanes, 0).dense(torch.float32)
     assert k.shape[2] == v.shape[2] == 9, "a short context reads max(pos) slots, not the window"
     # the block's keys: the held context slots, then its own 2 columns
     valid = drafter._read_keys(9, 2, torch.tensor([5, 9]))
@@ -64,7 +64,7 @@ def test_dflash2_context_reads_only_held_ring_slots(model):
     assert torch.equal(k[0], ring[2, 0, 0, :9].transpose(0, 1).float())
     assert torch.equal(v[1], ring[0, 0, 1, :9].transpose(0, 1).float())
     # a wrapped ring holds a position in every slot
-    k, _ = drafter._context([SimpleNamespace(pos=40, state_slot=1)], 0, torch.float32)
+    k, _ = drafter._context([SimpleNamespace(pos=40, state_slot=1)], 0).dense(torch.float32)
     assert k.shape[2] == 16 and bool(drafter._read_keys(16, 1, torch.tensor([40])).all())
     assert torch.equal(k[0], ring[1, 0, 0].transpose(0, 1).float())
 
@@ -84,15 +84,31 @@ def test_block_key_columns_are_held_only_for_graphed_shapes(model):
     assert list(drafter._key_columns) == [(9, 1)]
 
 
+def test_dflash_context_is_the_pools_pages():
+    """DFlash's block reads its BF16 pool's pages through the lanes' page tables: the context
+    gathered from the pages' BF16 views is what the pool's own gather returns, lane by lane; a
+    pool in another format has no BF16 pages to read."""
+    g = torch.Generator().manual_seed(6)
+    pool = PagedKVStorage(kv_profile("bf16"), 2, 2, 16, 6)
+    slots = torch.arange(6 * 64)
+    pool.write(1, slots, torch.randn(6 * 64, 2, 16, generator=g), torch.randn(6 * 64, 2, 16, generator=g))
+    table = torch.tensor([[4, 1, 3], [0, 5, 2]])
+    k, v = DraftContext(*pool.bf16_pages(1), table, 3 * 64).dense(torch.float32)
+    for b in range(2):
+        want_k, want_v = pool.gather(1, table[b], 3 * 64, torch.float32)
+        assert torch.equal(k[b], want_k.transpose(0, 1)) and torch.equal(v[b], want_v.transpose(0, 1))
+    assert PagedKVStorage(kv_profile("int8-g64"), 1, 2, 64, 2).bf16_pages(0) is None
+
+
 class _WholeWindow(DFlashDrafter):
     """The reference: attention over every slot of the ring, the empty ones masked (a slot is
     read where the position it holds, the latest below the block's equal to it modulo the window,
     is not negative)."""
 
-    def _context(self, lanes, l: int, dtype):
+    def _context(self, lanes, l: int) -> DraftContext:
         slots = torch.tensor([l_.state_slot for l_ in lanes], dtype=torch.long)
-        ring = self.states.extra[RING_PART].index_select(0, slots)[:, l]
-        return ring[:, 0].transpose(1, 2).to(dtype), ring[:, 1].transpose(1, 2).to(dtype)
+        rings = self.states.extra[RING_PART]
+        return DraftContext(rings[:, l, 0], rings[:, l, 1], slots[:, None], self.cfg.window)
 
     def _read_keys(self, S: int, T: int, pos: torch.Tensor, held: bool = False) -> torch.Tensor:
         W = self.cfg.window

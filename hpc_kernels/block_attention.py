@@ -1,0 +1,143 @@
+"""A draft block's attention in one launch: the block's ``T`` columns of queries over the lane's
+context K/V, read in place, and non-causally over the block's own K/V.
+
+A block drafter (``hpc_cli.speculative.dflash``) attends from each lane's block to the context
+positions below the block's first position and to every column of the block. In torch that is a
+gather or an ``index_select`` of the context (DFlash: its BF16 pool through the page table;
+DFlash2: the lane's ring, all ``window`` slots), two concatenations with the block's K/V, a mask
+built from the positions, the attention and a transpose back: about a dozen launches, over the
+whole padded context whatever the lane's position. Here one program per (lane, KV head) reads
+the lane's context rows ``j < min(pos, S)`` where they lie, then the block's own ``T`` keys, with
+an online softmax; its rows are the ``heads / kv_heads`` query heads of that KV head times the
+block's ``T`` columns (grouped queries read their K/V head once, nothing repeated).
+
+Where the context lies is a table of pages: row ``j`` of lane ``b`` is at ``table[b, j // P] *
+page_stride + (j % P) * row_stride + head * head_stride``. DFlash's pool is that with ``P`` = 64
+and the padded page table; DFlash2's rings are one page a lane (``P`` = the window, the table the
+lanes' state slots); a dense ``[B, kv, S, d]`` context is one page a lane too.
+
+A program walks its lane's context alone, so it is meant for contexts up to :data:`MAX_CONTEXT`
+rows (DFlash2's window; DFlash's context up to that length); past it :func:`supports` says no and
+the caller keeps its gather and ``scaled_dot_product_attention``. :func:`block_attention_ref` is
+the torch twin (that path); the kernel runs under Triton's interpreter too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from hpc_kernels.launch import INTERPRETING, tl, triton
+
+#: context rows one program walks at most
+MAX_CONTEXT = 2048
+BLOCK_N = 64
+
+
+if triton is not None:
+    @triton.jit
+    def _block_kernel(q, sq, sqh, kb, vb, sk, sv, kc, vc, table, st, pos, sp, out, H, T, S, P, s_page, s_row, s_head,
+                      scale, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, TP: tl.constexpr,
+                      BLOCK_N: tl.constexpr, F32: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        # query rows: column t = i // G, query head h * G + i % G
+        i = tl.arange(0, ROWS)
+        t = i // G
+        head = h * G + i % G
+        mq = t < T
+        od = tl.arange(0, D)
+        qi = tl.load(q + (b * T + t)[:, None] * sq + head[:, None] * sqh + od[None, :], mask=mq[:, None], other=0.0)
+        if F32:  # Triton's interpreter multiplies bf16 tiles wrongly: its tests run the products in fp32
+            qi = qi.to(tl.float32)
+        dt = qi.dtype
+        m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, D], dtype=tl.float32)
+        L = tl.minimum(tl.load(pos + b * sp), S)
+        for j0 in range(0, L, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            mj = j < L
+            page = tl.load(table + b * st + j // P, mask=mj, other=0).to(tl.int64)
+            row = page * s_page + (j % P).to(tl.int64) * s_row + h * s_head
+            k = tl.load(kc + row[:, None] + od[None, :], mask=mj[:, None], other=0.0).to(dt)
+            v = tl.load(vc + row[:, None] + od[None, :], mask=mj[:, None], other=0.0).to(dt)
+            s = tl.dot(qi, tl.trans(k)) * scale
+            s = tl.where(mj[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
+            m = m_new
+        # the block's own columns, every one to every query of the lane
+        c = tl.arange(0, TP)
+        mc = c < T
+        k = tl.load(kb + (b * T + c)[:, None] * sk + h * D + od[None, :], mask=mc[:, None], other=0.0).to(dt)
+        v = tl.load(vb + (b * T + c)[:, None] * sv + h * D + od[None, :], mask=mc[:, None], other=0.0).to(dt)
+        s = tl.dot(qi, tl.trans(k)) * scale
+        s = tl.where(mc[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
+        o = acc / l[:, None]
+        tl.store(out + ((b * T + t) * H + head)[:, None] * D + od[None, :], o.to(out.dtype.element_ty),
+                 mask=mq[:, None])
+
+
+def supports(context_rows: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel takes a context of ``context_rows`` rows (the padded width) at
+    ``head_dim`` in ``dtype``."""
+    return (triton is not None and context_rows <= MAX_CONTEXT and dtype in (torch.bfloat16, torch.float16)
+            and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+
+
+def block_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                    table: torch.Tensor, rows_per_page: int, pos: torch.Tensor, context_rows: int) -> torch.Tensor:
+    """The block's attention ``[B * T, heads, d]``: ``q`` ``[B * T, heads, d]`` (lane-major
+    columns), the block's ``kb``, ``vb`` ``[B * T, kv, d]`` (any token stride), the context ``kc``,
+    ``vc`` (the pages, ``[pages, rows_per_page, kv, d]`` at any page and row strides, the same
+    strides both),
+    ``table`` ``[B, W]`` (the lanes' pages), ``pos`` ``[B]`` (each lane reads context rows below it),
+    ``context_rows`` the rows the table spans (``W * rows_per_page``; fewer where a page holds a
+    whole ring)."""
+    N, Hq, D = q.shape
+    B = pos.shape[0]
+    KV = kb.shape[1]
+    assert N % B == 0 and Hq % KV == 0, f"q {tuple(q.shape)}, kb {tuple(kb.shape)}, {B} lanes"
+    assert supports(context_rows, D, q.dtype) and kc.dtype == q.dtype == kb.dtype, "outside the kernel"
+    assert kc.stride() == vc.stride() and kc.stride(-1) == 1 and kb.stride(-1) == 1 and vb.stride(-1) == 1
+    assert kb.stride(1) == D and vb.stride(1) == D, "the block's heads adjacent"
+    T, G = N // B, Hq // KV
+    out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
+    qh = q if q.stride(-1) == 1 else q.contiguous()
+    rows = max(16, triton.next_power_of_2(G * T))
+    _block_kernel[(B, KV)](qh, qh.stride(0), qh.stride(1), kb, vb, kb.stride(0), vb.stride(0), kc, vc,
+                           table, table.stride(0), pos, pos.stride(0), out, Hq, T, context_rows, rows_per_page,
+                           kc.stride(0), kc.stride(1), kc.stride(2), 1 / math.sqrt(D), G=G, D=D, ROWS=rows,
+                           TP=max(16, triton.next_power_of_2(T)), BLOCK_N=BLOCK_N, F32=INTERPRETING, num_warps=4)
+    return out
+
+
+def block_attention_ref(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                        table: torch.Tensor, rows_per_page: int, pos: torch.Tensor, context_rows: int) -> torch.Tensor:
+    """:func:`block_attention`'s torch twin: the context gathered dense, masked below each lane's
+    position, concatenated with the block's, one ``scaled_dot_product_attention``."""
+    N, Hq, D = q.shape
+    B, KV = pos.shape[0], kb.shape[1]
+    T = N // B
+    rows = torch.arange(context_rows, device=q.device)
+    pages = table.gather(1, (rows // rows_per_page)[None].expand(B, -1))  # [B, S]
+    ctx_k = kc[pages, (rows % rows_per_page)[None]].to(q.dtype)  # [B, S, KV, D]
+    ctx_v = vc[pages, (rows % rows_per_page)[None]].to(q.dtype)
+    keys = torch.cat([ctx_k, kb.reshape(B, T, KV, D)], 1).transpose(1, 2)
+    vals = torch.cat([ctx_v, vb.reshape(B, T, KV, D)], 1).transpose(1, 2)
+    cols = torch.cat([rows, torch.full((T,), -1, dtype=rows.dtype, device=rows.device)])
+    mask = (cols[None] < pos[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q.reshape(B, T, Hq, D).transpose(1, 2), keys, vals, attn_mask=mask,
+                                       enable_gqa=Hq > KV)
+    return o.transpose(1, 2).reshape(N, Hq, D)
