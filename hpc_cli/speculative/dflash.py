@@ -45,7 +45,7 @@ from hpc_cli.model.layers import MLP, Linear, RMSNorm, Rotary, fused, norm_rope
 from hpc_cli.spec_backend import BackendPoolSpec
 from hpc_cli.speculative.draft_graphs import INPUT_COLUMNS, DraftGraphs, no_draft_accepted, warm_proposals
 from hpc_cli.speculative.ops import column_writes, padded_rows, padded_table
-from hpc_kernels import block_attention, candidate_select
+from hpc_kernels import block_attention, candidate_select, dynamic_conv, ring_write
 
 if TYPE_CHECKING:
     from hpc_cli.model.merged import MergedProjection
@@ -187,6 +187,9 @@ class DynamicConv2(nn.Module):
         self.o_proj = Linear(h, h, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
+        w = self.taps.weight
+        if w is not None and fused(x, w):  # the taps, their softmax and the mix in one launch
+            return self.o_proj(dynamic_conv.dynamic_conv(x, w))
         w = torch.softmax(self.taps(x), dim=-1, dtype=torch.float32).to(x.dtype)  # taps upcast inside the softmax
         if x.shape[1] == 1:  # one column: nothing before it (the zero tap adds exactly nothing)
             return self.o_proj(w[..., :1] * x)
@@ -384,20 +387,30 @@ class DFlashDrafter:
         1`` committed positions ``start .. start + accepted[b]`` from the verify pass ``out``'s
         captured features (DFlash: into the pool at the pass's write slots, the columns past a
         lane's count written to slot -1, which the pool skips; DFlash2: into the lane's rings, the
-        columns past its count writing back what the ring holds), which :meth:`observe` of the
-        round does lane by lane. No host value is read, so the runtime captures it with the
+        columns past its count left as they are, returning what every column's ring slot held,
+        one launch a layer where the fused kernels run: :mod:`hpc_kernels.ring_write`), which
+        :meth:`observe` of the round does lane by lane. No host value is read, so the runtime captures it with the
         round's commit (:mod:`hpc_cli.speculative.round_tail`)."""
         idx = out.index
         B, T = idx.B, idx.T
-        pos, keep, slots = column_writes(idx, T, accepted + 1)  # the accepted drafts and the column before
         ctx = self._context_vectors(out.features.reshape(B * T, -1))
-        cos, sin = self.rotary.cos_sin(pos.reshape(-1), self.model.dtype)
         if self.cfg.kind == "dflash":
+            pos, _, slots = column_writes(idx, T, accepted + 1)  # the accepted drafts and the column before
+            cos, sin = self.rotary.cos_sin(pos.reshape(-1), self.model.dtype)
             for l, layer in enumerate(self.net.layers):
                 k, v = layer.self_attn.kv(ctx, cos, sin)
                 self.pool.write(l, slots.reshape(-1), k, v)
             return None
-        view = self.states.extra[RING_PART].permute(0, 3, 1, 2, 4, 5)  # [N, W, layers, K|V, heads, dim]
+        rings = self.states.extra[RING_PART]
+        cos, sin = self.rotary.cos_sin((idx.seqlens[:, :T] - 1).reshape(-1), self.model.dtype)  # lengths: positions + 1
+        if fused(ctx):  # a layer's ring writes and what they overwrite in one launch
+            saved = torch.empty(B, T, *rings.shape[1:3], *rings.shape[4:], dtype=rings.dtype, device=rings.device)
+            for l, layer in enumerate(self.net.layers):
+                k, v = layer.self_attn.kv(ctx, cos, sin)
+                ring_write.ring_write(rings, l, idx.slots, idx.seqlens, accepted + 1, k, v, saved)
+            return saved
+        _, keep, _ = column_writes(idx, T, accepted + 1)
+        view = rings.permute(0, 3, 1, 2, 4, 5)  # [N, W, layers, K|V, heads, dim]
         where = self._ring_columns(idx)
         # what the columns' ring slots hold before the writes, every layer's at once: written back
         # past each lane's count, and returned for undo_catch_up

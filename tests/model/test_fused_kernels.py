@@ -101,7 +101,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _kernel_cases(device: str) -> dict:
     """Each kernel against its twin, on ``device`` (the interpreter's CPU, or CUDA)."""
     out: dict = {"norm": [], "step": [], "conv": [], "swiglu": [], "select": _select_cases(device),
-                 "block": _block_cases(device)}
+                 "block": _block_cases(device), "dconv": _dconv_cases(device),
+                 "ring": _ring_cases(device)}
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
         # rows at a uniform stride inside a wider projection (q inside [query | gate])
@@ -311,7 +312,57 @@ def _block_cases(device: str) -> list:
     return out
 
 
+def _dconv_cases(device: str) -> list:
+    """DFlash2's dynamic convolution in one launch against its twin: blocks of 1 and 3 columns
+    (each block's first column mixes with nothing before it), rows inside a wider product, a
+    width that is not a power of two."""
+    from hpc_kernels import dynamic_conv
+
+    g = torch.Generator().manual_seed(8)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for B, T, H in ((3, 1, 256), (2, 3, 256), (2, 3, 96)):
+            x = torch.randn(B, T, 2 * H, generator=g).to(dtype).to(device)[..., :H]
+            w = torch.randn(2, H, generator=g).to(dtype).to(device) * 0.2
+            got, twin = dynamic_conv.dynamic_conv(x, w), dynamic_conv.dynamic_conv_ref(x, w)
+            first = dynamic_conv.dynamic_conv(x[:, :1], w)
+            out.append({"dtype": str(dtype), "T": T, "H": H, "rel": _rel(got, twin),
+                        "first_column_alone": bool(torch.equal(first[:, 0], got[:, 0]))})
+    return out
+
+
+def _ring_cases(device: str) -> list:
+    """DFlash2's ring catch-up in one launch against its twin: both leave the same rings and save
+    the same old rows (lanes that keep 0, some and all of their columns, positions that wrap round
+    the window, v inside a merged product); the other layer, slots and ring rows untouched."""
+    from hpc_kernels import ring_write
+
+    g = torch.Generator().manual_seed(9)
+    out = []
+    for B, T in ((3, 1), (3, 3)):
+        rings = torch.randn(5, 2, 2, 16, 2, 32, generator=g).to(torch.bfloat16).to(device)
+        slots = torch.tensor([4, 0, 2], device=device)
+        seqlens = torch.tensor([[15, 16, 17], [3, 4, 5], [30, 31, 32]], device=device)[:, :T]
+        counts = torch.tensor([0, 2, 3], device=device).clamp(max=T)
+        k = torch.randn(B * T, 2, 32, generator=g).to(torch.bfloat16).to(device)
+        v = torch.randn(B * T, 3 * 64, generator=g).to(torch.bfloat16).to(device)[:, 64:128].view(B * T, 2, 32)
+        res = []
+        for fn in (ring_write.ring_write, ring_write.ring_write_ref):
+            r, saved = rings.clone(), torch.zeros(B, T, 2, 2, 2, 32, dtype=torch.bfloat16, device=device)
+            fn(r, 1, slots, seqlens, counts, k, v, saved)
+            res.append((r, saved))
+        (r1, s1), (r2, s2) = res
+        out.append({"T": T, "rings_equal": bool(torch.equal(r1, r2)), "saved_equal": bool(torch.equal(s1[:, :, 1], s2[:, :, 1])),
+                    "layer0_untouched": bool(torch.equal(r1[:, 0], rings[:, 0])),
+                    "changed": bool(not torch.equal(r1, rings))})
+    return out
+
+
 def _check_kernel_cases(cases: dict) -> None:
+    for c in cases["ring"]:
+        assert c["rings_equal"] and c["saved_equal"] and c["layer0_untouched"] and c["changed"], c
+    for c in cases["dconv"]:
+        assert c["rel"] < (1e-5 if "float32" in c["dtype"] else 2e-2) and c["first_column_alone"], c
     for c in cases["block"]:
         assert c["rel"] < 2e-2, c
     for name, c in cases["select"].items():
