@@ -34,13 +34,14 @@ from hpc_kernels.launch import INTERPRETING, tl, triton
 #: context rows one program walks at most
 MAX_CONTEXT = 2048
 BLOCK_N = 64
+NUM_WARPS = 4
 
 
 if triton is not None:
     @triton.jit
     def _block_kernel(q, sq, sqh, kb, vb, sk, sv, kc, vc, table, st, pos, sp, out, H, T, S, P, s_page, s_row, s_head,
                       scale, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, TP: tl.constexpr,
-                      BLOCK_N: tl.constexpr, F32: tl.constexpr):
+                      BLOCK_N: tl.constexpr, F32: tl.constexpr, ONE_PAGE: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         # query rows: column t = i // G, query head h * G + i % G
@@ -57,11 +58,15 @@ if triton is not None:
         l = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, D], dtype=tl.float32)
         L = tl.minimum(tl.load(pos + b * sp), S)
+        lane = tl.load(table + b * st).to(tl.int64) * s_page + h * s_head  # a lane's one page (ONE_PAGE)
         for j0 in range(0, L, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             mj = j < L
-            page = tl.load(table + b * st + j // P, mask=mj, other=0).to(tl.int64)
-            row = page * s_page + (j % P).to(tl.int64) * s_row + h * s_head
+            if ONE_PAGE:  # the rows' places need no table read (a ring: the lane's page holds every row)
+                row = lane + j.to(tl.int64) * s_row
+            else:
+                page = tl.load(table + b * st + j // P, mask=mj, other=0).to(tl.int64)
+                row = page * s_page + (j % P).to(tl.int64) * s_row + h * s_head
             k = tl.load(kc + row[:, None] + od[None, :], mask=mj[:, None], other=0.0).to(dt)
             v = tl.load(vc + row[:, None] + od[None, :], mask=mj[:, None], other=0.0).to(dt)
             s = tl.dot(qi, tl.trans(k)) * scale
@@ -97,14 +102,15 @@ def supports(context_rows: int, head_dim: int, dtype: torch.dtype) -> bool:
 
 
 def block_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                    table: torch.Tensor, rows_per_page: int, pos: torch.Tensor, context_rows: int) -> torch.Tensor:
+                    table: torch.Tensor, rows_per_page: int, pos: torch.Tensor, context_rows: int,
+                    block_n: int = BLOCK_N, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """The block's attention ``[B * T, heads, d]``: ``q`` ``[B * T, heads, d]`` (lane-major
     columns), the block's ``kb``, ``vb`` ``[B * T, kv, d]`` (any token stride), the context ``kc``,
     ``vc`` (the pages, ``[pages, rows_per_page, kv, d]`` at any page and row strides, the same
     strides both),
     ``table`` ``[B, W]`` (the lanes' pages), ``pos`` ``[B]`` (each lane reads context rows below it),
     ``context_rows`` the rows the table spans (``W * rows_per_page``; fewer where a page holds a
-    whole ring)."""
+    whole ring). ``block_n``, ``num_warps``: the launch (context rows a step, warps a program)."""
     N, Hq, D = q.shape
     B = pos.shape[0]
     KV = kb.shape[1]
@@ -119,7 +125,8 @@ def block_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: tor
     _block_kernel[(B, KV)](qh, qh.stride(0), qh.stride(1), kb, vb, kb.stride(0), vb.stride(0), kc, vc,
                            table, table.stride(0), pos, pos.stride(0), out, Hq, T, context_rows, rows_per_page,
                            kc.stride(0), kc.stride(1), kc.stride(2), 1 / math.sqrt(D), G=G, D=D, ROWS=rows,
-                           TP=max(16, triton.next_power_of_2(T)), BLOCK_N=BLOCK_N, F32=INTERPRETING, num_warps=4)
+                           TP=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, F32=INTERPRETING,
+                           ONE_PAGE=context_rows <= rows_per_page, num_warps=num_warps)
     return out
 
 
