@@ -35,15 +35,18 @@ from hpc_kernels.launch import INTERPRETING, tl, triton
 MAX_CONTEXT = 2048
 BLOCK_N = 64
 NUM_WARPS = 4
+#: context rows a program walks before the context is shared among programs (a second launch combines)
+SPLIT_ROWS = 4096
 
 
 if triton is not None:
     @triton.jit
-    def _block_kernel(q, sq, sqh, kb, vb, sk, sv, kc, vc, table, st, pos, sp, out, H, T, S, P, s_page, s_row, s_head,
-                      scale, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, TP: tl.constexpr,
-                      BLOCK_N: tl.constexpr, F32: tl.constexpr, ONE_PAGE: tl.constexpr):
+    def _block_kernel(q, sq, sqh, kb, vb, sk, sv, kc, vc, table, st, pos, sp, out, part, H, T, S, P, s_page, s_row,
+                      s_head, scale, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, TP: tl.constexpr,
+                      BLOCK_N: tl.constexpr, F32: tl.constexpr, ONE_PAGE: tl.constexpr, SPLITS: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2)
         # query rows: column t = i // G, query head h * G + i % G
         i = tl.arange(0, ROWS)
         t = i // G
@@ -59,7 +62,9 @@ if triton is not None:
         acc = tl.zeros([ROWS, D], dtype=tl.float32)
         L = tl.minimum(tl.load(pos + b * sp), S)
         lane = tl.load(table + b * st).to(tl.int64) * s_page + h * s_head  # a lane's one page (ONE_PAGE)
-        for j0 in range(0, L, BLOCK_N):
+        steps = tl.cdiv(L, BLOCK_N)
+        per = tl.cdiv(steps, SPLITS)  # a split's share of the steps (SPLITS > 1: a second launch combines them)
+        for j0 in range(split * per * BLOCK_N, tl.minimum(split * per + per, steps) * BLOCK_N, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             mj = j < L
             if ONE_PAGE:  # the rows' places need no table read (a ring: the lane's page holds every row)
@@ -77,21 +82,52 @@ if triton is not None:
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
             m = m_new
-        # the block's own columns, every one to every query of the lane
-        c = tl.arange(0, TP)
-        mc = c < T
-        k = tl.load(kb + (b * T + c)[:, None] * sk + h * D + od[None, :], mask=mc[:, None], other=0.0).to(dt)
-        v = tl.load(vb + (b * T + c)[:, None] * sv + h * D + od[None, :], mask=mc[:, None], other=0.0).to(dt)
-        s = tl.dot(qi, tl.trans(k)) * scale
-        s = tl.where(mc[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
-        o = acc / l[:, None]
-        tl.store(out + ((b * T + t) * H + head)[:, None] * D + od[None, :], o.to(out.dtype.element_ty),
-                 mask=mq[:, None])
+        # the block's own columns, every one to every query of the lane (the last split's)
+        if split == SPLITS - 1:
+            c = tl.arange(0, TP)
+            mc = c < T
+            k = tl.load(kb + (b * T + c)[:, None] * sk + h * D + od[None, :], mask=mc[:, None], other=0.0).to(dt)
+            v = tl.load(vb + (b * T + c)[:, None] * sv + h * D + od[None, :], mask=mc[:, None], other=0.0).to(dt)
+            s = tl.dot(qi, tl.trans(k)) * scale
+            s = tl.where(mc[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
+            m = m_new
+        if SPLITS == 1:
+            o = acc / l[:, None]
+            tl.store(out + ((b * T + t) * H + head)[:, None] * D + od[None, :], o.to(out.dtype.element_ty),
+                     mask=mq[:, None])
+        else:  # this split's unnormalised rows, its maxima and sums: [B, KV, SPLITS, ROWS, D + 2]
+            base = part + (((b * tl.num_programs(1) + h) * SPLITS + split) * ROWS + i) * (D + 2)
+            tl.store(base[:, None] + od[None, :], acc)
+            tl.store(base + D, m)
+            tl.store(base + D + 1, l)
+
+    @triton.jit
+    def _combine_kernel(part, out, H, T, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                        SPLITS: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        i = tl.arange(0, ROWS)
+        t = i // G
+        head = h * G + i % G
+        od = tl.arange(0, D)
+        base = part + ((b * tl.num_programs(1) + h) * SPLITS * ROWS + i) * (D + 2)
+        top = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        for sp in tl.static_range(SPLITS):
+            top = tl.maximum(top, tl.load(base + sp * ROWS * (D + 2) + D))
+        acc = tl.zeros([ROWS, D], dtype=tl.float32)
+        l = tl.zeros([ROWS], dtype=tl.float32)
+        for sp in tl.static_range(SPLITS):
+            row = base + sp * ROWS * (D + 2)
+            w = tl.exp(tl.load(row + D) - top)  # an empty split: m = -inf, weight 0
+            l += w * tl.load(row + D + 1)
+            acc += w[:, None] * tl.load(row[:, None] + od[None, :])
+        tl.store(out + ((b * T + t) * H + head)[:, None] * D + od[None, :], (acc / l[:, None]).to(out.dtype.element_ty),
+                 mask=(t < T)[:, None])
 
 
 def supports(context_rows: int, head_dim: int, dtype: torch.dtype) -> bool:
@@ -103,14 +139,15 @@ def supports(context_rows: int, head_dim: int, dtype: torch.dtype) -> bool:
 
 def block_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                     table: torch.Tensor, rows_per_page: int, pos: torch.Tensor, context_rows: int,
-                    block_n: int = BLOCK_N, num_warps: int = NUM_WARPS) -> torch.Tensor:
+                    block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, splits: int | None = None) -> torch.Tensor:
     """The block's attention ``[B * T, heads, d]``: ``q`` ``[B * T, heads, d]`` (lane-major
     columns), the block's ``kb``, ``vb`` ``[B * T, kv, d]`` (any token stride), the context ``kc``,
     ``vc`` (the pages, ``[pages, rows_per_page, kv, d]`` at any page and row strides, the same
     strides both),
     ``table`` ``[B, W]`` (the lanes' pages), ``pos`` ``[B]`` (each lane reads context rows below it),
     ``context_rows`` the rows the table spans (``W * rows_per_page``; fewer where a page holds a
-    whole ring). ``block_n``, ``num_warps``: the launch (context rows a step, warps a program)."""
+    whole ring). ``block_n``, ``num_warps``, ``splits``: the launch (context rows a step, warps a program,
+    programs a lane's context is shared among: by default one a :data:`SPLIT_ROWS` rows)."""
     N, Hq, D = q.shape
     B = pos.shape[0]
     KV = kb.shape[1]
@@ -122,11 +159,15 @@ def block_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: tor
     out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
     qh = q if q.stride(-1) == 1 else q.contiguous()
     rows = max(16, triton.next_power_of_2(G * T))
-    _block_kernel[(B, KV)](qh, qh.stride(0), qh.stride(1), kb, vb, kb.stride(0), vb.stride(0), kc, vc,
-                           table, table.stride(0), pos, pos.stride(0), out, Hq, T, context_rows, rows_per_page,
-                           kc.stride(0), kc.stride(1), kc.stride(2), 1 / math.sqrt(D), G=G, D=D, ROWS=rows,
-                           TP=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, F32=INTERPRETING,
-                           ONE_PAGE=context_rows <= rows_per_page, num_warps=num_warps)
+    splits = max(1, triton.cdiv(context_rows, SPLIT_ROWS)) if splits is None else splits
+    part = torch.empty(B, KV, splits, rows, D + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
+    _block_kernel[(B, KV, splits)](qh, qh.stride(0), qh.stride(1), kb, vb, kb.stride(0), vb.stride(0), kc, vc,
+                                   table, table.stride(0), pos, pos.stride(0), out, part, Hq, T, context_rows,
+                                   rows_per_page, kc.stride(0), kc.stride(1), kc.stride(2), 1 / math.sqrt(D), G=G, D=D,
+                                   ROWS=rows, TP=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, F32=INTERPRETING,
+                                   ONE_PAGE=context_rows <= rows_per_page, SPLITS=splits, num_warps=num_warps)
+    if splits > 1:
+        _combine_kernel[(B, KV)](part, out, Hq, T, G=G, D=D, ROWS=rows, SPLITS=splits, num_warps=num_warps)
     return out
 
 
