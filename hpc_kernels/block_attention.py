@@ -35,8 +35,11 @@ from hpc_kernels.launch import INTERPRETING, tl, triton
 MAX_CONTEXT = 2048
 BLOCK_N = 64
 NUM_WARPS = 4
-#: context rows a program walks before the context is shared among programs (a second launch combines)
-SPLIT_ROWS = 4096
+#: a lane's context is shared among one program a ``SPLIT_ROWS`` rows of its width, at most
+#: ``MAX_SPLITS`` (a second launch combines them): the programs divide the rows below the block
+#: evenly, so a short context is walked in a few steps by each
+SPLIT_ROWS = 256
+MAX_SPLITS = 8
 
 
 if triton is not None:
@@ -147,7 +150,8 @@ def block_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: tor
     ``table`` ``[B, W]`` (the lanes' pages), ``pos`` ``[B]`` (each lane reads context rows below it),
     ``context_rows`` the rows the table spans (``W * rows_per_page``; fewer where a page holds a
     whole ring). ``block_n``, ``num_warps``, ``splits``: the launch (context rows a step, warps a program,
-    programs a lane's context is shared among: by default one a :data:`SPLIT_ROWS` rows)."""
+    programs a lane's context is shared among: by default one a :data:`SPLIT_ROWS` rows, at most
+    :data:`MAX_SPLITS`)."""
     N, Hq, D = q.shape
     B = pos.shape[0]
     KV = kb.shape[1]
@@ -159,7 +163,7 @@ def block_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: tor
     out = torch.empty(N, Hq, D, dtype=q.dtype, device=q.device)
     qh = q if q.stride(-1) == 1 else q.contiguous()
     rows = max(16, triton.next_power_of_2(G * T))
-    splits = max(1, triton.cdiv(context_rows, SPLIT_ROWS)) if splits is None else splits
+    splits = min(MAX_SPLITS, triton.cdiv(context_rows, SPLIT_ROWS)) if splits is None else splits
     part = torch.empty(B, KV, splits, rows, D + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
     _block_kernel[(B, KV, splits)](qh, qh.stride(0), qh.stride(1), kb, vb, kb.stride(0), vb.stride(0), kc, vc,
                                    table, table.stride(0), pos, pos.stride(0), out, part, Hq, T, context_rows,

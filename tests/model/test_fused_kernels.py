@@ -282,7 +282,8 @@ def _block_cases(device: str) -> list:
     """A draft block's attention in one launch against its twin (the context gathered, masked,
     concatenated, torch's attention): DFlash's pages through a page table (rows inside wider
     planes), DFlash2's rings (one page a lane, lanes at, below and past the window), blocks of 1 and
-    3 columns, grouped queries, a lane at position 0 (its block alone)."""
+    3 columns, grouped queries, a lane at position 0 (its block alone); a lane's context walked by
+    one program and shared among three."""
     from hpc_kernels import block_attention as ba
 
     g = torch.Generator().manual_seed(4)
@@ -306,9 +307,12 @@ def _block_cases(device: str) -> list:
         B = pos.shape[0]
         q, kb = rnd(B * T, Hq, D), rnd(B * T, KV, D)
         vb = rnd(B * T, 3 * KV * D)[:, KV * D:2 * KV * D].view(B * T, KV, D)  # v inside a merged product
-        got = ba.block_attention(q, kb, vb, kc, vc, table, kc.shape[1], pos, S)
         twin = ba.block_attention_ref(q, kb, vb, kc, vc, table, kc.shape[1], pos, S)
-        out.append({"layout": layout, "T": T, "rel": _rel(got, twin)})
+        for splits in (1, 3):  # one program a lane, and a lane's context shared among three (then combined)
+            got = ba.block_attention(q, kb, vb, kc, vc, table, kc.shape[1], pos, S, block_n=16, splits=splits)
+            out.append({"layout": layout, "T": T, "splits": splits, "rel": _rel(got, twin)})
+        out.append({"layout": layout, "T": T, "splits": "default",
+                    "rel": _rel(ba.block_attention(q, kb, vb, kc, vc, table, kc.shape[1], pos, S), twin)})
     return out
 
 
