@@ -6,8 +6,9 @@ tail) cost less than the tokens it commits: count them. Per backend (``none`` is
 one engine, warmed up as ``hpc-cli serve`` warms it, answers one prompt for ``--max-tokens``
 tokens (end of turn ignored) under the torch profiler (CUDA activity only); reported per decode
 step or round: wall time, device busy time (the union of the kernels' and copies' intervals),
-kernels, and the kernels by name (``--top`` of them), counted and by the device time they take. The prompt's prefill is inside the window,
-so the per-round figures carry a small share of it, the same for every backend.
+kernels, and the kernels by name (``--top`` of them), counted and by the device time they take.
+The prompt's prefill is inside the window, so the per-round figures carry a small share of it,
+the same for every backend.
 
     python benchmarks/round_kernels.py -k 1
     python benchmarks/round_kernels.py --chat-data .tiny-data -k 3 --backends none,mtp --top 40

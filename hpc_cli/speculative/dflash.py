@@ -389,8 +389,8 @@ class DFlashDrafter:
         lane's count written to slot -1, which the pool skips; DFlash2: into the lane's rings, the
         columns past its count left as they are, returning what every column's ring slot held,
         one launch a layer where the fused kernels run: :mod:`hpc_kernels.ring_write`), which
-        :meth:`observe` of the round does lane by lane. No host value is read, so the runtime captures it with the
-        round's commit (:mod:`hpc_cli.speculative.round_tail`)."""
+        :meth:`observe` of the round does lane by lane. No host value is read, so the runtime
+        captures it with the round's commit (:mod:`hpc_cli.speculative.round_tail`)."""
         idx = out.index
         B, T = idx.B, idx.T
         ctx = self._context_vectors(out.features.reshape(B * T, -1))
@@ -402,7 +402,8 @@ class DFlashDrafter:
                 self.pool.write(l, slots.reshape(-1), k, v)
             return None
         rings = self.states.extra[RING_PART]
-        cos, sin = self.rotary.cos_sin((idx.seqlens[:, :T] - 1).reshape(-1), self.model.dtype)  # lengths: positions + 1
+        pos = idx.seqlens[:, :T] - 1  # the lengths are positions + 1
+        cos, sin = self.rotary.cos_sin(pos.reshape(-1), self.model.dtype)
         if fused(ctx):  # a layer's ring writes and what they overwrite in one launch
             saved = torch.empty(B, T, *rings.shape[1:3], *rings.shape[4:], dtype=rings.dtype, device=rings.device)
             for l, layer in enumerate(self.net.layers):
@@ -608,7 +609,7 @@ class DFlashDrafter:
                     and fused(hid, wa, wb, embed)):  # the whole selector in one launch
                 return candidate_select.select(logits.view(B * k, V), hid.reshape(B * k, -1), wa, wb, embed, c,
                                                1 / math.sqrt(cfg.selector_rank)).view(B, k)
-            top = logits.topk(min(cfg.candidates, logits.shape[-1]), dim=-1)  # [B, k, c]
+            top = logits.topk(c, dim=-1)  # [B, k, c]
             qa = net.selector_a(hid)  # [B, k, r]
             emb = m._embed(top.indices.reshape(-1)).view(*top.indices.shape, -1)
             dot = torch.matmul(net.selector_b(emb), qa[..., None])[..., 0]  # [B, k, c]: (B e_c) . (A h)

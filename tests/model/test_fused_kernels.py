@@ -266,7 +266,8 @@ def _select_cases(device: str) -> dict:
         twin = candidate_select.select_ref(logits, hid, wa, wb, emb, C, R ** -0.5)
         top = logits.topk(C, dim=-1)
         dot = torch.matmul(F.linear(F.embedding(top.indices, emb), wb), F.linear(hid, wa)[..., None])[..., 0]
-        ops = top.indices.gather(-1, torch.add(top.values.float(), dot.float(), alpha=R ** -0.5).argmax(-1, keepdim=True))
+        score = torch.add(top.values.float(), dot.float(), alpha=R ** -0.5)
+        ops = top.indices.gather(-1, score.argmax(-1, keepdim=True))
         tied = torch.zeros(2, V, dtype=torch.bfloat16, device=device)
         got_tied = candidate_select.select(tied, hid[:2], wa, wb, emb, C, R ** -0.5)
         out[name] = {"equals_twin": bool(torch.equal(got, twin)),
@@ -356,7 +357,8 @@ def _ring_cases(device: str) -> list:
             fn(r, 1, slots, seqlens, counts, k, v, saved)
             res.append((r, saved))
         (r1, s1), (r2, s2) = res
-        out.append({"T": T, "rings_equal": bool(torch.equal(r1, r2)), "saved_equal": bool(torch.equal(s1[:, :, 1], s2[:, :, 1])),
+        out.append({"T": T, "rings_equal": bool(torch.equal(r1, r2)),
+                    "saved_equal": bool(torch.equal(s1[:, :, 1], s2[:, :, 1])),
                     "layer0_untouched": bool(torch.equal(r1[:, 0], rings[:, 0])),
                     "changed": bool(not torch.equal(r1, rings))})
     return out
