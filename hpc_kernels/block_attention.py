@@ -44,6 +44,15 @@ MAX_SPLITS = 8
 
 if triton is not None:
     @triton.jit
+    def _absorb(qi, k, v, valid, m, l, acc, scale):
+        # one tile of keys into the running softmax: scores, the new maxima, the rescaled sums and rows
+        s = tl.where(valid[None, :], tl.dot(qi, tl.trans(k)) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(qi.dtype), v)
+
+    @triton.jit
     def _block_kernel(q, sq, sqh, kb, vb, sk, sv, kc, vc, table, st, pos, sp, out, part, H, T, S, P, s_page, s_row,
                       s_head, scale, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, TP: tl.constexpr,
                       BLOCK_N: tl.constexpr, F32: tl.constexpr, ONE_PAGE: tl.constexpr, SPLITS: tl.constexpr):
@@ -77,28 +86,14 @@ if triton is not None:
                 row = page * s_page + (j % P).to(tl.int64) * s_row + h * s_head
             k = tl.load(kc + row[:, None] + od[None, :], mask=mj[:, None], other=0.0).to(dt)
             v = tl.load(vc + row[:, None] + od[None, :], mask=mj[:, None], other=0.0).to(dt)
-            s = tl.dot(qi, tl.trans(k)) * scale
-            s = tl.where(mj[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
-            m = m_new
+            m, l, acc = _absorb(qi, k, v, mj, m, l, acc, scale)
         # the block's own columns, every one to every query of the lane (the last split's)
         if split == SPLITS - 1:
             c = tl.arange(0, TP)
             mc = c < T
             k = tl.load(kb + (b * T + c)[:, None] * sk + h * D + od[None, :], mask=mc[:, None], other=0.0).to(dt)
             v = tl.load(vb + (b * T + c)[:, None] * sv + h * D + od[None, :], mask=mc[:, None], other=0.0).to(dt)
-            s = tl.dot(qi, tl.trans(k)) * scale
-            s = tl.where(mc[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
-            m = m_new
+            m, l, acc = _absorb(qi, k, v, mc, m, l, acc, scale)
         if SPLITS == 1:
             o = acc / l[:, None]
             tl.store(out + ((b * T + t) * H + head)[:, None] * D + od[None, :], o.to(out.dtype.element_ty),
