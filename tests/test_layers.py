@@ -2,6 +2,7 @@
 
     server -> engine.api          engine -> model, memory, cache (and its own helpers)
     model  -> memory, kernels     memory -> kernels               cache -> errors only
+    speculative -> model, memory, kernels (the drafters' networks, as the model's layers)
 
 Every import between the packages of ``hpc_cli`` (and of ``hpc_kernels``) must be an allowed
 arrow or one of the few known exceptions listed below with their reasons; a known exception that
@@ -26,7 +27,8 @@ ALLOWED = {
     "memory": {"hpc_kernels"},
     "model": {"memory", "hpc_kernels", "plugins"},
     "experts": {"model", "memory"},
-    "speculative": {"model", "memory", "spec_backend", "engine.api"},  # the engine's public types
+    # the engine's public types; the drafters' own networks run the kernels as the model's layers do
+    "speculative": {"model", "memory", "hpc_kernels", "spec_backend", "engine.api"},
     "engine": {"model", "memory", "cache", "experts", "speculative", "cache_mode", "shared_store", "settings",
                "plugins", "hookspecs", "spec_backend"},
     "server": {"engine.api", "settings"},
