@@ -10,7 +10,9 @@ alike, and each backend reports its fastest pass. A pass is the chat sessions of
 own kind of traffic): each turn adds the previous answer and the next question, one request at a
 time, greedy, streamed. Per backend: decode tokens/s (completion tokens after the first over the
 time from the first content chunk to the last, summed over the pass), TPOT p50, TTFT p50, the
-speculative counters the server reports in ``/v1/cache/stats`` (tokens a round), and whether
+speculative counters the server reports in ``/v1/cache/stats`` (tokens a round; the mean round
+whose verify pass the round before launched and the mean other round, as ``spec_decode.py``
+splits them), and whether
 every answer equals ``none``'s (greedy output does not depend on speculation).
 
     python benchmarks/serve_spec.py                                  # builtin:tiny, all backends
@@ -97,6 +99,22 @@ def speculative_stats(base: str) -> dict | None:
     return spec
 
 
+def round_times(a0: dict, a1: dict, rounds: int) -> dict:
+    """The server's rounds between two of its stats, split as ``spec_decode.py`` splits them: the
+    mean round whose verify pass the round before launched (the device ahead of the host) and the
+    mean other round (a request's first, rounds after the lanes changed), in ms on the engine
+    thread; empty where the server reports no such split."""
+    keys = ("propose_s", "verify_s", "rollback_s", "catch_up_s", "verify_ahead_used", "verify_ahead_round_s")
+    if rounds <= 0 or any(k not in a0 or k not in a1 for k in keys):
+        return {}
+    d = {k: a1[k] - a0[k] for k in keys}
+    total = d["propose_s"] + d["verify_s"] + d["rollback_s"] + d["catch_up_s"]
+    ahead, ahead_s = d["verify_ahead_used"], d["verify_ahead_round_s"]
+    return {"verify_ahead_rounds": ahead,
+            "round_ms_verified_ahead": round(1e3 * ahead_s / ahead, 4) if ahead else None,
+            "round_ms_other": round(1e3 * (total - ahead_s) / (rounds - ahead), 4) if rounds > ahead else None}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="builtin:tiny")
@@ -161,6 +179,7 @@ def main(argv=None) -> dict:
             row["rounds"] = rounds
             row["acceptance_rate"] = round(accepted / drafted, 3) if drafted else None
             row["tokens_per_round"] = round(1 + accepted / rounds, 3) if rounds else None
+            row.update(round_times(a0, a1, rounds))
         runs[b] = row
     doc = {"benchmark": "serve_spec", "model": args.model, "serve_args": args.serve_args,
            "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens, "repeat": args.repeat,
@@ -168,7 +187,9 @@ def main(argv=None) -> dict:
            "runs": runs}
     for b, row in runs.items():
         print(f"{b:8s} {row['decode_tok_s']:9.1f} tok/s  x{row['speedup']:.3f}  tpot {row['tpot_p50_ms']:.2f} ms  "
-              f"tokens/round {row.get('tokens_per_round', 1.0)}  equal {row['answers_equal_none']}", file=sys.stderr)
+              f"tokens/round {row.get('tokens_per_round', 1.0)}  equal {row['answers_equal_none']}"
+              + (f"  round ms: ahead {row.get('round_ms_verified_ahead')} other {row.get('round_ms_other')}"
+                 if "round_ms_other" in row else ""), file=sys.stderr)
     text = json.dumps(doc, indent=1)
     print(text)
     if args.out:

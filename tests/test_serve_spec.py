@@ -29,6 +29,9 @@ def test_mtp_against_none_through_http(tmp_path):
     assert mtp["decode_tokens"] == none["decode_tokens"]
     assert mtp["rounds"] > 0 and mtp["tokens_per_round"] > 1.0  # the trained MTP head accepts drafts
     assert mtp["speedup"] > 0 and mtp["tpot_p50_ms"] > 0 and mtp["ttft_p50_ms"] > 0
+    # the server's rounds split into those the round before verified ahead and the others
+    assert 0 <= mtp["verify_ahead_rounds"] <= mtp["rounds"]
+    assert (mtp["round_ms_other"] or 0) > 0 or (mtp["round_ms_verified_ahead"] or 0) > 0
     assert "mtp" in proc.stderr and "tok/s" in proc.stderr  # the human table
 
 
