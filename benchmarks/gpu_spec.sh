@@ -2,7 +2,8 @@
 # Speculative decoding on one CUDA machine after a change to the rounds' CUDA paths: the GPU tests
 # of the draft graphs and round tails, then `benchmarks/spec_decode.py` on builtin:tiny's own chat
 # traffic at each k of KS (none, MTP, DFlash, DFlash2 and any DRAFTERS sets in the same run), the
-# kernels a step and a round launch (`benchmarks/round_kernels.py`), then
+# kernels a step and a round launch (`benchmarks/round_kernels.py`), the block drafters' fused
+# kernels alone against torch's ops (`benchmarks/drafter_kernels.py`), then
 # `benchmarks/serve_spec.py` through HTTP with the official client. A table prints last.
 #
 #   bash benchmarks/gpu_spec.sh OUT_DIR
@@ -51,6 +52,7 @@ fi
 chat=()
 [ -d "$DATA" ] && chat=(--chat-data "$DATA")
 step kernels 120 python3 benchmarks/round_kernels.py "${chat[@]}" -k "${KS%% *}" --top 40 --out "$OUT/kernels.json"
+step drafter-kernels 120 python3 benchmarks/drafter_kernels.py --out "$OUT/drafter_kernels.json"
 if [ "${SERVE:-1}" != 0 ]; then
     step serve 300 python3 benchmarks/serve_spec.py --backends mtp,dflash,dflash2 --repeat 2 \
         --serve-args '--kv-profile int8-g64 --host-cache-mib 1024 --kv-capacity 2048' --out "$OUT/serve.json"
