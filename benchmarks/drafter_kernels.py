@@ -31,17 +31,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kv_profiles import graphed  # noqa: E402
+
 
 def _graphed_us(fn) -> float:
-    """Microseconds a replay of ``fn`` captured in a CUDA graph takes."""
+    """Microseconds a replay of ``fn`` captured in a CUDA graph takes (:func:`kv_profiles.graphed`)."""
     from triton.testing import do_bench
 
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=50, rep=300) * 1e3
+    return do_bench(graphed(fn), warmup=50, rep=300) * 1e3
 
 
 def attention_cases(args, launches: list[tuple[str, dict]]) -> list[dict]:

@@ -56,7 +56,7 @@ def _bench(fn) -> float:
         return start.elapsed_time(end) / 50
 
 
-def _graphed(fn):
+def graphed(fn):
     """``fn`` captured in a CUDA graph (after a warm-up call that compiles its kernels): the
     returned callable replays it, so a timing measures the GPU's work, not the Python and
     Triton launch overhead of the eager call (about as long as a 64k-token gather itself)."""
@@ -100,7 +100,7 @@ def bench_profile(profile, tokens: int, heads: int, head_dim: int, copy_gbs: flo
     write = lambda: pool.write(0, slots, k, v)  # noqa: E731
     gather = lambda: pool.gather(0, page_ids, tokens, torch.bfloat16)  # noqa: E731
     if not eager:
-        write, gather = _graphed(write), _graphed(gather)
+        write, gather = graphed(write), graphed(gather)
     w_ms = statistics.median(_bench(write) for _ in range(repeats))
     r_ms = statistics.median(_bench(gather) for _ in range(repeats))
     w_gbs = (in_bytes + stored) / w_ms / 1e6

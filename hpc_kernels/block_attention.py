@@ -170,6 +170,15 @@ def block_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: tor
     return out
 
 
+def gather_context(pages: torch.Tensor, table: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each lane's first ``rows`` context rows ``[B, rows, kv, d]``, copied from ``pages`` ``[pages,
+    rows_per_page, kv, d]`` through ``table`` ``[B, W]`` (a page a lane: its first rows alone)."""
+    if table.shape[1] == 1:
+        assert rows <= pages.shape[1], f"{rows} rows from one page of {pages.shape[1]}"
+        return pages[:, :rows].index_select(0, table[:, 0])
+    return pages[table].flatten(1, 2)[:, :rows]
+
+
 def block_attention_ref(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                         table: torch.Tensor, rows_per_page: int, pos: torch.Tensor, context_rows: int) -> torch.Tensor:
     """:func:`block_attention`'s torch twin: the context gathered dense, masked below each lane's
@@ -177,10 +186,10 @@ def block_attention_ref(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc:
     N, Hq, D = q.shape
     B, KV = pos.shape[0], kb.shape[1]
     T = N // B
+    assert kc.shape[1] == rows_per_page, f"pages of {kc.shape[1]} rows, told {rows_per_page}"
+    ctx_k = gather_context(kc, table, context_rows).to(q.dtype)  # [B, S, KV, D]
+    ctx_v = gather_context(vc, table, context_rows).to(q.dtype)
     rows = torch.arange(context_rows, device=q.device)
-    pages = table.gather(1, (rows // rows_per_page)[None].expand(B, -1))  # [B, S]
-    ctx_k = kc[pages, (rows % rows_per_page)[None]].to(q.dtype)  # [B, S, KV, D]
-    ctx_v = vc[pages, (rows % rows_per_page)[None]].to(q.dtype)
     keys = torch.cat([ctx_k, kb.reshape(B, T, KV, D)], 1).transpose(1, 2)
     vals = torch.cat([ctx_v, vb.reshape(B, T, KV, D)], 1).transpose(1, 2)
     cols = torch.cat([rows, torch.full((T,), -1, dtype=rows.dtype, device=rows.device)])

@@ -53,9 +53,10 @@ def dynamic_conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def dynamic_conv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """:func:`dynamic_conv`'s torch twin (the drafter's own ops)."""
-    taps = torch.softmax(F.linear(x, w), dim=-1, dtype=torch.float32).to(x.dtype)
+def dynamic_conv_ref(x: torch.Tensor, w: torch.Tensor | None, taps: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`dynamic_conv`'s torch twin (the drafter's path off the fused kernels); ``taps``: the
+    tap product ``x w^T`` where the caller has made it (the drafter's own projection)."""
+    taps = torch.softmax(F.linear(x, w) if taps is None else taps, dim=-1, dtype=torch.float32).to(x.dtype)
     if x.shape[1] == 1:  # one column: nothing before it (the zero tap adds exactly nothing)
         return taps[..., :1] * x
     prev = F.pad(x, (0, 0, 1, 0))[:, :-1]

@@ -131,15 +131,9 @@ class DraftContext:
 
     def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The context gathered ``[B, kv, rows, d]`` in ``dtype`` (torch's attention reads it)."""
-        B, W = self.table.shape
-        out = []
-        for x in (self.k, self.v):
-            if W == 1:  # a page a lane: its first rows
-                g = x[:, :self.rows].index_select(0, self.table[:, 0])
-            else:
-                g = x[self.table].flatten(1, 2)[:, :self.rows]
-            out.append(g.transpose(1, 2).to(dtype))
-        return out[0], out[1]
+        k, v = (block_attention.gather_context(x, self.table, self.rows).transpose(1, 2).to(dtype)
+                for x in (self.k, self.v))
+        return k, v
 
 
 def _add_norm(norm: RMSNorm, x: torch.Tensor, r: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,11 +184,7 @@ class DynamicConv2(nn.Module):
         w = self.taps.weight
         if w is not None and fused(x, w):  # the taps, their softmax and the mix in one launch
             return self.o_proj(dynamic_conv.dynamic_conv(x, w))
-        w = torch.softmax(self.taps(x), dim=-1, dtype=torch.float32).to(x.dtype)  # taps upcast inside the softmax
-        if x.shape[1] == 1:  # one column: nothing before it (the zero tap adds exactly nothing)
-            return self.o_proj(w[..., :1] * x)
-        prev = F.pad(x, (0, 0, 1, 0))[:, :-1]
-        return self.o_proj(w[..., :1] * x + w[..., 1:] * prev)
+        return self.o_proj(dynamic_conv.dynamic_conv_ref(x, w, taps=self.taps(x)))
 
 
 class DraftLayer(nn.Module):
@@ -404,23 +394,13 @@ class DFlashDrafter:
         rings = self.states.extra[RING_PART]
         pos = idx.seqlens[:, :T] - 1  # the lengths are positions + 1
         cos, sin = self.rotary.cos_sin(pos.reshape(-1), self.model.dtype)
-        if fused(ctx):  # a layer's ring writes and what they overwrite in one launch
-            saved = torch.empty(B, T, *rings.shape[1:3], *rings.shape[4:], dtype=rings.dtype, device=rings.device)
-            for l, layer in enumerate(self.net.layers):
-                k, v = layer.self_attn.kv(ctx, cos, sin)
-                ring_write.ring_write(rings, l, idx.slots, idx.seqlens, accepted + 1, k, v, saved)
-            return saved
-        _, keep, _ = column_writes(idx, T, accepted + 1)
-        view = rings.permute(0, 3, 1, 2, 4, 5)  # [N, W, layers, K|V, heads, dim]
-        where = self._ring_columns(idx)
-        # what the columns' ring slots hold before the writes, every layer's at once: written back
-        # past each lane's count, and returned for undo_catch_up
-        old = view[where]  # [B, T, layers, K|V, heads, dim]
+        # a layer's ring writes and what they overwrite: one launch where the fused kernels run
+        write = ring_write.ring_write if fused(ctx) else ring_write.ring_write_ref
+        saved = torch.empty(B, T, *rings.shape[1:3], *rings.shape[4:], dtype=rings.dtype, device=rings.device)
         for l, layer in enumerate(self.net.layers):
             k, v = layer.self_attn.kv(ctx, cos, sin)
-            new = torch.stack([k, v], 1).view(B, T, 2, *k.shape[1:]).to(view.dtype)  # K and V in one write
-            view[:, :, l].index_put_(where, torch.where(keep[..., None, None, None], new, old[:, :, l]))
-        return old
+            write(rings, l, idx.slots, idx.seqlens, accepted + 1, k, v, saved)
+        return saved
 
     def _ring_columns(self, idx) -> tuple[torch.Tensor, torch.Tensor]:
         """DFlash2: the ring slot of each column of the verify index ``idx`` (``[B, 1]`` state
