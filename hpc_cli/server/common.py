@@ -136,11 +136,24 @@ async def iterate_events(handle: RequestHandle,
                          disconnected: "Callable[[], Awaitable[bool]] | DisconnectWatch | None" = None,
                          poll: float = 0.05, disconnect_every: float = 0.25,
                          wake_on_admission: bool = True) -> AsyncIterator[Event]:
-    """Yield the handle's events without a thread per request: the engine's ``put`` also wakes
-    the loop (with a short poll as a fallback). Stops after the FinishEvent. On a client
-    disconnect (checked every ``disconnect_every`` s, between events too, on one timer per HTTP
-    request: :class:`DisconnectWatch`) the request is cancelled and :class:`ClientDisconnected`
-    raised; if the consumer stops early the request is cancelled.
+    """The handle's events one at a time (:func:`iterate_event_batches`, flattened)."""
+    async for batch in iterate_event_batches(handle, disconnected, poll, disconnect_every, wake_on_admission):
+        for event in batch:
+            yield event
+
+
+async def iterate_event_batches(handle: RequestHandle,
+                                disconnected: "Callable[[], Awaitable[bool]] | DisconnectWatch | None" = None,
+                                poll: float = 0.05, disconnect_every: float = 0.25,
+                                wake_on_admission: bool = True) -> AsyncIterator[list[Event]]:
+    """Yield the handle's events without a thread per request, each time every event the engine
+    has put so far (a speculative round's tokens arrive together: the stream writes them to the
+    connection at once, one wake-up and one write of the event loop instead of one a token): the
+    engine's ``put`` also wakes the loop, once for the events put before the loop runs (with a
+    short poll as a fallback). Stops after the FinishEvent. On a client disconnect (checked
+    every ``disconnect_every`` s, between events too, on one timer per HTTP request:
+    :class:`DisconnectWatch`) the request is cancelled and :class:`ClientDisconnected` raised; if
+    the consumer stops early the request is cancelled.
 
     ``wake_on_admission=False``: the admission event does not wake the loop (a consumer that
     sends nothing for it reads it with the next event or poll), so the loop does not take the
@@ -148,13 +161,24 @@ async def iterate_events(handle: RequestHandle,
     loop = asyncio.get_running_loop()
     ready = asyncio.Event()
     original_put = handle.put
+    # whether a wake-up is on its way to the loop: the events put before it runs need no other
+    # (each is in the queue before the flag is read; the wake clears the flag before it sets
+    # ``ready``, and the loop reads the queue after that)
+    waking = [False]
+
+    def wake() -> None:
+        waking[0] = False
+        ready.set()
 
     def put(event: Event) -> None:
         original_put(event)
         if not wake_on_admission and isinstance(event, AdmittedEvent):
             return
+        if waking[0]:
+            return
+        waking[0] = True
         try:
-            loop.call_soon_threadsafe(ready.set)
+            loop.call_soon_threadsafe(wake)
         except RuntimeError:  # the loop is closed
             pass
 
@@ -166,18 +190,22 @@ async def iterate_events(handle: RequestHandle,
             if watch is not None and await watch():
                 raise ClientDisconnected()
             ready.clear()
-            try:
-                event = handle.get(timeout=0)
-            except queue.Empty:
+            batch: list[Event] = []
+            while not (batch and isinstance(batch[-1], FinishEvent)):
+                try:
+                    batch.append(handle.get(timeout=0))
+                except queue.Empty:
+                    break
+            if not batch:
                 try:
                     await asyncio.wait_for(ready.wait(), poll)
                 except (asyncio.TimeoutError, TimeoutError):
                     pass
                 continue
-            yield event
-            # the consumer asked for the next event: what it made of this one has been sent
+            yield batch
+            # the consumer asked for the next events: what it made of these has been sent
             handle.acknowledge()
-            if isinstance(event, FinishEvent):
+            if isinstance(batch[-1], FinishEvent):
                 return
     finally:
         if handle.finished is None:

@@ -25,7 +25,8 @@ from fastapi.responses import StreamingResponse
 
 from hpc_cli.engine.api import AdmittedEvent, FinishEvent, FinishReason, RequestHandle, TokenEvent
 from hpc_cli.errors import EngineError
-from hpc_cli.server.common import ClientDisconnected, TextAssembler, Unavailable, iterate_events
+from hpc_cli.server.common import (ClientDisconnected, TextAssembler, Unavailable, iterate_event_batches,
+                                  iterate_events)
 from hpc_cli.server.tracking import RequestTracker
 
 if TYPE_CHECKING:
@@ -100,44 +101,51 @@ class StreamWriter:
 
 async def stream_events(state: "ServerState", request: Request, handle: RequestHandle, endpoint: str,
                         asm: TextAssembler, writer: StreamWriter) -> AsyncIterator[str]:
-    """The stream of one engine request (see the module's docstring)."""
+    """The stream of one engine request (see the module's docstring). The events the engine has
+    put by the time the loop reads them (a speculative round's tokens) go to the connection in
+    one write, each still its own server-sent event."""
     tracker = RequestTracker(state, endpoint)
     outcome = "error"
     try:
         for s in writer.opening():
             yield s
-        async for ev in iterate_events(handle, request.is_disconnected, wake_on_admission=writer.sends_at_admission):
-            if isinstance(ev, AdmittedEvent):
-                for s in writer.admitted(ev):
-                    yield s
-            elif isinstance(ev, TokenEvent):
-                tracker.token()
-                if asm.stopped is not None:
-                    continue
-                piece = asm.push(ev.token_id)
-                if asm.stopped is not None:
-                    handle.cancel()  # the engine stops at the same token; this only makes sure
-                for s in writer.token(ev, piece):
-                    if writer.marks is not None:
-                        # the chunk goes to the connection now (the first one counts); marked after
-                        # the yield it would also count whatever other requests' work the event
-                        # loop ran before resuming this stream
+        async for batch in iterate_event_batches(handle, request.is_disconnected,
+                                                 wake_on_admission=writer.sends_at_admission):
+            out: list[str] = []
+            ended = False
+            for ev in batch:
+                if isinstance(ev, AdmittedEvent):
+                    out.extend(writer.admitted(ev))
+                elif isinstance(ev, TokenEvent):
+                    tracker.token()
+                    if asm.stopped is not None:
+                        continue
+                    piece = asm.push(ev.token_id)
+                    if asm.stopped is not None:
+                        handle.cancel()  # the engine stops at the same token; this only makes sure
+                    chunks = list(writer.token(ev, piece))
+                    if chunks and writer.marks is not None:
+                        # its chunk goes to the connection with this batch (the first one counts);
+                        # marked after the yield it would also count whatever other requests'
+                        # work the event loop ran before resuming this stream
                         writer.marks.sent()
-                    yield s
-            elif isinstance(ev, FinishEvent):
-                if ev.reason in FAILURES:
-                    outcome = ev.reason
-                    tracker.finish(outcome, ev.usage)
-                    status, default = FAILURES[ev.reason]
-                    for s in writer.error(status, ev.error or default, ev.reason):
-                        yield s
-                    return
-                tail = asm.finish()
-                settle_reason(ev, asm)
-                for s in writer.finish(ev, tail):
-                    yield s
-                outcome = "ok"
-                tracker.finish("ok", ev.usage, writer.marks)
+                    out.extend(chunks)
+                elif isinstance(ev, FinishEvent):
+                    ended = True
+                    if ev.reason in FAILURES:
+                        outcome = ev.reason
+                        tracker.finish(outcome, ev.usage)
+                        status, default = FAILURES[ev.reason]
+                        out.extend(writer.error(status, ev.error or default, ev.reason))
+                        break
+                    tail = asm.finish()
+                    settle_reason(ev, asm)
+                    out.extend(writer.finish(ev, tail))
+                    outcome = "ok"
+                    tracker.finish("ok", ev.usage, writer.marks)
+            if out:
+                yield "".join(out)
+            if ended:
                 return
     except ClientDisconnected:
         outcome = "cancelled"  # the client went away

@@ -35,20 +35,22 @@ class Recorder:
 
 
 class Writer(StreamWriter):
+    """Each event as one line (what the stream yields at once is several)."""
+
     def opening(self):
-        return ["open"]
+        return ["open\n"]
 
     def admitted(self, ev):
-        return [f"admitted {ev.reuse_tokens}"]
+        return [f"admitted {ev.reuse_tokens}\n"]
 
     def token(self, ev, piece):
-        return [f"token {piece!r}"]
+        return [f"token {piece!r}\n"]
 
     def finish(self, fin, tail):
-        return [f"finish {fin.reason} {tail!r}"]
+        return [f"finish {fin.reason} {tail!r}\n"]
 
     def error(self, status, message, code):
-        return [f"error {status} {message} {code}"]
+        return [f"error {status} {message} {code}\n"]
 
 
 class Request:
@@ -73,11 +75,17 @@ def tokens(text: str) -> list[TokenEvent]:
     return [TokenEvent(b) for b in text.encode()]
 
 
-def run(state, handle, asm, request=None) -> list[str]:
+def writes(state, handle, asm, request=None) -> list[str]:
+    """What the stream yields, write by write (each a connection write)."""
     async def main():
         return [s async for s in stream_events(state, request or Request(), handle, "chat", asm, Writer())]
 
     return asyncio.run(main())
+
+
+def run(state, handle, asm, request=None) -> list[str]:
+    """The events written, in order."""
+    return "".join(writes(state, handle, asm, request)).splitlines()
 
 
 def test_a_finished_stream_is_written_in_order_and_counted_ok():
@@ -85,6 +93,40 @@ def test_a_finished_stream_is_written_in_order_and_counted_ok():
     assert run(state, handle, asm) == ["open", "admitted 4", "token 'a'", "token 'b'", "finish length ''"]
     assert state.metrics.done == [("chat", "ok")] and state.metrics.running == 0
     assert not cancelled
+
+
+def test_the_events_put_before_the_loop_reads_them_go_out_in_one_write():
+    # a speculative round's tokens are put together: one write of the loop, each its own event
+    state, handle, cancelled, asm = setup([AdmittedEvent(4, 4), *tokens("ab"), FinishEvent("length", Usage())])
+    assert writes(state, handle, asm) == ["open\n", "admitted 4\ntoken 'a'\ntoken 'b'\nfinish length ''\n"]
+
+
+def test_events_put_while_the_stream_runs_are_each_written():
+    """Events put one at a time from another thread (a decode step's token each) reach the stream
+    as they come: none is lost or waits for the next, with one wake-up a put at most."""
+    import threading
+    import time
+
+    state, handle, cancelled, asm = setup([])
+
+    def engine():
+        for ev in [*tokens("abc"), FinishEvent("length", Usage())]:
+            time.sleep(0.02)
+            handle.put(ev)
+
+    async def main():
+        t = threading.Thread(target=engine)
+        t.start()
+        out = []
+        async for s in stream_events(state, Request(), handle, "chat", asm, Writer()):
+            out.append((s, time.monotonic()))
+        t.join()
+        return out
+
+    out = asyncio.run(main())
+    assert "".join(s for s, _ in out).splitlines() == ["open", "token 'a'", "token 'b'", "token 'c'",
+                                                       "finish length ''"]
+    assert len(out) == 5, out  # each put came alone: a write each
 
 
 def test_an_engine_failure_is_one_error_event_with_the_default_message():
