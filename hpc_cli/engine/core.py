@@ -6,7 +6,6 @@ and its worker-side parts (:mod:`.worker`, :mod:`.admission`, :mod:`.prefill_ste
 from __future__ import annotations
 
 import collections
-import queue
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -53,7 +52,7 @@ class EngineCore:
     itl: collections.deque[float]
     on_stop: list[Callable[[Any], None]]
     on_fatal: list[Callable[[Any], None]]
-    _inbox: "queue.Queue[tuple[str, Any]]"
+    _inbox: collections.deque[tuple[str, Any]]
     _wake: threading.Event
     _waiting: collections.deque[Lane]
     _lanes: list[Lane]

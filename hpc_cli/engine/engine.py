@@ -17,7 +17,6 @@ import collections
 import dataclasses
 import logging
 import math
-import queue
 import threading
 import time
 from typing import Any, Callable
@@ -131,7 +130,9 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         if self.spec is not None:
             self.spec.bind(self.storage, self.backend_storage, self.states)
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or cfg.eos_token_id or [])
-        self._inbox: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+        # submissions, cancellations, calls and stats requests from any thread: a deque (append
+        # and popleft are atomic), so the worker's look between rounds costs no lock or exception
+        self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._waiting: collections.deque[Lane] = collections.deque()
         self._lanes: list[Lane] = []
@@ -248,7 +249,7 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
     def in_flight(self) -> int:
         """Requests submitted and not finished (read from any thread; submissions not yet taken
         by the worker included)."""
-        return self._inbox.qsize() + len(self._waiting) + len(self._lanes)
+        return len(self._inbox) + len(self._waiting) + len(self._lanes)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; its events arrive on the returned handle."""
@@ -272,12 +273,12 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         check_images(self.model, request, speculative=self.spec is not None)
         # block hashes off the worker (spec §5.1), salted per tenant, keyed by images (hpc_cli.cache.keys)
         prepared = prepare_prompt(request.prompt_tokens, media_items(request.media), cache_salt=request.cache_salt)
-        self._inbox.put(("submit", (handle, prepared)))
+        self._inbox.append(("submit", (handle, prepared)))
         self._wake.set()
         return handle
 
     def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+        self._inbox.append(("cancel", request_id))
         self._wake.set()
 
     def generate(self, request: GenerationRequest, timeout: float | None = 600) -> tuple[list[int], FinishEvent]:
@@ -322,7 +323,7 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         if self._thread is None or not self._thread.is_alive():
             raise EngineError("the engine is not running", hint="start the engine first")
         fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
-        self._inbox.put(("call", (fn, fut)))
+        self._inbox.append(("call", (fn, fut)))
         self._wake.set()
         return fut.result(timeout=timeout)
 
@@ -352,7 +353,7 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         if th is None or not th.is_alive():
             return self._take_stats(detailed=True)
         req = StatsRequest()
-        self._inbox.put(("stats", req))
+        self._inbox.append(("stats", req))
         self._wake.set()
         if req.done.wait(timeout) and req.result is not None:
             return req.result

@@ -6,7 +6,6 @@ itself: finished lanes leave, the oldest prefilling lane runs one pass
 from __future__ import annotations
 
 import logging
-import queue
 import sys
 import time
 
@@ -99,11 +98,9 @@ class Worker(EngineCore):
                 self._run_fatal_hooks()
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        inbox = self._inbox
+        while inbox:
+            kind, item = inbox.popleft()
             if kind == "submit":
                 handle, prepared = item
                 self._count += 1
