@@ -23,9 +23,9 @@ class DecodeStep(EngineCore):
     def _decode(self, lanes: list[Lane], finishing: list[Lane] = ()) -> None:
         """One round over the decoding ``lanes``; the lanes in ``finishing`` end during it."""
         if self.spec is not None:  # propose + verify per lane (docs/speculative.md)
-            self.commit_passes()
             self._finish_lanes(list(finishing))
-            self.spec.round(self._round_host, lanes)
+            self.spec.round(self._round_host, lanes)  # the last passes' commits: _round_launched
+            self.commit_passes()  # (a round that launched nothing leaves them)
             self.counters["decode_rounds"] += 1
             return
         t0 = time.monotonic()
@@ -63,6 +63,13 @@ class DecodeStep(EngineCore):
                              hold=self.hold_tokens)
             self.itl.append(dt)
         self.counters["decode_rounds"] += 1
+
+    def _round_launched(self) -> None:
+        """A speculative round's verify pass is launched (``RoundHost.send_held``): while the device
+        computes it, the server gets the tokens held until now and the host runs the last prefill
+        passes' commits and taps (a lane's first round thus follows its first token at once)."""
+        self._send_held()
+        self.commit_passes()
 
     def _prepare_next_decode(self, lanes: list[Lane], slots: list[int], offsets: dict[str, list[int]],
                              ahead: int = 1) -> None:

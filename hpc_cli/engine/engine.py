@@ -162,7 +162,7 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
             from hpc_cli.speculative.runtime import RoundHost
 
             self._round_host = RoundHost(self.storage, self.cache.commit_blocks, self._emit_from_round,
-                                         self.itl.append, self._send_held)
+                                         self.itl.append, self._round_launched)
         self.started_at = time.time()
         from hpc_cli.model.compile_watch import watch
 

@@ -60,9 +60,10 @@ class PrefillStep(EngineCore):
             else:
                 self._prepare_first_decode(lane)  # while the device runs the pass
                 self._sample(lane, logits)
-        if lane.pos == lane.n_prompt and lane.next_token is not None and self.spec is None:
+        if lane.pos == lane.n_prompt and lane.next_token is not None:
             # the last pass's commits and taps run while the device computes the first decode
-            # step (DecodeStep.commit_passes): nothing in that step reads them
+            # step or the first speculative round's verify pass (DecodeStep.commit_passes): nothing
+            # in it reads them
             lane.pass_commit = PassCommit(tuple(out.taps) if in_pass else None)
             self._pass_commits.append(lane)
         else:

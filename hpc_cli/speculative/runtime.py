@@ -86,7 +86,7 @@ class RoundHost:
     binding's block commit, the token hand-off (usage, stop conditions, the lane's event; the
     engine may hold the events), the inter-token latency record, and the hand-over of held events,
     which a round calls once its verify pass is launched (the last round's tokens then go to the
-    server while the device computes)."""
+    server, and the engine runs what host work waited for a launch, while the device computes)."""
 
     storage: "PagedKVStorage"
     commit_blocks: Callable[[Any], None]  # (lane)

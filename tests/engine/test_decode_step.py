@@ -243,3 +243,41 @@ def test_a_request_ending_at_its_first_token_leaves_the_decoding_lanes_their_ind
         eng.stop()
     assert eng.fatal is None
     assert counts["handed"] == counts["matched"] == counts["steps"], counts
+
+
+def test_the_last_passs_commits_run_once_the_first_rounds_verify_is_launched(model, monkeypatch):
+    """With speculation, a prompt's last prefill pass leaves its block commits and taps to the
+    first round, which runs them once its verify pass is launched (as a decode step does once it
+    is launched), not between the first token and that launch; the prompt's blocks are committed
+    all the same, and the answer is the same."""
+    import hpc_cli.speculative.runtime as runtime
+
+    verifies = [0]
+    verify = runtime.verify_pass
+
+    def counted(*args, **kwargs):
+        out = verify(*args, **kwargs)
+        verifies[0] += 1
+        return out
+
+    monkeypatch.setattr(runtime, "verify_pass", counted)
+    eng = Engine(model, kv_profile="bf16", prefill_chunk=256, max_model_len=1024, speculative="mtp").start()
+    commits: list[tuple[int, int]] = []  # (lane position, verify passes launched) at each pass's commits
+    after_pass = eng.cache.after_pass
+
+    def watched(lane, *images):
+        commits.append((lane.pos, verifies[0]))
+        return after_pass(lane, *images)
+
+    eng.cache.after_pass = watched
+    prompt = list(range(1, 200))  # 3 full blocks, one pass
+    try:
+        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        toks, _ = eng.generate(GenerationRequest(prompt, sp))
+        first = list(commits)
+        again, fin = eng.generate(GenerationRequest(prompt + [7], sp))
+    finally:
+        eng.stop()
+    assert eng.fatal is None and len(toks) == 12
+    assert first == [(len(prompt), 1)], first  # after the first verify, before the round moved the lane
+    assert fin.usage.reuse_tokens >= 192, "the prompt's blocks were not committed"
