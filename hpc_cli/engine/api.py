@@ -249,29 +249,44 @@ class RequestHandle:
     def __init__(self, request: GenerationRequest, cancel_fn) -> None:
         self.request = request
         self.submitted_at = time.monotonic()
-        self._events: "queue.Queue[Event]" = queue.Queue()
+        self._events: "queue.SimpleQueue[Event]" = queue.SimpleQueue()
         self._cancel_fn = cancel_fn
         self.cancelled = threading.Event()
         self.finished: FinishEvent | None = None
         self.acknowledges = False  # set by a consumer that calls acknowledge()
-        self._sent = threading.Event()  # every event put so far was taken and sent on
+        # events put, taken, and taken and sent on: counts, so that neither side takes a lock a
+        # token (a waiting engine is woken through ``_waiter``, made only while it waits)
+        self._put = 0
+        self._taken = 0
+        self._acked = 0
+        self._waiter: threading.Event | None = None
 
     # engine side
     def put(self, event: Event) -> None:
-        self._sent.clear()
+        self._put += 1
         self._events.put(event)
 
     def wait_sent(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the consumer to have sent every event put so far; False at
         once for a consumer that does not acknowledge."""
-        return self.acknowledges and self._sent.wait(timeout)
+        if not self.acknowledges:
+            return False
+        if self._acked >= self._put:
+            return True
+        self._waiter = waiter = threading.Event()
+        try:  # (acknowledge counts first and looks for a waiter after: one of the two sees the other)
+            return self._acked >= self._put or waiter.wait(timeout)
+        finally:
+            self._waiter = None
 
     # consumer side
     def acknowledge(self) -> None:
         """Every event taken so far has been sent on (a consumer that calls this sets
         ``acknowledges`` first)."""
-        if self._events.empty():  # an event put meanwhile keeps the engine waiting for it
-            self._sent.set()
+        self._acked = self._taken
+        waiter = self._waiter
+        if waiter is not None and self._acked >= self._put:  # an event put meanwhile keeps it waiting
+            waiter.set()
 
     # caller side
     def cancel(self) -> None:
@@ -281,6 +296,7 @@ class RequestHandle:
 
     def get(self, timeout: float | None = None) -> Event:
         ev = self._events.get(timeout=timeout)
+        self._taken += 1
         if isinstance(ev, FinishEvent):
             self.finished = ev
         return ev

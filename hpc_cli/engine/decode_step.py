@@ -38,17 +38,19 @@ class DecodeStep(EngineCore):
         logits = self.model.decode(tokens, positions, tables, slots, self.storage, self.states, prepared=prepared,
                                    **offsets)
         # while the device computes the step (CUDA runs it asynchronously; sampling waits for
-        # it): the server gets the tokens the step before chose (held until now, so that
-        # nothing stood between reading them back and launching this step) and sends the
-        # tokens just emitted (first tokens, last tokens), the host
-        # runs the last prefill passes' commits and taps and ends the finished lanes, and builds
-        # the next step's index for these lanes should they all go on (used only if they do)
-        self._send_held()
+        # it): the host runs the last prefill passes' commits and taps and ends the finished
+        # lanes (their tokens sent first: the server sends the tokens just emitted, first
+        # tokens, last tokens), builds the next step's index for these lanes should they all go
+        # on (used only if they do), and then hands the server the tokens the step before chose
+        # (held until now, so that nothing stood between reading them back and launching this
+        # step): its event loop, which needs the interpreter, sends them while this thread waits
+        # for the device, not in turns with the host work above
         if self._pass_commits or finishing:
             self._deliver([*self._pass_commits, *finishing])
         self.commit_passes()
         self._finish_lanes(list(finishing), deliver=False)
         self._prepare_next_decode(lanes, slots, offsets)
+        self._send_held()
         dt = time.monotonic() - t0
         # greedy lanes' tokens in one argmax and one read of the device (a read per lane waits for
         # the device once per lane)
@@ -66,10 +68,11 @@ class DecodeStep(EngineCore):
 
     def _round_launched(self) -> None:
         """A speculative round's verify pass is launched (``RoundHost.send_held``): while the device
-        computes it, the server gets the tokens held until now and the host runs the last prefill
-        passes' commits and taps (a lane's first round thus follows its first token at once)."""
-        self._send_held()
+        computes it, the host runs the last prefill passes' commits and taps (a lane's first round
+        thus follows its first token at once), then the server gets the tokens held until now
+        (its event loop sends them while this thread waits for the device)."""
         self.commit_passes()
+        self._send_held()
 
     def _prepare_next_decode(self, lanes: list[Lane], slots: list[int], offsets: dict[str, list[int]],
                              ahead: int = 1) -> None:
