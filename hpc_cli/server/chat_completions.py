@@ -237,7 +237,15 @@ class ChatStreamWriter(OpenAIStreamWriter):
         self.pending_lp: list[dict] = []
 
     def delta(self, delta: dict, finish: str | None = None, logprobs=None) -> str:
-        return self.chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+        if finish is None and logprobs is None and len(delta) == 1:
+            (key, text), = delta.items()
+            if key in ("content", "reasoning_content") and isinstance(text, str):  # a token's text:
+                return self.framed_chunk(lambda t: self._choice({key: t}), key, text)  # framed once
+        return self.chunk(self._choice(delta, finish, logprobs))
+
+    @staticmethod
+    def _choice(delta: dict, finish: str | None = None, logprobs=None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def _content(self, pieces) -> list[dict]:
         out = []

@@ -181,7 +181,13 @@ class CompletionStreamWriter(OpenAIStreamWriter):
         self.ids, self.text = prompt
 
     def text_chunk(self, text: str, finish: str | None = None, logprobs=None) -> str:
-        return self.chunk({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
+        if finish is None and logprobs is None:  # a token's text: the chunk framed once
+            return self.framed_chunk(self._choice, "text", text)
+        return self.chunk(self._choice(text, finish, logprobs))
+
+    @staticmethod
+    def _choice(text: str, finish: str | None = None, logprobs=None) -> dict:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def opening(self):
         return (self.text_chunk(self.text),) if self.body.echo else ()

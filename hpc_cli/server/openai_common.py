@@ -8,6 +8,7 @@ request resumed from, fixed at admission; spec §8.3), always present, never nul
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 from fastapi import Request
@@ -87,12 +88,26 @@ class OpenAIStreamWriter(StreamWriter):
     def __init__(self, base: dict[str, Any], include_usage: bool) -> None:
         self.base = base
         self.include_usage = include_usage
+        self._frames: dict[str, tuple[str, str]] = {}
 
     def chunk(self, choice: dict[str, Any]) -> str:
         data = dict(self.base, choices=[choice])
         if self.include_usage:
             data["usage"] = None
         return sse_data(data)
+
+    def framed_chunk(self, make_choice: Callable[[Any], dict[str, Any]], key: str, text: str) -> str:
+        """``chunk(make_choice(text))`` for a choice whose only varying part is ``text`` (a content
+        delta, a bare token), written as the rest of the chunk framed once per ``key`` around the
+        text's JSON: the same bytes, without building and encoding the whole chunk a token."""
+        frame = self._frames.get(key)
+        if frame is None:
+            marker = "\x00hpc-text\x00"
+            head, sep, tail = self.chunk(make_choice(marker)).partition(json.dumps(marker, ensure_ascii=False))
+            assert sep and marker not in tail, "the chunk's frame holds the text once"
+            frame = self._frames[key] = (head, tail)
+        head, tail = frame
+        return head + json.dumps(text, ensure_ascii=False) + tail
 
     def closing(self, usage: Callable[[], dict]) -> Iterator[str]:
         """The usage chunk (when asked for) and ``[DONE]``."""

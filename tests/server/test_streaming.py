@@ -159,3 +159,25 @@ def test_collect_reads_to_the_finish():
     toks, asm, fin = asyncio.run(collect(state, Request(), handle, tracker, ("c",), set()))
     assert [t.token_id for t in toks] == list(b"abc") and asm.text == "ab" and fin.reason == "stop"
     assert cancelled == [handle.request.request_id]
+
+
+def test_a_tokens_chunk_framed_once_is_the_same_bytes_as_built_whole():
+    """OpenAI chunks of a token's text are written as a frame made once around the text's JSON
+    (``framed_chunk``): byte for byte what encoding the whole chunk gives, for any text, in both
+    routes' shapes, with and without the usage field."""
+    from hpc_cli.server.chat_completions import ChatStreamWriter
+    from hpc_cli.server.completions import CompletionStreamWriter
+    from hpc_cli.server.openai_common import OpenAIStreamWriter
+
+    texts = ["", "a", ' "quoted" ', "back\\slash", "new\nline\ttab", "naïve — 東京 🙂", "\x00hpc-text\x00", "}]}"]
+    for usage in (False, True):
+        w = OpenAIStreamWriter({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7,
+                                "model": "m", "system_fingerprint": None}, usage)
+        for key in ("content", "reasoning_content"):
+            def make(t, key=key):
+                return ChatStreamWriter._choice({key: t})
+            for t in texts:
+                assert w.framed_chunk(make, key, t) == w.chunk(make(t)), (key, t)
+        for t in texts:
+            assert w.framed_chunk(CompletionStreamWriter._choice, "text", t) == \
+                w.chunk(CompletionStreamWriter._choice(t)), t
