@@ -23,6 +23,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -175,7 +176,7 @@ def main(argv=None) -> dict:
     handoffs = [h for h in args.handoff.split(",") if h]
     if any(h not in ("early", "late") for h in handoffs):
         raise SystemExit("--handoff takes early, late or both")
-    log = Path(f"/tmp/stream_floor-{_free_port()}.jsonl")
+    log = Path(tempfile.mkdtemp(prefix="stream_floor-")) / "steps.jsonl"
     results: dict[str, list[dict]] = {h: [] for h in handoffs}
     for _ in range(args.rounds):
         for h in handoffs:
