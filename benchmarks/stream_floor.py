@@ -31,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SERVER = r'''
 import json, socket, sys, time
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1].split(":")
 from fake_engine import FakeEngine
+from stream_floor import hold, wait
 from hpc_cli.engine.api import AdmittedEvent, FinishEvent, FinishReason, TokenEvent, Usage
 from hpc_cli.server.app import create_app
 from hpc_cli.server.limits import uvicorn_config
@@ -41,20 +42,6 @@ import uvicorn
 
 port, burst, work_us, wait_us, handoff, loop, log = sys.argv[2:9]
 burst, work_us, wait_us = int(burst), float(work_us), float(wait_us)
-
-
-def hold(us):  # Python work that gives the interpreter up every few microseconds, as torch's ops do
-    end = time.perf_counter() + us * 1e-6
-    while time.perf_counter() < end:
-        for _ in range(20):
-            pass
-        time.sleep(0)
-
-
-def wait(us):  # the device's part: no interpreter held
-    end = time.perf_counter() + us * 1e-6
-    while time.perf_counter() < end:
-        time.sleep(0)
 
 
 class Paced(FakeEngine):
@@ -100,20 +87,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def hold(us: float) -> None:
+    """Python work for ``us`` microseconds that gives the interpreter up every few microseconds,
+    as torch's ops do (the host's part of a step)."""
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        for _ in range(20):
+            pass
+        time.sleep(0)
+
+
+def wait(us: float) -> None:
+    """``us`` microseconds holding no interpreter (the device's part of a step)."""
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        time.sleep(0)
+
+
 def bare_step_us(work_us: float, wait_us: float, steps: int = 400) -> float:
     """The double's step with nothing served (the same hold and wait, in this process)."""
-    def hold(us):
-        end = time.perf_counter() + us * 1e-6
-        while time.perf_counter() < end:
-            for _ in range(20):
-                pass
-            time.sleep(0)
-
-    def wait(us):
-        end = time.perf_counter() + us * 1e-6
-        while time.perf_counter() < end:
-            time.sleep(0)
-
     t0 = time.perf_counter()
     for _ in range(steps):
         hold(work_us)
@@ -126,7 +118,7 @@ def run(handoff: str, args, log: Path) -> dict:
 
     port = _free_port()
     log.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(ROOT / "tests" / "server"), str(port), str(args.burst),
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, f"{ROOT / 'tests' / 'server'}:{ROOT / 'benchmarks'}", str(port), str(args.burst),
                              str(args.work_us), str(args.wait_us), handoff, args.loop, str(log)])
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")

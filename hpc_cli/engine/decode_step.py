@@ -25,7 +25,6 @@ class DecodeStep(EngineCore):
         if self.spec is not None:  # propose + verify per lane (docs/speculative.md)
             self._finish_lanes(list(finishing))
             self.spec.round(self._round_host, lanes)  # the last passes' commits: _round_launched
-            self.commit_passes()  # (a round that launched nothing leaves them)
             self.counters["decode_rounds"] += 1
             return
         t0 = time.monotonic()

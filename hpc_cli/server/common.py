@@ -164,19 +164,19 @@ async def iterate_event_batches(handle: RequestHandle,
     # whether a wake-up is on its way to the loop: the events put before it runs need no other
     # (each is in the queue before the flag is read; the wake clears the flag before it sets
     # ``ready``, and the loop reads the queue after that)
-    waking = [False]
+    waking = False
 
     def wake() -> None:
-        waking[0] = False
+        nonlocal waking
+        waking = False
         ready.set()
 
     def put(event: Event) -> None:
+        nonlocal waking
         original_put(event)
-        if not wake_on_admission and isinstance(event, AdmittedEvent):
+        if waking or (not wake_on_admission and isinstance(event, AdmittedEvent)):
             return
-        if waking[0]:
-            return
-        waking[0] = True
+        waking = True
         try:
             loop.call_soon_threadsafe(wake)
         except RuntimeError:  # the loop is closed

@@ -27,9 +27,11 @@ KW = dict(kv_pages=64, prefill_chunk=64, max_concurrency=2, host_cache_mib=16)
 def model(tmp_path_factory):
     from hpc_cli.model.model import HybridModel
 
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
     ck = write_vision_checkpoint(tmp_path_factory.mktemp("vision"))
-    return HybridModel.from_name_or_path(str(ck.path), dtype=torch.float32, progress=False)
+    yield HybridModel.from_name_or_path(str(ck.path), dtype=torch.float32, progress=False)
+    torch.set_num_threads(before)  # later modules' tests (a CPU engine's thread team) see the machine's
 
 
 def _text(n: int, seed: int) -> list[int]:

@@ -31,8 +31,10 @@ MODEL = "vision-tiny"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
-    return write_vision_checkpoint(tmp_path_factory.mktemp("vision-ckpt"))
+    yield write_vision_checkpoint(tmp_path_factory.mktemp("vision-ckpt"))
+    torch.set_num_threads(before)  # later modules' tests (a CPU engine's thread team) see the machine's
 
 
 def _flags(path, **extra):
