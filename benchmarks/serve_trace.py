@@ -606,6 +606,9 @@ class Ratios:
     decode_tok_s_p50: float | None
     wall: float | None
     answers_equal_share: float | None  # greedy answers identical to the base mode's
+    #: per gap between content chunks j and j + 1 (the summaries' ``itl_p50_by_gap_s``), this
+    #: mode's p50 over the base mode's: which decode step a decode ratio below 1 comes from
+    itl_p50_by_gap: list[float | None] = field(default_factory=list)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -626,7 +629,8 @@ def compare(run: RunResult, s: RunSummary, base_run: RunResult, b: RunSummary) -
         output_tok_s=_ratio(s.output_tok_s, b.output_tok_s),
         decode_tok_s_p50=_ratio(s.decode_tok_s_p50, b.decode_tok_s_p50),
         wall=_ratio(s.wall_s, b.wall_s),
-        answers_equal_share=round(sum(equal) / len(equal), 4) if equal else None)
+        answers_equal_share=round(sum(equal) / len(equal), 4) if equal else None,
+        itl_p50_by_gap=[_ratio(x, y) for x, y in zip(s.itl_p50_by_gap_s, b.itl_p50_by_gap_s)])
 
 
 Summaries = dict[str, dict[str, RunSummary]]  # mode -> concurrency -> summary

@@ -48,6 +48,25 @@ def test_trace_is_seeded_and_renders_history():
     assert st.strip_thinking("<think>\nplan\n</think>\n\nanswer") == "answer"
 
 
+def test_the_ratios_name_the_decode_gap_that_differs():
+    st = _module()
+
+    def run(mode, first_gap):
+        recs = []
+        for i in range(3):
+            r = st.RequestRecord(session=i, turn=0, edited=False, sent_s=float(i), prompt_tokens=100,
+                                 cached_tokens=80 if mode == "hybrid" else 0, completion_tokens=4, ttft_s=0.01,
+                                 total_s=0.05, text="abcd")
+            r.arrivals = [0.01, 0.01 + first_gap, 0.01 + first_gap + 0.002, 0.01 + first_gap + 0.004]
+            recs.append(r)
+        return st.RunResult(mode, 1, recs, 1.0, 0, 0)
+
+    hybrid, off = run("hybrid", 0.004), run("off", 0.002)
+    ratio = st.compare(hybrid, st.summarize(hybrid, 3), off, st.summarize(off, 3))
+    assert ratio.itl_p50_by_gap == [2.0, 1.0, 1.0]
+    assert ratio.decode_tok_s_p50 < 1 and ratio.answers_equal_share == 1.0
+
+
 def test_quick_run_both_modes(tmp_path):
     out = tmp_path / "trace.json"
     cmd = [sys.executable, str(SCRIPT), "--quick", "--sessions", "2", "--turns", "2", "--preamble-tokens", "300",
@@ -82,6 +101,8 @@ def test_quick_run_both_modes(tmp_path):
         assert doc["results"]["off"][c]["reuse_share"] == 0
         ratio = doc["ratios"]["hybrid/off"][c]
         assert {"ttft_p50", "ttft_p95", "output_tok_s"} <= set(ratio)
+        gaps = min(len(doc["results"][m][c]["itl_p50_by_gap_s"]) for m in ("hybrid", "off"))
+        assert len(ratio["itl_p50_by_gap"]) == gaps
         # each round's own ratio
         per_round = doc["round_ttft_p50_ratios"]["hybrid/off"][c]
         assert len(per_round) == 2 and all(x > 0 for x in per_round)
