@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from hpc_cli.model.moe import SparseMoE
 
-from hpc_cli.model.gdn import gated_delta_decode
+from hpc_cli.model.gdn import gated_delta_decode, recurrent_rule
 from hpc_cli.model.layers import fused
 from hpc_kernels import gdn_decode
 from hpc_kernels.split_sums import SplitSums, summed
@@ -330,7 +330,11 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv: torch.Tensor, rec: t
     # (three copies of the state a layer, 3 MiB each at the 27B mixer widths); the same arithmetic,
     # the same bits
     state = rec.narrow(0, run, B) if run is not None else rec.index_select(0, slot_t)
-    outs, states = [], []
+    # a verify pass (keep_all, several columns) on the CPU steps its columns in one call of the
+    # rule, which keeps every column's state: the rule's preparation (head repeats, transposes,
+    # norms) runs once for the columns, each step on decode's operands (recurrent_rule)
+    together = keep_all and T > 1 and not h.is_cuda
+    outs, states, heads = [], [], []
     for t in range(T):
         # decode's exact calls on contiguous [B, ...] operands: on CPU even an elementwise op
         # (softplus, exp, silu) rounds differently in its vector body and its scalar tail, so the
@@ -338,17 +342,24 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv: torch.Tensor, rec: t
         conv = (window[:, :, t:t + K].contiguous().to(w.dtype) * w).sum(-1)  # [B, C]
         mixed_t = F.silu(conv).to(m.dtype)
         q, k, v, g, beta = la._heads(mixed_t, b3[:, t].contiguous(), a3[:, t].contiguous(), (B, 1))
+        if together:
+            heads.append((q, k, v, g.view(B, 1, -1), beta.view(B, 1, -1)))
+            continue
         o, state = gated_delta_decode(q, k, v, g.view(B, 1, -1), beta.view(B, 1, -1), state, la.use_fla,
                                       in_place=run is not None)
         outs.append(o)
         if keep_all:
             states.append(state)
+    kept = st.kept_rows(at, B * T, rec).view(B, T, *rec.shape[1:]) if keep_all else None
+    if together:
+        o, _ = recurrent_rule(*(torch.cat(x, dim=1) for x in zip(*heads)), state,
+                              in_place=state.dtype == torch.float32, keep=kept)
+        outs = [o]
     core = torch.cat(outs, dim=1).reshape(n, *outs[0].shape[2:])  # rows b*T + t
     core = _pad_rows(core, h.shape[0])
     out = blocks(finish, R, core, z)
     if keep_all:
-        kept = st.kept_rows(at, B * T, rec).view(B, T, *rec.shape[1:])
-        return out, window, torch.stack(states, dim=1, out=kept)
+        return out, window, kept if together else torch.stack(states, dim=1, out=kept)
     if run is None:
         rec.index_copy_(0, slot_t, state)
     return out, window, None

@@ -170,9 +170,14 @@ def causal_conv_time_major(rows: torch.Tensor, weight: torch.Tensor) -> torch.Te
 
 
 def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   initial_state: torch.Tensor | None, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   initial_state: torch.Tensor | None, in_place: bool = False,
+                   keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule token by token. ``in_place``: ``initial_state`` (fp32, contiguous) is stepped where
-    it lies and returned, no copy made (the same arithmetic, so the same bits)."""
+    it lies and returned, no copy made (the same arithmetic, so the same bits). ``keep`` ``[b, t,
+    h, dk, dv]``: every token's state is copied there after its step (a verify pass's columns).
+    Each step's operands are contiguous ``[b, h, ...]`` slices whatever ``t`` is, so token ``i``
+    of a run computes what a run of that token alone (``t == 1``) from the same state computes,
+    bit for bit (an elementwise op on the CPU may round differently on a strided operand)."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, h, t, dk = k.shape
@@ -192,11 +197,13 @@ def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     # 14.2 ms)
     s3 = state.view(b * h, dk, dv)
     for i in range(t):
-        s3.mul_(g[:, :, i].exp().reshape(b * h, 1, 1))
+        s3.mul_(g[:, :, i].contiguous().exp().reshape(b * h, 1, 1))
         kt = k[:, :, i].reshape(b * h, 1, dk)
         delta = (v[:, :, i].reshape(b * h, 1, dv) - torch.bmm(kt, s3)) * beta[:, :, i].reshape(b * h, 1, 1)
         s3.baddbmm_(kt.transpose(1, 2), delta)  # state += k^T delta
         out[:, :, i] = torch.bmm(q[:, :, i].reshape(b * h, 1, dk), s3).view(b, h, dv)
+        if keep is not None:
+            keep[:, i].copy_(state)
     return out.transpose(1, 2).to(out_dtype), state
 
 
