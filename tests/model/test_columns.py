@@ -46,3 +46,27 @@ def test_slot_run():
     assert columns._slot_run(torch.tensor([0])) == 0
     assert columns._slot_run(torch.tensor([3, 1])) is None
     assert columns._slot_run(torch.tensor([1, 3])) is None
+
+
+@pytest.mark.parametrize("B,H,T", [(1, 4, 4), (2, 48, 3), (3, 12, 2)])
+def test_a_run_of_the_rule_keeps_each_tokens_state_as_its_own_run_would(B, H, T):
+    """recurrent_rule over T tokens with ``keep``: token t's output and kept state equal, bit for
+    bit, a one-token run from the state before it (what a verify pass's columns and decode must
+    share), at the widths of builtin:tiny and the 27B mixers' 48 value heads."""
+    from hpc_cli.model.gdn import recurrent_rule
+
+    g = torch.Generator().manual_seed(B * 100 + H + T)
+    n_k, dk, dv = H // 2 if H > 4 else 2, 32, 16
+    q, k = (torch.randn(B, T, n_k, dk, generator=g) for _ in range(2))
+    v = torch.randn(B, T, H, dv, generator=g)
+    decay = -torch.rand(B, T, H, generator=g) * 3
+    beta = torch.rand(B, T, H, generator=g)
+    s0 = torch.randn(B, H, dk, dv, generator=g)
+    kept = torch.empty(B, T, H, dk, dv)
+    out, final = recurrent_rule(q, k, v, decay, beta, s0.clone(), in_place=True, keep=kept)
+    state = s0.clone()
+    for t in range(T):
+        o, state = recurrent_rule(*(x[:, t:t + 1].contiguous() for x in (q, k, v, decay, beta)), state)
+        assert torch.equal(out[:, t:t + 1], o), t
+        assert torch.equal(kept[:, t], state), t
+    assert torch.equal(final, state)
