@@ -23,7 +23,6 @@ Prints one JSON document (and writes it to --out); a table goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -34,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from hpc_cli.bench.document import emit
 from hpc_cli.engine.api import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from hpc_cli.engine.engine import Engine
 from hpc_cli.model import HybridModel
@@ -201,11 +201,7 @@ def main(argv=None) -> dict:
            "config": {k: getattr(args, k) for k in ("sessions", "turns", "preamble", "max_tokens", "kv_profile",
                                                       "prefill_chunk", "host_cache_mib")},
            "results": {k: asdict(r) for k, r in results.items()}}
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(doc, args.out)
     return doc
 
 

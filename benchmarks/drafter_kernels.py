@@ -23,13 +23,14 @@ Prints one JSON document (and writes it to --out); a table goes to stderr. CUDA 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from hpc_cli.bench.document import emit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -138,10 +139,7 @@ def main(argv=None) -> dict:
     launches = [_launch(x) for x in args.launches.split(",") if x]
     doc = {"benchmark": "drafter_kernels", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "attention": attention_cases(args, launches), "select": select_cases(args)}
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(doc, args.out)
     names = [n for n, _ in launches]
     print("attention: lanes, position | torch | " + " | ".join(names) + "  (us)", file=sys.stderr)
     for r in doc["attention"]:

@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from hpc_cli.bench.document import emit
+
 KINDS = (("fp8/nvfp4 products", ("_fp8_rows_kernel", "_nvfp4_rows_kernel")),
          ("narrow products", ("_narrow_rows_kernel",)),
          ("cuBLAS products", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitKreduce")),
@@ -186,11 +188,7 @@ def main() -> None:
         base = rows[0]
         doc["speedup_over_first"] = {r["model"]: {k: round(base[k] / r[k], 3) for k in ("loop_ms", "engine_ms", "graph_ms")}
                                      for r in rows[1:]}
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(doc, args.out)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,14 @@ Prints one JSON document (and writes it to --out); a table goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from hpc_cli.bench.document import emit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -190,10 +191,7 @@ def main(argv=None) -> dict:
               f"tokens/round {row.get('tokens_per_round', 1.0)}  equal {row['answers_equal_none']}"
               + (f"  round ms: ahead {row.get('round_ms_verified_ahead')} other {row.get('round_ms_other')}"
                  if "round_ms_other" in row else ""), file=sys.stderr)
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(doc, args.out)
     return doc
 
 

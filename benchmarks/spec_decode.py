@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import platform
 import random
 import sys
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from hpc_cli.bench.document import emit
 from hpc_cli.engine.api import GenerationRequest, SamplingParams
 from hpc_cli.engine.engine import Engine
 from hpc_cli.model import HybridModel
@@ -284,11 +284,7 @@ def main(argv=None) -> dict:
         if not runs[key]["verify_chained"]:
             print(f"warning: {key} chained no round's verify pass (its second verify graphs are missing)",
                   file=sys.stderr)
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(doc, args.out)
     return doc
 
 

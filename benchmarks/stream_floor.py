@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpc_cli.bench.document import emit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SERVER = r'''
@@ -180,10 +182,7 @@ def main(argv=None) -> dict:
         best = max(rs, key=lambda r: r["client_tok_s"])
         print(f"handoff {h:5s}: client {best['client_tok_s']:8.1f} tok/s, step "
               f"{statistics.median(r['step_us'] for r in rs):7.1f} us (bare {bare:.1f})", file=sys.stderr)
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(doc, args.out)
     return doc
 
 

@@ -103,3 +103,15 @@ def test_bench_cli_refuses_bad_flags(tmp_path):
     assert res.exit_code == 2 and "is not KEY=VALUE" in res.output
     res = CliRunner().invoke(cli, ["bench", "generate", "--kind", "edits", "--user-tokens", "9-3", str(trace)])
     assert res.exit_code == 2 and "MIN <= MAX" in res.output
+
+
+def test_a_benchmark_document_is_printed_and_written_alike(tmp_path, capsys):
+    from hpc_cli.bench.document import emit
+
+    doc = {"benchmark": "x", "runs": {"none": {"decode_tok_s": 1.5}}, "ratio": None}
+    emit(doc, tmp_path / "out.json")
+    printed = capsys.readouterr().out
+    assert json.loads(printed) == doc
+    assert (tmp_path / "out.json").read_text() == printed
+    emit(doc, None)  # no file asked for: printed only
+    assert json.loads(capsys.readouterr().out) == doc
