@@ -120,7 +120,8 @@ def run(handoff: str, args, log: Path) -> dict:
 
     port = _free_port()
     log.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, f"{ROOT / 'tests' / 'server'}:{ROOT / 'benchmarks'}", str(port), str(args.burst),
+    paths = f"{ROOT / 'tests' / 'server'}:{ROOT / 'benchmarks'}"  # the engine double; hold and wait
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, paths, str(port), str(args.burst),
                              str(args.work_us), str(args.wait_us), handoff, args.loop, str(log)])
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")

@@ -354,8 +354,9 @@ def _gdn(la, h: torch.Tensor, n: int, B: int, T: int, conv: torch.Tensor, rec: t
     if together:
         o, _ = recurrent_rule(*(torch.cat(x, dim=1) for x in zip(*heads)), state,
                               in_place=state.dtype == torch.float32, keep=kept)
-        outs = [o]
-    core = torch.cat(outs, dim=1).reshape(n, *outs[0].shape[2:])  # rows b*T + t
+    else:
+        o = torch.cat(outs, dim=1)
+    core = o.reshape(n, *o.shape[2:])  # rows b*T + t
     core = _pad_rows(core, h.shape[0])
     out = blocks(finish, R, core, z)
     if keep_all:

@@ -169,7 +169,8 @@ def test_a_tokens_chunk_framed_once_is_the_same_bytes_as_built_whole():
     from hpc_cli.server.completions import CompletionStreamWriter
     from hpc_cli.server.openai_common import OpenAIStreamWriter
 
-    texts = ["", "a", ' "quoted" ', "back\\slash", "new\nline\ttab", "naïve — 東京 🙂", "\x00hpc-text\x00", "}]}"]
+    texts = ["", "a", ' "quoted" ', "back\\slash", "new\nline\ttab", "naïve — 東京 🙂", "\x00hpc-text\x00",
+             "}]}"]
     for usage in (False, True):
         w = OpenAIStreamWriter({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7,
                                 "model": "m", "system_fingerprint": None}, usage)
