@@ -732,6 +732,12 @@ def export(model: HybridModel, nets: dict, tok_file: Path, out: Path, tok) -> Pa
                                      for i, t in specials.items()},
             "chat_template": TINY_CHAT_TEMPLATE.strip("\n")}
     (d / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=1, ensure_ascii=False) + "\n")
+    # HF's generation_config.json; num_assistant_tokens is the engine's k where the settings name
+    # none: one draft a round was the fastest setting of all three drafters on the GPU and the CPU
+    # (docs/speculative.md, "The recommended k")
+    eos = model.config.eos_token_id
+    gen = {"eos_token_id": eos, "pad_token_id": eos[-1] if eos else None, "num_assistant_tokens": 1}
+    (d / "generation_config.json").write_text(json.dumps(gen, indent=1) + "\n")
     state = {}
     for name, p in model.named_parameters():  # tied: lm_head.weight is embed_tokens.weight, named once
         key = name if name.startswith("mtp.") else "model." + name

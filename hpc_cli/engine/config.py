@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+#: k where neither the settings nor the checkpoint's ``generation_config.json`` name one
+DEFAULT_DRAFT_TOKENS = 3
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -43,7 +46,9 @@ class EngineConfig:
     settings: Any = None
     #: a speculative backend's name or instance (docs/speculative.md)
     speculative: Any = None
-    num_draft_tokens: int = 3
+    #: k; None: the model's recommendation (:attr:`ModelConfig.num_assistant_tokens`), else
+    #: :data:`DEFAULT_DRAFT_TOKENS`
+    num_draft_tokens: int | None = None
     drafter: str | None = None
     spec_rollback: str = "per_token"
     cuda_graphs: bool = True
@@ -88,3 +93,12 @@ class EngineConfig:
                    cpu_keep_memory=s.engine.cpu_keep_memory,
                    send_after_launch=None if s.engine.send_after_launch else False,
                    transfer_copy=s.cache.transfer_copy, seed=s.engine.seed)
+
+
+def draft_tokens(asked: int | None, model_config: Any) -> int:
+    """The engine's k: ``speculative.num_draft_tokens`` where set, else the checkpoint's
+    recommendation (``num_assistant_tokens`` of its ``generation_config.json``), else
+    :data:`DEFAULT_DRAFT_TOKENS`."""
+    if asked is not None:
+        return asked
+    return getattr(model_config, "num_assistant_tokens", None) or DEFAULT_DRAFT_TOKENS

@@ -28,7 +28,7 @@ from hpc_cli.cache.keys import BLOCK_TOKENS, prepare_prompt
 from hpc_cli.engine.admission import Admission
 from hpc_cli.engine.api import FinishEvent, GenerationRequest, RequestHandle, SamplingParams
 from hpc_cli.engine.binding import BindingContext, CacheBinding, mode_options
-from hpc_cli.engine.config import EngineConfig
+from hpc_cli.engine.config import EngineConfig, draft_tokens
 from hpc_cli.engine.cpu_memory import keep_freed_memory
 from hpc_cli.engine.cpu_threads import release_thread_team
 from hpc_cli.engine.decode_step import DecodeStep
@@ -90,7 +90,8 @@ class Engine(Worker, Admission, PrefillStep, DecodeStep, Finish, StatsPublisher)
         if backend is not None and backend.drafts:
             from hpc_cli.speculative import SpecRuntime
 
-            self.spec = SpecRuntime(backend, model, k=c.num_draft_tokens, rollback=c.spec_rollback,
+            self.spec = SpecRuntime(backend, model, k=draft_tokens(c.num_draft_tokens, model.config),
+                                    rollback=c.spec_rollback,
                                     drafter_path=c.drafter)
         self.spec_backend = backend
         extra_parts = self.spec.state_parts() if self.spec is not None else None

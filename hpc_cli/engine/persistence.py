@@ -167,6 +167,7 @@ def _drafter(engine: Any) -> dict[str, Any] | None:
 def engine_fingerprint(engine: Any) -> dict[str, Any]:
     cfg = engine.model.config
     cd = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
+    cd.pop("num_assistant_tokens", None)  # a serving default (k), not what the K/V and states hold
     cd_json = json.dumps(cd, sort_keys=True, default=str)
     dtype = str(engine.model.dtype).replace("torch.", "")
     # the projections merged or apart round differently (hpc_cli.model.merged): K/V and states

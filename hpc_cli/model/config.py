@@ -53,6 +53,10 @@ class ModelConfig:
     mtp_num_hidden_layers: int = 1
     eos_token_id: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    #: the drafts a round the checkpoint recommends (``generation_config.json``'s
+    #: ``num_assistant_tokens``, HF's speculative k), None where it names none in 1..16; the
+    #: engine's k when ``speculative.num_draft_tokens`` is not set
+    num_assistant_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -219,4 +223,29 @@ class ModelConfig:
             raise ModelError(f"{cfg_file}: cannot read JSON: {exc}", hint="fix or replace config.json") from exc
         if not isinstance(raw, dict):
             raise ModelError(f"{cfg_file}: not a JSON object", hint="fix or replace config.json")
-        return cls.from_hf_dict(raw, name=path.name or str(path))
+        cfg = cls.from_hf_dict(raw, name=path.name or str(path))
+        cfg.num_assistant_tokens = recommended_draft_tokens(path)
+        return cfg
+
+
+#: the largest k a checkpoint's recommendation may set (``speculative.num_draft_tokens``' bound)
+MAX_DRAFT_TOKENS = 16
+
+
+def recommended_draft_tokens(path: Path) -> int | None:
+    """``num_assistant_tokens`` of the checkpoint's ``generation_config.json`` (HF's k for
+    speculative decoding), where the file names one in 1..:data:`MAX_DRAFT_TOKENS`; None where
+    there is no such file or value (HF's own default, 20, is the starting k of its adaptive
+    schedule for a separate assistant model, not a per-round k). A file that is not a JSON object
+    is an error."""
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return None
+    try:
+        raw = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{f}: cannot read JSON: {exc}", hint="fix or remove generation_config.json") from exc
+    if not isinstance(raw, dict):
+        raise ModelError(f"{f}: not a JSON object", hint="fix or remove generation_config.json")
+    k = raw.get("num_assistant_tokens")
+    return k if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_DRAFT_TOKENS else None

@@ -66,7 +66,9 @@ class KVSettings(_Section):
 
 class SpeculativeSettings(_Section):
     backend: str = Field("none", description="speculative backend: none, mtp, dflash, dflash2")
-    num_draft_tokens: int = Field(3, ge=1, le=16, description="k, drafts proposed per round")
+    num_draft_tokens: int | None = Field(None, ge=1, le=16,
+                                         description="k, drafts proposed per round; unset: the checkpoint's "
+                                                     "generation_config.json num_assistant_tokens, else 3")
     drafter: str | None = Field(None, description="drafter checkpoint directory (dflash, dflash2)")
 
 
