@@ -95,12 +95,32 @@ def _resolve(settings: HpcSettings, layers: dict[str, dict], profile_path: Path 
             sources[key] = origin(key, layers)
     if effective.get("server.api_key"):
         effective["server.api_key"] = "***"
+    k = "speculative.num_draft_tokens"
+    if effective[k] is None and settings.speculative.backend != "none":
+        recommended = _recommended_draft_tokens(settings.model.name)
+        if recommended is not None:
+            effective[k], sources[k] = recommended, "derived"
 
     resolved = ResolvedSettings(settings, sources, effective, profile_path, options, layers)
     _validate_combinations(resolved, mode)
     mode.validate(settings, options)
     reject_foreign_tables(settings, mode)
     return resolved
+
+
+def _recommended_draft_tokens(model: str) -> int | None:
+    """The k an engine of ``model`` drafts with ``speculative.num_draft_tokens`` unset (the
+    checkpoint's ``generation_config.json``, else 3), read from its configuration files alone; None
+    where they cannot be read (the model's load reports why)."""
+    from hpc_cli.engine.config import draft_tokens
+    from hpc_cli.model.builtin import builtin_config
+    from hpc_cli.model.config import ModelConfig
+
+    try:
+        config = builtin_config(model) if model.startswith("builtin:") else ModelConfig.from_dir(Path(model))
+    except HpcError:
+        return None
+    return draft_tokens(None, config)
 
 
 def _validate_combinations(r: ResolvedSettings, mode) -> None:

@@ -74,3 +74,18 @@ def test_a_served_profile_without_k_takes_the_checkpoints(tmp_path):
             assert e.spec is not None and e.spec.k == want
         finally:
             e.stop()
+
+
+@pytest.mark.parametrize("model,backend,want", [
+    ("builtin:tiny", "mtp", (1, "derived")), ("builtin:random", "dflash2", (3, "derived")),
+    ("builtin:tiny", "none", (None, "default")),  # no backend, no k
+    ("/no/such/checkpoint", "mtp", (None, "default")),  # the model's load reports it
+])
+def test_settings_show_the_k_they_derive(model, backend, want):
+    """`hpc-cli config show` lists the k an engine would draft, as a derived value."""
+    from hpc_cli.settings import load_settings
+
+    r = load_settings(None, {"model.name": model, "speculative.backend": backend}, environ={})
+    key = "speculative.num_draft_tokens"
+    assert (r.effective[key], r.sources[key]) == want
+    assert r.settings.speculative.num_draft_tokens is None
