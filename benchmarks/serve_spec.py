@@ -177,6 +177,7 @@ def main(argv=None) -> dict:
             rounds = a1["rounds"] - a0["rounds"]
             drafted = a1["draft_tokens"] - a0["draft_tokens"]
             accepted = a1["accepted_draft_tokens"] - a0["accepted_draft_tokens"]
+            row["k"] = a1.get("k")  # the server's (its settings', else the checkpoint's recommendation)
             row["rounds"] = rounds
             row["acceptance_rate"] = round(accepted / drafted, 3) if drafted else None
             row["tokens_per_round"] = round(1 + accepted / rounds, 3) if rounds else None

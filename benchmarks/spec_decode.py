@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from hpc_cli.bench.document import emit
+from hpc_cli.engine.config import draft_tokens
 from hpc_cli.engine.api import GenerationRequest, SamplingParams
 from hpc_cli.engine.engine import Engine
 from hpc_cli.model import HybridModel
@@ -173,7 +174,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--prefill-chunk", type=int, default=512)
-    ap.add_argument("-k", type=int, default=3, help="drafts per round")
+    ap.add_argument("-k", type=int, default=None,
+                    help="drafts per round (default: the engine's, the model's recommendation else 3)")
     ap.add_argument("--k-for", default="", help="per-backend k overriding -k, e.g. mtp=2,dflash=1")
     ap.add_argument("--repeat", type=int, default=1,
                     help="timed passes per backend, interleaved across backends; each reports its fastest")
@@ -277,7 +279,8 @@ def main(argv=None) -> dict:
     doc = {"benchmark": "spec_decode", "model": name, "dtype": dtype,
            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "model_load_s": load_s,
-           "k": args.k, "repeat": args.repeat, "traffic": args.traffic, "warmup": args.warmup, "prompts": args.prompts,
+           "k": draft_tokens(args.k, model.config), "repeat": args.repeat, "traffic": args.traffic,
+           "warmup": args.warmup, "prompts": args.prompts,
            "chat_data": args.chat_data, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
            "concurrency": args.concurrency, "compilations_in_timed_passes": compiled, "runs": runs}
     for key in sorted(chaining):

@@ -28,6 +28,8 @@ def test_mtp_against_none_through_http(tmp_path):
     assert mtp["answers_equal_none"] is True  # greedy output does not depend on speculation
     assert mtp["decode_tokens"] == none["decode_tokens"]
     assert mtp["rounds"] > 0 and mtp["tokens_per_round"] > 1.0  # the trained MTP head accepts drafts
+    # no k among the flags: the server drafts builtin:tiny's recommended one a round
+    assert mtp["k"] == 1 and mtp["tokens_per_round"] <= 2.0
     assert mtp["speedup"] > 0 and mtp["tpot_p50_ms"] > 0 and mtp["ttft_p50_ms"] > 0
     # the server's rounds split into those the round before verified ahead and the others
     assert 0 <= mtp["verify_ahead_rounds"] <= mtp["rounds"]
