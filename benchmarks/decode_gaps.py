@@ -10,9 +10,9 @@ the transfer engine's and the taps' copy method, ``[cache] transfer_copy``), the
 multi-turn prompts (sessions sharing a preamble, each turn the history plus a new message of
 varied length), one request at a time, greedy; per variant the TTFT p50 and each token gap's
 p50 over the measured turns (a session's first turn excluded), and the gaps against ``off``'s.
-``--sync-debug`` runs the last hybrid variant's measured turns under
-``torch.cuda.set_sync_debug_mode("warn")`` and counts the engine's stacks that made the host wait
-for the device (CUDA only).
+``--sync-debug`` runs new sessions of the same shape through the last hybrid variant after its
+timed turns, under ``torch.cuda.set_sync_debug_mode("warn")``, and counts the engine's stacks that
+made the host wait for the device (CUDA only).
 
     python benchmarks/decode_gaps.py                                   # CUDA: the 27B widths
     python benchmarks/decode_gaps.py --model builtin:tiny --preamble 600 --turns 3
@@ -170,13 +170,14 @@ def main(argv=None) -> dict:
         try:
             run(e, prompts(99, args.sessions, 1, args.preamble, vocab), args.max_tokens)  # the pools' first use
             reqs = prompts(1, args.sessions, args.turns, args.preamble, vocab)
+            timed = run(e, reqs, args.max_tokens)
             syncs: dict[str, int] = {}
             if args.sync_debug and cuda and i == last_hybrid:
+                # after the timed turns (the warnings' stacks cost host time): new sessions of
+                # the same shape, so their later turns reuse as the timed ones did
                 with SyncStacks() as s:
-                    timed = run(e, reqs, args.max_tokens)
+                    run(e, prompts(2, args.sessions, args.turns, args.preamble, vocab), args.max_tokens)
                 syncs = dict(sorted(s.counts.items(), key=lambda kv: -kv[1]))
-            else:
-                timed = run(e, reqs, args.max_tokens)
         finally:
             e.stop()
         later = timed[args.sessions:]  # each session's first turn reuses only the preamble
