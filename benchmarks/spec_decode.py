@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 from hpc_cli.bench.document import emit
-from hpc_cli.engine.config import draft_tokens
 from hpc_cli.engine.api import GenerationRequest, SamplingParams
+from hpc_cli.engine.config import draft_tokens
 from hpc_cli.engine.engine import Engine
 from hpc_cli.model import HybridModel
 from hpc_cli.speculative.oracle import OracleBackend

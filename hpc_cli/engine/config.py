@@ -5,7 +5,10 @@ defaults are a small CPU engine's) or from a resolved profile (:meth:`EngineConf
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from hpc_cli.model.config import ModelConfig
 
 #: k where neither the settings nor the checkpoint's ``generation_config.json`` name one
 DEFAULT_DRAFT_TOKENS = 3
@@ -95,10 +98,10 @@ class EngineConfig:
                    transfer_copy=s.cache.transfer_copy, seed=s.engine.seed)
 
 
-def draft_tokens(asked: int | None, model_config: Any) -> int:
+def draft_tokens(asked: int | None, model_config: "ModelConfig") -> int:
     """The engine's k: ``speculative.num_draft_tokens`` where set, else the checkpoint's
     recommendation (``num_assistant_tokens`` of its ``generation_config.json``), else
     :data:`DEFAULT_DRAFT_TOKENS`."""
     if asked is not None:
         return asked
-    return getattr(model_config, "num_assistant_tokens", None) or DEFAULT_DRAFT_TOKENS
+    return model_config.num_assistant_tokens or DEFAULT_DRAFT_TOKENS
