@@ -242,6 +242,14 @@ INTERPRETED = textwrap.dedent("""
     seg_copy.copy_segments([A + s for s, _, _ in segs], [B + d for _, d, _ in segs], [n for _, _, n in segs], "cpu")
     for s, d, n in segs:
         assert torch.equal(b[d:d + n], a[s:s + n]), (s, d, n)
+    # the same rows through two programs, each copying every other row (wide and narrow alike)
+    rows, n_wide = seg_copy.plan_rows([A + s for s, _, _ in segs], [B + d for _, d, _ in segs],
+                                      [n for _, _, n in segs])
+    assert len(rows) > 4 and n_wide < len(rows)
+    b.zero_()
+    seg_copy.launch(torch.from_numpy(rows), n_wide, programs=2)
+    for s, d, n in segs:
+        assert torch.equal(b[d:d + n], a[s:s + n]), (s, d, n)
     mask = torch.zeros_like(a, dtype=torch.bool)
     for _, d, n in segs:
         mask[d:d + n] = True
@@ -263,11 +271,13 @@ INTERPRETED = textwrap.dedent("""
     need = -(-eng.state.image_bytes // eng.host.slab_bytes)
     img = [33, 2, 17, 9, 11, 25, 1, 14, 0, 38, 37][:need]
     blocks = [(0, 5), (1, 6), (2, 7), (4, 20, 4)]
-    def run(items):
+    def run(items, programs=None):
         plan = eng.plan_kernel(items, launch_bytes=0)
         for ln in plan.launches:
-            seg_copy.launch(torch.from_numpy(plan.table[ln.row0:ln.row1].copy()), ln.n_wide)
-    run(eng.plan_write(blocks=blocks, images=[(2, img)]))
+            seg_copy.launch(torch.from_numpy(plan.table[ln.row0:ln.row1].copy()), ln.n_wide, programs=programs)
+    # the write-through with fewer programs than rows (HPC_SEG_WRITE_PROGRAMS): each program
+    # copies every third row, and the restore below finds every byte
+    run(eng.plan_write(blocks=blocks, images=[(2, img)]), programs=3)
     zero(eng)
     run(eng.plan_restore(RestoreBatch(blocks=[(8, 5), (9, 6), (10, 7), (3, 20, 3)], image=(0, img))))
     kv, st = snapshot(eng)

@@ -73,6 +73,10 @@ class TransferEngine(KernelPlanner):
         #: it first: a 1-block restore went from 0.82 to 0.92 of a contiguous copy on an H200
         #: (``HPC_SEG_TABLE_HOST=0`` uploads it, as before; docs/memory.md)
         self.table_on_host = os.environ.get("HPC_SEG_TABLE_HOST", "1") != "0"
+        #: the programs a write-through's copy launch may run (``HPC_SEG_WRITE_PROGRAMS``; unset or
+        #: 0: a program a row): a copy to the host tier is bound by the host link, and the SMs it
+        #: does not hold stay with the decode steps running beside it (docs/memory.md)
+        self.write_programs = int(os.environ.get("HPC_SEG_WRITE_PROGRAMS", "0") or 0) or None
         if self.device.type == "cuda":
             self.cudart = load_cudart() if use_cuda_python else None
             self._streams = {"restore": torch.cuda.Stream(self.device), "write": torch.cuda.Stream(self.device)}
@@ -193,9 +197,10 @@ class TransferEngine(KernelPlanner):
                     dev_t = host_t
                 else:
                     dev_t[:n].copy_(host_t[:n], non_blocking=True)
+            programs = self.write_programs if job.kind == "write" else None
             for ln in plan.launches:
                 if ln.row1 > ln.row0:
-                    seg_copy.launch(dev_t[ln.row0:ln.row1], ln.n_wide)
+                    seg_copy.launch(dev_t[ln.row0:ln.row1], ln.n_wide, programs=programs)
                 if ln.stages:  # one event after the launch serves every stage it holds
                     ev = self._event_pool.pop() if self._event_pool else torch.cuda.Event()
                     ev.record(stream)
