@@ -217,12 +217,7 @@ class ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ModelError(f"{path}: no config.json", hint="a checkpoint directory needs config.json")
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ModelError(f"{cfg_file}: cannot read JSON: {exc}", hint="fix or replace config.json") from exc
-        if not isinstance(raw, dict):
-            raise ModelError(f"{cfg_file}: not a JSON object", hint="fix or replace config.json")
+        raw = _json_object(cfg_file, "fix or replace config.json")
         cfg = cls.from_hf_dict(raw, name=path.name or str(path))
         cfg.num_assistant_tokens = recommended_draft_tokens(path)
         return cfg
@@ -241,11 +236,17 @@ def recommended_draft_tokens(path: Path) -> int | None:
     f = Path(path) / "generation_config.json"
     if not f.is_file():
         return None
+    k = _json_object(f, "fix or remove generation_config.json").get("num_assistant_tokens")
+    return k if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_DRAFT_TOKENS else None
+
+
+def _json_object(f: Path, hint: str) -> dict[str, Any]:
+    """The JSON object in ``f``; a file that cannot be read, or holds no object, is a
+    :class:`ModelError` naming it, with ``hint``."""
     try:
         raw = json.loads(f.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ModelError(f"{f}: cannot read JSON: {exc}", hint="fix or remove generation_config.json") from exc
+        raise ModelError(f"{f}: cannot read JSON: {exc}", hint=hint) from exc
     if not isinstance(raw, dict):
-        raise ModelError(f"{f}: not a JSON object", hint="fix or remove generation_config.json")
-    k = raw.get("num_assistant_tokens")
-    return k if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_DRAFT_TOKENS else None
+        raise ModelError(f"{f}: not a JSON object", hint=hint)
+    return raw
