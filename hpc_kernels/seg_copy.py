@@ -168,9 +168,12 @@ def launch(table: torch.Tensor, n_wide: int, src_slot: int = 0, dst_slot: int = 
     rows = table.shape[0]
     if rows == 0:
         return
-    grid = rows if programs is None else min(rows, programs)
-    _copy_rows[(grid,)](table, n_wide, src_slot, dst_slot, rows, WORDS=chunk // 4, NARROW=NARROW_BYTES,
-                        num_warps=NUM_WARPS)
+    if programs is None or programs >= rows:
+        _copy_rows[(rows,)](table, n_wide, src_slot, dst_slot, WORDS=chunk // 4, NARROW=NARROW_BYTES,
+                           num_warps=NUM_WARPS)
+    else:
+        _copy_rows_strided[(programs,)](table, n_wide, src_slot, dst_slot, rows, WORDS=chunk // 4,
+                                        NARROW=NARROW_BYTES, num_warps=NUM_WARPS, num_stages=1)
 
 
 def copy_segments(src, dst, nbytes, device: torch.device | str, chunk: int = CHUNK_BYTES):
@@ -191,27 +194,36 @@ def copy_segments(src, dst, nbytes, device: torch.device | str, chunk: int = CHU
 
 
 if triton is not None:
+    @triton.jit
+    def _copy_row(table, pid, n_wide, src_slot, dst_slot, WORDS: tl.constexpr, NARROW: tl.constexpr):
+        # row pid (int64) of the table
+        row = table + pid * 4
+        stride = tl.load(row + 3)
+        src = tl.load(row) + src_slot * stride
+        dst = tl.load(row + 1) + dst_slot * stride
+        n = tl.load(row + 2)
+        if pid < n_wide:
+            ws = tl.multiple_of(src.to(tl.pointer_type(tl.int32)), 16)
+            wd = tl.multiple_of(dst.to(tl.pointer_type(tl.int32)), 16)
+            nw = (n >> 4) << 2  # words; a multiple of 4, so the mask holds per 16-byte vector
+            wo = tl.arange(0, WORDS)
+            wm = wo < nw
+            tl.store(wd + wo, tl.load(ws + wo, mask=wm), mask=wm)
+        else:
+            bs = src.to(tl.pointer_type(tl.int8))
+            bd = dst.to(tl.pointer_type(tl.int8))
+            bo = tl.arange(0, NARROW)
+            for i in range(0, WORDS * 4, NARROW):  # a row holds at most WORDS * 4 bytes
+                bm = bo < n - i
+                tl.store(bd + i + bo, tl.load(bs + i + bo, mask=bm), mask=bm)
+
+    @triton.jit(do_not_specialize=["n_wide", "src_slot", "dst_slot"])
+    def _copy_rows(table, n_wide, src_slot, dst_slot, WORDS: tl.constexpr, NARROW: tl.constexpr):
+        _copy_row(table, tl.program_id(0).to(tl.int64), n_wide, src_slot, dst_slot, WORDS, NARROW)
+
     @triton.jit(do_not_specialize=["n_wide", "src_slot", "dst_slot", "rows"])
-    def _copy_rows(table, n_wide, src_slot, dst_slot, rows, WORDS: tl.constexpr, NARROW: tl.constexpr):
-        # program p copies rows p, p + grid, ... (one row where the grid is a program a row)
+    def _copy_rows_strided(table, n_wide, src_slot, dst_slot, rows, WORDS: tl.constexpr, NARROW: tl.constexpr):
+        # program p copies rows p, p + grid, ... (launched with num_stages=1: nothing to pipeline)
         for r in range(tl.program_id(0), rows, tl.num_programs(0)):
-            pid = tl.cast(r, tl.int64)  # (under the interpreter the loop's index is a Python int)
-            row = table + pid * 4
-            stride = tl.load(row + 3)
-            src = tl.load(row) + src_slot * stride
-            dst = tl.load(row + 1) + dst_slot * stride
-            n = tl.load(row + 2)
-            if pid < n_wide:
-                ws = tl.multiple_of(src.to(tl.pointer_type(tl.int32)), 16)
-                wd = tl.multiple_of(dst.to(tl.pointer_type(tl.int32)), 16)
-                nw = (n >> 4) << 2  # words; a multiple of 4, so the mask holds per 16-byte vector
-                wo = tl.arange(0, WORDS)
-                wm = wo < nw
-                tl.store(wd + wo, tl.load(ws + wo, mask=wm), mask=wm)
-            else:
-                bs = src.to(tl.pointer_type(tl.int8))
-                bd = dst.to(tl.pointer_type(tl.int8))
-                bo = tl.arange(0, NARROW)
-                for i in range(0, WORDS * 4, NARROW):  # a row holds at most WORDS * 4 bytes
-                    bm = bo < n - i
-                    tl.store(bd + i + bo, tl.load(bs + i + bo, mask=bm), mask=bm)
+            # (under the interpreter the loop's index is a Python int)
+            _copy_row(table, tl.cast(r, tl.int64), n_wide, src_slot, dst_slot, WORDS, NARROW)
