@@ -176,10 +176,11 @@ def launch(table: torch.Tensor, n_wide: int, src_slot: int = 0, dst_slot: int = 
                                         NARROW=NARROW_BYTES, num_warps=NUM_WARPS, num_stages=1)
 
 
-def copy_segments(src, dst, nbytes, device: torch.device | str, chunk: int = CHUNK_BYTES):
+def copy_segments(src, dst, nbytes, device: torch.device | str, chunk: int = CHUNK_BYTES,
+                  programs: int | None = None):
     """Plan, upload and launch in one call (tests and tools): returns the tables, which must
     stay alive until the copy completes. On CPU (under the interpreter) the table stays on the
-    host."""
+    host. ``programs``: :func:`launch`'s."""
     device = torch.device(device)
     rows, n_wide = plan_rows(src, dst, nbytes, chunk=chunk)
     host = torch.from_numpy(rows)
@@ -189,7 +190,7 @@ def copy_segments(src, dst, nbytes, device: torch.device | str, chunk: int = CHU
         table.copy_(host, non_blocking=True)
     else:
         table = host
-    launch(table, n_wide, chunk=chunk)
+    launch(table, n_wide, chunk=chunk, programs=programs)
     return host, table
 
 

@@ -193,7 +193,8 @@ def test_gpu_auto_uses_the_kernel_for_small_jobs_only():
     assert _rig(copy_method="dma").write_through(blocks=[(0, 0)]).method == "dma"
 
 
-def test_gpu_segment_kernel_unaligned_device_and_pinned_host():
+@pytest.mark.parametrize("programs", [None, 3])  # a program a row; three programs looping over the rows
+def test_gpu_segment_kernel_unaligned_device_and_pinned_host(programs):
     _need_kernel("kernel")
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda", generator=g)
@@ -203,9 +204,9 @@ def test_gpu_segment_kernel_unaligned_device_and_pinned_host():
             (50000, 50000, 0), (65536, 65536, 7 * 16384 + 48)]
     A, B, H = a.data_ptr(), b.data_ptr(), h.data_ptr()
     keep = [seg_copy.copy_segments([A + s for s, _, _ in segs], [B + d for _, d, _ in segs],
-                                   [n for _, _, n in segs], "cuda"),
+                                   [n for _, _, n in segs], "cuda", programs=programs),
             seg_copy.copy_segments([A + s for s, _, _ in segs], [H + d for _, d, _ in segs],
-                                   [n for _, _, n in segs], "cuda")]
+                                   [n for _, _, n in segs], "cuda", programs=programs)]
     torch.cuda.synchronize()
     mask = torch.zeros(1 << 20, dtype=torch.bool)
     for s, d, n in segs:
@@ -214,7 +215,7 @@ def test_gpu_segment_kernel_unaligned_device_and_pinned_host():
     assert not b[mask.cuda().logical_not()].any() and not h[~mask].any()
     c = torch.zeros_like(a)
     keep.append(seg_copy.copy_segments([H + d for _, d, _ in segs], [c.data_ptr() + d for _, d, _ in segs],
-                                       [n for _, _, n in segs], "cuda"))
+                                       [n for _, _, n in segs], "cuda", programs=programs))
     torch.cuda.synchronize()
     assert torch.equal(c, b)
     del keep
