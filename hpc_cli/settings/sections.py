@@ -188,6 +188,8 @@ PROCESS_ENV = {
                          "unset; dma also makes a state tap a torch copy instead of the segment-copy kernel on CUDA",
     "HPC_SEG_TABLE_HOST": "0 uploads a transfer job's segment table to the device instead of reading it from "
                           "mapped host memory",
+    "HPC_SEG_WRITE_PROGRAMS": "N runs a write-through's segment-copy launches on at most N programs, each "
+                              "copying every N-th row (unset: a program a row)",
     "HPC_KV_KERNELS": "torch runs the KV formats' torch reference instead of their Triton kernels (debugging)",
     "HPC_BENCH_API_KEY": "`hpc-cli bench --base`: the server's API key",
 }
