@@ -302,3 +302,19 @@ def test_kernel_under_the_triton_interpreter():
     r = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env,
                        cwd=root, timeout=300)
     assert r.returncode == 0 and "interpreted ok" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("value,want", [(None, None), ("", None), ("0", None), ("16", 16), ("1", 1)])
+def test_write_programs_switch(value, want):
+    from hpc_cli.memory.transfer.engine import write_programs_from_env
+
+    assert write_programs_from_env(value) == want
+
+
+@pytest.mark.parametrize("value", ["-2", "many", "1.5"])
+def test_a_bad_write_programs_switch_is_an_error_with_a_hint(value):
+    from hpc_cli.memory.transfer.engine import write_programs_from_env
+
+    with pytest.raises(EngineError) as e:
+        write_programs_from_env(value)
+    assert "HPC_SEG_WRITE_PROGRAMS" in str(e.value) and e.value.hint

@@ -42,6 +42,20 @@ from hpc_cli.memory.transfer.records import (BlockRef, Completion, CopyOp, Image
                                              RestoreTicket, TransferJob)
 
 
+def write_programs_from_env(value: str | None) -> int | None:
+    """``HPC_SEG_WRITE_PROGRAMS``: a positive count of programs, or None for unset, empty or 0."""
+    if not value or value.strip() == "0":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 1:
+        raise EngineError(f"HPC_SEG_WRITE_PROGRAMS={value!r} is not a count of programs",
+                          hint="set it to a positive integer (for example 16), or unset it for a program a row")
+    return n
+
+
 class TransferEngine(KernelPlanner):
     """Restores and write-through between device pools/state slots and host slabs.
 
@@ -76,7 +90,7 @@ class TransferEngine(KernelPlanner):
         #: the programs a write-through's copy launch may run (``HPC_SEG_WRITE_PROGRAMS``; unset or
         #: 0: a program a row): a copy to the host tier is bound by the host link, and the SMs it
         #: does not hold stay with the decode steps running beside it (docs/memory.md)
-        self.write_programs = int(os.environ.get("HPC_SEG_WRITE_PROGRAMS", "0") or 0) or None
+        self.write_programs = write_programs_from_env(os.environ.get("HPC_SEG_WRITE_PROGRAMS"))
         if self.device.type == "cuda":
             self.cudart = load_cudart() if use_cuda_python else None
             self._streams = {"restore": torch.cuda.Stream(self.device), "write": torch.cuda.Stream(self.device)}
