@@ -16,6 +16,10 @@ made the host wait for the device (CUDA only).
 
     python benchmarks/decode_gaps.py                                   # CUDA: the 27B widths
     python benchmarks/decode_gaps.py --model builtin:tiny --preamble 600 --turns 3
+    bash benchmarks/gpu_gaps.sh OUT                                    # a variant a process, merged
+
+``--label`` names a one-variant run's result; ``--compare JSON...`` measures nothing and merges such
+runs' documents, every gap against the off run's.
 
 Prints one JSON document (and writes it to --out); a table goes to stderr.
 """
@@ -23,6 +27,7 @@ Prints one JSON document (and writes it to --out); a table goes to stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -30,6 +35,7 @@ import time
 import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -142,8 +148,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--host-cache-mib", type=int, default=4096)
     ap.add_argument("--sync-debug", action="store_true", help="count the stacks that wait for the device (CUDA)")
+    ap.add_argument("--label", default=None, help="the result's name in the document (one variant only)")
+    ap.add_argument("--compare", nargs="+", default=None, metavar="JSON",
+                    help="measure nothing: merge these runs' documents, each gap against the off run's")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.label is not None and "," in args.variants:
+        ap.error("--label names one variant's result: give --variants one variant")
     for v in args.variants.split(","):
         mode, _, copy = v.partition(":")
         if mode not in ("off", "hybrid") or copy not in ("", "auto", "dma", "kernel"):
@@ -155,6 +166,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.compare:
+        doc = compare(args.compare)
+        print_table(doc["results"])
+        emit(doc, args.out)
+        return doc
     cuda = torch.cuda.is_available()
     model = HybridModel.from_name_or_path(args.model, dtype=torch.bfloat16 if cuda else torch.float32,
                                           device="cuda" if cuda else "cpu")
@@ -188,22 +204,49 @@ def main(argv=None) -> dict:
         del e
         if cuda:
             torch.cuda.empty_cache()
-    base = results.get("off")
-    for r in results.values():
-        if base is not None and r is not base:
-            r.gap_vs_off = [_ratio(a, b) for a, b in zip(r.gap_p50_ms, base.gap_p50_ms)]
-    for r in results.values():
-        gaps = " ".join(f"{x:.3f}" for x in r.gap_p50_ms)
-        print(f"{r.variant:14} TTFT p50 {r.ttft_p50_ms:8.2f} ms  gaps {gaps}  vs off {r.gap_vs_off}", file=sys.stderr)
-        for k, c in list(r.syncs.items())[:10]:
-            print(f"    sync x{c}: {k}", file=sys.stderr)
     doc = {"benchmark": "decode_gaps", "model": args.model,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu",
            "config": {k: getattr(args, k) for k in ("sessions", "turns", "preamble", "max_tokens", "kv_profile",
                                                       "prefill_chunk", "host_cache_mib")},
-           "results": {k: asdict(r) for k, r in results.items()}}
+           "results": against_off({args.label or k: asdict(r) for k, r in results.items()})}
+    print_table(doc["results"])
     emit(doc, args.out)
     return doc
+
+
+def against_off(results: dict[str, dict]) -> dict[str, dict]:
+    """``results`` (label -> a :class:`VariantResult` as a dict) with each one's gaps against the
+    ``off`` entry's (``gap_vs_off``; empty for off itself or without an off entry)."""
+    base = results.get("off")
+    for label, r in results.items():
+        r["gap_vs_off"] = ([_ratio(a, b) for a, b in zip(r["gap_p50_ms"], base["gap_p50_ms"])]
+                           if base is not None and label != "off" else [])
+    return results
+
+
+def print_table(results: dict[str, dict]) -> None:
+    for label, r in results.items():
+        gaps = " ".join(f"{x:.3f}" for x in r["gap_p50_ms"])
+        print(f"{label:14} TTFT p50 {r['ttft_p50_ms']:8.2f} ms  gaps {gaps}  vs off {r['gap_vs_off']}",
+              file=sys.stderr)
+        for k, c in list(r["syncs"].items())[:10]:
+            print(f"    sync x{c}: {k}", file=sys.stderr)
+
+
+def compare(paths: list[str]) -> dict:
+    """The results of several runs (a variant a process, as ``benchmarks/gpu_gaps.sh`` runs them)
+    as one document, each under its label, every gap against the ``off`` run's."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    results: dict[str, dict] = {}
+    for p, d in zip(paths, docs):
+        if d.get("benchmark") != "decode_gaps":
+            raise SystemExit(f"decode_gaps: {p} is not a decode_gaps document")
+        for label, r in d["results"].items():
+            if label in results:
+                raise SystemExit(f"decode_gaps: {label!r} is in two documents (give each run its own --label)")
+            results[label] = r
+    return {"benchmark": "decode_gaps", "model": docs[0]["model"], "device": docs[0]["device"],
+            "config": docs[0]["config"], "compared": list(paths), "results": against_off(results)}
 
 
 if __name__ == "__main__":

@@ -34,3 +34,35 @@ def test_an_unknown_variant_is_refused():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--variants", "off,legacy:dma"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "is not off or hybrid" in proc.stderr
+
+
+def test_runs_of_one_variant_each_merge_into_one_table(tmp_path):
+    """As benchmarks/gpu_gaps.sh runs it: a variant a process, each under its --label, then
+    --compare merges the documents and sets every gap against the off run's."""
+    base = [sys.executable, str(SCRIPT), "--model", "builtin:tiny", "--preamble", "200", "--sessions", "2",
+            "--turns", "2", "--max-tokens", "3", "--kv-pages", "128", "--host-cache-mib", "32"]
+    for v, label in [("off", "off"), ("hybrid", "hybrid-p4")]:
+        proc = subprocess.run([*base, "--variants", v, "--label", label, "--out", str(tmp_path / f"{label}.json")],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = tmp_path / "gaps.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--compare", str(tmp_path / "off.json"),
+                           str(tmp_path / "hybrid-p4.json"), "--out", str(merged)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(merged.read_text())
+    assert set(doc["results"]) == {"off", "hybrid-p4"} and len(doc["compared"]) == 2
+    off, p4 = doc["results"]["off"], doc["results"]["hybrid-p4"]
+    assert p4["variant"] == "hybrid" and off["gap_vs_off"] == []
+    assert p4["gap_vs_off"] == [round(a / b, 4) for a, b in zip(p4["gap_p50_ms"], off["gap_p50_ms"])]
+    assert "hybrid-p4" in proc.stderr  # the table
+    # the same document twice: a label in two documents is refused
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--compare", str(tmp_path / "off.json"),
+                           str(tmp_path / "off.json")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "in two documents" in proc.stderr
+
+
+def test_a_label_names_one_variant():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--variants", "off,hybrid", "--label", "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--label" in proc.stderr
