@@ -52,7 +52,6 @@ class VariantResult:
     requests: int
     ttft_p50_ms: float
     gap_p50_ms: list[float]  # gap j: between tokens j and j + 1, p50 over the measured requests
-    gap_vs_off: list[float | None] = field(default_factory=list)
     #: with --sync-debug: the engine stacks (innermost hpc_cli frames) that waited for the device
     syncs: dict[str, int] = field(default_factory=dict)
 

@@ -107,6 +107,14 @@ def builtin_config(name: str) -> ModelConfig:
     return BUILTINS[key](layers)
 
 
+def config_for(name_or_path: str) -> ModelConfig:
+    """The configuration of the model :meth:`HybridModel.from_name_or_path` would load for
+    ``name_or_path`` (``builtin:NAME`` or a checkpoint directory), read without its weights."""
+    if name_or_path.startswith("builtin:"):
+        return builtin_config(name_or_path)
+    return ModelConfig.from_dir(Path(name_or_path).expanduser())
+
+
 _CHUNK_BYTES = 64 << 20
 
 

@@ -223,7 +223,7 @@ class ModelConfig:
         return cfg
 
 
-#: the largest k a checkpoint's recommendation may set (``speculative.num_draft_tokens``' bound)
+#: the largest k: ``speculative.num_draft_tokens``' bound, and a checkpoint's recommendation's
 MAX_DRAFT_TOKENS = 16
 
 

@@ -113,11 +113,10 @@ def _recommended_draft_tokens(model: str) -> int | None:
     checkpoint's ``generation_config.json``, else 3), read from its configuration files alone; None
     where they cannot be read (the model's load reports why)."""
     from hpc_cli.engine.config import draft_tokens
-    from hpc_cli.model.builtin import builtin_config
-    from hpc_cli.model.config import ModelConfig
+    from hpc_cli.model.builtin import config_for
 
     try:
-        config = builtin_config(model) if model.startswith("builtin:") else ModelConfig.from_dir(Path(model))
+        config = config_for(model)
     except HpcError:
         return None
     return draft_tokens(None, config)

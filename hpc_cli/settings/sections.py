@@ -10,6 +10,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from hpc_cli.model.config import MAX_DRAFT_TOKENS
+
 
 ENV_PREFIX = "HPC_"
 LAYERS = ("default", "profile", "env", "cli", "derived")
@@ -66,7 +68,7 @@ class KVSettings(_Section):
 
 class SpeculativeSettings(_Section):
     backend: str = Field("none", description="speculative backend: none, mtp, dflash, dflash2")
-    num_draft_tokens: int | None = Field(None, ge=1, le=16,
+    num_draft_tokens: int | None = Field(None, ge=1, le=MAX_DRAFT_TOKENS,
                                          description="k, drafts proposed per round; unset: the checkpoint's "
                                                      "generation_config.json num_assistant_tokens, else 3")
     drafter: str | None = Field(None, description="drafter checkpoint directory (dflash, dflash2)")

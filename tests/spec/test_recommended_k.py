@@ -89,3 +89,15 @@ def test_settings_show_the_k_they_derive(model, backend, want):
     key = "speculative.num_draft_tokens"
     assert (r.effective[key], r.sources[key]) == want
     assert r.settings.speculative.num_draft_tokens is None
+
+
+def test_a_checkpoint_directorys_k_is_derived_from_its_files(tmp_path):
+    """config_for reads a directory's configuration without its weights, as the settings do."""
+    from hpc_cli.model.builtin import config_for
+    from hpc_cli.settings import load_settings
+
+    path = _checkpoint(tmp_path, {"num_assistant_tokens": 5})
+    assert config_for(str(path)).num_assistant_tokens == 5
+    assert config_for("builtin:tiny").num_assistant_tokens == 1
+    r = load_settings(None, {"model.name": str(path), "speculative.backend": "mtp"}, environ={})
+    assert (r.effective["speculative.num_draft_tokens"], r.sources["speculative.num_draft_tokens"]) == (5, "derived")
